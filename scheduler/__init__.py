@@ -1,0 +1,1 @@
+"""The constrained-decoding scheduler: server arguments, messages, grammar manager, model runner, loop."""

@@ -1,0 +1,146 @@
+"""Server settings: one frozen dataclass holds every default; argparse and the environment table feed it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from sglang_constrained.base_grammar_backend import available_grammar_backends
+
+T = TypeVar("T")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable the project reads, with its type and default."""
+
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {self.name}={raw!r} is not valid: {e}") from e
+
+
+GRAMMAR_POLL_INTERVAL = EnvVar(
+    "SGLANG_GRAMMAR_POLL_INTERVAL", 0.005, float, "seconds the idle loop waits for messages while grammars compile"
+)
+GRAMMAR_MAX_POLL_ITERATIONS = EnvVar(
+    "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS",
+    10000,
+    int,
+    "poll intervals a grammar may take to compile; times the interval, the default compile deadline",
+)
+CACHE_DIR = EnvVar(
+    "SGLANG_CONSTRAINED_CACHE_DIR",
+    Path.home() / ".cache" / "sglang_constrained",
+    Path,
+    "where converted tokenizers and de-quantised weights are cached",
+)
+ENVIRONMENT_TABLE: tuple[EnvVar, ...] = (GRAMMAR_POLL_INTERVAL, GRAMMAR_MAX_POLL_ITERATIONS, CACHE_DIR)
+
+
+def default_compile_timeout() -> float:
+    """SGLang's deadline: ``SGLANG_GRAMMAR_MAX_POLL_ITERATIONS`` x ``SGLANG_GRAMMAR_POLL_INTERVAL`` seconds."""
+    return GRAMMAR_MAX_POLL_ITERATIONS.get() * GRAMMAR_POLL_INTERVAL.get()
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every server setting and its default. ``model_path=None`` means the embedded SmolLM2-135M-Instruct."""
+
+    model_path: str | None = None
+    grammar_backend: str = "xgrammar"
+    constrained_json_whitespace_pattern: str | None = None
+    constrained_json_disable_any_whitespace: bool = False
+    reasoning_parser: str | None = None
+    max_running_requests: int = 32
+    max_seq_len: int = 2048
+    grammar_compile_timeout: float | None = None
+    grammar_compile_threads: int = 2
+    grammar_cache_max_entries: int = 1024
+    grammar_cache_max_bytes: int = 512 * 1024 * 1024
+    grammar_max_spec_bytes: int = 1024 * 1024
+    host: str = "127.0.0.1"
+    zmq_port: int = 30010
+    seed: int = 0
+    log_level: str = "info"
+    poll_interval: float | None = None
+    cache_dir: str | None = None
+
+    @property
+    def zmq_endpoint(self) -> str:
+        """The address the scheduler's request socket binds and clients connect to."""
+        return f"tcp://{self.host}:{self.zmq_port}"
+
+    @property
+    def compile_timeout_s(self) -> float:
+        return default_compile_timeout() if self.grammar_compile_timeout is None else self.grammar_compile_timeout
+
+    @property
+    def poll_interval_s(self) -> float:
+        return GRAMMAR_POLL_INTERVAL.get() if self.poll_interval is None else self.poll_interval
+
+    @property
+    def cache_path(self) -> Path:
+        return CACHE_DIR.get() if self.cache_dir is None else Path(self.cache_dir)
+
+    def __post_init__(self) -> None:
+        if self.grammar_backend not in available_grammar_backends():
+            raise ValueError(
+                f"unknown grammar backend {self.grammar_backend!r}; choose one of {available_grammar_backends()}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
+        for name in ("max_running_requests", "max_seq_len", "grammar_compile_threads", "grammar_max_spec_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.grammar_compile_timeout is not None and self.grammar_compile_timeout <= 0:
+            raise ValueError("--grammar-compile-timeout must be positive")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        d = cls()
+        parser.add_argument("--model-path", default=d.model_path, help="GGUF file or HF model folder (default: embedded SmolLM2-135M-Instruct)")
+        parser.add_argument("--grammar-backend", default=d.grammar_backend, help=f"one of {available_grammar_backends()} or a registered name")
+        parser.add_argument("--constrained-json-whitespace-pattern", default=d.constrained_json_whitespace_pattern, help="regex for the whitespace allowed between JSON tokens")
+        parser.add_argument("--constrained-json-disable-any-whitespace", action="store_true", help="compact JSON: no whitespace between tokens")
+        parser.add_argument("--reasoning-parser", default=d.reasoning_parser, help="leave output unconstrained until the think-end token (e.g. qwen3)")
+        parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+        parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt plus output tokens per request")
+        parser.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout, help="seconds (default: poll interval x max poll iterations)")
+        parser.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads)
+        parser.add_argument("--grammar-cache-max-entries", type=int, default=d.grammar_cache_max_entries)
+        parser.add_argument("--grammar-cache-max-bytes", type=int, default=d.grammar_cache_max_bytes)
+        parser.add_argument("--grammar-max-spec-bytes", type=int, default=d.grammar_max_spec_bytes, help="larger constraint specs are refused")
+        parser.add_argument("--host", default=d.host, help="address the zmq socket binds (loopback by default)")
+        parser.add_argument("--zmq-port", type=int, default=d.zmq_port)
+        parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+        parser.add_argument("--cache-dir", default=d.cache_dir, help=f"default: ${CACHE_DIR.name} or {CACHE_DIR.default}")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def parse(cls, argv: Sequence[str] | None = None) -> ServerArgs:
+        parser = argparse.ArgumentParser(prog="python -m scheduler.launch", description=__doc__)
+        cls.add_cli_args(parser)
+        return cls.from_cli_args(parser.parse_args(argv))
+
+    def with_overrides(self, **changes: object) -> ServerArgs:
+        return replace(self, **changes)  # type: ignore[arg-type]
