@@ -14,6 +14,7 @@ from sglang_constrained.base_grammar_backend import available_grammar_backends
 T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class ServerArgs:
         return f"tcp://{self.host}:{self.zmq_port}"
 
     @property
+    def model_name(self) -> str:
+        """The name clients see: the model file or folder name."""
+        return Path(self.model_path).name if self.model_path else EMBEDDED_MODEL_NAME
+
+    @property
     def compile_timeout_s(self) -> float:
         return default_compile_timeout() if self.grammar_compile_timeout is None else self.grammar_compile_timeout
 
@@ -114,23 +120,57 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         d = cls()
-        parser.add_argument("--model-path", default=d.model_path, help="GGUF file or HF model folder (default: embedded SmolLM2-135M-Instruct)")
-        parser.add_argument("--grammar-backend", default=d.grammar_backend, help=f"one of {available_grammar_backends()} or a registered name")
-        parser.add_argument("--constrained-json-whitespace-pattern", default=d.constrained_json_whitespace_pattern, help="regex for the whitespace allowed between JSON tokens")
-        parser.add_argument("--constrained-json-disable-any-whitespace", action="store_true", help="compact JSON: no whitespace between tokens")
-        parser.add_argument("--reasoning-parser", default=d.reasoning_parser, help="leave output unconstrained until the think-end token (e.g. qwen3)")
+        parser.add_argument(
+            "--model-path",
+            default=d.model_path,
+            help="GGUF file or HF model folder (default: embedded SmolLM2-135M-Instruct)",
+        )
+        parser.add_argument(
+            "--grammar-backend",
+            default=d.grammar_backend,
+            help=f"one of {available_grammar_backends()} or a registered name",
+        )
+        parser.add_argument(
+            "--constrained-json-whitespace-pattern",
+            default=d.constrained_json_whitespace_pattern,
+            help="regex for the whitespace allowed between JSON tokens",
+        )
+        parser.add_argument(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
+            help="compact JSON: no whitespace between tokens",
+        )
+        parser.add_argument(
+            "--reasoning-parser",
+            default=d.reasoning_parser,
+            help="leave output unconstrained until the think-end token (e.g. qwen3)",
+        )
         parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-        parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="prompt plus output tokens per request")
-        parser.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout, help="seconds (default: poll interval x max poll iterations)")
+        parser.add_argument(
+            "--max-seq-len", type=int, default=d.max_seq_len, help="prompt plus output tokens per request"
+        )
+        parser.add_argument(
+            "--grammar-compile-timeout",
+            type=float,
+            default=d.grammar_compile_timeout,
+            help="seconds (default: poll interval x max poll iterations)",
+        )
         parser.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads)
         parser.add_argument("--grammar-cache-max-entries", type=int, default=d.grammar_cache_max_entries)
         parser.add_argument("--grammar-cache-max-bytes", type=int, default=d.grammar_cache_max_bytes)
-        parser.add_argument("--grammar-max-spec-bytes", type=int, default=d.grammar_max_spec_bytes, help="larger constraint specs are refused")
+        parser.add_argument(
+            "--grammar-max-spec-bytes",
+            type=int,
+            default=d.grammar_max_spec_bytes,
+            help="larger constraint specs are refused",
+        )
         parser.add_argument("--host", default=d.host, help="address the zmq socket binds (loopback by default)")
         parser.add_argument("--zmq-port", type=int, default=d.zmq_port)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
-        parser.add_argument("--cache-dir", default=d.cache_dir, help=f"default: ${CACHE_DIR.name} or {CACHE_DIR.default}")
+        parser.add_argument(
+            "--cache-dir", default=d.cache_dir, help=f"default: ${CACHE_DIR.name} or {CACHE_DIR.default}"
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

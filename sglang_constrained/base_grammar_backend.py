@@ -164,7 +164,7 @@ class InvalidGrammarObject(BaseGrammarObject):
         return f"InvalidGrammarObject({self.error_message!r})"
 
 
-class BaseGrammarBackend(ABC):
+class BaseGrammarBackend:
     """Turns constraint keys into grammar objects: dispatch, a bounded cache and a compile thread pool.
 
     ``get_cached_or_future_value`` answers a cache hit with a copy at once and a miss with a ``Future`` that
@@ -241,7 +241,7 @@ class BaseGrammarBackend(ABC):
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
-        key_type, key_string = key
+        key_type = key[0]
         start = time.perf_counter()
         try:
             dispatch_type, spec = lower_constraint(key, self.max_spec_bytes, self.check_json_schema)
@@ -275,6 +275,13 @@ def _copy_with_stats(grammar: BaseGrammarObject, is_cache_hit: bool) -> BaseGram
 
 def _copy_when_done(source: Future[BaseGrammarObject]) -> Future[BaseGrammarObject]:
     """A future of a private copy of ``source``'s result, so that requests sharing a compile share no state."""
+    return map_future(source, lambda grammar: _copy_with_stats(grammar, is_cache_hit=False))
+
+
+def map_future(
+    source: Future[BaseGrammarObject], transform: Callable[[BaseGrammarObject], BaseGrammarObject]
+) -> Future[BaseGrammarObject]:
+    """A future resolving to ``transform(source.result())``; cancelled or failed when ``source`` is."""
     derived: Future[BaseGrammarObject] = Future()
 
     def on_done(done: Future[BaseGrammarObject]) -> None:
@@ -282,7 +289,7 @@ def _copy_when_done(source: Future[BaseGrammarObject]) -> Future[BaseGrammarObje
             derived.cancel()
             return
         try:
-            derived.set_result(_copy_with_stats(done.result(), is_cache_hit=False))
+            derived.set_result(transform(done.result()))
         except Exception as e:
             derived.set_exception(e)
 
@@ -325,7 +332,7 @@ def register_grammar_backend(name: str, init_func: GrammarBackendFactory) -> Non
 
 def available_grammar_backends() -> list[str]:
     """Every name ``--grammar-backend`` accepts: built-ins, registered backends, and ``none``."""
-    return sorted({*_BUILTIN_BACKENDS, *GRAMMAR_BACKEND_REGISTRY}) + [NO_GRAMMAR_BACKEND]
+    return [*sorted({*_BUILTIN_BACKENDS, *GRAMMAR_BACKEND_REGISTRY}), NO_GRAMMAR_BACKEND]
 
 
 def create_grammar_backend(

@@ -54,9 +54,7 @@ def make_grammar_key(kind: str, spec: Any) -> GrammarKey:
     return kind, spec
 
 
-def lower_constraint(
-    key: GrammarKey, max_spec_bytes: int, check_json_schema: Callable[[Any], None]
-) -> tuple[str, str]:
+def lower_constraint(key: GrammarKey, max_spec_bytes: int, check_json_schema: Callable[[Any], None]) -> tuple[str, str]:
     """``(dispatch_type, spec)`` for a key, after the checks every backend shares; raises ``GrammarSpecError``.
 
     ``check_json_schema`` is the backend's own refusal of schema features it would silently ignore.

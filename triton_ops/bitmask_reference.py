@@ -31,8 +31,10 @@ def apply_token_bitmask_inplace_reference(
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
         bitmask = bitmask.unsqueeze(0) if bitmask.dim() == 1 else bitmask
-    rows = torch.arange(logits.shape[0], device=logits.device) if indices is None else torch.as_tensor(
-        indices, dtype=torch.long, device=logits.device
+    rows = (
+        torch.arange(logits.shape[0], device=logits.device)
+        if indices is None
+        else torch.as_tensor(indices, dtype=torch.long, device=logits.device)
     )
     allowed = unpack_bitmask(bitmask[rows.to(bitmask.device)].to(logits.device), logits.shape[-1])
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

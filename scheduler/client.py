@@ -1,0 +1,195 @@
+"""Python clients for the scheduler's zmq socket: blocking and asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from scheduler.io_struct import (
+    AbortReq,
+    ChatMessage,
+    GenerateOutput,
+    GenerateReq,
+    PingReq,
+    Pong,
+    SamplingParams,
+    decode_server_message,
+    encode,
+)
+
+
+def make_request(
+    text: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    input_ids: list[int] | None = None,
+    sampling_params: SamplingParams | dict[str, Any] | None = None,
+    stream: bool = False,
+    rid: str | None = None,
+) -> GenerateReq:
+    """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict."""
+    params = (
+        sampling_params
+        if isinstance(sampling_params, SamplingParams)
+        else msgspec.convert(sampling_params or {}, SamplingParams)
+    )
+    return GenerateReq(
+        rid=rid or uuid.uuid4().hex,
+        text=text,
+        messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+        input_ids=input_ids,
+        sampling_params=params,
+        stream=stream,
+    )
+
+
+class SchedulerClient:
+    """A blocking client; ``generate_batch`` keeps many requests in flight at once."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 600.0) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.timeout_s = timeout_s
+
+    def wait_until_ready(self, timeout_s: float = 300.0) -> Pong:
+        """Ping until the scheduler answers (it answers once its model and grammar backend are loaded)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.socket.send(encode(PingReq()))
+            if self.socket.poll(1000):
+                message = decode_server_message(self.socket.recv())
+                if isinstance(message, Pong):
+                    return message
+        raise TimeoutError(f"the scheduler did not answer within {timeout_s:g} s")
+
+    def generate(self, **request: Any) -> GenerateOutput:
+        """Send one request (arguments of ``make_request``) and wait for its final output."""
+        return self.generate_batch([make_request(**request)])[0]
+
+    def generate_batch(self, requests: list[GenerateReq]) -> list[GenerateOutput]:
+        """Send all requests, then collect their final outputs (in the order given)."""
+        for req in requests:
+            self.socket.send(encode(req))
+        finals: dict[str, GenerateOutput] = {}
+        pending = {req.rid for req in requests}
+        while pending:
+            output = self._receive_output()
+            if output.finished and output.rid in pending:
+                finals[output.rid] = output
+                pending.discard(output.rid)
+        return [finals[req.rid] for req in requests]
+
+    def generate_stream(self, **request: Any) -> Iterator[GenerateOutput]:
+        """Send one streaming request and yield its chunks until the final one."""
+        req = make_request(stream=True, **request)
+        self.socket.send(encode(req))
+        while True:
+            output = self._receive_output()
+            if output.rid == req.rid:
+                yield output
+                if output.finished:
+                    return
+
+    def abort(self, rid: str) -> None:
+        self.socket.send(encode(AbortReq(rid=rid)))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+    def __enter__(self) -> SchedulerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _receive_output(self) -> GenerateOutput:
+        if not self.socket.poll(int(self.timeout_s * 1000)):
+            raise TimeoutError(f"no answer from the scheduler within {self.timeout_s:g} s")
+        message = decode_server_message(self.socket.recv())
+        if not isinstance(message, GenerateOutput):
+            return self._receive_output()
+        return message
+
+
+class AsyncSchedulerClient:
+    """An asyncio client: any number of concurrent ``generate`` / ``stream`` calls over one socket."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self._queues: dict[str, asyncio.Queue[GenerateOutput]] = {}
+        self._pongs: asyncio.Queue[Pong] = asyncio.Queue()
+        self._receiver: asyncio.Task[None] | None = None
+
+    async def wait_until_ready(self, timeout_s: float = 300.0) -> Pong:
+        self._ensure_receiver()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.socket.send(encode(PingReq()))
+            try:
+                return await asyncio.wait_for(self._pongs.get(), timeout=1.0)
+            except TimeoutError:
+                continue
+        raise TimeoutError(f"the scheduler did not answer within {timeout_s:g} s")
+
+    async def generate(self, **request: Any) -> GenerateOutput:
+        """Send one request (arguments of ``make_request``) and await its final output."""
+        async for output in self._exchange(make_request(**request)):
+            if output.finished:
+                return output
+        raise RuntimeError("the scheduler closed the request without a final output")
+
+    def stream(self, **request: Any) -> AsyncIterator[GenerateOutput]:
+        """Send one streaming request and yield its chunks until the final one.
+
+        Leaving the iteration early (or being cancelled) aborts the request in the scheduler.
+        """
+        return self._exchange(make_request(stream=True, **request))
+
+    async def _exchange(self, req: GenerateReq) -> AsyncIterator[GenerateOutput]:
+        self._ensure_receiver()
+        queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self._queues[req.rid] = queue
+        finished = False
+        try:
+            await self.socket.send(encode(req))
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(req.rid, None)
+            if not finished:
+                await self.abort(req.rid)
+
+    async def abort(self, rid: str) -> None:
+        await self.socket.send(encode(AbortReq(rid=rid)))
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self.socket.close(linger=0)
+        self.context.term()
+
+    def _ensure_receiver(self) -> None:
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_forever())
+
+    async def _receive_forever(self) -> None:
+        while True:
+            message = decode_server_message(await self.socket.recv())
+            if isinstance(message, Pong):
+                self._pongs.put_nowait(message)
+            elif message.rid in self._queues:
+                self._queues[message.rid].put_nowait(message)

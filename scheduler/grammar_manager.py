@@ -1,0 +1,168 @@
+"""Admission of constrained requests: compile off the loop, admit when ready, fail with a clear reason.
+
+Requests whose grammar is a cache hit (or who have none) are admitted at once; the others wait in
+``grammar_queue`` while the backend compiles on its thread pool. Nothing here sleeps: the loop asks
+``get_ready_grammar_requests`` each turn, and a finished compile wakes the idle loop through ``wakeup_fd``.
+On several ranks the verdicts are agreed over a CPU process group: ready on every rank, failed on any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from concurrent.futures import Future
+
+from scheduler.rank_sync import GrammarFailure, RankSync
+from scheduler.request import Req
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_BACKEND_NONE_MESSAGE = (
+    "constrained generation (json_schema, regex, ebnf, structural_tag, choice, json_object) is not available: "
+    "the server was launched with --grammar-backend none"
+)
+
+
+class GrammarManager:
+    def __init__(
+        self, grammar_backend: BaseGrammarBackend | None, compile_timeout_s: float, rank_sync: RankSync | None = None
+    ) -> None:
+        self.grammar_backend = grammar_backend
+        self.compile_timeout_s = compile_timeout_s
+        self.rank_sync = rank_sync
+        self.grammar_queue: list[Req] = []
+        self._wakeup_read, self._wakeup_write = os.pipe()
+        os.set_blocking(self._wakeup_read, False)
+        os.set_blocking(self._wakeup_write, False)
+
+    @property
+    def wakeup_fd(self) -> int:
+        """A file descriptor that becomes readable when a compile finishes (for the loop's poller)."""
+        return self._wakeup_read
+
+    def process_req_with_grammar(self, req: Req) -> bool:
+        """Attach the grammar (or its compile) to ``req``; True if it must wait in ``grammar_queue``.
+
+        A request that cannot be served (``--grammar-backend none``, a cached invalid grammar) is finished
+        with an abort and not queued. The hit-or-miss decision depends only on the cache, which every rank
+        fills in the same order, so every rank queues the same requests.
+        """
+        if req.grammar_key is None:
+            return False
+        if self.grammar_backend is None:
+            req.abort(GRAMMAR_BACKEND_NONE_MESSAGE)
+            return False
+        value, cache_hit = self.grammar_backend.get_cached_or_future_value(
+            req.grammar_key, req.sampling_params.require_reasoning
+        )
+        req.grammar = value
+        req.grammar_cache_hit = cache_hit
+        if isinstance(value, Future):
+            req.grammar_deadline = time.monotonic() + self.compile_timeout_s
+            value.add_done_callback(self._wake_up)
+            self.grammar_queue.append(req)
+            return True
+        if isinstance(value, InvalidGrammarObject):
+            req.abort(_compile_error_message(req, value))
+        return False
+
+    def get_ready_grammar_requests(self) -> list[Req]:
+        """Requests leaving ``grammar_queue`` this turn, in arrival order: ready ones, and failed ones (finished)."""
+        self._drain_wakeups()
+        if not self.grammar_queue:
+            return []
+        ready, failures = self._local_verdicts()
+        if self.rank_sync is not None:
+            ready, failures = self.rank_sync.agree(ready, failures)
+        leaving: list[Req] = []
+        waiting: list[Req] = []
+        for req in self.grammar_queue:
+            if req.rid in failures:
+                self._fail(req, failures[req.rid])
+                leaving.append(req)
+            elif req.rid in ready:
+                self._admit(req)
+                leaving.append(req)
+            else:
+                waiting.append(req)
+        self.grammar_queue = waiting
+        return leaving
+
+    def abort_requests(self, rids: set[str]) -> list[Req]:
+        """Remove queued requests in ``rids`` and finish them as aborted; returns them."""
+        aborted = [req for req in self.grammar_queue if req.rid in rids]
+        self.grammar_queue = [req for req in self.grammar_queue if req.rid not in rids]
+        for req in aborted:
+            req.abort("aborted by the client")
+        return aborted
+
+    def time_to_next_deadline(self) -> float | None:
+        """Seconds until the earliest compile deadline in the queue (None when nothing is compiling)."""
+        deadlines = [req.grammar_deadline for req in self.grammar_queue if req.grammar_deadline is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def close(self) -> None:
+        os.close(self._wakeup_read)
+        os.close(self._wakeup_write)
+
+    def _local_verdicts(self) -> tuple[set[str], dict[str, GrammarFailure]]:
+        """This rank's view: compiled and valid, failed (invalid, cancelled, past the deadline), or pending."""
+        now = time.monotonic()
+        ready: set[str] = set()
+        failures: dict[str, GrammarFailure] = {}
+        for req in self.grammar_queue:
+            future = _compiling(req)
+            if future.cancelled():
+                failures[req.rid] = GrammarFailure("the grammar backend was reset while compiling", False)
+            elif future.done():
+                grammar = future.result()
+                if isinstance(grammar, InvalidGrammarObject):
+                    failures[req.rid] = GrammarFailure(_compile_error_message(req, grammar), True)
+                else:
+                    ready.add(req.rid)
+            elif req.grammar_deadline is not None and now > req.grammar_deadline:
+                failures[req.rid] = GrammarFailure(
+                    f"Grammar compilation timed out after {self.compile_timeout_s:g} s", False
+                )
+        return ready, failures
+
+    def _admit(self, req: Req) -> None:
+        assert req.grammar_key is not None and self.grammar_backend is not None
+        grammar = _compiling(req).result()
+        self.grammar_backend.set_cache(req.grammar_key, grammar.copy())
+        req.grammar = grammar
+
+    def _fail(self, req: Req, failure: GrammarFailure) -> None:
+        assert req.grammar_key is not None and self.grammar_backend is not None
+        future = _compiling(req)
+        if failure.is_compile_error and future.done() and not future.cancelled():
+            self.grammar_backend.set_cache(req.grammar_key, future.result())
+        else:
+            self.grammar_backend.discard_pending(req.grammar_key)
+        logger.info("request %s: %s", req.rid, failure.message)
+        req.grammar = None
+        req.abort(failure.message)
+
+    def _wake_up(self, _: Future[BaseGrammarObject]) -> None:
+        # A full pipe means the loop will wake anyway; a closed one means the server is shutting down.
+        with contextlib.suppress(OSError):
+            os.write(self._wakeup_write, b"\0")
+
+    def _drain_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wakeup_read, 4096):
+                pass
+
+
+def _compiling(req: Req) -> Future[BaseGrammarObject]:
+    if not isinstance(req.grammar, Future):
+        raise TypeError(f"request {req.rid} is in the grammar queue without a compile in flight")
+    return req.grammar
+
+
+def _compile_error_message(req: Req, grammar: InvalidGrammarObject) -> str:
+    kind = req.grammar_key[0] if req.grammar_key else "grammar"
+    return f"Failed to compile {kind} grammar: {grammar.error_message}"

@@ -1,0 +1,39 @@
+"""Cross-rank agreement on grammar verdicts, over a CPU (gloo) process group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GrammarFailure:
+    """Why a queued request failed; ``is_compile_error`` failures are cached, timeouts are not."""
+
+    message: str
+    is_compile_error: bool
+
+
+class RankSync:
+    """Ready on every rank, failed on any rank; a failure's message is the lowest failing rank's.
+
+    A compile error is cached only when every rank saw a compile error (so caches stay identical);
+    anything else (a timeout on one rank, a failure on only some ranks) is not cached.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def agree(self, ready: set[str], failures: dict[str, GrammarFailure]) -> tuple[set[str], dict[str, GrammarFailure]]:
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        local = (sorted(ready), {rid: (f.message, f.is_compile_error) for rid, f in failures.items()})
+        dist.all_gather_object(gathered, local, group=self.group)
+        all_ready = set.intersection(*(set(rank_ready) for rank_ready, _ in gathered))
+        agreed: dict[str, GrammarFailure] = {}
+        for rid in sorted({rid for _, rank_failures in gathered for rid in rank_failures}):
+            verdicts = [rank_failures.get(rid) for _, rank_failures in gathered]
+            message = next(v[0] for v in verdicts if v is not None)
+            agreed[rid] = GrammarFailure(message, all(v is not None and v[1] for v in verdicts))
+        return all_ready - agreed.keys(), agreed

@@ -1,0 +1,57 @@
+"""The scheduler's own record of one request, from admission to its last output."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from scheduler.io_struct import FinishReason, SamplingParams
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.constraint_spec import GrammarKey
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request inside the scheduler (never sent over a socket).
+
+    ``grammar`` is a ``Future`` while its grammar compiles, the grammar object once ready, None for a free
+    request. ``num_sent_tokens`` / ``sent_text`` track what a streaming client has already received.
+    """
+
+    rid: str
+    client_id: bytes
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    grammar_key: GrammarKey | None = None
+    grammar: BaseGrammarObject | Future[BaseGrammarObject] | None = None
+    grammar_cache_hit: bool | None = None
+    grammar_deadline: float | None = None
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    finish_reason: FinishReason | None = None
+    slot: int | None = None
+    num_sent_tokens: int = 0
+    sent_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ready_grammar(self) -> BaseGrammarObject | None:
+        """The grammar object, once compiled; None for free requests and while compiling."""
+        return self.grammar if isinstance(self.grammar, BaseGrammarObject) else None
+
+    def finish(
+        self, reason: Literal["stop", "length", "abort"], message: str | None = None, matched: str | int | None = None
+    ) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = FinishReason(type=reason, message=message, matched=matched)
+
+    def abort(self, message: str) -> None:
+        self.finish("abort", message=message)

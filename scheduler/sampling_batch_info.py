@@ -1,0 +1,77 @@
+"""Per-step sampling state of a batch: sampling parameters as tensors, and the grammar vocabulary masks."""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.request import Req
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+
+
+class SamplingBatchInfo:
+    """Sampling tensors for the requests of one forward, and their vocabulary masks.
+
+    One object lives as long as the scheduler: the int32 mask buffer ``[max_batch_size, ceil(vocab / 32)]`` is
+    allocated once (by the first grammar seen, which knows its backend's layout) and reused every step.
+    Only rows of active grammars are filled; rows filled in an earlier step and not now are reset to
+    all-allowed, so free requests and finished grammars never see a stale mask.
+    """
+
+    def __init__(self, vocab_size: int, max_batch_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self.device = torch.device(device)
+        self.reqs: list[Req] = []
+        self.temperatures = torch.ones(0)
+        self.top_ps = torch.ones(0)
+        self.top_ks: list[int | None] = []
+        self.generators: list[torch.Generator | None] = []
+        self.vocab_mask: torch.Tensor | None = None
+        self._mask_buffer: torch.Tensor | None = None
+        self._mask_owner: BaseGrammarObject | None = None
+        self._filled_rows: set[int] = set()
+
+    def prepare(self, reqs: list[Req]) -> None:
+        """Point at this step's requests (row ``i`` of the logits belongs to ``reqs[i]``)."""
+        if len(reqs) > self.max_batch_size:
+            raise ValueError(f"batch of {len(reqs)} exceeds max_batch_size {self.max_batch_size}")
+        self.reqs = reqs
+        params = [req.sampling_params for req in reqs]
+        self.temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        self.top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        self.top_ks = [p.top_k for p in params]
+        self.generators = [req.generator for req in reqs]
+
+    def update_regex_vocab_mask(self) -> None:
+        """Fill one mask row per request with an active grammar; ``vocab_mask`` is None when there is none."""
+        active = [(row, req.ready_grammar) for row, req in enumerate(self.reqs) if _is_active(req.ready_grammar)]
+        if not active and not self._filled_rows:
+            self.vocab_mask = None
+            return
+        mask = self._buffer(active[0][1] if active else None)
+        active_rows = {row for row, _ in active}
+        for row in self._filled_rows - active_rows:
+            mask[row].fill_(-1)
+        for row, grammar in active:
+            assert grammar is not None
+            grammar.fill_vocab_mask(mask, row)
+        self._filled_rows = active_rows
+        self.vocab_mask = mask[: len(self.reqs)] if active else None
+
+    def apply_logits_bias(self, logits: torch.Tensor) -> None:
+        """Set the logits of disallowed tokens to -inf in place (``logits`` is ``[batch, vocab]``)."""
+        if self.vocab_mask is None or self._mask_owner is None:
+            return
+        mask = self._mask_owner.move_vocab_mask(self.vocab_mask, logits.device)
+        self._mask_owner.apply_vocab_mask(logits, mask)
+
+    def _buffer(self, grammar: BaseGrammarObject | None) -> torch.Tensor:
+        if self._mask_buffer is None:
+            assert grammar is not None, "the first masked step has an active grammar"
+            self._mask_owner = grammar
+            self._mask_buffer = grammar.allocate_vocab_mask(self.vocab_size, self.max_batch_size, self.device)
+        return self._mask_buffer
+
+
+def _is_active(grammar: BaseGrammarObject | None) -> bool:
+    return grammar is not None and not grammar.finished and not grammar.is_terminated()
