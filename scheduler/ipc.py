@@ -32,7 +32,7 @@ class SchedulerIPC:
         timeout_ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
         if not dict(self.poller.poll(timeout_ms)).get(self.socket):
             return []
-        messages = []
+        messages: list[tuple[bytes, bytes]] = []
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)

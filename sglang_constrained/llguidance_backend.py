@@ -1,0 +1,314 @@
+"""The llguidance grammar backend: JSON schema, regex, EBNF (GBNF or Lark) and structural tags.
+
+One ``LLTokenizer`` is built per backend (0.5 s at 49k tokens, 5-7 s at 248k) with the model's vocab size as its
+width, so padding ids past the tokenizer's end are never allowed, and with the model's stop ids as its EOS tokens
+(llguidance takes a list). llguidance never allows a special token unless a Lark grammar names it, and the
+grammars built here never do: special tokens other than the stop tokens are never allowed, and the stop tokens
+only where the grammar may end. Each compiled grammar keeps a template matcher at the start state that is never
+advanced; ``copy()`` deep-copies it (about 1 µs, against about 1 ms to build a matcher from the grammar text).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer, StructTag
+from llguidance.gbnf_to_lark import gbnf_to_lark
+from llguidance.hf import from_tokenizer
+
+from sglang_constrained.base_grammar_backend import (
+    BaseGrammarBackend,
+    BaseGrammarObject,
+    GrammarBackendArgs,
+    TokenRejectedError,
+)
+from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
+from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict that exists only in llguidance's stub
+
+logger = logging.getLogger(__name__)
+
+LLGUIDANCE_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
+    keyword_rule("contentEncoding"),
+    keyword_rule("contentMediaType"),
+    keyword_rule("contentSchema"),
+)
+"""Schema keywords llguidance 1.9.1 compiles but ignores (measured: a string that is not base64 passes
+``"contentEncoding": "base64"``). It refuses the other unsupported keywords itself (``uniqueItems``, ``contains``,
+``not``, ``if``, ``dependent*``, ``propertyNames``, ``unevaluated*``, unknown formats, look-around patterns) and
+enforces ``multipleOf``, ``pattern``/``format`` with length bounds, ``patternProperties`` and
+``min/maxProperties``. ``format`` on numbers (``int32``) is ignored as JSON Schema itself ignores it."""
+
+# Errors never dump the parser state or the grammar (which would echo the whole schema).
+_LIMITS = LLParserLimits(verbose_errors=False)
+# Forced on every schema: "lenient" in a schema's "x-guidance" would make llguidance ignore unknown keywords.
+_STRICT_JSON: JsonCompileOptions = {"lenient": False}
+_COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+_GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][\w.-]*\s*::=")
+_SOURCE_ECHO = re.compile(r"^\d+ \|")
+_EBNF_HINT = "(an ebnf grammar is GBNF with a 'root ::= ...' rule, or Lark with a 'start: ...' rule)"
+_MAX_MESSAGE_CHARS = 300
+
+
+class GuidanceGrammar(BaseGrammarObject):
+    """The state of one request: an ``LLMatcher`` plus the bookkeeping llguidance leaves to its caller.
+
+    Tokens accepted after termination are not fed to the matcher (llguidance drops a stop token that follows a
+    stopped state from its history, so rolling it back would undo a real token); they are counted so that
+    ``rollback`` stays exact. A rejected token leaves the state unchanged.
+    """
+
+    def __init__(self, ll_tokenizer: LLTokenizer, grammar: str, template: LLMatcher) -> None:
+        super().__init__()
+        self._ll_tokenizer = ll_tokenizer
+        self._grammar = grammar
+        self._template = template
+        self._matcher = template.deep_copy()
+        self._vocab_size = ll_tokenizer.vocab_size
+        self._num_mask_words = math.ceil(ll_tokenizer.vocab_size / 32)
+        self._num_consumed = 0
+        self._num_ignored = 0
+
+    def accept_token(self, token: int) -> None:
+        """Advance by ``token``; raises ``TokenRejectedError`` (state unchanged) if the grammar disallows it."""
+        if self.is_terminated():
+            self._num_ignored += 1
+            return
+        if not 0 <= token < self._vocab_size:
+            raise TokenRejectedError(token, f"outside the model's vocabulary of {self._vocab_size} ids")
+        if self._matcher.validate_tokens([token]) != 1:
+            raise TokenRejectedError(token, self._rejection_reason(token))
+        if not self._matcher.consume_token(token):  # only resource limits get here; the matcher stays in error
+            raise TokenRejectedError(token, _clean_message(self._matcher.get_error()))
+        self._num_consumed += 1
+
+    def rollback(self, k: int) -> None:
+        if not 0 <= k <= self._num_consumed + self._num_ignored:
+            raise ValueError(f"cannot roll back {k} tokens: {self._num_consumed + self._num_ignored} were accepted")
+        num_ignored = min(k, self._num_ignored)
+        self._num_ignored -= num_ignored
+        if k > num_ignored:
+            self._matcher.rollback(k - num_ignored)
+            self._num_consumed -= k - num_ignored
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted or the grammar can take nothing but a stop token."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        """Write row ``idx`` of a CPU int32 ``[batch, words]`` bitmask; words past the model's vocab are zeroed."""
+        row = vocab_mask[idx]
+        if vocab_mask.dtype != torch.int32 or not vocab_mask.is_cpu or row.stride(0) != 1:
+            raise ValueError("the vocab mask must be a CPU int32 tensor with contiguous rows")
+        if row.shape[0] < self._num_mask_words:
+            raise ValueError(f"a mask row of {row.shape[0]} words cannot hold {self._vocab_size} token bits")
+        if row.shape[0] > self._num_mask_words:
+            row[self._num_mask_words :] = 0
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), self._num_mask_words * 4)
+
+    def copy(self) -> GuidanceGrammar:
+        return GuidanceGrammar(self._ll_tokenizer, self._grammar, self._template)
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        in_range = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab_size), len(tokens))
+        return self._matcher.validate_tokens(tokens[:in_range]) if in_range else 0
+
+    def memory_size_bytes(self) -> int:
+        """An estimate: 32 bytes per character of the serialised grammar.
+
+        llguidance reports no sizes; building 200 matchers from JSON schemas of 5-200 properties grew the resident
+        memory by 27-37 bytes per grammar character each. The shared tokenizer is not counted.
+        """
+        return 32 * len(self._grammar)
+
+    def try_jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
+        """``(token_ids, text)``: forced tokens to append as they are, then the forced text that follows them.
+
+        ``token_ids`` are llguidance's fast-forward tokens (safe to take without retokenising); ``text`` is the
+        rest of the forced bytes, up to the last complete UTF-8 character, to be retokenised with the output.
+        """
+        if self.is_terminated():
+            return None
+        token_ids = self._matcher.compute_ff_tokens()
+        forced = self._matcher.compute_ff_bytes()
+        head = self._ll_tokenizer.decode_bytes(token_ids)
+        text = _utf8_prefix(forced[len(head) :]) if forced.startswith(head) else ""
+        return (token_ids, text) if token_ids or text else None
+
+    def jump_forward_str_state(self, helper: tuple[list[int], str]) -> tuple[str, int]:
+        return helper[1], -1
+
+    def jump_and_retokenize(self, old_output_ids: list[int], new_output_ids: list[int], next_state: int) -> None:
+        """Roll back to the common prefix and accept the rest of ``new_output_ids``.
+
+        Raises ``TokenRejectedError`` with the state unchanged if the grammar disallows the new ids.
+        """
+        common = 0
+        for old, new in zip(old_output_ids, new_output_ids, strict=False):
+            if old != new:
+                break
+            common += 1
+        self.rollback(len(old_output_ids) - common)
+        suffix = new_output_ids[common:]
+        num_valid = len(suffix) if self.is_terminated() else self.validate_tokens(suffix)
+        if num_valid < len(suffix):
+            for token in old_output_ids[common:]:
+                self.accept_token(token)
+            bad = suffix[num_valid]
+            raise TokenRejectedError(bad, f"retokenised output id {common + num_valid} is not allowed here")
+        for token in suffix:
+            self.accept_token(token)
+
+    def _rejection_reason(self, token: int) -> str:
+        if self._ll_tokenizer.is_special_token(token):
+            return "special tokens are allowed only as a stop token where the grammar may end"
+        probe = self._matcher.deep_copy()
+        probe.consume_token(token)
+        return _clean_message(probe.get_error())
+
+    def __repr__(self) -> str:
+        return f"GuidanceGrammar(consumed={self._num_consumed}, terminated={self.is_terminated()})"
+
+
+class GuidanceBackend(BaseGrammarBackend):
+    """Compiles constraints with llguidance over one ``LLTokenizer`` shared by every grammar.
+
+    JSON whitespace: flexible by default, none with ``constrained_json_disable_any_whitespace``, or
+    ``constrained_json_whitespace_pattern``; a schema's own ``x-guidance`` options override these.
+    """
+
+    name = "llguidance"
+
+    def __init__(self, server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
+        if not eos_token_ids:
+            raise ValueError("the llguidance backend needs at least one stop token id")
+        if vocab_size < len(tokenizer):
+            raise ValueError(f"the model's vocab size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
+        if any(not 0 <= t < vocab_size for t in eos_token_ids):
+            raise ValueError(f"stop token ids {eos_token_ids} must lie within the vocab size {vocab_size}")
+        self.json_options = _json_options(server_args)
+        super().__init__(server_args)
+        self.ll_tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+    def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
+        refuse_unsupported_features(schema, LLGUIDANCE_UNSUPPORTED_SCHEMA_FEATURES, self.name)
+
+    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
+        grammar = LLMatcher.grammar_from_json_schema(key_string, defaults=self.json_options, overrides=_STRICT_JSON)
+        return self._build(grammar, "JSON schema")
+
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        return self._build(LLMatcher.grammar_from_regex(key_string), "regex")
+
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
+        """GBNF (xgrammar / llama.cpp syntax, root rule ``root``) if any line defines a rule with ``::=``, else Lark."""
+        lark = key_string
+        if _GBNF_RULE.search(key_string):
+            try:
+                lark = gbnf_to_lark(key_string)
+            except Exception as e:  # the converter raises bare Exceptions for grammar errors
+                raise GrammarSpecError(f"cannot convert the GBNF grammar: {_clean_message(str(e))}") from e
+        return self._build(LLMatcher.grammar_from_lark(lark), "ebnf grammar", hint=_EBNF_HINT)
+
+    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
+        """The ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`` form only.
+
+        Each structure takes the longest trigger its ``begin`` starts with. Triggers are matched as text, so a
+        trigger spelled like a special token (``<tool_call>``) is produced from ordinary tokens, never the special one.
+        """
+        lark = StructTag.to_grammar(_struct_tags(json.loads(key_string), self._tag_schema), assume_special=False)
+        return self._build(LLMatcher.grammar_from_lark(lark), "structural tag")
+
+    def _tag_schema(self, schema: Any) -> dict[str, Any]:
+        """A structure's schema, checked like a JSON constraint, carrying this backend's JSON options."""
+        if not isinstance(schema, dict):
+            raise GrammarSpecError("its schema must be a JSON object")
+        check_schema_is_valid(schema)
+        self.check_json_schema(schema)
+        own = schema.get("x-guidance")
+        options = {**self.json_options, **(own if isinstance(own, dict) else {}), **_STRICT_JSON}
+        return {**schema, "x-guidance": options}
+
+    def _build(self, grammar: str, what: str, hint: str = "") -> GuidanceGrammar:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer, limits=_LIMITS)
+        if is_error:
+            raise GrammarSpecError(f"invalid {what}: {_clean_message(messages[0])} {hint}".rstrip())
+        for warning in messages:
+            logger.debug("llguidance warning for a %s: %s", what, _clean_message(warning))
+        template = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
+        if template.is_error():
+            raise GrammarSpecError(f"invalid {what}: {_clean_message(template.get_error())}")
+        return GuidanceGrammar(self.ll_tokenizer, grammar, template)
+
+
+def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:
+    """llguidance JSON options for the server's whitespace flags; raises ValueError for a conflict or a bad regex."""
+    pattern = server_args.constrained_json_whitespace_pattern
+    if server_args.constrained_json_disable_any_whitespace:
+        if pattern is not None:
+            raise ValueError(
+                "--constrained-json-whitespace-pattern and --constrained-json-disable-any-whitespace conflict; "
+                "set at most one"
+            )
+        return _COMPACT_JSON.copy()
+    if pattern is None:
+        return {"whitespace_flexible": True}
+    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({}, defaults={"whitespace_pattern": pattern}))
+    if error:
+        raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regex: {_clean_message(error)}")
+    return {"whitespace_pattern": pattern}
+
+
+def _struct_tags(spec: dict[str, Any], tag_schema: Callable[[Any], dict[str, Any]]) -> list[StructTag]:
+    """StructTags for a structures/triggers spec (``tag_schema`` checks each schema); raises GrammarSpecError."""
+    if "format" in spec:
+        raise GrammarSpecError(
+            "the llguidance grammar backend supports only the structures/triggers form of structural tags "
+            '({"structures": [{"begin", "schema", "end"}], "triggers": [...]}), not the "format" form'
+        )
+    if spec.get("type", "structural_tag") != "structural_tag":
+        raise GrammarSpecError(f"a structural tag's type must be 'structural_tag', not {str(spec['type'])[:40]!r}")
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarSpecError("a structural tag needs a non-empty 'structures' list")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarSpecError("a structural tag needs a non-empty 'triggers' list of non-empty strings")
+    tags = []
+    for i, structure in enumerate(structures):
+        where = f"structures[{i}]"
+        if not isinstance(structure, dict) or not all(isinstance(structure.get(k), str) for k in ("begin", "end")):
+            raise GrammarSpecError(f"{where} must be an object with string 'begin' and 'end' and a 'schema'")
+        begin = structure["begin"]
+        trigger = max((t for t in triggers if begin.startswith(t)), key=len, default=None)
+        if trigger is None:
+            raise GrammarSpecError(f"{where}: its begin {begin[:60]!r} starts with none of the triggers")
+        try:
+            schema = tag_schema(structure.get("schema"))
+        except GrammarSpecError as e:
+            raise GrammarSpecError(f"{where}: {e}") from e
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema, end=structure["end"]))
+    return tags
+
+
+def _clean_message(text: str) -> str:
+    """An llguidance message on one line, without its source echoes and caret lines, bounded in length."""
+    lines = (line.strip() for line in text.splitlines())
+    kept = [s for s in lines if s and s != "<non-verbose/>" and not _SOURCE_ECHO.match(s) and set(s) != {"^"}]
+    message = " ".join(kept) or "no details given"
+    return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
+
+
+def _utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is complete UTF-8, decoded."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data[: e.start].decode("utf-8")
