@@ -30,6 +30,7 @@ class SamplingBatchInfo:
         self._mask_buffer: torch.Tensor | None = None
         self._mask_owner: BaseGrammarObject | None = None
         self._filled_rows: set[int] = set()
+        self.fill_errors: dict[int, str] = {}
 
     def prepare(self, reqs: list[Req]) -> None:
         """Point at this step's requests (row ``i`` of the logits belongs to ``reqs[i]``)."""
@@ -43,7 +44,12 @@ class SamplingBatchInfo:
         self.generators = [req.generator for req in reqs]
 
     def update_regex_vocab_mask(self) -> None:
-        """Fill one mask row per request with an active grammar; ``vocab_mask`` is None when there is none."""
+        """Fill one mask row per request with an active grammar; ``vocab_mask`` is None when there is none.
+
+        A grammar that fails to fill its row gets a row that allows nothing and its error in ``fill_errors``,
+        so that only its own request fails.
+        """
+        self.fill_errors = {}
         active = [(row, req.ready_grammar) for row, req in enumerate(self.reqs) if _is_active(req.ready_grammar)]
         if not active and not self._filled_rows:
             self.vocab_mask = None
@@ -54,7 +60,11 @@ class SamplingBatchInfo:
             mask[row].fill_(-1)
         for row, grammar in active:
             assert grammar is not None
-            grammar.fill_vocab_mask(mask, row)
+            try:
+                grammar.fill_vocab_mask(mask, row)
+            except Exception as e:  # an engine failure must not take the other requests down
+                mask[row].fill_(0)
+                self.fill_errors[row] = str(e)
         self._filled_rows = active_rows
         self.vocab_mask = mask[: len(self.reqs)] if active else None
 

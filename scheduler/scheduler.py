@@ -188,8 +188,10 @@ class Scheduler:
         info.prepare(batch)
         info.update_regex_vocab_mask()
         info.apply_logits_bias(logits)
-        for req, token in zip(batch, sample(logits, info, self.generator), strict=True):
-            if token is None:
+        for row, (req, token) in enumerate(zip(batch, sample(logits, info, self.generator), strict=True)):
+            if row in info.fill_errors:
+                req.abort(f"the grammar failed to compute the next-token mask: {info.fill_errors[row]}")
+            elif token is None:
                 req.abort("the grammar allows no token here: the constraint cannot be completed")
             else:
                 self._accept(req, token)
@@ -202,12 +204,15 @@ class Scheduler:
         req.output_ids.append(token)
         grammar = req.ready_grammar
         if grammar is not None and not grammar.is_terminated():
+            kind = req.grammar_key[0] if req.grammar_key else "request's"
             try:
                 grammar.accept_token(token)
             except TokenRejectedError as e:
-                piece = self.tokenizer.decode([token])
-                kind = req.grammar_key[0] if req.grammar_key else "request's"
-                req.abort(f"token {token} ({piece!r}) was rejected by the {kind} grammar: {e}")
+                req.abort(f"token {token} ({self.tokenizer.decode([token])!r}) was rejected by the {kind} grammar: {e}")
+                return
+            except Exception as e:  # an engine failure must not take the other requests down
+                logger.exception("request %s: the %s grammar failed on token %d", req.rid, kind, token)
+                req.abort(f"the {kind} grammar failed on token {token}: {e}")
                 return
         text = self.texts[req.rid]
         text.update(req.output_ids)

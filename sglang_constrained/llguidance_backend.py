@@ -47,8 +47,10 @@ LLGUIDANCE_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
 enforces ``multipleOf``, ``pattern``/``format`` with length bounds, ``patternProperties`` and
 ``min/maxProperties``. ``format`` on numbers (``int32``) is ignored as JSON Schema itself ignores it."""
 
-# Errors never dump the parser state or the grammar (which would echo the whole schema).
-_LIMITS = LLParserLimits(verbose_errors=False)
+# Errors never dump the parser state or the grammar (which would echo the whole schema). The lexer's per-step
+# fuel is 10x llguidance's default: with Qwen3.5's 248k tokens, a key pattern like "[A-Za-z0-9-_.:]{1,255}"
+# exhausts the default fuel mid-mask ("too many expressions constructed") and the mask comes back empty.
+_LIMITS = LLParserLimits(verbose_errors=False, step_lexer_fuel=2_000_000)
 # Forced on every schema: "lenient" in a schema's "x-guidance" would make llguidance ignore unknown keywords.
 _STRICT_JSON: JsonCompileOptions = {"lenient": False}
 _COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -113,6 +115,8 @@ class GuidanceGrammar(BaseGrammarObject):
         if row.shape[0] > self._num_mask_words:
             row[self._num_mask_words :] = 0
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), self._num_mask_words * 4)
+        if self._matcher.is_error():
+            raise ValueError(f"llguidance could not compute the mask: {_clean_message(self._matcher.get_error())}")
 
     def copy(self) -> GuidanceGrammar:
         return GuidanceGrammar(self._ll_tokenizer, self._grammar, self._template)

@@ -7,6 +7,7 @@ allowed by a grammar, except the stop tokens at a point where the grammar may en
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,9 @@ class TokenizerVocabulary:
     """A tokenizer's vocabulary as bytes, with its special and stop tokens.
 
     ``decoded_vocab[i]`` holds the bytes token ``i`` stands for; special tokens and padding ids are ``b""``.
-    ``xgrammar_metadata`` is xgrammar's description of the tokenizer (vocab type, prefix space, stop tokens),
-    for rebuilding a ``TokenizerInfo`` over ``decoded_vocab``.
+    ``xgrammar_metadata`` is xgrammar's description of the tokenizer (prefix space, stop tokens) with the vocab
+    type set to raw, for rebuilding a ``TokenizerInfo`` over ``decoded_vocab``: the entries are already decoded,
+    and a byte-level type would decode them a second time (turning ``"ör"`` into ``"\xf6r"``).
     """
 
     decoded_vocab: tuple[bytes, ...]
@@ -60,5 +62,5 @@ def tokenizer_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: list[in
         model_vocab_size=vocab_size,
         stop_token_ids=tuple(eos_token_ids),
         special_token_ids=special_ids,
-        xgrammar_metadata=info.dump_metadata(),
+        xgrammar_metadata=json.dumps({**json.loads(info.dump_metadata()), "vocab_type": xgrammar.VocabType.RAW.value}),
     )
