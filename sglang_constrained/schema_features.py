@@ -59,6 +59,33 @@ def unknown_format_rule(supported_formats: frozenset[str]) -> SchemaRule:
     )
 
 
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def enum_outside_type_rule() -> SchemaRule:
+    """``enum``/``const`` values that the sibling ``type`` forbids (engines that keep the enum drop the type)."""
+
+    def applies(schema: dict[str, Any]) -> bool:
+        types = schema.get("type")
+        allowed = [types] if isinstance(types, str) else types
+        if not isinstance(allowed, list) or not all(t in _JSON_TYPES for t in allowed):
+            return False
+        values = list(schema.get("enum", [])) if isinstance(schema.get("enum"), list) else []
+        if "const" in schema:
+            values.append(schema["const"])
+        return any(not any(_JSON_TYPES[t](value) for t in allowed) for value in values)
+
+    return SchemaRule("enum/const values that the sibling 'type' forbids", applies)
+
+
 def refuse_unsupported_features(schema: Any, rules: tuple[SchemaRule, ...], backend_name: str) -> None:
     """Raise ``GrammarSpecError`` naming the first unsupported feature found and where it is."""
     for pointer, subschema in iter_subschemas(schema):

@@ -28,6 +28,7 @@ from sglang_constrained.base_grammar_backend import (
 from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
 from sglang_constrained.schema_features import (
     SchemaRule,
+    enum_outside_type_rule,
     iter_subschemas,
     keyword_rule,
     keywords_together_rule,
@@ -123,6 +124,7 @@ def _is_non_pointer_ref(schema: dict[str, Any]) -> bool:
 # compiles without error but does not enforce. Not refused: oneOf whose branches may overlap (xgrammar falls back
 # to anyOf, with a warning) and unanchored patterns (xgrammar anchors every pattern).
 XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
+    enum_outside_type_rule(),  # the enum is kept, the sibling type dropped ("a" passes type: object)
     SchemaRule("multipleOf on a non-integer or widely bounded number", _is_multiple_of_ignored),  # any number
     SchemaRule("uniqueItems", lambda s: s.get("uniqueItems") is True),  # duplicates accepted
     keyword_rule("contains"),  # any items accepted (min/maxContains only qualify contains)
@@ -283,17 +285,18 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         refuse_unsupported_features(schema, XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES, self.name)
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:
-        """JSON Schema's own semantics, unlike xgrammar's (and SGLang's) defaults.
+        """JSON Schema's own semantics for what may appear, unlike xgrammar's (and SGLang's) strict default.
 
         ``strict_mode=False``: properties the schema does not forbid (no ``additionalProperties: false``) and
-        items of arrays without ``items`` are allowed; ``any_order=True``: properties in any order. With the
-        defaults, 18 valid MaskBench instances of Github_trivial were rejected; with these, one is (measured).
+        items of arrays without ``items`` are allowed; with the default, 18 valid instances of MaskBench's
+        Github_trivial were rejected, with this 1 (measured). Properties keep the schema's order:
+        ``any_order=True`` would accept them in any order but makes xgrammar 0.2.8 ignore ``required``.
         """
         compact = None if self.any_whitespace else (",", ":")
         return self._compile(
             "JSON schema",
             lambda: self.compiler.compile_json_schema(
-                key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=False, any_order=True
+                key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=False
             ),
         )
 

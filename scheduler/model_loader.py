@@ -1,0 +1,186 @@
+"""Load a Llama-style causal LM's weights, config and tokenizer for serving.
+
+Sources: ``ServerArgs.model_path`` is ``None`` (the embedded SmolLM2-135M-Instruct GGUF), another ``.gguf``
+file, or a local Hugging Face model folder. A GGUF file is de-quantised once (tens of seconds on 2 cores) and
+the float32 result is cached as a Hugging Face folder (``config.json``, ``generation_config.json``,
+``model.safetensors``) under ``ServerArgs.cache_path``, so later starts read it in about a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from scheduler.server_args import ServerArgs
+from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# RoPE variants whose frequencies do not depend on the current sequence length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What the model runner needs: ``weights`` are float32 CPU tensors keyed by Hugging Face names."""
+
+    config: PretrainedConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Any
+    eos_token_ids: list[int]
+    source: Path
+
+
+def load_model(server_args: ServerArgs) -> LoadedModel:
+    """Load the model named by ``server_args.model_path``; may write the de-quantised cache (see module doc)."""
+    source = embedded_model_path() if server_args.model_path is None else Path(server_args.model_path)
+    started = time.perf_counter()
+    if source.is_dir():
+        folder, how = source, "read the model folder"
+    elif source.is_file() and source.suffix == ".gguf":
+        folder, how = _dequantised_folder(source, server_args.cache_path)
+    else:
+        raise ValueError(f"--model-path {source} is neither a .gguf file nor a Hugging Face model folder")
+    config = AutoConfig.from_pretrained(folder)
+    check_supported(config, server_args.max_seq_len)
+    weights = _read_weights(folder)
+    tokenizer = load_tokenizer(source, server_args.cache_path)
+    eos_token_ids = _eos_token_ids(config, _generation_config(folder), tokenizer)
+    logger.info(
+        "loaded %s (%s, %d layers) in %.1f s: %s",
+        source.name,
+        config.model_type,
+        config.num_hidden_layers,
+        time.perf_counter() - started,
+        how,
+    )
+    return LoadedModel(config, weights, tokenizer, eos_token_ids, source)
+
+
+def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
+    """Raise ValueError naming what the plain-torch Llama forward cannot run faithfully."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r} ({getattr(config, 'architectures', None)}); "
+            f"the model runner serves Llama-style causal LMs: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported activation {config.hidden_act!r} in {model_type}; only SwiGLU (silu)")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r} in {model_type}; one of {SUPPORTED_ROPE_TYPES}")
+    max_positions = getattr(config, "max_position_embeddings", max_seq_len)
+    if max_seq_len > max_positions:
+        raise ValueError(
+            f"--max-seq-len {max_seq_len} exceeds the {max_positions} positions {model_type} was trained for"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < max_seq_len:
+        raise ValueError(
+            f"{model_type} uses sliding-window attention ({window} tokens), which the model runner does not "
+            f"implement; set --max-seq-len {window} or lower"
+        )
+
+
+def _dequantised_folder(gguf_file: Path, cache_dir: Path) -> tuple[Path, str]:
+    """The cached float32 folder for ``gguf_file``, de-quantising it first if no process has yet.
+
+    A lock file makes concurrent processes (ranks under torchrun) wait for one conversion instead of
+    repeating it; the folder appears by an atomic rename, so a killed process never leaves a partial cache.
+    """
+    target = conversion_cache_dir(gguf_file, cache_dir, "weights")
+    if _is_complete(target):
+        return target, f"read the cached de-quantised weights in {target}"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f"{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(target):
+            return target, f"another process de-quantised into {target}"
+        for leftover in target.parent.glob(f"{target.name}.tmp-*"):  # from killed processes; we hold the lock
+            shutil.rmtree(leftover, ignore_errors=True)
+        started = time.perf_counter()
+        _dequantise(gguf_file, target)
+        return target, f"de-quantised {gguf_file} in {time.perf_counter() - started:.1f} s, cached in {target}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def _dequantise(gguf_file: Path, target: Path) -> None:
+    """Convert ``gguf_file`` with transformers and write a Hugging Face folder at ``target`` atomically."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    # Refuse before spending tens of seconds: the architecture is in the GGUF header.
+    field = GGUFReader(gguf_file).get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if architecture not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} in {gguf_file.name}; "
+            f"the model runner serves Llama-style causal LMs: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    logger.info("first start: de-quantising %s (cached afterwards in %s)", gguf_file.name, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    config_dict = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+    config = type(model.config).from_dict(config_dict)
+    # Tied embeddings share storage with lm_head, which safetensors refuses; the config re-ties them.
+    weights = {
+        name: tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (name == "lm_head.weight" and config.tie_word_embeddings)
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
+    try:
+        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the folder it sits in
+        (staging / "model.safetensors").chmod(0o644)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face folder (``*.safetensors``, else ``pytorch_model*.bin``) as float32."""
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        parts = [load_file(file) for file in files]
+    else:
+        files = sorted(folder.glob("pytorch_model*.bin"))
+        parts = [torch.load(file, map_location="cpu", weights_only=True) for file in files]
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors or pytorch_model*.bin weights")
+    return {name: tensor.float() for part in parts for name, tensor in part.items()}
+
+
+def _generation_config(folder: Path) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:  # the folder has no generation_config.json
+        return None
+
+
+def _eos_token_ids(config: PretrainedConfig, generation: GenerationConfig | None, tokenizer: Any) -> list[int]:
+    """Every id that ends generation: the generation config's EOS, else the model config's, plus the tokenizer's."""
+    declared = generation.eos_token_id if generation is not None else None
+    if declared is None:
+        declared = config.eos_token_id
+    ids = [declared] if isinstance(declared, int) else list(declared or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
