@@ -1,5 +1,22 @@
 """Token-bitmask kernels: a Triton kernel for CUDA, a vectorised CPU path, the NPU path, and their dispatcher."""
 
-from triton_ops.bitmask_ops import apply_token_bitmask_inplace
+from triton_ops.bitmask_cpu import (
+    apply_token_bitmask_inplace_cpu,
+    apply_token_bitmask_inplace_cpu_eager,
+    warm_up_cpu_bitmask_kernel,
+)
+from triton_ops.bitmask_npu import apply_token_bitmask_inplace_npu, is_torch_npu_available
+from triton_ops.bitmask_ops import apply_token_bitmask_inplace, apply_token_bitmask_inplace_triton
+from triton_ops.bitmask_reference import apply_token_bitmask_inplace_reference, unpack_bitmask
 
-__all__ = ["apply_token_bitmask_inplace"]
+__all__ = [
+    "apply_token_bitmask_inplace",
+    "apply_token_bitmask_inplace_cpu",
+    "apply_token_bitmask_inplace_cpu_eager",
+    "apply_token_bitmask_inplace_npu",
+    "apply_token_bitmask_inplace_reference",
+    "apply_token_bitmask_inplace_triton",
+    "is_torch_npu_available",
+    "unpack_bitmask",
+    "warm_up_cpu_bitmask_kernel",
+]
