@@ -6,6 +6,7 @@ import torch
 
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from triton_ops import warm_up_cpu_bitmask_kernel
 
 
 class SamplingBatchInfo:
@@ -31,6 +32,11 @@ class SamplingBatchInfo:
         self._mask_owner: BaseGrammarObject | None = None
         self._filled_rows: set[int] = set()
         self.fill_errors: dict[int, str] = {}
+
+    def warm_up(self) -> None:
+        """Compile the CPU mask kernel now: its first use would otherwise stall the first batch for seconds."""
+        if self.device.type == "cpu":
+            warm_up_cpu_bitmask_kernel(self.vocab_size)
 
     def prepare(self, reqs: list[Req]) -> None:
         """Point at this step's requests (row ``i`` of the logits belongs to ``reqs[i]``)."""

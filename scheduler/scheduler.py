@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -56,6 +57,8 @@ class Scheduler:
         self.sampling_info = SamplingBatchInfo(
             model_runner.vocab_size, server_args.max_running_requests, model_runner.device
         )
+        if grammar_backend is not None:
+            self.sampling_info.warm_up()
         self.generator = torch.Generator().manual_seed(server_args.seed)
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
@@ -102,16 +105,42 @@ class Scheduler:
         prefill_batch = self._schedule_prefill()
         decode_batch = [req for req in self.running if req not in prefill_batch]
         if prefill_batch:
-            slots = [self._slot(req) for req in prefill_batch]
-            logits = self.model_runner.prefill(slots, [req.prompt_ids for req in prefill_batch])
             self.running.extend(prefill_batch)
-            self._sample_and_process(prefill_batch, logits)
+            self._run_batch(prefill_batch, self._prefill)
         if decode_batch:
-            slots = [self._slot(req) for req in decode_batch]
-            logits = self.model_runner.decode(slots, [req.output_ids[-1] for req in decode_batch])
-            self._sample_and_process(decode_batch, logits)
+            self._run_batch(decode_batch, self._decode)
+
+    def _prefill(self, batch: list[Req]) -> torch.Tensor:
+        return self.model_runner.prefill([self._slot(req) for req in batch], [req.prompt_ids for req in batch])
+
+    def _decode(self, batch: list[Req]) -> torch.Tensor:
+        return self.model_runner.decode([self._slot(req) for req in batch], [req.output_ids[-1] for req in batch])
+
+    def _run_batch(self, batch: list[Req], forward: Callable[[list[Req]], torch.Tensor]) -> None:
+        """Forward, mask, sample and accept; an internal failure aborts this batch's requests, not the server."""
+        try:
+            with torch.inference_mode():
+                self._sample_and_process(batch, forward(batch))
+        except Exception as e:
+            logger.exception("a batch of %d requests failed", len(batch))
+            for req in batch:
+                if not req.finished:
+                    req.abort(f"internal error while generating: {type(e).__name__}: {e}")
+                    self._finish(req)
 
     def handle_message(self, client_id: bytes, payload: bytes) -> None:
+        """Act on one client message; whatever goes wrong is answered to that client and logged."""
+        try:
+            self._handle_message(client_id, payload)
+        except Exception as e:
+            logger.exception("failed to handle a message from client %s", client_id.hex())
+            rid = read_rid(payload)
+            if rid is not None:
+                self.live.pop(rid, None)
+                self.texts.pop(rid, None)
+                self.outbox.append((client_id, error_output(rid, f"internal error: {type(e).__name__}: {e}")))
+
+    def _handle_message(self, client_id: bytes, payload: bytes) -> None:
         try:
             message = decode_client_message(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -149,7 +178,7 @@ class Scheduler:
             params = message.sampling_params
             params.validate()
             grammar_key = params.grammar_key()
-            messages = [m.__dict__ for m in message.messages] if message.messages is not None else None
+            messages = [msgspec.structs.asdict(m) for m in message.messages] if message.messages is not None else None
             prompt_ids = self.model_runner.encode_prompt(message.text, messages, message.input_ids)
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, str(e))))
