@@ -117,10 +117,16 @@ class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_
     grammar_cache_hit: bool | None = None
 
 
-class Pong(msgspec.Struct, tag="pong", forbid_unknown_fields=True):
+class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True):
+    """The scheduler's identity and current load."""
+
     model: str
     grammar_backend: str
     vocab_size: int
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_compiling_requests: int = 0
+    num_free_slots: int = 0
 
 
 ServerMessage = GenerateOutput | Pong

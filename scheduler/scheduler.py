@@ -309,4 +309,8 @@ class Scheduler:
             model=self.server_args.model_name,
             grammar_backend=self.server_args.grammar_backend,
             vocab_size=self.model_runner.vocab_size,
+            num_running_requests=len(self.running),
+            num_waiting_requests=len(self.waiting_queue),
+            num_compiling_requests=len(self.grammar_manager.grammar_queue),
+            num_free_slots=self.model_runner.num_free_slots,
         )
