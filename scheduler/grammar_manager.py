@@ -134,6 +134,9 @@ class GrammarManager:
         grammar = _compiling(req).result()
         self.grammar_backend.set_cache(req.grammar_key, grammar.copy())
         req.grammar = grammar
+        if req.grammar_deadline is not None:
+            waited = time.monotonic() - (req.grammar_deadline - self.compile_timeout_s)
+            logger.info("request %s: grammar ready after %.2f s", req.rid, waited)
 
     def _fail(self, req: Req, failure: GrammarFailure) -> None:
         assert req.grammar_key is not None and self.grammar_backend is not None

@@ -1,32 +1,34 @@
-"""``python -m scheduler.launch --grammar-backend xgrammar``: load the model and serve until SIGINT/SIGTERM."""
+"""``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
+HTTP with ``--port``) until SIGINT/SIGTERM. Under ``torchrun --nproc-per-node N`` every rank runs the loop and
+rank 0 owns the sockets."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
 
+from scheduler.distributed import DistributedContext, RankFailureError, destroy_distributed, init_distributed
+from scheduler.http_server import start_http_frontend
 from scheduler.ipc import SchedulerIPC
 from scheduler.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import WORLD_SIZE, ServerArgs
 
 logger = logging.getLogger("scheduler.launch")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     server_args = ServerArgs.parse(argv)
-    logging.basicConfig(
-        level=server_args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    dist = init_distributed(WORLD_SIZE.get())
+    _configure_logging(server_args, dist)
     start = time.perf_counter()
     model_runner = ModelRunner(server_args)
-    scheduler = Scheduler(server_args, model_runner)
+    scheduler = Scheduler(server_args, model_runner, dist)
     logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
 
     def request_stop(signum: int, _: FrameType | None) -> None:
@@ -35,15 +37,44 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    ipc = SchedulerIPC(server_args.zmq_endpoint)
+    is_leader = dist is None or dist.is_leader
+    ipc = SchedulerIPC(server_args.zmq_endpoint) if is_leader else None
+    http_frontend = start_http_frontend(server_args) if is_leader and server_args.port is not None else None
+    exit_code = 0
     try:
         scheduler.serve(ipc)
+    except RankFailureError as e:
+        logger.error("%s; stopping this rank (the launcher stops the others)", e)
+        exit_code = 1
     finally:
-        ipc.close()
-        scheduler.shutdown()
+        scheduler.shutdown(ipc)  # answers live requests with an abort through ipc, so before ipc.close()
+        if ipc is not None:
+            ipc.close()
+        if http_frontend is not None:
+            http_frontend.stop()
+    if exit_code == 0:
+        destroy_distributed(dist)
     logger.info("stopped")
-    return 0
+    return exit_code
+
+
+def _configure_logging(server_args: ServerArgs, dist: DistributedContext | None) -> None:
+    rank = f"[rank {dist.rank}] " if dist is not None else ""
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def exit_now(code: int) -> None:
+    """Exit without joining the grammar compile threads: a compile inside a native engine cannot be interrupted,
+    and the interpreter would otherwise wait for it (minutes, for a pathological schema) after shutdown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

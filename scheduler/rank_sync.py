@@ -1,11 +1,10 @@
-"""Cross-rank agreement on grammar verdicts, over a CPU (gloo) process group."""
+"""Cross-rank agreement on grammar verdicts: ready on every rank, failed on any rank."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch.distributed as dist
+from scheduler.distributed import DistributedContext
 
 
 @dataclass(frozen=True)
@@ -19,17 +18,18 @@ class GrammarFailure:
 class RankSync:
     """Ready on every rank, failed on any rank; a failure's message is the lowest failing rank's.
 
-    A compile error is cached only when every rank saw a compile error (so caches stay identical);
-    anything else (a timeout on one rank, a failure on only some ranks) is not cached.
+    Each rank judges its own deadlines with its own clock; taking the union of failures means a slow rank
+    (or a slow clock) can only make every rank fail the request together, never split the decision.
+    A compile error is cached only when every rank saw one (so caches stay identical); anything else
+    (a timeout, a failure on only some ranks) is not cached.
     """
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, context: DistributedContext) -> None:
+        self.context = context
 
     def agree(self, ready: set[str], failures: dict[str, GrammarFailure]) -> tuple[set[str], dict[str, GrammarFailure]]:
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
         local = (sorted(ready), {rid: (f.message, f.is_compile_error) for rid, f in failures.items()})
-        dist.all_gather_object(gathered, local, group=self.group)
+        gathered = self.context.all_gather(local)
         all_ready = set.intersection(*(set(rank_ready) for rank_ready, _ in gathered))
         agreed: dict[str, GrammarFailure] = {}
         for rid in sorted({rid for _, rank_failures in gathered for rid in rank_failures}):

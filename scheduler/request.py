@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from scheduler.io_struct import FinishReason, SamplingParams
+from scheduler.output_text import OutputText
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
 
@@ -18,7 +19,8 @@ class Req:
     """One generation request inside the scheduler (never sent over a socket).
 
     ``grammar`` is a ``Future`` while its grammar compiles, the grammar object once ready, None for a free
-    request. ``num_sent_tokens`` / ``sent_text`` track what a streaming client has already received.
+    request. ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text``
+    track what a streaming client has already received.
     """
 
     rid: str
@@ -32,7 +34,7 @@ class Req:
     grammar_deadline: float | None = None
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
+    text: OutputText | None = None
     finish_reason: FinishReason | None = None
     slot: int | None = None
     num_sent_tokens: int = 0

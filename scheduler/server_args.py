@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -51,7 +52,8 @@ CACHE_DIR = EnvVar(
     Path,
     "where converted tokenizers and de-quantised weights are cached",
 )
-ENVIRONMENT_TABLE: tuple[EnvVar, ...] = (GRAMMAR_POLL_INTERVAL, GRAMMAR_MAX_POLL_ITERATIONS, CACHE_DIR)
+WORLD_SIZE = EnvVar("WORLD_SIZE", 1, int, "number of ranks (set by torchrun; 1 when launched directly)")
+ENVIRONMENT_TABLE: tuple[EnvVar, ...] = (GRAMMAR_POLL_INTERVAL, GRAMMAR_MAX_POLL_ITERATIONS, CACHE_DIR, WORLD_SIZE)
 
 
 def default_compile_timeout() -> float:
@@ -76,11 +78,13 @@ class ServerArgs:
     grammar_cache_max_bytes: int = 512 * 1024 * 1024
     grammar_max_spec_bytes: int = 1024 * 1024
     host: str = "127.0.0.1"
+    port: int | None = None
     zmq_port: int = 30010
     seed: int = 0
     log_level: str = "info"
     poll_interval: float | None = None
     cache_dir: str | None = None
+    import_modules: tuple[str, ...] = ()
 
     @property
     def zmq_endpoint(self) -> str:
@@ -116,6 +120,8 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive")
         if self.grammar_compile_timeout is not None and self.grammar_compile_timeout <= 0:
             raise ValueError("--grammar-compile-timeout must be positive")
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError("--port must be in [0, 65535]")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -164,8 +170,23 @@ class ServerArgs:
             default=d.grammar_max_spec_bytes,
             help="larger constraint specs are refused",
         )
-        parser.add_argument("--host", default=d.host, help="address the zmq socket binds (loopback by default)")
+        parser.add_argument(
+            "--host", default=d.host, help="address the zmq socket and the HTTP server bind (loopback by default)"
+        )
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=d.port,
+            help="serve the OpenAI-compatible HTTP API on this port (default: no HTTP server)",
+        )
         parser.add_argument("--zmq-port", type=int, default=d.zmq_port)
+        parser.add_argument(
+            "--import-module",
+            dest="import_modules",
+            action="append",
+            default=list(d.import_modules),
+            help="import this module first (repeatable), e.g. one that calls register_grammar_backend",
+        )
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
         parser.add_argument(
@@ -174,7 +195,12 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        """Import every ``--import-module`` first, so that the backends they register are valid choices."""
+        for module in args.import_modules:
+            importlib.import_module(module)
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values["import_modules"] = tuple(args.import_modules)
+        return cls(**values)
 
     @classmethod
     def parse(cls, argv: Sequence[str] | None = None) -> ServerArgs:

@@ -10,6 +10,7 @@ deduplicates identical compiles that are in flight. Bad input never raises: it b
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import math
 import threading
@@ -337,6 +338,10 @@ _REASONER_BACKEND = "sglang_constrained.reasoner_grammar_backend:ReasonerGrammar
 NO_GRAMMAR_BACKEND = "none"
 
 
+ENTRY_POINT_GROUP = "sglang_constrained.grammar_backends"
+"""Installed packages can provide backends: ``name = "package.module:init_func"`` in this entry-point group."""
+
+
 def register_grammar_backend(name: str, init_func: GrammarBackendFactory) -> None:
     """Make ``name`` a valid ``--grammar-backend``; a registered name wins over a built-in one."""
     if not name or name == NO_GRAMMAR_BACKEND:
@@ -344,8 +349,29 @@ def register_grammar_backend(name: str, init_func: GrammarBackendFactory) -> Non
     GRAMMAR_BACKEND_REGISTRY[name] = init_func
 
 
+def register_entry_point_backends() -> None:
+    """Register the backends installed packages declare in ``ENTRY_POINT_GROUP``.
+
+    Their modules are imported only when the backend is built. A name registered in code keeps precedence.
+    """
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name not in GRAMMAR_BACKEND_REGISTRY:
+            register_grammar_backend(entry_point.name, _load_on_call(entry_point))
+
+
+def _load_on_call(entry_point: importlib.metadata.EntryPoint) -> GrammarBackendFactory:
+    def init_func(
+        server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos: list[int]
+    ) -> BaseGrammarBackend:
+        backend: BaseGrammarBackend = entry_point.load()(server_args, tokenizer, vocab_size, eos)
+        return backend
+
+    return init_func
+
+
 def available_grammar_backends() -> list[str]:
-    """Every name ``--grammar-backend`` accepts: built-ins, registered backends, and ``none``."""
+    """Every name ``--grammar-backend`` accepts: built-ins, registered and installed backends, and ``none``."""
+    register_entry_point_backends()
     return [*sorted({*_BUILTIN_BACKENDS, *GRAMMAR_BACKEND_REGISTRY}), NO_GRAMMAR_BACKEND]
 
 
@@ -364,6 +390,7 @@ def create_grammar_backend(
     name = server_args.grammar_backend
     if name == NO_GRAMMAR_BACKEND:
         return None
+    register_entry_point_backends()
     factory = GRAMMAR_BACKEND_REGISTRY.get(name)
     if factory is None:
         if name not in _BUILTIN_BACKENDS:
