@@ -15,10 +15,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from launched_scheduler import REPO_ROOT, LaunchedScheduler, launch_scheduler
+from launched_scheduler import launch_scheduler
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateReq
+from scheduler.process import SchedulerProcess
 from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
 
 pytestmark = [pytest.mark.model, pytest.mark.multirank]
@@ -62,14 +63,14 @@ def entry_point_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(entry_point_path: Path) -> Iterator[LaunchedScheduler]:
+def two_ranks(entry_point_path: Path) -> Iterator[SchedulerProcess]:
     """Two ranks whose backend compiles 3 s later on rank 1; the module registering fail-on-rank-1 is imported too."""
     flags = ("--grammar-backend", "slow-on-rank-1", "--import-module", "rank_skewed_backends")
     with launch_scheduler(*flags, ranks=2, extra_paths=(entry_point_path, PLUGINS)) as launched:
         yield launched
 
 
-def test_two_ranks_give_the_same_outputs_as_one(two_ranks: LaunchedScheduler) -> None:
+def test_two_ranks_give_the_same_outputs_as_one(two_ranks: SchedulerProcess) -> None:
     with two_ranks.client() as client:
         two = client.generate_batch(seeded_requests())
     with launch_scheduler() as one_rank, one_rank.client() as client:
@@ -82,7 +83,7 @@ def test_two_ranks_give_the_same_outputs_as_one(two_ranks: LaunchedScheduler) ->
     assert re.fullmatch(PHONE_REGEX, phone.text) and choice.text in ("yes", "no", "maybe")
 
 
-def test_a_grammar_slower_on_one_rank_waits_on_every_rank(two_ranks: LaunchedScheduler) -> None:
+def test_a_grammar_slower_on_one_rank_waits_on_every_rank(two_ranks: SchedulerProcess) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     with two_ranks.client() as client:
         output = client.generate(rid="slow-grammar", text="JSON:", sampling_params={"json_schema": schema})
@@ -114,7 +115,7 @@ def test_a_compile_failure_on_one_rank_fails_the_request_once(entry_point_path: 
     assert free.finish_reason is not None and free.finish_reason.type == "length"
 
 
-def test_an_abort_sent_to_rank_0_removes_the_request_on_every_rank(two_ranks: LaunchedScheduler) -> None:
+def test_an_abort_sent_to_rank_0_removes_the_request_on_every_rank(two_ranks: SchedulerProcess) -> None:
     request = {
         "text": "Once upon a time, there was a dragon who",
         "sampling_params": {"max_new_tokens": 400, "temperature": 0},
@@ -143,11 +144,11 @@ def test_killing_a_rank_stops_the_launcher_with_a_clear_message() -> None:
     assert "local_rank: 1" in log and "exitcode: -9" in log
 
 
-def _rank_pid(launched: LaunchedScheduler, rank: int) -> int:
+def _rank_pid(launched: SchedulerProcess, rank: int) -> int:
     """The pid of one worker: the child of torchrun whose environment says RANK=rank."""
     children = subprocess.run(["pgrep", "-P", str(launched.process.pid)], capture_output=True, text=True).stdout.split()
     for pid in children:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in environ:
             return int(pid)
-    raise AssertionError(f"no worker with RANK={rank} among {children} (repo {REPO_ROOT})")
+    raise AssertionError(f"no worker with RANK={rank} among {children}")

@@ -12,10 +12,11 @@ import jsonschema
 import msgspec
 import pytest
 import zmq
-from launched_scheduler import LaunchedScheduler, launch_scheduler
+from launched_scheduler import launch_scheduler
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput, decode_server_message, encode
+from scheduler.process import SchedulerProcess
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
 from sglang_constrained.conformance import compile_grammar
@@ -50,7 +51,7 @@ CASES: dict[str, tuple[str, Any, str]] = {
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LaunchedScheduler]:
+def server() -> Iterator[SchedulerProcess]:
     with launch_scheduler() as launched:
         yield launched
 
@@ -102,7 +103,7 @@ def assert_obeys(output: GenerateOutput, field: str, backend: BaseGrammarBackend
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("field", list(CASES))
 def test_each_constraint_kind_is_obeyed(
-    server: LaunchedScheduler,
+    server: SchedulerProcess,
     grammar_backend: BaseGrammarBackend,
     smollm2_tokenizer: TokenizerSetup,
     field: str,
@@ -114,7 +115,7 @@ def test_each_constraint_kind_is_obeyed(
 
 
 def test_forty_concurrent_requests_mixing_free_and_constrained(
-    server: LaunchedScheduler, grammar_backend: BaseGrammarBackend, smollm2_tokenizer: TokenizerSetup
+    server: SchedulerProcess, grammar_backend: BaseGrammarBackend, smollm2_tokenizer: TokenizerSetup
 ) -> None:
     free = {"text": "The three best things about summer are", "sampling_params": {"max_new_tokens": 24}}
     requests = [make_request(**(free if i % 4 < 2 else constrained_request("json_schema"))) for i in range(40)]
@@ -129,7 +130,7 @@ def test_forty_concurrent_requests_mixing_free_and_constrained(
             assert_obeys(output, "json_schema", grammar_backend, smollm2_tokenizer)
 
 
-def test_invalid_schema_fails_alone_while_others_succeed(server: LaunchedScheduler) -> None:
+def test_invalid_schema_fails_alone_while_others_succeed(server: SchedulerProcess) -> None:
     bad = {"text": "hi", "sampling_params": {"json_schema": "INVALID"}}
     requests = [
         make_request(**constrained_request("regex")),
@@ -145,7 +146,7 @@ def test_invalid_schema_fails_alone_while_others_succeed(server: LaunchedSchedul
     assert good_choice.text in COLORS
 
 
-def test_unsupported_schema_feature_is_named(server: LaunchedScheduler) -> None:
+def test_unsupported_schema_feature_is_named(server: SchedulerProcess) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
     with server.client() as client:
         output = client.generate(text="hi", sampling_params={"json_schema": schema})
@@ -153,7 +154,7 @@ def test_unsupported_schema_feature_is_named(server: LaunchedScheduler) -> None:
     assert "'not'" in output.finish_reason.message and "/properties/n" in output.finish_reason.message
 
 
-def test_same_schema_twice_is_a_cache_hit_the_second_time(server: LaunchedScheduler) -> None:
+def test_same_schema_twice_is_a_cache_hit_the_second_time(server: SchedulerProcess) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     request = {"text": "Answer in JSON:", "sampling_params": {"json_schema": schema, "temperature": 0}}
     with server.client() as client:
@@ -178,7 +179,7 @@ def test_compile_past_the_deadline_times_out_and_the_loop_keeps_serving() -> Non
     assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
 
 
-def test_client_abort_mid_generation_frees_the_slot(server: LaunchedScheduler) -> None:
+def test_client_abort_mid_generation_frees_the_slot(server: SchedulerProcess) -> None:
     free_slots = server.status().num_free_slots
     request = {
         "text": "Once upon a time, there was a dragon who",
@@ -196,7 +197,7 @@ def test_client_abort_mid_generation_frees_the_slot(server: LaunchedScheduler) -
     assert status.num_running_requests == 0 and status.num_free_slots == free_slots
 
 
-def test_streamed_chunks_add_up_to_the_output(server: LaunchedScheduler) -> None:
+def test_streamed_chunks_add_up_to_the_output(server: SchedulerProcess) -> None:
     request = constrained_request("json_schema")
     with server.client() as client:
         chunks = list(client.generate_stream(**request))
@@ -206,7 +207,7 @@ def test_streamed_chunks_add_up_to_the_output(server: LaunchedScheduler) -> None
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
 
 
-def test_stop_string_ends_the_output_before_it(server: LaunchedScheduler) -> None:
+def test_stop_string_ends_the_output_before_it(server: SchedulerProcess) -> None:
     request = {
         "text": "Count: 1, 2, 3, 4,",
         "sampling_params": {"temperature": 0, "stop": [" 7"], "max_new_tokens": 40},
@@ -217,14 +218,14 @@ def test_stop_string_ends_the_output_before_it(server: LaunchedScheduler) -> Non
     assert output.finish_reason.matched == " 7" and output.text.endswith("6,")
 
 
-def test_a_seed_makes_sampling_reproducible(server: LaunchedScheduler) -> None:
+def test_a_seed_makes_sampling_reproducible(server: SchedulerProcess) -> None:
     request = {"text": "Once upon a time", "sampling_params": {"temperature": 1.0, "seed": 1234, "max_new_tokens": 16}}
     with server.client() as client:
         first, second = client.generate(**request), client.generate(**request)
     assert first.token_ids == second.token_ids
 
 
-def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(server: LaunchedScheduler) -> None:
+def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(server: SchedulerProcess) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.connect(server.endpoint)
@@ -248,7 +249,7 @@ def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(server: Laun
     assert "malformed message" in server.log()
 
 
-def test_several_constraints_in_one_request_are_refused(server: LaunchedScheduler) -> None:
+def test_several_constraints_in_one_request_are_refused(server: SchedulerProcess) -> None:
     with server.client() as client:
         output = client.generate(text="hi", sampling_params={"regex": "a+", "choice": ["a"]})
     assert output.finish_reason is not None and output.finish_reason.message == (
