@@ -1,0 +1,281 @@
+"""The HTTP frontend: OpenAI's API (and SGLang's ``/generate``) in its own process, in front of the scheduler.
+
+The scheduler loop is synchronous and CPU-bound, so HTTP lives in another process that talks to it over zmq
+with one ``AsyncSchedulerClient`` (one socket, any number of concurrent requests). FastAPI + uvicorn, as in
+SGLang and vLLM: request bodies are pydantic models, so a malformed body is refused with the field named,
+and an OpenAI client meets the same server behaviour it knows from those projects.
+
+``start_http_frontend`` (in the launcher) binds the port and starts ``python -m scheduler.http_server`` on
+the inherited socket; the frontend stops on SIGINT/SIGTERM, on ``HttpFrontend.stop``, and by itself when
+the launcher dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.client import AsyncSchedulerClient
+from scheduler.http_choices import FrontendState, collect_outputs, stream_response
+from scheduler.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ProtocolError,
+    parse_body,
+)
+from scheduler.openai_requests import chat_calls, completion_calls, generate_calls
+from scheduler.openai_responses import (
+    ChatStreamChunks,
+    CompletionStreamChunks,
+    GenerateStreamChunks,
+    chat_completion_body,
+    error_body,
+    generate_result,
+    text_completion_body,
+)
+from scheduler.server_args import ServerArgs
+
+logger = logging.getLogger("scheduler.http_server")
+
+HEALTH_TIMEOUT_S = 5.0
+GRACEFUL_SHUTDOWN_S = 2
+STOP_TIMEOUT_S = 10.0
+ORPHAN_CHECK_INTERVAL_S = 1.0
+_FRONTEND_FLAGS = ("host", "port", "zmq_port", "model_path", "max_seq_len", "log_level")
+"""The ``ServerArgs`` fields the frontend reads, passed on as their flags (``--field-name``)."""
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the scheduler answers a ping, else 503.
+
+    ``running_requests``: scheduler requests this frontend has in flight; ``scheduler``: the scheduler's own
+    counters from its answer (``num_*`` fields of ``Pong``).
+    """
+    frontend = _frontend(request)
+    try:
+        pong = await frontend.client.wait_until_ready(timeout_s=HEALTH_TIMEOUT_S)
+    except TimeoutError:
+        body = {"status": "unavailable", "running_requests": frontend.num_running_requests}
+        return _json(body, status_code=503)
+    counters = {name: value for name, value in msgspec.structs.asdict(pong).items() if name.startswith("num_")}
+    return _json(
+        {
+            "status": "ok",
+            "model": pong.model,
+            "grammar_backend": pong.grammar_backend,
+            "running_requests": frontend.num_running_requests,
+            "scheduler": counters,
+        }
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    frontend = _frontend(request)
+    model = {
+        "id": frontend.model_name,
+        "object": "model",
+        "created": frontend.started,
+        "owned_by": "sglang-constrained",
+        "max_model_len": frontend.max_seq_len,
+    }
+    return _json({"object": "list", "data": [model]})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = parse_body(ChatCompletionRequest, await request.body())
+    frontend = _frontend(request)
+    frontend.check_model(body.model)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    calls = chat_calls(body, completion_id, frontend.max_seq_len)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = ChatStreamChunks(completion_id, frontend.model_name, body.n, include_usage)
+        return await stream_response(request, frontend, calls, chunks)
+    outputs = await collect_outputs(request, frontend, calls)
+    return _json(chat_completion_body(completion_id, frontend.model_name, outputs))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = parse_body(CompletionRequest, await request.body())
+    frontend = _frontend(request)
+    frontend.check_model(body.model)
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    calls = completion_calls(body, completion_id)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = CompletionStreamChunks(completion_id, frontend.model_name, body.n, include_usage)
+        return await stream_response(request, frontend, calls, chunks)
+    outputs = await collect_outputs(request, frontend, calls)
+    return _json(text_completion_body(completion_id, frontend.model_name, outputs, body.n))
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    """SGLang's native endpoint: one result for one prompt, a list for a batch (``text`` or ``input_ids`` lists)."""
+    body = parse_body(GenerateRequest, await request.body())
+    frontend = _frontend(request)
+    calls = generate_calls(body)
+    if body.stream:
+        return await stream_response(request, frontend, calls, GenerateStreamChunks())
+    results = [generate_result(o, o.token_ids, o.text) for o in await collect_outputs(request, frontend, calls)]
+    return _json(results if body.is_batch else results[0])
+
+
+def create_app(server_args: ServerArgs) -> FastAPI:
+    """The ASGI app; its scheduler client connects to ``server_args.zmq_endpoint`` at start-up."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = AsyncSchedulerClient(server_args.zmq_endpoint)
+        app.state.frontend = FrontendState(client, server_args.model_name, server_args.max_seq_len)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    # Bodies are parsed by hand (any content type), so FastAPI's generated docs would be empty: none are served.
+    app = FastAPI(title="sglang-constrained", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(ProtocolError, _protocol_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(router)
+    return app
+
+
+async def _protocol_error(request: Request, error: ProtocolError) -> Response:
+    if error.status_code >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, error.message)
+    return _json(error_body(error), status_code=error.status_code)
+
+
+async def _http_error(_: Request, error: StarletteHTTPException) -> Response:
+    return _json(error_body(ProtocolError(str(error.detail), status_code=error.status_code)), error.status_code)
+
+
+async def _internal_error(_: Request, error: Exception) -> Response:
+    """A bug in the frontend: still an answer in OpenAI's shape (Starlette logs the traceback)."""
+    body = error_body(ProtocolError(f"internal error: {type(error).__name__}: {error}", status_code=500))
+    return _json(body, status_code=500)
+
+
+def _frontend(request: Request) -> FrontendState:
+    state: FrontendState = request.app.state.frontend
+    return state
+
+
+def _json(body: Any, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status_code, media_type="application/json")
+
+
+class HttpFrontend:
+    """The running frontend process started by ``start_http_frontend``."""
+
+    def __init__(self, process: subprocess.Popen[bytes], url: str) -> None:
+        self.process = process
+        self.url = url
+
+    def stop(self) -> None:
+        """SIGTERM (in-flight responses get ``GRACEFUL_SHUTDOWN_S`` to finish), SIGKILL if it does not exit."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("the HTTP frontend (pid %d) ignored SIGTERM: killing it", self.process.pid)
+                self.process.kill()
+                self.process.wait()
+        logger.info("HTTP frontend stopped (exit code %s)", self.process.returncode)
+
+
+def start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
+    """Bind ``--host``:``--port`` here, so that a taken port fails in the caller, and serve it in a new process.
+
+    The process reaches the scheduler at ``server_args.zmq_endpoint``; requests that arrive before it is up
+    wait in the socket's backlog.
+    """
+    if server_args.port is None:
+        raise ValueError("start_http_frontend needs --port")
+    listener = socket.create_server((server_args.host, server_args.port))
+    try:
+        host, port = listener.getsockname()[:2]
+        flags = [
+            item
+            for name in _FRONTEND_FLAGS
+            if getattr(server_args, name) is not None
+            for item in (f"--{name.replace('_', '-')}", str(getattr(server_args, name)))
+        ]
+        command = [sys.executable, "-m", "scheduler.http_server", *flags, "--listen-fd", str(listener.fileno())]
+        process = subprocess.Popen(command, pass_fds=(listener.fileno(),))
+    finally:
+        listener.close()
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    logger.info("HTTP frontend (pid %d) serving on %s", process.pid, url)
+    return HttpFrontend(process, url)
+
+
+async def _serve(app: FastAPI, listener: socket.socket, log_level: str) -> None:
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        loop="asyncio",
+        http="h11",
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = uvicorn.Server(config)
+    launcher = os.getppid()
+
+    async def exit_when_orphaned() -> None:
+        while os.getppid() == launcher:
+            await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
+        logger.warning("the launcher (pid %d) is gone: shutting down", launcher)
+        server.should_exit = True
+
+    watchdog = asyncio.create_task(exit_when_orphaned())
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        watchdog.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler.http_server", description=__doc__)
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--listen-fd", type=int, required=True, help="a bound TCP socket inherited from the launcher")
+    args = parser.parse_args(argv)
+    server_args = ServerArgs.from_cli_args(args)
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(_serve(create_app(server_args), socket.socket(fileno=args.listen_fd), server_args.log_level))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

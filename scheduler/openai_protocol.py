@@ -1,0 +1,177 @@
+"""Request bodies of the HTTP API: OpenAI's, with SGLang's and vLLM's constraint fields, and SGLang's ``/generate``.
+
+Unknown fields are refused (pydantic, ``extra="forbid"``); known OpenAI features this server does not implement
+are declared here and refused by ``openai_requests`` when set, so that no setting is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_N = 128
+SEED_MODULUS = 2**64
+"""torch seeds are 64-bit: a request's seed (and seed + choice index) is taken modulo this."""
+
+
+class ProtocolError(ValueError):
+    """A request the server refuses, answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+BodyT = TypeVar("BodyT", bound=Body)
+
+
+def parse_body(model: type[BodyT], data: bytes) -> BodyT:
+    """Parse a JSON body (whatever its content type); raises ``ProtocolError`` naming the first problem."""
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        problems = e.errors(include_url=False)
+        first = problems[0]
+        where = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "json_invalid":
+            raise ProtocolError(f"the request body is not valid JSON: {first['msg']}", code="invalid_json") from e
+        message = f"{where or 'body'}: {first['msg']}"
+        if len(problems) > 1:
+            message += f" (and {len(problems) - 1} more problems)"
+        raise ProtocolError(message, param=where or None) from e
+
+
+class JsonSchemaSpec(Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class StructuralTagFormat(BaseModel):
+    """xgrammar's ``{"type": "structural_tag", "format": ...}`` or the legacy ``structures``/``triggers`` form."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["structural_tag"]
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | StructuralTagFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs`` (``grammar`` is EBNF)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class CommonRequest(Body):
+    """Fields shared by chat and text completions, including every way to ask for a constraint."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="SGLang/vLLM; -1 or 0 means no limit")
+    seed: int | None = Field(None, ge=-(2**63), lt=SEED_MODULUS)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | bool | str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A chat message; fields beyond role, content and name are accepted only when empty (as clients echo them)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """``{"role", "content"}`` for the chat template: ``developer`` is the newer name of ``system``."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateRequest(Body):
+    """SGLang's native ``/generate``: ``sampling_params`` are the scheduler's own ``SamplingParams`` fields."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+    @property
+    def is_batch(self) -> bool:
+        """A list of texts or of token-id lists: answered with a list of results."""
+        return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
