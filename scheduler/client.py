@@ -63,10 +63,11 @@ class SchedulerClient:
         """Ping until the scheduler answers (it answers once its model and grammar backend are loaded)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.socket.send(encode(PingReq()))
-            if self.socket.poll(1000):
+            ping = PingReq(ping_id=uuid.uuid4().hex)
+            self.socket.send(encode(ping))
+            while self.socket.poll(1000):
                 message = decode_server_message(self.socket.recv())
-                if isinstance(message, Pong):
+                if isinstance(message, Pong) and message.ping_id == ping.ping_id:
                     return message
         raise TimeoutError(f"the scheduler did not answer within {timeout_s:g} s")
 
@@ -129,18 +130,22 @@ class AsyncSchedulerClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
         self._queues: dict[str, asyncio.Queue[GenerateOutput]] = {}
-        self._pongs: asyncio.Queue[Pong] = asyncio.Queue()
+        self._pings: dict[str, asyncio.Future[Pong]] = {}
         self._receiver: asyncio.Task[None] | None = None
 
     async def wait_until_ready(self, timeout_s: float = 300.0) -> Pong:
         self._ensure_receiver()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            await self.socket.send(encode(PingReq()))
+            ping = PingReq(ping_id=uuid.uuid4().hex)
+            answer = self._pings[ping.ping_id] = asyncio.get_running_loop().create_future()
+            await self.socket.send(encode(ping))
             try:
-                return await asyncio.wait_for(self._pongs.get(), timeout=1.0)
+                return await asyncio.wait_for(answer, timeout=1.0)
             except TimeoutError:
                 continue
+            finally:
+                self._pings.pop(ping.ping_id, None)
         raise TimeoutError(f"the scheduler did not answer within {timeout_s:g} s")
 
     async def generate(self, **request: Any) -> GenerateOutput:
@@ -190,6 +195,8 @@ class AsyncSchedulerClient:
         while True:
             message = decode_server_message(await self.socket.recv())
             if isinstance(message, Pong):
-                self._pongs.put_nowait(message)
+                answer = self._pings.get(message.ping_id)
+                if answer is not None and not answer.done():
+                    answer.set_result(message)
             elif message.rid in self._queues:
                 self._queues[message.rid].put_nowait(message)

@@ -86,7 +86,9 @@ class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
 
 
 class PingReq(msgspec.Struct, tag="ping", forbid_unknown_fields=True):
-    """Readiness probe; answered with ``Pong`` once the model and grammar backend are loaded."""
+    """Readiness probe; answered with a ``Pong`` carrying the same ``ping_id`` once the model is loaded."""
+
+    ping_id: str = ""
 
 
 ClientMessage = GenerateReq | AbortReq | PingReq
@@ -123,6 +125,7 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     model: str
     grammar_backend: str
     vocab_size: int
+    ping_id: str = ""
     num_running_requests: int = 0
     num_waiting_requests: int = 0
     num_compiling_requests: int = 0

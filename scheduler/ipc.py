@@ -44,6 +44,7 @@ class SchedulerIPC:
     def send(self, client_id: bytes, message: ServerMessage) -> None:
         self.socket.send_multipart([client_id, encode(message)])
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_s: float = 2.0) -> None:
+        """Close after giving queued outputs (the shutdown's aborts) up to ``linger_s`` to reach their clients."""
+        self.socket.close(linger=int(linger_s * 1000))
         self.context.term()

@@ -169,7 +169,7 @@ class Scheduler:
         elif isinstance(message, AbortReq):
             self.abort_request(message.rid)
         elif isinstance(message, PingReq):
-            self.outbox.append((client_id, self._pong()))
+            self.outbox.append((client_id, self._pong(message.ping_id)))
 
     def _add_request(self, client_id: bytes, message: GenerateReq) -> None:
         if message.rid in self.live:
@@ -275,11 +275,12 @@ class Scheduler:
             return min(deadline, self.server_args.poll_interval_s)
         return IDLE_WAIT_S
 
-    def _pong(self) -> Pong:
+    def _pong(self, ping_id: str) -> Pong:
         return Pong(
             model=self.server_args.model_name,
             grammar_backend=self.server_args.grammar_backend,
             vocab_size=self.model_runner.vocab_size,
+            ping_id=ping_id,
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),

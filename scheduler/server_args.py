@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from sglang_constrained.base_grammar_backend import available_grammar_backends
+from sglang_constrained.registry import available_grammar_backends
 
 T = TypeVar("T")
 

@@ -1,21 +1,47 @@
 """Structured generation for LLM serving: grammar objects, backends, their registry and cache.
 
-Engines (xgrammar, llguidance, outlines-core) are imported only when their backend is built.
+Names are imported on first use, so that a process that only needs constraint keys (an HTTP frontend) does not
+load torch, and engines (xgrammar, llguidance, outlines-core) load only when their backend is built.
 """
 
-from sglang_constrained.base_grammar_backend import (
-    GRAMMAR_BACKEND_REGISTRY,
-    BaseGrammarBackend,
-    BaseGrammarObject,
-    GrammarBackendArgs,
-    GrammarStats,
-    InvalidGrammarObject,
-    TokenRejectedError,
-    available_grammar_backends,
-    create_grammar_backend,
-    register_grammar_backend,
-)
-from sglang_constrained.constraint_spec import CONSTRAINT_KINDS, GrammarKey, GrammarSpecError, make_grammar_key
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang_constrained.base_grammar_backend import (
+        BaseGrammarBackend,
+        BaseGrammarObject,
+        GrammarBackendArgs,
+        GrammarStats,
+        InvalidGrammarObject,
+        TokenRejectedError,
+    )
+    from sglang_constrained.constraint_spec import CONSTRAINT_KINDS, GrammarKey, GrammarSpecError, make_grammar_key
+    from sglang_constrained.registry import (
+        GRAMMAR_BACKEND_REGISTRY,
+        available_grammar_backends,
+        create_grammar_backend,
+        register_grammar_backend,
+    )
+
+_EXPORTS = {
+    "GRAMMAR_BACKEND_REGISTRY": "registry",
+    "BaseGrammarBackend": "base_grammar_backend",
+    "BaseGrammarObject": "base_grammar_backend",
+    "GrammarBackendArgs": "base_grammar_backend",
+    "GrammarStats": "base_grammar_backend",
+    "InvalidGrammarObject": "base_grammar_backend",
+    "TokenRejectedError": "base_grammar_backend",
+    "available_grammar_backends": "registry",
+    "create_grammar_backend": "registry",
+    "register_grammar_backend": "registry",
+    "CONSTRAINT_KINDS": "constraint_spec",
+    "GrammarKey": "constraint_spec",
+    "GrammarSpecError": "constraint_spec",
+    "make_grammar_key": "constraint_spec",
+}
 
 __all__ = [
     "CONSTRAINT_KINDS",
@@ -33,3 +59,10 @@ __all__ = [
     "make_grammar_key",
     "register_grammar_backend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sglang_constrained' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"sglang_constrained.{module}"), name)

@@ -9,8 +9,6 @@ deduplicates identical compiles that are in flight. Bad input never raises: it b
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import logging
 import math
 import threading
@@ -25,6 +23,16 @@ import torch
 
 from sglang_constrained.constraint_spec import GrammarKey, GrammarSpecError, lower_constraint
 from sglang_constrained.grammar_cache import GrammarCache
+from sglang_constrained.registry import (  # the registry's names stay importable from this contract module
+    ENTRY_POINT_GROUP,
+    GRAMMAR_BACKEND_REGISTRY,
+    NO_GRAMMAR_BACKEND,
+    GrammarBackendFactory,
+    available_grammar_backends,
+    create_grammar_backend,
+    register_entry_point_backends,
+    register_grammar_backend,
+)
 from triton_ops.bitmask_ops import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
@@ -324,85 +332,20 @@ def _engine_error_message(error: Exception) -> str:
     return text
 
 
-GrammarBackendFactory = Callable[[GrammarBackendArgs, Any, int, list[int]], BaseGrammarBackend]
-
-GRAMMAR_BACKEND_REGISTRY: dict[str, GrammarBackendFactory] = {}
-"""Backends registered by users: ``name -> init_func(server_args, tokenizer, vocab_size, eos_token_ids)``."""
-
-_BUILTIN_BACKENDS: dict[str, str] = {
-    "xgrammar": "sglang_constrained.xgrammar_backend:XGrammarGrammarBackend",
-    "llguidance": "sglang_constrained.llguidance_backend:GuidanceBackend",
-    "outlines": "sglang_constrained.outlines_backend:OutlinesGrammarBackend",
-}
-_REASONER_BACKEND = "sglang_constrained.reasoner_grammar_backend:ReasonerGrammarBackend"
-NO_GRAMMAR_BACKEND = "none"
-
-
-ENTRY_POINT_GROUP = "sglang_constrained.grammar_backends"
-"""Installed packages can provide backends: ``name = "package.module:init_func"`` in this entry-point group."""
-
-
-def register_grammar_backend(name: str, init_func: GrammarBackendFactory) -> None:
-    """Make ``name`` a valid ``--grammar-backend``; a registered name wins over a built-in one."""
-    if not name or name == NO_GRAMMAR_BACKEND:
-        raise ValueError(f"cannot register a grammar backend named {name!r}")
-    GRAMMAR_BACKEND_REGISTRY[name] = init_func
-
-
-def register_entry_point_backends() -> None:
-    """Register the backends installed packages declare in ``ENTRY_POINT_GROUP``.
-
-    Their modules are imported only when the backend is built. A name registered in code keeps precedence.
-    """
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry_point.name not in GRAMMAR_BACKEND_REGISTRY:
-            register_grammar_backend(entry_point.name, _load_on_call(entry_point))
-
-
-def _load_on_call(entry_point: importlib.metadata.EntryPoint) -> GrammarBackendFactory:
-    def init_func(
-        server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos: list[int]
-    ) -> BaseGrammarBackend:
-        backend: BaseGrammarBackend = entry_point.load()(server_args, tokenizer, vocab_size, eos)
-        return backend
-
-    return init_func
-
-
-def available_grammar_backends() -> list[str]:
-    """Every name ``--grammar-backend`` accepts: built-ins, registered and installed backends, and ``none``."""
-    register_entry_point_backends()
-    return [*sorted({*_BUILTIN_BACKENDS, *GRAMMAR_BACKEND_REGISTRY}), NO_GRAMMAR_BACKEND]
-
-
-def create_grammar_backend(
-    server_args: GrammarBackendArgs,
-    tokenizer: Any,
-    vocab_size: int,
-    eos_token_ids: list[int],
-    think_end_id: int | None = None,
-) -> BaseGrammarBackend | None:
-    """Build the backend ``server_args.grammar_backend`` names (None for ``none``).
-
-    The backend is wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is set and the
-    tokenizer has a think-end token (``think_end_id``).
-    """
-    name = server_args.grammar_backend
-    if name == NO_GRAMMAR_BACKEND:
-        return None
-    register_entry_point_backends()
-    factory = GRAMMAR_BACKEND_REGISTRY.get(name)
-    if factory is None:
-        if name not in _BUILTIN_BACKENDS:
-            raise ValueError(f"unknown grammar backend {name!r}; choose one of {available_grammar_backends()}")
-        factory = _resolve(_BUILTIN_BACKENDS[name])
-    backend = factory(server_args, tokenizer, vocab_size, eos_token_ids)
-    if server_args.reasoning_parser and think_end_id is not None:
-        backend = _resolve(_REASONER_BACKEND)(backend, think_end_id)
-    return backend
-
-
-def _resolve(target: str) -> Any:
-    """Import ``module:attribute`` on first use, so that an engine loads only when its backend is built."""
-    module_name, attribute = target.split(":")
-    return getattr(importlib.import_module(module_name), attribute)
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "GRAMMAR_BACKEND_REGISTRY",
+    "NO_GRAMMAR_BACKEND",
+    "BaseGrammarBackend",
+    "BaseGrammarObject",
+    "GrammarBackendArgs",
+    "GrammarBackendFactory",
+    "GrammarStats",
+    "InvalidGrammarObject",
+    "TokenRejectedError",
+    "available_grammar_backends",
+    "create_grammar_backend",
+    "map_future",
+    "register_entry_point_backends",
+    "register_grammar_backend",
+]

@@ -106,15 +106,25 @@ class GuidanceGrammar(BaseGrammarObject):
         return self._matcher.is_stopped() and not self._matcher.is_error()
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
-        """Write row ``idx`` of a CPU int32 ``[batch, words]`` bitmask; words past the model's vocab are zeroed."""
-        row = vocab_mask[idx]
-        if vocab_mask.dtype != torch.int32 or not vocab_mask.is_cpu or row.stride(0) != 1:
-            raise ValueError("the vocab mask must be a CPU int32 tensor with contiguous rows")
-        if row.shape[0] < self._num_mask_words:
-            raise ValueError(f"a mask row of {row.shape[0]} words cannot hold {self._vocab_size} token bits")
-        if row.shape[0] > self._num_mask_words:
-            row[self._num_mask_words :] = 0
-        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), self._num_mask_words * 4)
+        """Write row ``idx`` of a CPU int32 ``[batch, words]`` bitmask; words past the model's vocab are zeroed.
+
+        The buffer is checked through tensor properties and the row addressed by pointer arithmetic: taking a row
+        view costs about 1.5 µs on this project's machine, more than llguidance's own mask for many states.
+        """
+        if vocab_mask.dtype is not torch.int32 or not vocab_mask.is_cpu or vocab_mask.dim() != 2:
+            raise ValueError("the vocab mask must be a 2-D CPU int32 tensor with contiguous rows")
+        num_rows, num_words = vocab_mask.shape
+        row_stride, word_stride = vocab_mask.stride()
+        if word_stride != 1:
+            raise ValueError("the vocab mask must be a 2-D CPU int32 tensor with contiguous rows")
+        if num_words < self._num_mask_words:
+            raise ValueError(f"a mask row of {num_words} words cannot hold {self._vocab_size} token bits")
+        if not -num_rows <= idx < num_rows:
+            raise IndexError(f"row {idx} is out of range for a vocab mask of {num_rows} rows")
+        idx %= num_rows
+        if num_words > self._num_mask_words:
+            vocab_mask[idx, self._num_mask_words :] = 0
+        self._matcher.unsafe_compute_mask_ptr(vocab_mask.data_ptr() + 4 * idx * row_stride, self._num_mask_words * 4)
         if self._matcher.is_error():
             raise ValueError(f"llguidance could not compute the mask: {_clean_message(self._matcher.get_error())}")
 
