@@ -81,7 +81,8 @@ def main() -> None:
     folders = sorted(p.name for p in options.data.iterdir() if p.is_dir())
     paths = [p for folder in folders for p in iter_case_paths(options.data, folder, options.limit)]
     print(f"{len(paths)} schemas from {options.data} ({', '.join(folders)})")
-    print(f"{'backend':<11} {'tokenizer':<9} {'compiled':>13} {'valid accepted':>16} {'invalid rejected':>18} {'time':>7}")
+    header = ("backend", "tokenizer", "compiled", "valid accepted", "invalid rejected", "time")
+    print("{:<11} {:<9} {:>13} {:>16} {:>18} {:>7}".format(*header))
     report = []
     for tokenizer_name in options.tokenizers:
         for backend_name in options.backends:
