@@ -76,7 +76,10 @@ def build_requests(accepts: Callable[[str, Any, GenerateOutput], bool]) -> list[
         ask(
             "invalid schema",
             "hi",
-            lambda o: (o.finish_reason.message or "").startswith("Failed to compile json grammar"),
+            lambda o: (
+                o.finish_reason is not None
+                and (o.finish_reason.message or "").startswith("Failed to compile json grammar")
+            ),
             json_schema={"type": "strin"},
         ),
     ]

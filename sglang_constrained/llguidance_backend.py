@@ -10,6 +10,7 @@ advanced; ``copy()`` deep-copies it (about 1 µs, against about 1 ms to build a 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from sglang_constrained.base_grammar_backend import (
     GrammarBackendArgs,
     TokenRejectedError,
 )
+from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
 
@@ -75,22 +77,23 @@ class GuidanceGrammar(BaseGrammarObject):
         self._template = template
         self._matcher = template.deep_copy()
         self._vocab_size = ll_tokenizer.vocab_size
-        self._num_mask_words = math.ceil(ll_tokenizer.vocab_size / 32)
+        self._rows = BitmaskRowAddresser(math.ceil(ll_tokenizer.vocab_size / 32), "llguidance")
         self._num_consumed = 0
         self._num_ignored = 0
 
     def accept_token(self, token: int) -> None:
         """Advance by ``token``; raises ``TokenRejectedError`` (state unchanged) if the grammar disallows it."""
-        if self.is_terminated():
-            self._num_ignored += 1
-            return
         if not 0 <= token < self._vocab_size:
             raise TokenRejectedError(token, f"outside the model's vocabulary of {self._vocab_size} ids")
-        if self._matcher.validate_tokens([token]) != 1:
-            raise TokenRejectedError(token, self._rejection_reason(token))
-        if not self._matcher.consume_token(token):  # only resource limits get here; the matcher stays in error
+        if self._matcher.try_consume_tokens([token]) == 1:  # one call: refuses without entering the error state
+            self._num_consumed += 1
+            return
+        if self.is_terminated():  # a stopped matcher consumes nothing
+            self._num_ignored += 1
+            return
+        if self._matcher.is_error():  # only resource limits get here; the matcher stays in error
             raise TokenRejectedError(token, _clean_message(self._matcher.get_error()))
-        self._num_consumed += 1
+        raise TokenRejectedError(token, self._rejection_reason(token))
 
     def rollback(self, k: int) -> None:
         if not 0 <= k <= self._num_consumed + self._num_ignored:
@@ -108,23 +111,14 @@ class GuidanceGrammar(BaseGrammarObject):
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Write row ``idx`` of a CPU int32 ``[batch, words]`` bitmask; words past the model's vocab are zeroed.
 
-        The buffer is checked through tensor properties and the row addressed by pointer arithmetic: taking a row
-        view costs about 1.5 µs on this project's machine, more than llguidance's own mask for many states.
+        The row is addressed by pointer arithmetic (``BitmaskRowAddresser``): taking a row view costs about 1.5 µs
+        on this project's machine, more than llguidance's own mask for many states.
         """
-        if vocab_mask.dtype is not torch.int32 or not vocab_mask.is_cpu or vocab_mask.dim() != 2:
-            raise ValueError("the vocab mask must be a 2-D CPU int32 tensor with contiguous rows")
-        num_rows, num_words = vocab_mask.shape
-        row_stride, word_stride = vocab_mask.stride()
-        if word_stride != 1:
-            raise ValueError("the vocab mask must be a 2-D CPU int32 tensor with contiguous rows")
-        if num_words < self._num_mask_words:
-            raise ValueError(f"a mask row of {num_words} words cannot hold {self._vocab_size} token bits")
-        if not -num_rows <= idx < num_rows:
-            raise IndexError(f"row {idx} is out of range for a vocab mask of {num_rows} rows")
-        idx %= num_rows
-        if num_words > self._num_mask_words:
-            vocab_mask[idx, self._num_mask_words :] = 0
-        self._matcher.unsafe_compute_mask_ptr(vocab_mask.data_ptr() + 4 * idx * row_stride, self._num_mask_words * 4)
+        address = self._rows.row_address(vocab_mask, idx)
+        num_mask_bytes = self._rows.min_words * 4
+        if self._rows.row_words > self._rows.min_words:
+            ctypes.memset(address + num_mask_bytes, 0, (self._rows.row_words - self._rows.min_words) * 4)
+        self._matcher.unsafe_compute_mask_ptr(address, num_mask_bytes)
         if self._matcher.is_error():
             raise ValueError(f"llguidance could not compute the mask: {_clean_message(self._matcher.get_error())}")
 

@@ -31,6 +31,7 @@ from sglang_constrained.base_grammar_backend import (
     GrammarBackendArgs,
     TokenRejectedError,
 )
+from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.constraint_spec import GrammarSpecError
 from sglang_constrained.schema_features import (
     SchemaRule,
@@ -136,20 +137,20 @@ class OutlinesGrammar(BaseGrammarObject):
         self.compiled = compiled
         self._guide = outlines_core.Guide(compiled.index, max_rollback=MAX_ROLLBACK_TOKENS)
         self._is_terminated = False
+        self._rows = BitmaskRowAddresser(compiled.num_mask_words, "outlines")
 
     def accept_token(self, token: int) -> None:
         if self._is_terminated:
             raise TokenRejectedError(token, "the grammar has already accepted a stop token")
-        index = self.compiled.index
-        state = self._guide.get_state()
         if token in self.compiled.eos_token_ids:
-            if not index.is_final_state(state):
+            if not self._guide.is_finished():
                 raise TokenRejectedError(token, "a stop token before the output matches the grammar")
             self._is_terminated = True
-        elif index.get_next_state(state, token) is None:
-            raise TokenRejectedError(token)
-        else:
+            return
+        try:  # outlines-core leaves the state unchanged when it refuses a token
             self._guide.advance(token, return_tokens=False)
+        except (ValueError, OverflowError):
+            raise TokenRejectedError(token) from None
 
     def rollback(self, k: int) -> None:
         """Undo the last ``k`` accepted tokens (a stop token counts as one); raises ``ValueError`` beyond history."""
@@ -178,29 +179,14 @@ class OutlinesGrammar(BaseGrammarObject):
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Overwrite row ``idx`` of a contiguous int32 CPU bitmask; stop tokens are set only at final states."""
         compiled = self.compiled
-        # outlines-core writes through a raw pointer: a wrong buffer would be memory corruption, not an error.
-        if vocab_mask.dim() != 2:
-            raise ValueError(f"the bitmask must be [batch, words], got shape {tuple(vocab_mask.shape)}")
-        num_rows, num_words = vocab_mask.shape
-        if not (
-            vocab_mask.dtype is torch.int32
-            and vocab_mask.is_cpu
-            and vocab_mask.is_contiguous()
-            and num_words >= compiled.num_mask_words
-            and 0 <= idx < num_rows
-        ):
-            raise ValueError(
-                f"cannot fill row {idx} of a {vocab_mask.dtype} [{num_rows}, {num_words}] bitmask on "
-                f"{vocab_mask.device}: the outlines backend fills contiguous int32 CPU bitmasks with at least "
-                f"{compiled.num_mask_words} words per row (see allocate_vocab_mask)"
-            )
+        address = self._rows.row_address(vocab_mask, idx)
         if self._is_terminated:
             row = vocab_mask[idx]
             row.zero_()
             _set_bits(row, compiled.eos_mask_words)
             return
         # outlines-core writes every word of the row: tokens it does not know (special, padding) become 0.
-        self._guide.write_mask_into(vocab_mask.data_ptr() + idx * num_words * 4, num_words, 4)
+        self._guide.write_mask_into(address, self._rows.row_words, 4)
         if compiled.extra_eos_mask_words and self._guide.is_finished():
             _set_bits(vocab_mask[idx], compiled.extra_eos_mask_words)
 

@@ -176,9 +176,7 @@ class XGrammarGrammar(BaseGrammarObject):
 
     def accept_token(self, token: int) -> None:
         """Advance by ``token``; a no-op once terminated. Raises ``TokenRejectedError`` for a disallowed token."""
-        if self.matcher.is_terminated():
-            return
-        if not self.matcher.accept_token(token):
+        if not self.matcher.accept_token(token) and not self.matcher.is_terminated():
             raise TokenRejectedError(token)
 
     def rollback(self, k: int) -> None:

@@ -448,6 +448,7 @@ REFUSED_FEATURES = [
         {},
     ),
     ("$ref together with other keywords", {"$ref": "#/$defs/obj", "required": ["a"]}, {}, {"$defs": {"obj": OBJ}}),
+    ("enum/const values that the sibling 'type' forbids", {"type": "object", "enum": ["a", {"k": 1}]}, "a", {}),
     ("enum together with other keywords", {"enum": ["a", "bb"], "maxLength": 1}, "bb", {}),
     ("const together with other keywords", {"const": "ab", "maxLength": 1}, "ab", {}),
     (

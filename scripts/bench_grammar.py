@@ -1,0 +1,337 @@
+"""Compile time, coverage and per-token mask cost of each grammar backend over MaskBench JSON schemas.
+
+For every tokenizer (SmolLM2 49k, Qwen3.5 248k) and backend (xgrammar, llguidance, outlines), each sampled schema
+is compiled through the backend (``get_cached_or_future_value``, a fresh key per schema), then every valid
+instance is tokenised and walked: at each step the mask is filled and the token accepted, once through our
+grammar object (``fill_vocab_mask`` + ``accept_token``) and once through the engine's own calls on a matcher of
+the same compiled grammar. The two walks advance in lockstep and take turns going first, so the machine's noise
+hits both; per-token times are fill plus accept. Prints a table with ``ours/raw`` ratios and writes JSON.
+
+    python scripts/bench_grammar.py [--per-folder 8] [--data ../shared/data/jsonschemabench/maskbench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import outlines_core
+import torch
+import xgrammar
+
+from scheduler.server_args import ServerArgs
+from sglang_constrained.base_grammar_backend import (
+    BaseGrammarBackend,
+    BaseGrammarObject,
+    InvalidGrammarObject,
+    create_grammar_backend,
+)
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.llguidance_backend import GuidanceBackend
+from sglang_constrained.maskbench import MaskBenchCase, iter_case_paths, load_case
+from sglang_constrained.outlines_backend import OutlinesGrammar
+from sglang_constrained.tokenizer_loading import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
+from sglang_constrained.xgrammar_backend import XGrammarGrammar
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = ("xgrammar", "llguidance", "outlines")
+FOLDERS = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten")
+# The llguidance backend's parser limits (sglang_constrained/llguidance_backend.py), so both matchers do equal work.
+LLGUIDANCE_LIMITS = llguidance.LLParserLimits(verbose_errors=False, step_lexer_fuel=2_000_000)
+
+Step = Callable[[int], tuple[int, int]]
+"""Fill the mask, then accept ``token``; returns (fill ns, accept ns)."""
+
+
+@dataclass
+class Walks:
+    """Per-token nanoseconds of one backend and tokenizer, ours and raw, taken in the same steps."""
+
+    ours_fill: list[int] = field(default_factory=list)
+    ours_accept: list[int] = field(default_factory=list)
+    raw_fill: list[int] = field(default_factory=list)
+    raw_accept: list[int] = field(default_factory=list)
+    num_instances: int = 0
+    num_partial: int = 0
+
+
+def our_step(grammar: BaseGrammarObject, vocab_size: int) -> Step:
+    mask = grammar.allocate_vocab_mask(vocab_size, 1, "cpu")
+    clock = time.perf_counter_ns
+
+    def step(token: int) -> tuple[int, int]:
+        start = clock()
+        grammar.fill_vocab_mask(mask, 0)
+        filled = clock()
+        grammar.accept_token(token)
+        return filled - start, clock() - filled
+
+    return step
+
+
+def raw_matcher(backend: BaseGrammarBackend, grammar: BaseGrammarObject, spec: str) -> Any:
+    """A new engine matcher at the start state of the grammar that ``grammar`` (from ``backend``) was compiled to.
+
+    xgrammar and outlines share the compiled grammar or index; llguidance copies a template matcher built from
+    the same grammar text, tokenizer and parser limits as the backend's.
+    """
+    if isinstance(grammar, XGrammarGrammar):
+        return xgrammar.GrammarMatcher(grammar.compiled_grammar, override_stop_tokens=list(grammar.stop_token_ids))
+    if isinstance(grammar, OutlinesGrammar):
+        return outlines_core.Guide(grammar.compiled.index)
+    if isinstance(backend, GuidanceBackend):
+        return llguidance_template(backend, spec).deep_copy()
+    raise ValueError(f"no raw engine calls for a {type(grammar).__name__} of the {backend.name} backend")
+
+
+@functools.cache
+def llguidance_template(backend: GuidanceBackend, spec: str) -> llguidance.LLMatcher:
+    """One start-state matcher per schema, deep-copied per walk as the backend does with its own template."""
+    lark = llguidance.LLMatcher.grammar_from_json_schema(
+        spec, defaults=backend.json_options, overrides={"lenient": False}
+    )
+    return llguidance.LLMatcher(backend.ll_tokenizer, lark, log_level=0, limits=LLGUIDANCE_LIMITS)
+
+
+def raw_fill(matcher: Any, mask: torch.Tensor, row: int) -> None:
+    """The engine's own mask call for one row of a contiguous int32 CPU bitmask (no checks: the engine's cost)."""
+    if isinstance(matcher, xgrammar.GrammarMatcher):
+        matcher.fill_next_token_bitmask(mask, row)
+    elif isinstance(matcher, llguidance.LLMatcher):
+        matcher.unsafe_compute_mask_ptr(mask.data_ptr() + row * mask.shape[1] * 4, mask.shape[1] * 4)
+    else:
+        matcher.write_mask_into(mask.data_ptr() + row * mask.shape[1] * 4, mask.shape[1], 4)
+
+
+def raw_accept(matcher: Any, token: int) -> None:
+    if isinstance(matcher, outlines_core.Guide):
+        matcher.advance(token, return_tokens=False)
+    elif isinstance(matcher, llguidance.LLMatcher):
+        matcher.consume_token(token)
+    else:
+        matcher.accept_token(token)
+
+
+def raw_step(matcher: Any, vocab_size: int) -> Step:
+    """Per-token timing of the engine's calls alone, each engine's closure calling it directly."""
+    mask = torch.zeros(1, math.ceil(vocab_size / 32), dtype=torch.int32)
+    clock = time.perf_counter_ns
+    if isinstance(matcher, xgrammar.GrammarMatcher):
+
+        def xgrammar_step(token: int) -> tuple[int, int]:
+            start = clock()
+            matcher.fill_next_token_bitmask(mask, 0)
+            filled = clock()
+            matcher.accept_token(token)
+            return filled - start, clock() - filled
+
+        return xgrammar_step
+    num_bytes, num_words = mask.numel() * 4, mask.shape[1]
+    if isinstance(matcher, llguidance.LLMatcher):
+
+        def llguidance_step(token: int) -> tuple[int, int]:
+            address = mask.data_ptr()  # the closure must hold the mask: the engine writes through a raw pointer
+            start = clock()
+            matcher.unsafe_compute_mask_ptr(address, num_bytes)
+            filled = clock()
+            matcher.consume_token(token)
+            return filled - start, clock() - filled
+
+        return llguidance_step
+
+    def outlines_step(token: int) -> tuple[int, int]:
+        address = mask.data_ptr()
+        start = clock()
+        matcher.write_mask_into(address, num_words, 4)
+        filled = clock()
+        matcher.advance(token, return_tokens=False)
+        return filled - start, clock() - filled
+
+    return outlines_step
+
+
+def walk_interleaved(ours: Step, raw: Step, tokens: list[int], first_is_ours: bool, walks: Walks) -> None:
+    for index, token in enumerate(tokens):
+        order = ((ours, walks.ours_fill, walks.ours_accept), (raw, walks.raw_fill, walks.raw_accept))
+        for step, fills, accepts in order if (index % 2 == 0) == first_is_ours else order[::-1]:
+            fill_ns, accept_ns = step(token)
+            fills.append(fill_ns)
+            accepts.append(accept_ns)
+
+
+def cpu_pressure() -> float | None:
+    """Share of the last minute in which a runnable task waited for a CPU (Linux PSI ``some avg60``), or None.
+
+    The 2 cores are shared with other sessions: this says how contended a run was.
+    """
+    try:
+        fields = Path("/proc/pressure/cpu").read_text().split()
+    except OSError:
+        return None
+    return float(fields[2].removeprefix("avg60=")) / 100
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else math.nan
+
+
+def summarise(walks: Walks, compile_s: list[float], errors: list[str], num_cases: int) -> dict[str, Any]:
+    ours = [f + a for f, a in zip(walks.ours_fill, walks.ours_accept, strict=True)]
+    raw = [f + a for f, a in zip(walks.raw_fill, walks.raw_accept, strict=True)]
+    us = 1e-3
+
+    def median(values: list[int]) -> float:
+        return statistics.median(values) * us if values else math.nan
+
+    return {
+        "schemas": num_cases,
+        "compiled": num_cases - len(errors),
+        "compile_p50_ms": percentile(compile_s, 50) * 1e3,
+        "compile_p99_ms": percentile(compile_s, 99) * 1e3,
+        "compile_errors": errors,
+        "instances": walks.num_instances,
+        "instances_cut_at_rejection": walks.num_partial,
+        "tokens": len(ours),
+        "ours_median_us": median(ours),
+        "ours_p99_us": percentile(ours, 99) * us,
+        "raw_median_us": median(raw),
+        "raw_p99_us": percentile(raw, 99) * us,
+        "ours_fill_median_us": median(walks.ours_fill),
+        "raw_fill_median_us": median(walks.raw_fill),
+        "ours_accept_median_us": median(walks.ours_accept),
+        "raw_accept_median_us": median(walks.raw_accept),
+        "ratio_median": median(ours) / median(raw) if raw else math.nan,
+        "ratio_total": sum(ours) / sum(raw) if raw else math.nan,
+    }
+
+
+def compile_grammar(backend: BaseGrammarBackend, key: tuple[str, str], timeout_s: float) -> tuple[Any, float]:
+    """(grammar or an error string, wall seconds) through the backend's cache-and-future path.
+
+    Wall seconds include the hand-off to the backend's compile thread (tens of µs).
+    """
+    start = time.perf_counter()
+    value, _ = backend.get_cached_or_future_value(key)
+    try:
+        grammar = value if isinstance(value, BaseGrammarObject) else value.result(timeout=timeout_s)
+    except FutureTimeoutError:
+        backend.discard_pending(key)
+        return f"no compile within {timeout_s:g} s", time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return (grammar.error_message[:120] if isinstance(grammar, InvalidGrammarObject) else grammar), seconds
+
+
+def bench_backend(
+    backend: BaseGrammarBackend, setup: TokenizerSetup, cases: list[MaskBenchCase], args: argparse.Namespace
+) -> dict[str, Any]:
+    walks, compile_s, errors = Walks(), [], []
+    for case_index, case in enumerate(cases):
+        key = make_grammar_key("json", case.schema)
+        grammar, seconds = compile_grammar(backend, key, args.compile_timeout)
+        if isinstance(grammar, str):
+            errors.append(f"{case.folder}/{case.name}: {grammar}")
+            continue
+        compile_s.append(seconds)
+        for instance_index, text in enumerate(case.valid_instances[: args.max_instances]):
+            tokens = setup.encode(text)
+            num_valid = grammar.copy().validate_tokens(tokens)
+            walks.num_instances += 1
+            walks.num_partial += num_valid < len(tokens)
+            ours = our_step(grammar.copy(), setup.vocab_size)
+            raw = raw_step(raw_matcher(backend, grammar, key[1]), setup.vocab_size)
+            walk_interleaved(ours, raw, tokens[:num_valid], (case_index + instance_index) % 2 == 0, walks)
+    return summarise(walks, compile_s, errors, len(cases))
+
+
+def make_backend(server_args: ServerArgs, name: str, setup: TokenizerSetup) -> BaseGrammarBackend:
+    """The grammar backend ``name`` as the scheduler would build it for this tokenizer."""
+    backend = create_grammar_backend(
+        server_args.with_overrides(grammar_backend=name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
+    )
+    if backend is None:
+        raise ValueError(f"backend {name} applies no constraints: nothing to measure")
+    return backend
+
+
+def sample_cases(root: Path, per_folder: int | None) -> list[MaskBenchCase]:
+    """``per_folder`` schemas spread evenly over each folder's files in name order (all of them with None)."""
+    cases = []
+    for folder in FOLDERS:
+        num_files = len(list((root / folder).glob("*.json")))
+        stride = 1 if per_folder is None else max(1, num_files // per_folder)
+        cases += [load_case(path) for path in iter_case_paths(root, folder, per_folder, stride)]
+    return cases
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=REPO / "tests" / "data" / "maskbench")
+    parser.add_argument("--per-folder", type=int, default=8, help="schemas per folder; 0 for all")
+    parser.add_argument("--max-instances", type=int, default=3, help="valid instances walked per schema")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--tokenizers", nargs="+", default=list(TOKENIZER_SETUPS), choices=TOKENIZER_SETUPS)
+    parser.add_argument("--compile-timeout", type=float, default=60.0, help="seconds before a compile counts as failed")
+    parser.add_argument("--output", type=Path, default=REPO / "results" / "bench_grammar.json")
+    args = parser.parse_args(argv)
+    cases = sample_cases(args.data, args.per_folder or None)
+    server_args = ServerArgs()
+    print(
+        f"{len(cases)} schemas from {args.data}; torch threads {torch.get_num_threads()}; CPU pressure {cpu_pressure()}"
+    )
+    print(
+        f"{'tokenizer':>9} {'backend':>10} {'compiled':>9} {'c.p50ms':>8} {'c.p99ms':>8} {'tokens':>6} "
+        f"{'ours.med':>8} {'raw.med':>8} {'ours.p99':>8} {'raw.p99':>8} {'med o/r':>7} {'tot o/r':>7}  (µs per token)"
+    )
+    results = []
+    for tokenizer_name in args.tokenizers:
+        setup = load_tokenizer_setup(tokenizer_name, server_args.cache_path)
+        for backend_name in args.backends:
+            started = time.perf_counter()
+            backend = make_backend(server_args, backend_name, setup)
+            build_s = time.perf_counter() - started
+            row = {"tokenizer": tokenizer_name, "backend": backend_name, "backend_build_s": build_s}
+            row |= bench_backend(backend, setup, cases, args)
+            row |= {"load_average_1min": os.getloadavg()[0], "cpu_pressure_avg60": cpu_pressure()}
+            backend.shutdown()
+            results.append(row)
+            print(
+                f"{tokenizer_name:>9} {backend_name:>10} {row['compiled']:>4}/{row['schemas']:<4} "
+                f"{row['compile_p50_ms']:>8.1f} {row['compile_p99_ms']:>8.0f} {row['tokens']:>6} "
+                f"{row['ours_median_us']:>8.2f} {row['raw_median_us']:>8.2f} {row['ours_p99_us']:>8.1f} "
+                f"{row['raw_p99_us']:>8.1f} {row['ratio_median']:>7.3f} {row['ratio_total']:>7.3f}"
+            )
+    for row in results:
+        verdict = "ok" if row["ratio_median"] <= 1.05 else "MISS (target <= 1.05)"
+        print(
+            f"ratio ours/raw per-token mask+accept {row['backend']} {row['tokenizer']}: "
+            f"median {row['ratio_median']:.3f}, total {row['ratio_total']:.3f} ({verdict}); "
+            f"fill {row['ours_fill_median_us']:.2f} vs {row['raw_fill_median_us']:.2f} µs, "
+            f"accept {row['ours_accept_median_us']:.2f} vs {row['raw_accept_median_us']:.2f} µs"
+        )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "data": str(args.data),
+        "per_folder": args.per_folder,
+        "max_instances": args.max_instances,
+        "versions": {name: version(name) for name in ("torch", "xgrammar", "llguidance", "outlines-core")},
+        "results": results,
+    }
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Serving cost of constraints: free, JSON-schema and regex requests on the embedded model, side by side.
+
+Starts ``python -m scheduler.launch`` on a free loopback port, then at each concurrency level runs the same
+prompts (chat prompts that ask for JSON) as free, JSON-schema and regex requests, the kinds taking turns in
+rotated order for ``--rounds`` rounds, each with ``concurrency`` streams in flight. Per kind: output tokens/s
+(all output tokens over the kind's wall time), time to first token, time per output token after the first,
+average output length, and the share of outputs that validate (``jsonschema`` / ``re.fullmatch``; outputs cut
+by the token limit are counted apart, as not valid). Forwards per output token are counted from the stream:
+the scheduler sends one chunk per step in which a request gained tokens, and each such step is one model
+forward that request took part in. ``--profile`` runs the scheduler under cProfile and prints where its time went.
+
+    python scripts/bench_serving.py [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pstats
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from bench_grammar import cpu_pressure
+
+from scheduler.client import AsyncSchedulerClient
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("free", "json", "regex")
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
+PERSON_REGEX = (
+    r'\{"name": "[A-Z][a-z]{1,12}( [A-Z][a-z]{1,12})?", "age": (0|[1-9][0-9]?), '
+    r'"city": "[A-Z][a-z]{1,15}( [A-Z][a-z]{1,15})?", "hobbies": \["[a-z ]{3,20}"(, "[a-z ]{3,20}"){0,3}\]\}'
+)
+PROMPTS = (
+    "Describe a fictional person as JSON with name, age, city and hobbies.",
+    "Give me a JSON object for a chess player: name, age, city, hobbies.",
+    "Invent a baker from Lyon. Answer in JSON with name, age, city and hobbies.",
+    "Return JSON describing a retired sailor (name, age, city, hobbies).",
+    "Create a JSON profile of a young painter with name, age, city and hobbies.",
+    "Output a JSON record for a marathon runner: name, age, city, hobbies.",
+    "Make up a librarian and describe them in JSON (name, age, city, hobbies).",
+    "Write a JSON object about a gardener: name, age, city and a list of hobbies.",
+)
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    kind: str
+    text: str
+    num_tokens: int
+    num_chunks: int
+    finish: str
+    ttft_s: float
+    tpot_s: float | None
+
+
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "free": {},
+    "json": {"json_schema": PERSON_SCHEMA},
+    "regex": {"regex": PERSON_REGEX},
+}
+
+
+def is_valid(kind: str, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(PERSON_REGEX, text) is not None
+    try:
+        jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+async def run_one(client: AsyncSchedulerClient, kind: str, index: int, max_new_tokens: int) -> Outcome:
+    params = {"temperature": 0.7, "max_new_tokens": max_new_tokens, "seed": index, **CONSTRAINTS[kind]}
+    messages = [{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}]
+    start = time.perf_counter()
+    first = last = None
+    text, num_tokens, num_chunks, finish = "", 0, 0, "none"
+    async for output in client.stream(messages=messages, sampling_params=params):
+        now = time.perf_counter()
+        if output.token_ids:
+            first = first or now
+            last = now
+            num_chunks += 1
+            num_tokens += len(output.token_ids)
+        text += output.text
+        if output.finished and output.finish_reason is not None:
+            finish = output.finish_reason.type
+    ttft = (first or time.perf_counter()) - start
+    tpot = (last - first) / (num_tokens - 1) if first and last and num_tokens > 1 else None
+    return Outcome(kind, text, num_tokens, num_chunks, finish, ttft, tpot)
+
+
+async def run_kind(
+    client: AsyncSchedulerClient, kind: str, concurrency: int, num_requests: int, max_new_tokens: int
+) -> tuple[list[Outcome], float]:
+    """``num_requests`` requests of one kind with ``concurrency`` in flight; returns outcomes and wall seconds."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(index: int) -> Outcome:
+        async with gate:
+            return await run_one(client, kind, index, max_new_tokens)
+
+    start = time.perf_counter()
+    outcomes = await asyncio.gather(*(gated(i) for i in range(num_requests)))
+    return list(outcomes), time.perf_counter() - start
+
+
+def summarise(kind: str, outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
+    tokens = sum(o.num_tokens for o in outcomes)
+    tpots = [o.tpot_s for o in outcomes if o.tpot_s is not None]
+    completed = [o for o in outcomes if o.finish == "stop"]
+    row: dict[str, Any] = {
+        "kind": kind,
+        "requests": len(outcomes),
+        "output_tokens_per_s": tokens / wall_s,
+        "ttft_median_ms": statistics.median(o.ttft_s for o in outcomes) * 1e3,
+        "tpot_median_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
+        "avg_output_tokens": tokens / len(outcomes),
+        "forwards_per_output_token": sum(o.num_chunks for o in outcomes) / max(tokens, 1),
+        "cut_by_length": sum(o.finish == "length" for o in outcomes),
+        "aborted": sum(o.finish not in ("stop", "length") for o in outcomes),
+    }
+    row["samples"] = [o.text for o in outcomes[:2]]
+    if kind != "free":
+        row["valid"] = sum(is_valid(kind, o.text) for o in completed)
+        row["valid_share"] = row["valid"] / len(outcomes)
+    return row
+
+
+async def bench(endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    client = AsyncSchedulerClient(endpoint)
+    pong = await client.wait_until_ready(timeout_s=600)
+    print(f"scheduler ready: {pong.model}, grammar backend {pong.grammar_backend}, vocab {pong.vocab_size}")
+    for kind in KINDS:  # compile and cache the grammars, warm every path once
+        await run_one(client, kind, 0, 4)
+    rows = []
+    for concurrency in args.concurrency:
+        num_requests = max(args.min_requests, args.waves * concurrency)
+        collected: dict[str, tuple[list[Outcome], float]] = {kind: ([], 0.0) for kind in KINDS}
+        round_tpots: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for round_index in range(args.rounds):
+            order = KINDS[round_index % 3 :] + KINDS[: round_index % 3]
+            for kind in order if round_index % 2 == 0 else order[::-1]:
+                outcomes, wall_s = await run_kind(client, kind, concurrency, num_requests, args.max_new_tokens)
+                previous, previous_s = collected[kind]
+                collected[kind] = (previous + outcomes, previous_s + wall_s)
+                round_tpots[kind].append(statistics.median(o.tpot_s or math.nan for o in outcomes))
+        level = {kind: summarise(kind, *collected[kind]) for kind in KINDS}
+        for kind in KINDS:
+            rows.append(
+                {"concurrency": concurrency, **level[kind], "round_tpot_ms": [t * 1e3 for t in round_tpots[kind]]}
+            )
+            print(format_row(concurrency, level[kind]))
+        print(f"C={concurrency}: CPU pressure (share of the last minute a task waited for a core) {cpu_pressure()}")
+        for kind in ("json", "regex"):
+            paired = [free / own for free, own in zip(round_tpots["free"], round_tpots[kind], strict=True)]
+            rows[-3 + KINDS.index(kind)]["round_decode_ratios"] = paired
+            print(format_ratio(concurrency, level[kind], level["free"], statistics.median(paired)))
+    await client.close()
+    return rows
+
+
+def format_row(concurrency: int, row: dict[str, Any]) -> str:
+    valid = f"valid {row['valid']}/{row['requests']}" if "valid" in row else f"{'':>12}"
+    return (
+        f"C={concurrency:<3} {row['kind']:>5}: {row['output_tokens_per_s']:7.1f} tok/s"
+        f"  TTFT {row['ttft_median_ms']:7.1f} ms  TPOT {row['tpot_median_ms']:6.1f} ms"
+        f"  avg len {row['avg_output_tokens']:5.1f}  {valid}"
+        f"  cut {row['cut_by_length']}  aborted {row['aborted']}  forwards/token {row['forwards_per_output_token']:.3f}"
+    )
+
+
+def format_ratio(concurrency: int, row: dict[str, Any], free: dict[str, Any], paired_decode: float) -> str:
+    """``paired_decode``: the median over rounds of free TPOT / constrained TPOT, each pair run back to back."""
+    verdict = "ok" if paired_decode >= 0.95 else "MISS (target >= 0.95)"
+    return (
+        f"ratio {row['kind']}/free at C={concurrency}: decode throughput (1/TPOT) median of rounds "
+        f"{paired_decode:.3f} ({verdict}), pooled {free['tpot_median_ms'] / row['tpot_median_ms']:.3f}; "
+        f"output tok/s {row['output_tokens_per_s'] / free['output_tokens_per_s']:.3f}; "
+        f"TTFT {row['ttft_median_ms'] / free['ttft_median_ms']:.3f}"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+STEP_PARTS = (
+    ("step (whole loop turn)", "scheduler/scheduler.py", "step"),
+    ("model forward", "scheduler/model_runner.py", "_forward"),
+    ("mask fill (update_regex_vocab_mask)", "scheduler/sampling_batch_info.py", "update_regex_vocab_mask"),
+    ("mask apply (apply_logits_bias)", "scheduler/sampling_batch_info.py", "apply_logits_bias"),
+    ("sampling tensors (prepare)", "scheduler/sampling_batch_info.py", "prepare"),
+    ("sample", "scheduler/sampler.py", "sample"),
+    ("accept token, text, stop checks (_accept)", "scheduler/scheduler.py", "_accept"),
+    ("stream chunks (_send_progress)", "scheduler/scheduler.py", "_send_progress"),
+    ("finish (_finish)", "scheduler/scheduler.py", "_finish"),
+    ("grammar admission (get_ready_grammar_requests)", "scheduler/grammar_manager.py", "get_ready_grammar_requests"),
+)
+
+
+def print_profile(path: Path, limit: int) -> dict[str, dict[str, float]]:
+    """Where the scheduler's loop spent its time (cumulative seconds per part), then its heaviest functions."""
+    stats = pstats.Stats(str(path), stream=sys.stdout)
+    cumulative = {(file, name): (calls, seconds) for (file, _, name), (_, calls, _, seconds, _) in stats.stats.items()}  # type: ignore[attr-defined]
+    parts = {}
+    for label, suffix, name in STEP_PARTS:
+        found = [value for (file, function), value in cumulative.items() if function == name and file.endswith(suffix)]
+        calls, seconds = found[0] if found else (0, 0.0)
+        parts[label] = {"calls": calls, "seconds": seconds}
+    step_s = parts[STEP_PARTS[0][0]]["seconds"] or float("nan")
+    print("scheduler time by part (cProfile, cumulative; its overhead inflates Python-heavy parts):")
+    for label, part in parts.items():
+        per_call = part["seconds"] / part["calls"] * 1e3 if part["calls"] else 0.0
+        print(
+            f"  {label:<48} {part['seconds']:8.2f} s  {part['calls']:>7} calls  {per_call:8.3f} ms/call"
+            f"  {part['seconds'] / step_s:6.1%} of step"
+        )
+    stats.sort_stats("tottime").print_stats(limit)
+    return parts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="xgrammar", help="--grammar-backend of the scheduler")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-new-tokens", type=int, default=72)
+    parser.add_argument("--waves", type=int, default=1, help="requests per kind and round = waves x concurrency")
+    parser.add_argument("--min-requests", type=int, default=2, help="at least this many requests per kind and round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds over the three kinds, in rotated order")
+    parser.add_argument("--profile", action="store_true", help="run the scheduler under cProfile and print the top")
+    parser.add_argument("--output", type=Path, default=None, help="default: results/bench_serving_<backend>.json")
+    args = parser.parse_args(argv)
+    results_dir = REPO / "results"
+    results_dir.mkdir(exist_ok=True)
+    output = args.output or results_dir / f"bench_serving_{args.backend}.json"
+    port = free_port()
+    launch = ["-m", "scheduler.launch", "--zmq-port", str(port), "--grammar-backend", args.backend]
+    launch += ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
+    profile_path = results_dir / f"bench_serving_{args.backend}.prof"
+    prefix = ["-m", "cProfile", "-o", str(profile_path)] if args.profile else []
+    log_path = results_dir / f"bench_serving_{args.backend}.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen([sys.executable, *prefix, *launch], cwd=REPO, stderr=log)
+        try:
+            rows = asyncio.run(bench(f"tcp://127.0.0.1:{port}", args))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
+    report = {"backend": args.backend, "max_new_tokens": args.max_new_tokens, "profiled": args.profile}
+    report |= {
+        "load_average_1min": os.getloadavg()[0],
+        "cpu_pressure_avg60": cpu_pressure(),
+        "schema": PERSON_SCHEMA,
+        "regex": PERSON_REGEX,
+        "rows": rows,
+    }
+    if args.profile:
+        report["profile"] = print_profile(profile_path, limit=25)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output} (scheduler log: {log_path})")
+
+
+if __name__ == "__main__":
+    main()
