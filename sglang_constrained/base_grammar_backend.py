@@ -289,6 +289,14 @@ class BaseGrammarBackend:
         return InvalidGrammarObject(f"the {self.name} grammar backend does not support {key_type} constraints")
 
 
+def common_prefix_length(old_ids: list[int], new_ids: list[int]) -> int:
+    """How many leading ids two token lists share (where ``jump_and_retokenize`` rolls back to)."""
+    for position, (old, new) in enumerate(zip(old_ids, new_ids, strict=False)):
+        if old != new:
+            return position
+    return min(len(old_ids), len(new_ids))
+
+
 def _copy_with_stats(grammar: BaseGrammarObject, is_cache_hit: bool) -> BaseGrammarObject:
     copied = grammar.copy()
     if grammar.grammar_stats is not None and copied is not grammar:

@@ -28,6 +28,7 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarObject,
     GrammarBackendArgs,
     TokenRejectedError,
+    common_prefix_length,
 )
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
@@ -159,11 +160,7 @@ class GuidanceGrammar(BaseGrammarObject):
 
         Raises ``TokenRejectedError`` with the state unchanged if the grammar disallows the new ids.
         """
-        common = 0
-        for old, new in zip(old_output_ids, new_output_ids, strict=False):
-            if old != new:
-                break
-            common += 1
+        common = common_prefix_length(old_output_ids, new_output_ids)
         self.rollback(len(old_output_ids) - common)
         suffix = new_output_ids[common:]
         num_valid = len(suffix) if self.is_terminated() else self.validate_tokens(suffix)

@@ -16,6 +16,7 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     InvalidGrammarObject,
+    common_prefix_length,
     map_future,
 )
 from sglang_constrained.constraint_spec import GrammarKey
@@ -128,11 +129,7 @@ class ReasonerGrammarObject(BaseGrammarObject):
         """Only valid after think-end: the ids are the inner grammar's tail of the output."""
         if self.is_thinking:
             raise ValueError("cannot jump forward while the model is thinking")
-        common = 0
-        while (
-            common < min(len(old_output_ids), len(new_output_ids)) and old_output_ids[common] == new_output_ids[common]
-        ):
-            common += 1
+        common = common_prefix_length(old_output_ids, new_output_ids)
         self.rollback(len(old_output_ids) - common)
         for token in new_output_ids[common:]:
             self.accept_token(token)

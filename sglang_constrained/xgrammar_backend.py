@@ -24,6 +24,7 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarObject,
     GrammarBackendArgs,
     TokenRejectedError,
+    common_prefix_length,
 )
 from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
 from sglang_constrained.schema_features import (
@@ -234,11 +235,7 @@ class XGrammarGrammar(BaseGrammarObject):
         Rolls back to the common prefix and accepts the rest. If a new token is rejected the grammar is put
         back where it was and ``TokenRejectedError`` is raised.
         """
-        common = 0
-        for old, new in zip(old_output_ids, new_output_ids, strict=False):
-            if old != new:
-                break
-            common += 1
+        common = common_prefix_length(old_output_ids, new_output_ids)
         self.rollback(len(old_output_ids) - common)
         for num_accepted, token in enumerate(new_output_ids[common:]):
             if not self.matcher.accept_token(token):
