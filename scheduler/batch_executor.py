@@ -1,27 +1,24 @@
 """One batch of the loop: forward, mask, sample, accept each token, decide who finished.
 
-On several ranks every rank runs the same batch; rank 0's sampled tokens are broadcast so that every rank's
-grammars advance with the same token, and per-request failures are agreed (failed on any rank, failed on all)
-together with a check that every rank ran the same batch.
+The executor owns the model runner: the scheduler asks it for KV-cache slots and to run prefill and decode
+batches, and it calls the model; nothing calls back up. On several ranks every rank runs the same batch; rank 0's
+sampled tokens and every rank's per-request failures are agreed through ``RankSync``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
-from scheduler.distributed import DistributedContext, RankFailureError
-from scheduler.model_runner import ModelRunner
+from scheduler.model.runner import ModelRunner
+from scheduler.rank_sync import RankSync
 from scheduler.request import Req
 from scheduler.sampler import sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
-from sglang_constrained.base_grammar_backend import TokenRejectedError
+from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)
-
-Forward = Callable[[list[Req]], torch.Tensor]
 
 
 class BatchExecutor:
@@ -30,37 +27,64 @@ class BatchExecutor:
         model_runner: ModelRunner,
         sampling_info: SamplingBatchInfo,
         generator: torch.Generator,
-        dist: DistributedContext | None = None,
+        rank_sync: RankSync | None = None,
     ) -> None:
         self.model_runner = model_runner
         self.sampling_info = sampling_info
         self.generator = generator
-        self.dist = dist
+        self.rank_sync = rank_sync
         self.num_batches = 0
 
-    def run(self, batch: list[Req], forward: Forward) -> None:
-        """Advance every request of ``batch`` by one token; a failure aborts its request only (on every rank)."""
+    @property
+    def num_free_slots(self) -> int:
+        return self.model_runner.num_free_slots
+
+    def allocate_slot(self, req: Req) -> None:
+        """Give ``req`` an empty KV-cache slot (check ``num_free_slots`` first)."""
+        req.slot = self.model_runner.allocate_slot()
+
+    def release_slot(self, req: Req) -> None:
+        if req.slot is not None:
+            self.model_runner.free_slot(req.slot)
+            req.slot = None
+
+    def prefill(self, batch: list[Req]) -> None:
+        """Run the prompts of newly scheduled requests and sample each one's first token."""
+        self._run(batch, is_prefill=True)
+
+    def decode(self, batch: list[Req]) -> None:
+        """Advance every running request of ``batch`` by one token."""
+        self._run(batch, is_prefill=False)
+
+    def _run(self, batch: list[Req], is_prefill: bool) -> None:
+        """A failure aborts its request only (on every rank)."""
         self.num_batches += 1
-        tokens, failures = self._forward_and_sample(batch, forward)
-        if self.dist is not None:
-            tokens = self.dist.broadcast_tokens(tokens)
+        tokens, failures = self._forward_and_sample(batch, is_prefill)
+        if self.rank_sync is not None:
+            tokens = self.rank_sync.leader_tokens(tokens)
         for req, token in zip(batch, tokens, strict=True):
             if req.rid in failures:
                 continue
             failure = self._accept(req, token)
             if failure is not None:
                 failures[req.rid] = failure
-        if self.dist is not None:
-            failures = self._agree(batch, failures)
+        if self.rank_sync is not None:
+            failures = self.rank_sync.agree_batch_failures([req.rid for req in batch], failures)
         for req in batch:
             if req.rid in failures:
                 req.abort(failures[req.rid])
 
-    def _forward_and_sample(self, batch: list[Req], forward: Forward) -> tuple[list[int | None], dict[str, str]]:
+    def _forward(self, batch: list[Req], is_prefill: bool) -> torch.Tensor:
+        slots = [_slot(req) for req in batch]
+        if is_prefill:
+            return self.model_runner.prefill(slots, [req.prompt_ids for req in batch])
+        return self.model_runner.decode(slots, [req.output_ids[-1] for req in batch])
+
+    def _forward_and_sample(self, batch: list[Req], is_prefill: bool) -> tuple[list[int | None], dict[str, str]]:
         info = self.sampling_info
         try:
             with torch.inference_mode():
-                logits = forward(batch)
+                logits = self._forward(batch, is_prefill)
                 info.prepare(batch)
                 info.update_regex_vocab_mask()
                 info.apply_logits_bias(logits)
@@ -108,21 +132,8 @@ class BatchExecutor:
         elif len(req.prompt_ids) + len(req.output_ids) >= max_seq_len:
             req.finish("length", message=f"reached the context limit of {max_seq_len} tokens")
 
-    def _agree(self, batch: list[Req], failures: dict[str, str]) -> dict[str, str]:
-        """Failures of any rank, with the lowest rank's message; raises if the ranks ran different batches."""
-        assert self.dist is not None
-        rids = [req.rid for req in batch]
-        gathered = self.dist.all_gather((rids, failures))
-        if any(rank_rids != rids for rank_rids, _ in gathered):
-            raise RankFailureError(
-                f"rank {self.dist.rank}: the ranks ran different batches: {[g[0] for g in gathered]}"
-            )
-        agreed: dict[str, str] = {}
-        for _, rank_failures in gathered:
-            for rid, message in rank_failures.items():
-                agreed.setdefault(rid, message)
-        if agreed.keys() != failures.keys():
-            logger.info(
-                "rank %d: requests failed on another rank: %s", self.dist.rank, sorted(agreed.keys() - failures.keys())
-            )
-        return agreed
+
+def _slot(req: Req) -> int:
+    if req.slot is None:
+        raise RuntimeError(f"request {req.rid} is scheduled without a KV-cache slot")
+    return req.slot

@@ -1,9 +1,10 @@
 """Admission of constrained requests: compile off the loop, admit when ready, fail with a clear reason.
 
 Requests whose grammar is a cache hit (or who have none) are admitted at once; the others wait in
-``grammar_queue`` while the backend compiles on its thread pool. Nothing here sleeps: the loop asks
-``get_ready_grammar_requests`` each turn, and a finished compile wakes the idle loop through ``wakeup_fd``.
-On several ranks the verdicts are agreed over a CPU process group: ready on every rank, failed on any rank.
+``grammar_queue`` while the backend's compile service compiles (and enforces the compile deadline). Nothing here
+sleeps: the loop asks ``get_ready_grammar_requests`` each turn, and a compile that finishes or times out wakes the
+idle loop through ``wakeup_fd``. On several ranks the verdicts are agreed through ``RankSync``: ready on every
+rank, failed on any rank.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.errors import CompileTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +29,8 @@ GRAMMAR_BACKEND_NONE_MESSAGE = (
 
 
 class GrammarManager:
-    def __init__(
-        self, grammar_backend: BaseGrammarBackend | None, compile_timeout_s: float, rank_sync: RankSync | None = None
-    ) -> None:
+    def __init__(self, grammar_backend: BaseGrammarBackend | None, rank_sync: RankSync | None = None) -> None:
         self.grammar_backend = grammar_backend
-        self.compile_timeout_s = compile_timeout_s
         self.rank_sync = rank_sync
         self.grammar_queue: list[Req] = []
         self._wakeup_read, self._wakeup_write = os.pipe()
@@ -61,7 +60,7 @@ class GrammarManager:
         req.grammar = value
         req.grammar_cache_hit = cache_hit
         if isinstance(value, Future):
-            req.grammar_deadline = time.monotonic() + self.compile_timeout_s
+            req.grammar_queued_at = time.monotonic()
             value.add_done_callback(self._wake_up)
             self.grammar_queue.append(req)
             return True
@@ -76,7 +75,7 @@ class GrammarManager:
             return []
         ready, failures = self._local_verdicts()
         if self.rank_sync is not None:
-            ready, failures = self.rank_sync.agree(ready, failures)
+            ready, failures = self.rank_sync.agree_grammars(ready, failures)
         leaving: list[Req] = []
         waiting: list[Req] = []
         for req in self.grammar_queue:
@@ -99,34 +98,28 @@ class GrammarManager:
             req.abort("aborted by the client")
         return aborted
 
-    def time_to_next_deadline(self) -> float | None:
-        """Seconds until the earliest compile deadline in the queue (None when nothing is compiling)."""
-        deadlines = [req.grammar_deadline for req in self.grammar_queue if req.grammar_deadline is not None]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-
     def close(self) -> None:
         os.close(self._wakeup_read)
         os.close(self._wakeup_write)
 
     def _local_verdicts(self) -> tuple[set[str], dict[str, GrammarFailure]]:
         """This rank's view: compiled and valid, failed (invalid, cancelled, past the deadline), or pending."""
-        now = time.monotonic()
         ready: set[str] = set()
         failures: dict[str, GrammarFailure] = {}
         for req in self.grammar_queue:
             future = _compiling(req)
+            if not future.done():
+                continue
             if future.cancelled():
                 failures[req.rid] = GrammarFailure("the grammar backend was reset while compiling", False)
-            elif future.done():
-                grammar = future.result()
-                if isinstance(grammar, InvalidGrammarObject):
-                    failures[req.rid] = GrammarFailure(_compile_error_message(req, grammar), True)
-                else:
-                    ready.add(req.rid)
-            elif req.grammar_deadline is not None and now > req.grammar_deadline:
-                failures[req.rid] = GrammarFailure(
-                    f"Grammar compilation timed out after {self.compile_timeout_s:g} s", False
-                )
+            elif isinstance(error := future.exception(), CompileTimeoutError):
+                failures[req.rid] = GrammarFailure(str(error), False)
+            elif error is not None:
+                failures[req.rid] = GrammarFailure(f"the grammar backend failed: {error}", False)
+            elif isinstance(grammar := future.result(), InvalidGrammarObject):
+                failures[req.rid] = GrammarFailure(_compile_error_message(req, grammar), True)
+            else:
+                ready.add(req.rid)
         return ready, failures
 
     def _admit(self, req: Req) -> None:
@@ -134,14 +127,13 @@ class GrammarManager:
         grammar = _compiling(req).result()
         self.grammar_backend.set_cache(req.grammar_key, grammar.copy())
         req.grammar = grammar
-        if req.grammar_deadline is not None:
-            waited = time.monotonic() - (req.grammar_deadline - self.compile_timeout_s)
-            logger.info("request %s: grammar ready after %.2f s", req.rid, waited)
+        if req.grammar_queued_at is not None:
+            logger.info("request %s: grammar ready after %.2f s", req.rid, time.monotonic() - req.grammar_queued_at)
 
     def _fail(self, req: Req, failure: GrammarFailure) -> None:
         assert req.grammar_key is not None and self.grammar_backend is not None
         future = _compiling(req)
-        if failure.is_compile_error and future.done() and not future.cancelled():
+        if failure.is_compile_error:
             self.grammar_backend.set_cache(req.grammar_key, future.result())
         else:
             self.grammar_backend.discard_pending(req.grammar_key)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from types import FrameType
 
 from scheduler.distributed import DistributedContext, RankFailureError, destroy_distributed, init_distributed
-from scheduler.http_server import start_http_frontend
+from scheduler.http.server import start_http_frontend
 from scheduler.ipc import SchedulerIPC
-from scheduler.model_runner import ModelRunner
+from scheduler.model.runner import ModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs
 

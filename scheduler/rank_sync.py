@@ -1,10 +1,17 @@
-"""Cross-rank agreement on grammar verdicts: ready on every rank, failed on any rank."""
+"""Cross-rank agreement, in one place: grammar verdicts, sampled tokens, and per-request failures of a batch.
+
+Every rank runs the same loop on the same messages; what each rank decides on its own (a compile finished or
+timed out, a grammar failed on a token) is agreed here so that every rank takes the same decision.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from scheduler.distributed import DistributedContext
+from scheduler.distributed import DistributedContext, RankFailureError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -16,18 +23,24 @@ class GrammarFailure:
 
 
 class RankSync:
-    """Ready on every rank, failed on any rank; a failure's message is the lowest failing rank's.
+    """Agreement over the ranks of a ``DistributedContext``: failed on any rank, ready on every rank.
 
     Each rank judges its own deadlines with its own clock; taking the union of failures means a slow rank
-    (or a slow clock) can only make every rank fail the request together, never split the decision.
-    A compile error is cached only when every rank saw one (so caches stay identical); anything else
-    (a timeout, a failure on only some ranks) is not cached.
+    (or a slow clock) can only make every rank fail a request together, never split the decision. A failure's
+    message is the lowest failing rank's.
     """
 
     def __init__(self, context: DistributedContext) -> None:
         self.context = context
 
-    def agree(self, ready: set[str], failures: dict[str, GrammarFailure]) -> tuple[set[str], dict[str, GrammarFailure]]:
+    def agree_grammars(
+        self, ready: set[str], failures: dict[str, GrammarFailure]
+    ) -> tuple[set[str], dict[str, GrammarFailure]]:
+        """Requests whose grammar is ready on every rank, and those failed on any rank.
+
+        A compile error is cached only when every rank saw one (so caches stay identical); anything else (a
+        timeout, a failure on only some ranks) is not cached.
+        """
         local = (sorted(ready), {rid: (f.message, f.is_compile_error) for rid, f in failures.items()})
         gathered = self.context.all_gather(local)
         all_ready = set.intersection(*(set(rank_ready) for rank_ready, _ in gathered))
@@ -37,3 +50,26 @@ class RankSync:
             message = next(v[0] for v in verdicts if v is not None)
             agreed[rid] = GrammarFailure(message, all(v is not None and v[1] for v in verdicts))
         return all_ready - agreed.keys(), agreed
+
+    def leader_tokens(self, tokens: list[int | None]) -> list[int | None]:
+        """Rank 0's sampled tokens on every rank, so that every rank's grammars advance with the same token."""
+        return self.context.broadcast_tokens(tokens)
+
+    def agree_batch_failures(self, rids: list[str], failures: dict[str, str]) -> dict[str, str]:
+        """Failures of any rank for a batch of ``rids``; raises ``RankFailureError`` if ranks ran other batches."""
+        gathered = self.context.all_gather((rids, failures))
+        if any(rank_rids != rids for rank_rids, _ in gathered):
+            raise RankFailureError(
+                f"rank {self.context.rank}: the ranks ran different batches: {[g[0] for g in gathered]}"
+            )
+        agreed: dict[str, str] = {}
+        for _, rank_failures in gathered:
+            for rid, message in rank_failures.items():
+                agreed.setdefault(rid, message)
+        if agreed.keys() != failures.keys():
+            logger.info(
+                "rank %d: requests failed on another rank: %s",
+                self.context.rank,
+                sorted(agreed.keys() - failures.keys()),
+            )
+        return agreed

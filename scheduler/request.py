@@ -31,7 +31,7 @@ class Req:
     grammar_key: GrammarKey | None = None
     grammar: BaseGrammarObject | Future[BaseGrammarObject] | None = None
     grammar_cache_hit: bool | None = None
-    grammar_deadline: float | None = None
+    grammar_queued_at: float | None = None
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     text: OutputText | None = None

@@ -6,22 +6,30 @@ import torch
 
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from triton_ops import warm_up_cpu_bitmask_kernel
+from triton_ops import apply_token_bitmask_inplace, warm_up_cpu_bitmask_kernel
+from triton_ops.bitmask_format import VocabMaskLayout, reset_rows
 
 
 class SamplingBatchInfo:
     """Sampling tensors for the requests of one forward, and their vocabulary masks.
 
-    One object lives as long as the scheduler: the int32 mask buffer ``[max_batch_size, ceil(vocab / 32)]`` is
-    allocated once (by the first grammar seen, which knows its backend's layout) and reused every step.
+    One object lives as long as the scheduler: the mask buffer ``[max_batch_size, words]`` is allocated once, in
+    the grammar backend's ``mask_layout`` (None without a backend: nothing is ever masked), and reused every step.
     Only rows of active grammars are filled; rows filled in an earlier step and not now are reset to
     all-allowed, so free requests and finished grammars never see a stale mask.
     """
 
-    def __init__(self, vocab_size: int, max_batch_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+        mask_layout: VocabMaskLayout | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
         self.device = torch.device(device)
+        self.mask_layout = mask_layout
         self.reqs: list[Req] = []
         self.temperatures = torch.ones(0)
         self.top_ps = torch.ones(0)
@@ -29,13 +37,12 @@ class SamplingBatchInfo:
         self.generators: list[torch.Generator | None] = []
         self.vocab_mask: torch.Tensor | None = None
         self._mask_buffer: torch.Tensor | None = None
-        self._mask_owner: BaseGrammarObject | None = None
         self._filled_rows: set[int] = set()
         self.fill_errors: dict[int, str] = {}
 
     def warm_up(self) -> None:
         """Compile the CPU mask kernel now: its first use would otherwise stall the first batch for seconds."""
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.mask_layout is not None:
             warm_up_cpu_bitmask_kernel(self.vocab_size)
 
     def prepare(self, reqs: list[Req]) -> None:
@@ -60,10 +67,9 @@ class SamplingBatchInfo:
         if not active and not self._filled_rows:
             self.vocab_mask = None
             return
-        mask = self._buffer(active[0][1] if active else None)
+        mask = self._buffer()
         active_rows = {row for row, _ in active}
-        for row in self._filled_rows - active_rows:
-            mask[row].fill_(-1)
+        reset_rows(mask, self._filled_rows - active_rows)
         for row, grammar in active:
             assert grammar is not None
             try:
@@ -76,16 +82,14 @@ class SamplingBatchInfo:
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf in place (``logits`` is ``[batch, vocab]``)."""
-        if self.vocab_mask is None or self._mask_owner is None:
-            return
-        mask = self._mask_owner.move_vocab_mask(self.vocab_mask, logits.device)
-        self._mask_owner.apply_vocab_mask(logits, mask)
+        if self.vocab_mask is not None:
+            apply_token_bitmask_inplace(logits, self.vocab_mask.to(logits.device, non_blocking=True))
 
-    def _buffer(self, grammar: BaseGrammarObject | None) -> torch.Tensor:
+    def _buffer(self) -> torch.Tensor:
         if self._mask_buffer is None:
-            assert grammar is not None, "the first masked step has an active grammar"
-            self._mask_owner = grammar
-            self._mask_buffer = grammar.allocate_vocab_mask(self.vocab_size, self.max_batch_size, self.device)
+            if self.mask_layout is None:
+                raise RuntimeError("a grammar is active but the batch was built without a grammar backend's layout")
+            self._mask_buffer = self.mask_layout.allocate(self.max_batch_size, self.device)
         return self._mask_buffer
 
 

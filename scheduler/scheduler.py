@@ -9,7 +9,7 @@ from collections import deque
 import msgspec
 import torch
 
-from scheduler.batch_executor import BatchExecutor, Forward
+from scheduler.batch_executor import BatchExecutor
 from scheduler.distributed import DistributedContext
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
@@ -25,14 +25,15 @@ from scheduler.io_struct import (
     read_rid,
 )
 from scheduler.ipc import SchedulerIPC
-from scheduler.model_runner import ModelRunner
+from scheduler.model.runner import ModelRunner
 from scheduler.output_text import OutputText
+from scheduler.prompt_encoder import PromptEncoder
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import create_grammar_backend
 from sglang_constrained.reasoner_grammar_backend import think_end_token_id
+from sglang_constrained.registry import create_grammar_backend
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ class Scheduler:
         self, server_args: ServerArgs, model_runner: ModelRunner, dist: DistributedContext | None = None
     ) -> None:
         self.server_args = server_args
-        self.model_runner = model_runner
         self.tokenizer = model_runner.tokenizer
+        self.prompt_encoder = PromptEncoder(self.tokenizer, model_runner.vocab_size, model_runner.max_seq_len)
+        self.vocab_size = model_runner.vocab_size
         self.dist = dist
         grammar_backend = create_grammar_backend(
             server_args,
@@ -64,14 +66,16 @@ class Scheduler:
             think_end_id=think_end_token_id(self.tokenizer, server_args.reasoning_parser),
         )
         rank_sync = RankSync(dist) if dist is not None else None
-        self.grammar_manager = GrammarManager(grammar_backend, server_args.compile_timeout_s, rank_sync)
+        self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
         sampling_info = SamplingBatchInfo(
-            model_runner.vocab_size, server_args.max_running_requests, model_runner.device
+            model_runner.vocab_size,
+            server_args.max_running_requests,
+            model_runner.device,
+            grammar_backend.mask_layout if grammar_backend is not None else None,
         )
-        if grammar_backend is not None:
-            sampling_info.warm_up()
+        sampling_info.warm_up()
         generator = torch.Generator().manual_seed(server_args.seed)
-        self.executor = BatchExecutor(model_runner, sampling_info, generator, dist)
+        self.executor = BatchExecutor(model_runner, sampling_info, generator, rank_sync)
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
@@ -118,9 +122,11 @@ class Scheduler:
         decode_batch = list(self.running)
         if prefill_batch:
             self.running.extend(prefill_batch)
-            self._run(prefill_batch, self._prefill)
+            self.executor.prefill(prefill_batch)
+            self._after_batch(prefill_batch)
         if decode_batch:
-            self._run(decode_batch, self._decode)
+            self.executor.decode(decode_batch)
+            self._after_batch(decode_batch)
 
     def handle_message(self, client_id: bytes, payload: bytes) -> None:
         """Act on one client message; whatever goes wrong is answered to that client and logged."""
@@ -180,7 +186,7 @@ class Scheduler:
             params.validate()
             grammar_key = params.grammar_key()
             messages = [msgspec.structs.asdict(m) for m in message.messages] if message.messages is not None else None
-            prompt_ids = self.model_runner.encode_prompt(message.text, messages, message.input_ids)
+            prompt_ids = self.prompt_encoder.encode(message.text, messages, message.input_ids)
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, str(e))))
             return
@@ -207,20 +213,14 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[Req]:
         batch: list[Req] = []
-        while self.waiting_queue and self.model_runner.num_free_slots > len(batch):
+        while self.waiting_queue and self.executor.num_free_slots > len(batch):
             batch.append(self.waiting_queue.popleft())
         for req in batch:
-            req.slot = self.model_runner.allocate_slot()
+            self.executor.allocate_slot(req)
         return batch
 
-    def _prefill(self, batch: list[Req]) -> torch.Tensor:
-        return self.model_runner.prefill([_slot(req) for req in batch], [req.prompt_ids for req in batch])
-
-    def _decode(self, batch: list[Req]) -> torch.Tensor:
-        return self.model_runner.decode([_slot(req) for req in batch], [req.output_ids[-1] for req in batch])
-
-    def _run(self, batch: list[Req], forward: Forward) -> None:
-        self.executor.run(batch, forward)
+    def _after_batch(self, batch: list[Req]) -> None:
+        """Finish who finished; stream what is new to the others."""
         for req in batch:
             if req.finished:
                 self._finish(req)
@@ -231,9 +231,7 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
-        if req.slot is not None:
-            self.model_runner.free_slot(req.slot)
-            req.slot = None
+        self.executor.release_slot(req)
         self.live.pop(req.rid, None)
         grammar = req.ready_grammar
         if grammar is not None:
@@ -270,25 +268,18 @@ class Scheduler:
         """How long the next receive may block: not at all while there is work, else until a wake-up."""
         if self.running or self.waiting_queue or self.outbox:
             return 0.0
-        deadline = self.grammar_manager.time_to_next_deadline()
-        if deadline is not None:
-            return min(deadline, self.server_args.poll_interval_s)
+        if self.grammar_manager.grammar_queue:  # another rank's compile may finish: turn the loop to hear it
+            return self.server_args.poll_interval_s
         return IDLE_WAIT_S
 
     def _pong(self, ping_id: str) -> Pong:
         return Pong(
             model=self.server_args.model_name,
             grammar_backend=self.server_args.grammar_backend,
-            vocab_size=self.model_runner.vocab_size,
+            vocab_size=self.vocab_size,
             ping_id=ping_id,
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
-            num_free_slots=self.model_runner.num_free_slots,
+            num_free_slots=self.executor.num_free_slots,
         )
-
-
-def _slot(req: Req) -> int:
-    if req.slot is None:
-        raise RuntimeError(f"request {req.rid} is scheduled without a KV-cache slot")
-    return req.slot

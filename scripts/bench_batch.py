@@ -25,9 +25,15 @@ from typing import Any
 
 import torch
 import xgrammar
-from bench_grammar import (
+
+from scheduler.io_struct import SamplingParams
+from scheduler.request import Req
+from scheduler.sampling_batch_info import SamplingBatchInfo
+from scheduler.server_args import ServerArgs
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.testing.benchmarking import (
     BACKENDS,
-    REPO,
     compile_grammar,
     cpu_pressure,
     make_backend,
@@ -36,16 +42,10 @@ from bench_grammar import (
     raw_matcher,
     sample_cases,
 )
-
-from scheduler.io_struct import SamplingParams
-from scheduler.request import Req
-from scheduler.sampling_batch_info import SamplingBatchInfo
-from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
-from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.tokenizer_loading import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
+from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 from triton_ops import apply_token_bitmask_inplace, apply_token_bitmask_inplace_reference, warm_up_cpu_bitmask_kernel
 
+REPO = Path(__file__).resolve().parents[1]
 MIN_WALK_TOKENS = 8
 
 
@@ -113,7 +113,7 @@ def bench_fill(
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Median ms of one step's fill, ours and raw, their paired ratio, and the last mask filled (``[batch, words]``)."""
     requests = start_requests(backend, walks, batch, random.Random(batch))
-    info = SamplingBatchInfo(setup.vocab_size, max_batch_size=batch)
+    info = SamplingBatchInfo(setup.vocab_size, max_batch_size=batch, mask_layout=backend.mask_layout)
     reqs = [Req(rid=str(i), client_id=b"", prompt_ids=[0], sampling_params=SamplingParams()) for i in range(batch)]
     raw_mask = xgrammar.allocate_token_bitmask(batch, setup.vocab_size)
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         warm_up_cpu_bitmask_kernel(setup.vocab_size)
         masks: dict[int, torch.Tensor] = {}
         for backend_name in args.backends:
-            backend = make_backend(server_args, backend_name, setup)
+            backend = make_backend(server_args.with_overrides(grammar_backend=backend_name), setup)
             walks = build_walks(backend, setup, args.per_folder, args.compile_timeout)
             for batch in args.batches:
                 timing, mask = bench_fill(backend, walks, setup, batch, args.rounds)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from scheduler.model_runner import ModelRunner
+from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
 
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-from bench_grammar import cpu_pressure
 
 from scheduler.client import AsyncSchedulerClient
+from sglang_constrained.testing.benchmarking import cpu_pressure
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("free", "json", "regex")

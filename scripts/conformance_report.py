@@ -1,35 +1,48 @@
 """Conformance figures per backend and tokenizer over MaskBench: the same checks the conformance tests run.
 
-    python scripts/conformance_report.py                    # the suite's cases (tests/data/maskbench)
+    python scripts/conformance_report.py                    # the suite's cases (tests/data/maskbench), all of them
     python scripts/conformance_report.py --data ../shared/data/jsonschemabench/maskbench --limit 200
+    python scripts/conformance_report.py --write-known-refusals   # re-record the suite's known_refusals.json
 
-Prints, per backend and tokenizer: schemas compiled / total, valid instances fully accepted / total and invalid
-instances rejected / total (over compiled schemas), and writes the details to results/conformance.json.
+Prints, per backend and tokenizer and then per folder: schemas compiled / total, valid instances fully accepted /
+total and invalid instances rejected / total (over compiled schemas), and the seconds compiles and walks took;
+then the refusals grouped by reason, and the cases that cost the backends most (the conformance test keeps those
+out of its default sample). Where the data folder holds known_refusals.json and known_deviations.json (the
+suite's does), every case is judged as the conformance test judges it: each disagreement is printed on a line
+starting with "!!" and the exit status is 1. Details go to results/conformance.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import create_grammar_backend
-from sglang_constrained.conformance import check_constraint
-from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.maskbench import iter_case_paths, load_case
-from sglang_constrained.tokenizer_loading import TOKENIZER_SETUPS, load_tokenizer_setup
+from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.testing.conformance import (
+    KNOWN_DEVIATIONS_FILE,
+    KNOWN_REFUSALS_FILE,
+    ConformanceResult,
+    KnownOutcomes,
+    MaskBenchSweep,
+    known_refusals_from,
+    refusal_reason,
+)
+from sglang_constrained.testing.maskbench import MaskBenchCase, iter_case_paths, load_case
+from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("xgrammar", "llguidance", "outlines")
+ROW = "{:<11} {:<9} {:<15} {:>13} {:>16} {:>18} {:>7}"
 
 
 @dataclass
-class Totals:
-    backend: str
-    tokenizer: str
+class Tally:
     num_schemas: int = 0
     num_compiled: int = 0
     num_valid: int = 0
@@ -37,67 +50,179 @@ class Totals:
     num_invalid: int = 0
     num_invalid_rejected: int = 0
     seconds: float = 0.0
+
+    def add(self, result: ConformanceResult) -> None:
+        self.num_schemas += 1
+        self.seconds += result.seconds
+        if not result.compiled:
+            return
+        self.num_compiled += 1
+        self.num_valid += result.num_valid
+        self.num_valid_accepted += result.num_valid_accepted
+        self.num_invalid += result.num_invalid
+        self.num_invalid_rejected += result.num_invalid_rejected
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other), strict=True)))
+
+    def row(self, backend: str, tokenizer: str, folder: str) -> str:
+        return ROW.format(
+            backend,
+            tokenizer,
+            folder,
+            f"{self.num_compiled}/{self.num_schemas}",
+            f"{self.num_valid_accepted}/{self.num_valid}",
+            f"{self.num_invalid_rejected}/{self.num_invalid}",
+            f"{self.seconds:.1f}s",
+        )
+
+
+@dataclass
+class PairReport:
+    """One backend at one tokenizer: totals per folder, refusal messages, the cases it got wrong, costs."""
+
+    backend: str
+    tokenizer: str
+    seconds: float = 0.0
+    folders: dict[str, Tally] = field(default_factory=dict)
+    refusals: dict[str, str] = field(default_factory=dict)
     wrongly_rejected_cases: list[str] = field(default_factory=list)
     wrongly_accepted_cases: list[str] = field(default_factory=list)
+    case_seconds: dict[str, float] = field(default_factory=dict)
+    problems: dict[str, list[str]] = field(default_factory=dict)
 
-
-def run(backend_name: str, tokenizer_name: str, paths: list[Path], cache_dir: Path) -> Totals:
-    setup = load_tokenizer_setup(tokenizer_name, cache_dir)
-    args = ServerArgs(grammar_backend=backend_name)
-    backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
-    assert backend is not None
-    totals = Totals(backend_name, tokenizer_name)
-    start = time.perf_counter()
-    for path in paths:
-        case = load_case(path)
-        key = make_grammar_key("json", case.schema)
-        result = check_constraint(backend, setup, case.name, key, case.valid_instances, case.invalid_instances)
-        backend.discard_pending(key)
-        totals.num_schemas += 1
-        if not result.compiled:
-            continue
-        totals.num_compiled += 1
-        totals.num_valid += result.num_valid
-        totals.num_valid_accepted += result.num_valid_accepted
-        totals.num_invalid += result.num_invalid
-        totals.num_invalid_rejected += result.num_invalid_rejected
+    def add(self, case: MaskBenchCase, result: ConformanceResult) -> None:
+        self.folders.setdefault(case.folder, Tally()).add(result)
+        self.case_seconds[case.name] = result.seconds
+        if result.compile_error is not None:
+            self.refusals[case.name] = result.compile_error
         if result.wrongly_rejected:
-            totals.wrongly_rejected_cases.append(case.name)
+            self.wrongly_rejected_cases.append(case.name)
         if result.wrongly_accepted:
-            totals.wrongly_accepted_cases.append(case.name)
-    totals.seconds = time.perf_counter() - start
+            self.wrongly_accepted_cases.append(case.name)
+
+
+def run(
+    backend_name: str, setup: TokenizerSetup, cases: list[MaskBenchCase]
+) -> tuple[PairReport, list[ConformanceResult]]:
+    backend = create_grammar_backend(
+        ServerArgs(grammar_backend=backend_name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
+    )
+    assert backend is not None
+    sweep = MaskBenchSweep(backend, setup, cases)
+    report = PairReport(backend_name, setup.name)
+    results = []
+    start = time.perf_counter()
+    for case in cases:
+        result = sweep.check(case)
+        report.add(case, result)
+        results.append(result)
+    report.seconds = time.perf_counter() - start
     backend.shutdown()
-    return totals
+    return report, results
 
 
-def main() -> None:
+def print_table(report: PairReport) -> None:
+    total = sum(report.folders.values(), Tally())
+    print(total.row(report.backend, report.tokenizer, "(all)"))
+    for folder, tally in sorted(report.folders.items()):
+        print(tally.row("", "", folder))
+
+
+def print_refusals(reports: list[PairReport]) -> None:
+    """The refusals grouped by reason (leaving out where the feature was); once per backend if its tokenizers agree."""
+    printed: dict[str, PairReport] = {}
+    for report in reports:
+        same = printed.get(report.backend)
+        if same is not None and same.refusals == report.refusals:
+            print(
+                f"{report.backend} at {report.tokenizer} refuses the same {len(report.refusals)} as at {same.tokenizer}"
+            )
+            continue
+        printed.setdefault(report.backend, report)
+        reasons = Counter(re.sub(r" \(at .*\)$", "", refusal_reason(message)) for message in report.refusals.values())
+        print(f"{report.backend} at {report.tokenizer} refuses {len(report.refusals)} schemas:")
+        for reason, count in reasons.most_common():
+            print(f"  {count:>4}  {reason}")
+
+
+def print_costliest(reports: list[PairReport], slow_s: float) -> None:
+    """Cases whose cost summed over the backends and tokenizers run exceeds ``slow_s``, costliest first."""
+    costs: Counter[str] = Counter()
+    for report in reports:
+        costs.update(report.case_seconds)
+    costly = [(name, seconds) for name, seconds in costs.most_common() if seconds > slow_s]
+    print(f"{len(costly)} cases cost more than {slow_s:g} s summed over the backends and tokenizers run:")
+    for name, seconds in costly:
+        parts = sorted(((r.case_seconds[name], f"{r.backend}+{r.tokenizer}") for r in reports), reverse=True)
+        print(f"  {name:<45} {seconds:>5.0f} s  ({', '.join(f'{pair} {s:.0f} s' for s, pair in parts if s >= 1)})")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=REPO_ROOT / "tests" / "data" / "maskbench")
     parser.add_argument("--limit", type=int, default=None, help="at most this many schemas per folder")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS))
     parser.add_argument("--tokenizers", nargs="+", default=list(TOKENIZER_SETUPS))
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "conformance.json")
+    parser.add_argument("--slow", type=float, default=5.0, help="list cases costing more seconds than this")
+    parser.add_argument(
+        "--write-known-refusals",
+        action="store_true",
+        help=f"record this run's refusals in DATA/{KNOWN_REFUSALS_FILE} (needs every backend, tokenizer and case)",
+    )
     options = parser.parse_args()
+    is_whole_sweep = (
+        options.limit is None
+        and set(options.backends) == set(BACKENDS)
+        and set(options.tokenizers) == set(TOKENIZER_SETUPS)
+    )
+    if options.write_known_refusals and not is_whole_sweep:
+        parser.error("--write-known-refusals needs the whole sweep: every backend and tokenizer, and no --limit")
+
     folders = sorted(p.name for p in options.data.iterdir() if p.is_dir())
-    paths = [p for folder in folders for p in iter_case_paths(options.data, folder, options.limit)]
-    print(f"{len(paths)} schemas from {options.data} ({', '.join(folders)})")
-    header = ("backend", "tokenizer", "compiled", "valid accepted", "invalid rejected", "time")
-    print("{:<11} {:<9} {:>13} {:>16} {:>18} {:>7}".format(*header))
-    report = []
+    cases = [load_case(p) for folder in folders for p in iter_case_paths(options.data, folder, options.limit)]
+    print(f"{len(cases)} schemas from {options.data} ({', '.join(folders)})")
+    print(ROW.format("backend", "tokenizer", "folder", "compiled", "valid accepted", "invalid rejected", "time"))
+    reports: list[PairReport] = []
+    results: dict[tuple[str, str], list[ConformanceResult]] = {}
     for tokenizer_name in options.tokenizers:
+        setup = load_tokenizer_setup(tokenizer_name, ServerArgs().cache_path)
         for backend_name in options.backends:
-            t = run(backend_name, tokenizer_name, paths, ServerArgs().cache_path)
-            report.append(asdict(t))
-            print(
-                f"{t.backend:<11} {t.tokenizer:<9} {t.num_compiled:>6}/{t.num_schemas:<6} "
-                f"{t.num_valid_accepted:>8}/{t.num_valid:<7} {t.num_invalid_rejected:>9}/{t.num_invalid:<8} "
-                f"{t.seconds:>6.0f}s",
-                flush=True,
-            )
+            report, results[backend_name, tokenizer_name] = run(backend_name, setup, cases)
+            reports.append(report)
+            print_table(report)
+
+    print_refusals(reports)
+    print_costliest(reports, options.slow)
+    if options.write_known_refusals:
+        messages: dict[str, dict[str, dict[str, str]]] = {}
+        for report in reports:
+            messages.setdefault(report.backend, {})[report.tokenizer] = report.refusals
+        recorded = known_refusals_from(messages)
+        (options.data / KNOWN_REFUSALS_FILE).write_text(json.dumps(recorded, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {options.data / KNOWN_REFUSALS_FILE}: {', '.join(f'{b} {len(c)}' for b, c in recorded.items())}")
+
+    num_problems = 0
+    if (options.data / KNOWN_REFUSALS_FILE).exists() and (options.data / KNOWN_DEVIATIONS_FILE).exists():
+        known = KnownOutcomes.load(options.data)
+        for report in reports:
+            for result in results[report.backend, report.tokenizer]:
+                problems = known.problems(report.backend, report.tokenizer, result)
+                if problems:
+                    report.problems[result.name] = problems
+                for problem in problems:
+                    print(f"!! {report.backend} {report.tokenizer} {result.name}: {problem}")
+                num_problems += len(problems)
+        print(f"{num_problems} disagreements with {KNOWN_REFUSALS_FILE} and {KNOWN_DEVIATIONS_FILE}")
+    else:
+        print(f"{options.data} has no {KNOWN_REFUSALS_FILE} and {KNOWN_DEVIATIONS_FILE}: cases not judged")
+
     options.output.parent.mkdir(parents=True, exist_ok=True)
-    options.output.write_text(json.dumps(report, indent=2))
+    options.output.write_text(json.dumps([asdict(report) for report in reports], indent=2, ensure_ascii=False))
     print(f"details: {options.output}")
+    return 1 if num_problems else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -19,13 +19,13 @@ import jsonschema
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput
-from scheduler.process import SchedulerProcess
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import create_grammar_backend
-from sglang_constrained.conformance import compile_grammar
+from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.text_acceptance import walk_tokens
-from sglang_constrained.tokenizer_loading import load_tokenizer_setup
+from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.testing.conformance import compile_grammar
+from sglang_constrained.testing.text_acceptance import walk_tokens
+from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
 
 PERSON = {
     "type": "object",

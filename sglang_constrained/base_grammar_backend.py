@@ -1,38 +1,29 @@
-"""The grammar contract: request-level grammar objects, engine-level backends, and the backend registry.
+"""The grammar contract: request-level grammar objects and engine-level backends (SGLang's, plus vLLM's
+``validate_tokens``).
 
 A backend turns a constraint key ``(key_type, spec)`` into a ``BaseGrammarObject``. The scheduler fills one
 int32 bitmask row per constrained request from that object before sampling and feeds it every accepted token.
-Compilation runs on the backend's thread pool; the backend keeps a bounded cache of compiled grammars and
-deduplicates identical compiles that are in flight. Bad input never raises: it becomes an
-``InvalidGrammarObject`` whose message says what is wrong.
+Compiles run on the backend's ``CompileService`` (pool, deadline, cache, in-flight dedup). Bad input never
+raises: it becomes an ``InvalidGrammarObject`` whose message says what is wrong. Backends are named and built by
+``sglang_constrained.registry``, whose names stay importable from here.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
-import math
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from sglang_constrained.constraint_spec import GrammarKey, GrammarSpecError, lower_constraint
-from sglang_constrained.grammar_cache import GrammarCache
-from sglang_constrained.registry import (  # the registry's names stay importable from this contract module
-    ENTRY_POINT_GROUP,
-    GRAMMAR_BACKEND_REGISTRY,
-    NO_GRAMMAR_BACKEND,
-    GrammarBackendFactory,
-    available_grammar_backends,
-    create_grammar_backend,
-    register_entry_point_backends,
-    register_grammar_backend,
-)
+from sglang_constrained.compile_service import CompileService
+from sglang_constrained.constraint_spec import GrammarKey, lower_constraint
+from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from triton_ops.bitmask_format import VocabMaskLayout, allocate_bitmask
 from triton_ops.bitmask_ops import apply_token_bitmask_inplace
 
 logger = logging.getLogger(__name__)
@@ -57,6 +48,8 @@ class GrammarBackendArgs(Protocol):
     def grammar_max_spec_bytes(self) -> int: ...
     @property
     def grammar_compile_threads(self) -> int: ...
+    @property
+    def compile_timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -66,15 +59,6 @@ class GrammarStats:
     dispatch_type: str
     compile_time_s: float
     is_cache_hit: bool = False
-
-
-class TokenRejectedError(ValueError):
-    """Raised by ``accept_token`` when the grammar does not allow the token in its current state."""
-
-    def __init__(self, token: int, reason: str = "") -> None:
-        self.token = token
-        message = f"token {token} is not allowed by the grammar"
-        super().__init__(f"{message}: {reason}" if reason else message)
 
 
 class BaseGrammarObject(ABC):
@@ -133,7 +117,7 @@ class BaseGrammarObject(ABC):
 
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: torch.device | str) -> torch.Tensor:
         """An all-allowed int32 bitmask ``[batch_size, ceil(vocab_size / 32)]`` on ``device``."""
-        return torch.full((batch_size, math.ceil(vocab_size / 32)), -1, dtype=torch.int32, device=device)
+        return allocate_bitmask(batch_size, vocab_size, device)
 
     @staticmethod
     def move_vocab_mask(vocab_mask: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -186,27 +170,38 @@ class InvalidGrammarObject(BaseGrammarObject):
 
 
 class BaseGrammarBackend:
-    """Turns constraint keys into grammar objects: dispatch, a bounded cache and a compile thread pool.
+    """Turns constraint keys into grammar objects: dispatch by kind, compiled on a ``CompileService``.
 
     ``get_cached_or_future_value`` answers a cache hit with a copy at once and a miss with a ``Future`` that
-    resolves to a grammar object of its own; identical misses share one compilation. The caller decides
-    when a compiled grammar enters the cache (``set_cache``), so that every rank of a multi-rank server
-    makes the same hit-or-miss decision for the same request.
+    resolves to a grammar object of its own; identical misses share one compilation, and a compile past
+    ``server_args.compile_timeout_s`` fails with ``CompileTimeoutError``. The caller decides when a compiled
+    grammar enters the cache (``set_cache``), so that every rank of a multi-rank server makes the same
+    hit-or-miss decision for the same request. ``mask_layout`` says how this backend's grammars fill masks.
     """
 
-    name: ClassVar[str] = "base"
+    name: str = "base"
 
-    def __init__(self, server_args: GrammarBackendArgs) -> None:
+    def __init__(
+        self,
+        server_args: GrammarBackendArgs,
+        vocab_size: int,
+        compile_service: CompileService[GrammarKey, BaseGrammarObject] | None = None,
+    ) -> None:
+        """``compile_service``: share another backend's (cache, pool and all) instead of starting one."""
+        self.server_args = server_args
+        self.vocab_size = vocab_size
+        self.mask_layout = VocabMaskLayout(vocab_size)
         self.max_spec_bytes = server_args.grammar_max_spec_bytes
-        self.cache: GrammarCache[GrammarKey, BaseGrammarObject] = GrammarCache(
-            server_args.grammar_cache_max_entries, server_args.grammar_cache_max_bytes
+        self.compile_service = compile_service or CompileService(
+            self._init_value_dispatch,
+            name=self.name,
+            threads=server_args.grammar_compile_threads,
+            timeout_s=server_args.compile_timeout_s,
+            cache_max_entries=server_args.grammar_cache_max_entries,
+            cache_max_bytes=server_args.grammar_cache_max_bytes,
+            size_of=lambda grammar: grammar.memory_size_bytes(),
+            copy=_copy_with_stats,
         )
-        self.executor = ThreadPoolExecutor(
-            max_workers=server_args.grammar_compile_threads, thread_name_prefix=f"{self.name}-compile"
-        )
-        self._in_flight: dict[GrammarKey, Future[BaseGrammarObject]] = {}
-        self._lock = threading.Lock()
-        self.num_compilations = 0
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
         return self._unsupported("json")
@@ -227,63 +222,42 @@ class BaseGrammarBackend:
         self, key: GrammarKey, require_reasoning: bool = False
     ) -> tuple[BaseGrammarObject | Future[BaseGrammarObject], bool]:
         """``(copy, True)`` on a cache hit, else ``(future, False)`` resolving to a grammar object of its own."""
-        with self._lock:
-            cached = self.cache.get(key)
-            if cached is not None:
-                return _copy_with_stats(cached, is_cache_hit=True), True
-            source = self._in_flight.get(key)
-            if source is None:
-                source = self.executor.submit(self._init_value_dispatch, key)
-                self._in_flight[key] = source
-                self.num_compilations += 1
-        return _copy_when_done(source), False
+        return self.compile_service.get(key)
 
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
         """Store a compiled (or invalid) grammar for ``key``; its in-flight compile, if any, is done with."""
-        with self._lock:
-            self._in_flight.pop(key, None)
-            self.cache.put(key, value, value.memory_size_bytes())
+        self.compile_service.store(key, value)
 
     def discard_pending(self, key: GrammarKey) -> None:
         """Forget an in-flight compile (after a timeout), so that the next request for ``key`` compiles anew.
 
         The compile itself goes on: other requests that joined it still receive its result.
         """
-        with self._lock:
-            self._in_flight.pop(key, None)
+        self.compile_service.forget(key)
 
     def reset(self) -> None:
-        with self._lock:
-            for future in self._in_flight.values():
-                future.cancel()
-            self._in_flight.clear()
-            self.cache.clear()
+        self.compile_service.reset()
 
     def shutdown(self) -> None:
-        self.reset()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.compile_service.shutdown()
+
+    def allocate_vocab_mask(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
+        """An all-allowed mask buffer for ``batch_size`` rows in this backend's layout."""
+        return self.mask_layout.allocate(batch_size, device)
 
     def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         key_type = key[0]
         start = time.perf_counter()
         try:
             dispatch_type, spec = lower_constraint(key, self.max_spec_bytes, self.check_json_schema)
-            grammar = self._dispatchers()[dispatch_type](spec)
+            grammar = getattr(self, f"dispatch_{dispatch_type}")(spec)
         except GrammarSpecError as e:
             grammar = InvalidGrammarObject(str(e))
         except Exception as e:  # an engine's own error for bad input: report it, never raise out of the pool
             logger.debug("%s backend failed to compile a %s grammar", self.name, key_type, exc_info=True)
-            grammar = InvalidGrammarObject(_engine_error_message(e))
+            grammar = InvalidGrammarObject(bounded_message(str(e)) if str(e).strip() else type(e).__name__)
         grammar.grammar_stats = GrammarStats(dispatch_type=key_type, compile_time_s=time.perf_counter() - start)
         return grammar
-
-    def _dispatchers(self) -> dict[str, Callable[[str], BaseGrammarObject]]:
-        return {
-            "json": self.dispatch_json,
-            "regex": self.dispatch_regex,
-            "ebnf": self.dispatch_ebnf,
-            "structural_tag": self.dispatch_structural_tag,
-        }
 
     def _unsupported(self, key_type: str) -> InvalidGrammarObject:
         return InvalidGrammarObject(f"the {self.name} grammar backend does not support {key_type} constraints")
@@ -304,56 +278,31 @@ def _copy_with_stats(grammar: BaseGrammarObject, is_cache_hit: bool) -> BaseGram
     return copied
 
 
-def _copy_when_done(source: Future[BaseGrammarObject]) -> Future[BaseGrammarObject]:
-    """A future of a private copy of ``source``'s result, so that requests sharing a compile share no state."""
-    return map_future(source, lambda grammar: _copy_with_stats(grammar, is_cache_hit=False))
-
-
-def map_future(
-    source: Future[BaseGrammarObject], transform: Callable[[BaseGrammarObject], BaseGrammarObject]
-) -> Future[BaseGrammarObject]:
-    """A future resolving to ``transform(source.result())``; cancelled or failed when ``source`` is."""
-    derived: Future[BaseGrammarObject] = Future()
-
-    def on_done(done: Future[BaseGrammarObject]) -> None:
-        if done.cancelled():
-            derived.cancel()
-            return
-        try:
-            derived.set_result(transform(done.result()))
-        except Exception as e:
-            derived.set_exception(e)
-
-    source.add_done_callback(on_done)
-    return derived
-
-
-_MAX_ENGINE_MESSAGE_CHARS = 300
-
-
-def _engine_error_message(error: Exception) -> str:
-    """An engine's error text, first line only and bounded, so that a message never echoes a whole spec."""
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else type(error).__name__
-    if len(text) > _MAX_ENGINE_MESSAGE_CHARS:
-        text = text[:_MAX_ENGINE_MESSAGE_CHARS] + "..."
-    return text
+_REGISTRY_NAMES = frozenset(
+    {"ENTRY_POINT_GROUP", "GRAMMAR_BACKEND_REGISTRY", "NO_GRAMMAR_BACKEND", "GrammarBackendFactory"}
+    | {"available_grammar_backends", "create_grammar_backend", "register_entry_point_backends"}
+    | {"register_grammar_backend"}
+)
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
-    "GRAMMAR_BACKEND_REGISTRY",
-    "NO_GRAMMAR_BACKEND",
     "BaseGrammarBackend",
     "BaseGrammarObject",
     "GrammarBackendArgs",
-    "GrammarBackendFactory",
+    "GrammarSpecError",
     "GrammarStats",
     "InvalidGrammarObject",
     "TokenRejectedError",
-    "available_grammar_backends",
-    "create_grammar_backend",
-    "map_future",
-    "register_entry_point_backends",
-    "register_grammar_backend",
+    "VocabMaskLayout",
+    "common_prefix_length",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The registry's names, importable from here as SGLang users expect, without the contract importing it.
+
+    The registry depends on this contract, not the other way: resolving them on first use keeps that one-way.
+    """
+    if name in _REGISTRY_NAMES:
+        return getattr(importlib.import_module("sglang_constrained.registry"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

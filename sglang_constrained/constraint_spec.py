@@ -13,17 +13,26 @@ from typing import Any
 
 import jsonschema
 
+from sglang_constrained.errors import GrammarSpecError
+
 GrammarKey = tuple[str, str]
+
+__all__ = [
+    "CONSTRAINT_KINDS",
+    "GrammarKey",
+    "GrammarSpecError",
+    "check_schema_is_valid",
+    "choices_to_regex",
+    "escape_regex_literal",
+    "lower_constraint",
+    "make_grammar_key",
+]
 
 CONSTRAINT_KINDS = ("json", "regex", "ebnf", "structural_tag", "choice", "json_object")
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 _REGEX_METACHARACTERS = frozenset("\\.^$|?*+()[]{}")
 _REGEX_NAMED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-class GrammarSpecError(ValueError):
-    """A constraint spec that cannot be compiled; the message says why without echoing the whole spec."""
 
 
 def make_grammar_key(kind: str, spec: Any) -> GrammarKey:

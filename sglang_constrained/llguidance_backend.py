@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import math
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,12 +26,13 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
-    TokenRejectedError,
     common_prefix_length,
 )
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
-from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
+from sglang_constrained.constraint_spec import check_schema_is_valid
+from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
+from triton_ops.bitmask_format import words_per_row
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict that exists only in llguidance's stub
@@ -60,7 +60,6 @@ _COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False, "item_separat
 _GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][\w.-]*\s*::=")
 _SOURCE_ECHO = re.compile(r"^\d+ \|")
 _EBNF_HINT = "(an ebnf grammar is GBNF with a 'root ::= ...' rule, or Lark with a 'start: ...' rule)"
-_MAX_MESSAGE_CHARS = 300
 
 
 class GuidanceGrammar(BaseGrammarObject):
@@ -78,7 +77,7 @@ class GuidanceGrammar(BaseGrammarObject):
         self._template = template
         self._matcher = template.deep_copy()
         self._vocab_size = ll_tokenizer.vocab_size
-        self._rows = BitmaskRowAddresser(math.ceil(ll_tokenizer.vocab_size / 32), "llguidance")
+        self._rows = BitmaskRowAddresser(words_per_row(ll_tokenizer.vocab_size), "llguidance")
         self._num_consumed = 0
         self._num_ignored = 0
 
@@ -200,7 +199,7 @@ class GuidanceBackend(BaseGrammarBackend):
         if any(not 0 <= t < vocab_size for t in eos_token_ids):
             raise ValueError(f"stop token ids {eos_token_ids} must lie within the vocab size {vocab_size}")
         self.json_options = _json_options(server_args)
-        super().__init__(server_args)
+        super().__init__(server_args, vocab_size)
         self.ll_tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
@@ -307,8 +306,7 @@ def _clean_message(text: str) -> str:
     """An llguidance message on one line, without its source echoes and caret lines, bounded in length."""
     lines = (line.strip() for line in text.splitlines())
     kept = [s for s in lines if s and s != "<non-verbose/>" and not _SOURCE_ECHO.match(s) and set(s) != {"^"}]
-    message = " ".join(kept) or "no details given"
-    return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
+    return bounded_message("\n".join(kept), first_line_only=False)
 
 
 def _utf8_prefix(data: bytes) -> str:

@@ -15,7 +15,6 @@ outlines-core 0.2.14 this module is built around, measured on this machine:
 
 from __future__ import annotations
 
-import math
 import pickle
 import re
 from dataclasses import dataclass
@@ -25,80 +24,17 @@ import outlines_core
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
-from sglang_constrained.base_grammar_backend import (
-    BaseGrammarBackend,
-    BaseGrammarObject,
-    GrammarBackendArgs,
-    TokenRejectedError,
-)
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarBackendArgs
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
-from sglang_constrained.constraint_spec import GrammarSpecError
-from sglang_constrained.schema_features import (
-    SchemaRule,
-    enum_outside_type_rule,
-    iter_subschemas,
-    keyword_rule,
-    keywords_together_rule,
-    refuse_unsupported_features,
-    unknown_format_rule,
-)
+from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.outlines_schema_rules import refuse_outlines_unsupported
 from sglang_constrained.vocabulary import tokenizer_vocabulary
+from triton_ops.bitmask_format import allocate_bitmask, set_token_bits, token_word_bits, words_per_row
 
 DEFAULT_JSON_WHITESPACE_PATTERN = r"[ \t\n\r]*"
 """JSON's own whitespace (RFC 8259 ``ws``): compact, ``json.dumps`` and indented texts all pass."""
 
 MAX_ROLLBACK_TOKENS = 200
-OUTLINES_MAX_STRING_LENGTH_BOUND = 12
-# "date-time" and "time" are left out: outlines-core's patterns make the zone optional ("12:00:00" passes, though
-# RFC 3339 requires one) and refuse numeric offsets ("12:00:00+01:00"), so they are not enforced as specified.
-OUTLINES_STRING_FORMATS = frozenset({"date", "uuid", "email", "uri"})
-
-_COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "$ref", "enum", "const")
-
-OUTLINES_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
-    enum_outside_type_rule(),  # the enum is kept, the sibling type dropped ("a" passes type: object)
-    *(keyword_rule(k) for k in ("multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
-    SchemaRule("uniqueItems", lambda schema: schema.get("uniqueItems") is True),
-    *(keyword_rule(k) for k in ("contains", "if", "not", "dependentRequired", "dependentSchemas", "dependencies")),
-    *(keyword_rule(k) for k in ("patternProperties", "propertyNames", "maxProperties")),
-    SchemaRule(
-        "minProperties together with properties, or above 1",
-        lambda schema: "minProperties" in schema and ("properties" in schema or schema["minProperties"] > 1),
-    ),
-    SchemaRule(
-        "unevaluatedProperties without properties or additionalProperties",
-        lambda schema: (
-            "unevaluatedProperties" in schema and "properties" not in schema and "additionalProperties" not in schema
-        ),
-    ),
-    SchemaRule(
-        "unevaluatedItems without items or prefixItems",
-        lambda schema: "unevaluatedItems" in schema and "items" not in schema and "prefixItems" not in schema,
-    ),
-    keywords_together_rule("pattern", ("minLength", "maxLength")),
-    keywords_together_rule("format", ("minLength", "maxLength", "pattern")),
-    unknown_format_rule(OUTLINES_STRING_FORMATS),
-    SchemaRule(
-        "allOf with more than one subschema",
-        lambda schema: isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1,
-    ),
-    SchemaRule(
-        "required naming a property that properties does not define",
-        lambda schema: (
-            isinstance(schema.get("required"), list)
-            and any(name not in schema.get("properties", {}) for name in schema["required"])
-        ),
-    ),
-    keywords_together_rule("properties", _COMPOSITION_KEYWORDS),
-    keywords_together_rule("prefixItems", ("minItems", "maxItems")),
-)
-"""Schema features outlines-core 0.2.14 silently ignores: for each, an instance violating only that feature
-passes its regex (the tests check this against the engine)."""
-
-
-def recursive_ref_rule(root: Any) -> SchemaRule:
-    """A ``$ref`` that leads back to itself; outlines-core unrolls it three levels and then emits broken JSON."""
-    return SchemaRule("recursive $ref", lambda schema: _is_recursive_ref(root, schema.get("$ref")))
 
 
 def json_whitespace_pattern(server_args: GrammarBackendArgs) -> str:
@@ -174,7 +110,7 @@ class OutlinesGrammar(BaseGrammarObject):
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: torch.device | str) -> torch.Tensor:
         """An all-allowed int32 bitmask on the CPU whatever ``device`` is: outlines-core fills host memory, and
         ``move_vocab_mask`` takes the filled mask to the device (as SGLang does)."""
-        return super().allocate_vocab_mask(vocab_size, batch_size, "cpu")
+        return allocate_bitmask(batch_size, vocab_size, "cpu")
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Overwrite row ``idx`` of a contiguous int32 CPU bitmask; stop tokens are set only at final states."""
@@ -183,12 +119,12 @@ class OutlinesGrammar(BaseGrammarObject):
         if self._is_terminated:
             row = vocab_mask[idx]
             row.zero_()
-            _set_bits(row, compiled.eos_mask_words)
+            set_token_bits(row, compiled.eos_mask_words)
             return
         # outlines-core writes every word of the row: tokens it does not know (special, padding) become 0.
         self._guide.write_mask_into(address, self._rows.row_words, 4)
         if compiled.extra_eos_mask_words and self._guide.is_finished():
-            _set_bits(vocab_mask[idx], compiled.extra_eos_mask_words)
+            set_token_bits(vocab_mask[idx], compiled.extra_eos_mask_words)
 
     def copy(self) -> OutlinesGrammar:
         return OutlinesGrammar(self.compiled)
@@ -223,7 +159,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
     def __init__(
         self, server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
     ) -> None:
-        super().__init__(server_args)
+        super().__init__(server_args, vocab_size)
         self.whitespace_pattern = json_whitespace_pattern(server_args)
         if any(not 0 <= token < vocab_size for token in eos_token_ids):
             raise ValueError(f"stop token ids {eos_token_ids} must lie in the model's vocabulary [0, {vocab_size})")
@@ -236,14 +172,10 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         # outlines-core knows one stop token: it allows it at final states; the others are set by hand.
         self.vocabulary = outlines_core.Vocabulary(eos_token_ids[0], token_ids_by_bytes)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.num_mask_words = math.ceil(vocab_size / 32)
+        self.num_mask_words = words_per_row(vocab_size)
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
-        refuse_unsupported_features(
-            schema, (*OUTLINES_UNSUPPORTED_SCHEMA_FEATURES, recursive_ref_rule(schema)), self.name
-        )
-        _refuse_long_string_bounds(schema)
-        _refuse_nested_unconstrained_values(schema)
+        refuse_outlines_unsupported(schema, self.name)
 
     def dispatch_json(self, key_string: str) -> OutlinesGrammar:
         try:
@@ -264,134 +196,16 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
             OutlinesCompiledGrammar(
                 index=index,
                 eos_token_ids=frozenset(self.eos_token_ids),
-                eos_mask_words=_mask_words(self.eos_token_ids),
-                extra_eos_mask_words=_mask_words(self.eos_token_ids[1:]),
+                eos_mask_words=token_word_bits(self.eos_token_ids),
+                extra_eos_mask_words=token_word_bits(self.eos_token_ids[1:]),
                 num_mask_words=self.num_mask_words,
                 num_bytes=len(pickle.dumps(index)),
             )
         )
 
 
-def _mask_words(token_ids: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """``(word, bits)`` pairs setting ``token_ids`` in an int32 bitmask row (bits as signed int32 values)."""
-    words: dict[int, int] = {}
-    for token in token_ids:
-        words[token // 32] = words.get(token // 32, 0) | (1 << (token % 32))
-    return tuple((word, bits - (1 << 32) if bits >= 1 << 31 else bits) for word, bits in sorted(words.items()))
-
-
-def _set_bits(row: torch.Tensor, mask_words: tuple[tuple[int, int], ...]) -> None:
-    for word, bits in mask_words:
-        row[word] |= bits
-
-
-def _is_recursive_ref(root: Any, ref: Any) -> bool:
-    """Whether following the local reference ``ref`` through the schema ``root`` can reach ``ref`` again."""
-    if not isinstance(ref, str):
-        return False
-    pending, seen = [ref], {ref}
-    while pending:
-        target = _resolve_local_ref(root, pending.pop())
-        for _, subschema in iter_subschemas(target):
-            inner = subschema.get("$ref")
-            if inner == ref:
-                return True
-            if isinstance(inner, str) and inner not in seen:
-                seen.add(inner)
-                pending.append(inner)
-    return False
-
-
-def _resolve_local_ref(root: Any, ref: str) -> Any:
-    """The subschema a ``#/...`` reference points at, or None (outlines-core reports other references itself)."""
-    if not ref.startswith("#"):
-        return None
-    target = root
-    for part in ref[1:].split("/")[1:]:
-        if not isinstance(target, dict):
-            return None
-        target = target.get(part.replace("~1", "/").replace("~0", "~"))
-    return target
-
-
-def _refuse_long_string_bounds(schema: Any) -> None:
-    for pointer, subschema in iter_subschemas(schema):
-        for keyword in ("minLength", "maxLength"):
-            bound = subschema.get(keyword)
-            if isinstance(bound, int) and bound > OUTLINES_MAX_STRING_LENGTH_BOUND:
-                raise GrammarSpecError(
-                    f"the outlines grammar backend refuses '{keyword}': {bound} (at {pointer or '/'}): "
-                    f"outlines-core's automaton doubles with every character of a string length bound, so "
-                    f"bounds above {OUTLINES_MAX_STRING_LENGTH_BOUND} take from seconds to hours to compile; "
-                    f"use the xgrammar or llguidance backend"
-                )
-
-
-def _refuse_nested_unconstrained_values(schema: Any) -> None:
-    """Refuse values of any JSON type below the root: each takes outlines-core seconds to minutes to compile.
-
-    Measured at 49k tokens: ``{"type": "object"}`` alone 10-14 s (36 s at 248k); four such values in one
-    object over 250 s. The root may be one (that is ``json_object``), which the compile deadline bounds.
-    """
-    for pointer, subschema in iter_subschemas(schema):
-        if pointer and _is_unconstrained_value(subschema):
-            raise GrammarSpecError(
-                f"the outlines grammar backend refuses a value of any JSON type (at {pointer}): outlines-core "
-                f"takes from seconds to minutes to compile each one; give it a type with a shape (properties, "
-                f"items) or use the xgrammar or llguidance backend"
-            )
-
-
-def _is_unconstrained_value(schema: dict[str, Any]) -> bool:
-    """Any JSON value, any object or any array: nothing narrows what the value may contain."""
-    types = schema.get("type")
-    if types is None:
-        return set(schema) <= _ANNOTATION_KEYWORDS
-    type_list = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    if any(key in schema for key in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
-        return False
-    open_object = (
-        "object" in type_list and "properties" not in schema and not _is_schema(schema.get("additionalProperties"))
-    )
-    open_array = "array" in type_list and not _is_schema(schema.get("items")) and "prefixItems" not in schema
-    return open_object or open_array
-
-
-_ANNOTATION_KEYWORDS = frozenset(
-    {
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$comment",
-        "$id",
-        "id",
-        "$schema",
-        "readOnly",
-        "readonly",
-        "writeOnly",
-        "deprecated",
-    }
-)
-
-
-def _is_schema(value: Any) -> bool:
-    """A subschema that constrains something (not absent, ``true`` or ``{}``)."""
-    return (isinstance(value, dict) and bool(value)) or value is False
-
-
-_MAX_DETAIL_CHARS = 200
-
-
-def _engine_detail(text: str) -> str:
-    """The first line of an engine's message, bounded so that it never carries a whole spec."""
-    lines = text.strip().splitlines()
-    line = lines[0].strip() if lines else "no details given"
-    return line if len(line) <= _MAX_DETAIL_CHARS else line[:_MAX_DETAIL_CHARS] + "..."
-
-
 def _schema_error_message(error: ValueError) -> str:
-    text = _engine_detail(str(error))
+    text = bounded_message(str(error))
     if text.startswith("Unsupported JSON Schema structure"):  # it goes on to echo the (sub)schema
         text = "a (sub)schema has no keyword it can translate (type, properties, enum, const, $ref, anyOf, ...)"
     return f"outlines-core cannot turn this JSON schema into a regex: {text}"
@@ -409,9 +223,9 @@ def _index_error_message(regex: str, error: ValueError) -> str:
             return f"invalid regex: {e}"
         return (
             "outlines-core cannot build an automaton for this regex (look-around, back-references and "
-            f"Unicode word boundaries are unsupported): {_engine_detail(text)}"
+            f"Unicode word boundaries are unsupported): {bounded_message(text)}"
         )
     if "incompatible with the regex" in text:  # the message echoes the regex first
-        detail = _engine_detail(text[text.find("Found no") :])
+        detail = bounded_message(text[text.find("Found no") :])
         return f"no sequence of this tokenizer's tokens can match the regex: {detail}"
-    return _engine_detail(text)
+    return bounded_message(text)

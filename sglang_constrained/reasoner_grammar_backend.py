@@ -17,8 +17,8 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarObject,
     InvalidGrammarObject,
     common_prefix_length,
-    map_future,
 )
+from sglang_constrained.compile_service import map_future
 from sglang_constrained.constraint_spec import GrammarKey
 
 THINKING = -1
@@ -136,36 +136,48 @@ class ReasonerGrammarObject(BaseGrammarObject):
 
 
 class ReasonerGrammarBackend(BaseGrammarBackend):
-    """Wraps another backend's grammars in ``ReasonerGrammarObject``; caching and compiling stay the inner's."""
+    """Wraps another backend's grammars in ``ReasonerGrammarObject``.
+
+    It shares the inner backend's compile service (one pool, one cache of unwrapped grammars), its mask layout
+    and its name; compiling dispatches to the inner backend.
+    """
 
     def __init__(self, grammar_backend: BaseGrammarBackend, think_end_id: int) -> None:
-        # Deliberately no BaseGrammarBackend.__init__: the inner backend owns the cache and the thread pool.
+        super().__init__(
+            grammar_backend.server_args, grammar_backend.vocab_size, compile_service=grammar_backend.compile_service
+        )
         self.grammar_backend = grammar_backend
         self.think_end_id = think_end_id
+        self.name = grammar_backend.name
+        self.mask_layout = grammar_backend.mask_layout
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["grammar_backend"], name)
+    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
+        return self.grammar_backend.dispatch_json(key_string)
+
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        return self.grammar_backend.dispatch_regex(key_string)
+
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
+        return self.grammar_backend.dispatch_ebnf(key_string)
+
+    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
+        return self.grammar_backend.dispatch_structural_tag(key_string)
+
+    def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
+        self.grammar_backend.check_json_schema(schema)
 
     def get_cached_or_future_value(
         self, key: GrammarKey, require_reasoning: bool = False
     ) -> tuple[BaseGrammarObject | Future[BaseGrammarObject], bool]:
-        value, cache_hit = self.grammar_backend.get_cached_or_future_value(key, require_reasoning)
+        value, cache_hit = super().get_cached_or_future_value(key, require_reasoning)
         if isinstance(value, Future):
             return map_future(value, lambda grammar: _wrap(grammar, self.think_end_id, require_reasoning)), cache_hit
         return _wrap(value, self.think_end_id, require_reasoning), cache_hit
 
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
+        """Cache the inner grammar at its start state, so that requests without reasoning share it."""
         inner = value.grammar.copy() if isinstance(value, ReasonerGrammarObject) else value
-        self.grammar_backend.set_cache(key, inner)
-
-    def discard_pending(self, key: GrammarKey) -> None:
-        self.grammar_backend.discard_pending(key)
-
-    def reset(self) -> None:
-        self.grammar_backend.reset()
-
-    def shutdown(self) -> None:
-        self.grammar_backend.shutdown()
+        super().set_cache(key, inner)
 
 
 def _wrap(grammar: BaseGrammarObject, think_end_id: int, require_reasoning: bool) -> BaseGrammarObject:

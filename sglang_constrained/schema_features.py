@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_constrained.constraint_spec import GrammarSpecError
+from sglang_constrained.errors import GrammarSpecError
 
 _SCHEMA_VALUED = (
     "additionalProperties",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
 from typing import Any
 
@@ -23,147 +22,14 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
-    TokenRejectedError,
     common_prefix_length,
 )
-from sglang_constrained.constraint_spec import GrammarSpecError, check_schema_is_valid
-from sglang_constrained.schema_features import (
-    SchemaRule,
-    enum_outside_type_rule,
-    iter_subschemas,
-    keyword_rule,
-    keywords_together_rule,
-    refuse_unsupported_features,
-    unknown_format_rule,
-)
+from sglang_constrained.constraint_spec import check_schema_is_valid
+from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.schema_features import iter_subschemas, refuse_unsupported_features
 from sglang_constrained.vocabulary import tokenizer_vocabulary
-
-# The string formats xgrammar 0.2.8 enforces; it accepts any string for every other format.
-XGRAMMAR_SUPPORTED_FORMATS = frozenset(
-    {
-        "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
-        "uri", "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer",
-    }
-)  # fmt: skip
-
-# Keywords that constrain an instance (annotations such as title, description or default do not).
-_ASSERTION_KEYWORDS = frozenset(
-    {
-        "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-        "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "contains",
-        "maxContains", "minContains", "items", "prefixItems", "additionalItems", "unevaluatedItems",
-        "maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "properties",
-        "patternProperties", "additionalProperties", "propertyNames", "unevaluatedProperties", "dependentSchemas",
-        "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
-    }
-)  # fmt: skip
-_OBJECT_INFERRED_FROM = ("properties", "additionalProperties", "unevaluatedProperties")
-_ARRAY_INFERRED_FROM = ("items", "prefixItems")
-# xgrammar enforces multipleOf on an integer bounded on both sides only when maximum - minimum is below this.
-_MULTIPLE_OF_MAX_RANGE = 10_000
-
-
-def _types(schema: dict[str, Any]) -> list[Any]:
-    types = schema.get("type")
-    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
-
-
-def _integer_bound(schema: dict[str, Any], inclusive: str, exclusive: str, sign: int) -> int | None:
-    """The tightest integer bound (``sign`` +1 for lower, -1 for upper) the schema puts on an integer."""
-    candidates = []
-    if isinstance(schema.get(inclusive), int | float):
-        candidates.append(sign * math.ceil(sign * schema[inclusive]))
-    if isinstance(schema.get(exclusive), int | float):
-        candidates.append(sign * (math.floor(sign * schema[exclusive]) + 1))
-    if not candidates:
-        return None
-    return max(candidates) if sign > 0 else min(candidates)
-
-
-def _is_multiple_of_ignored(schema: dict[str, Any]) -> bool:
-    step, types = schema.get("multipleOf"), _types(schema)
-    if step is None:
-        return False
-    if "integer" not in types or "number" in types or not float(step).is_integer():
-        return True
-    low = _integer_bound(schema, "minimum", "exclusiveMinimum", 1)
-    high = _integer_bound(schema, "maximum", "exclusiveMaximum", -1)
-    if low is None and high is None:
-        return False
-    return low is None or high is None or high - low >= _MULTIPLE_OF_MAX_RANGE
-
-
-def _with_siblings_rule(keyword: str, allowed: tuple[str, ...] = ()) -> SchemaRule:
-    """``keyword`` next to other assertion keywords: xgrammar keeps one side and drops the other."""
-    ignored = {keyword, *allowed}
-    return SchemaRule(
-        f"{keyword} together with other keywords",
-        lambda s: keyword in s and any(k in _ASSERTION_KEYWORDS and k not in ignored for k in s),
-    )
-
-
-def _untyped_rule(keyword: str, inferred_from: tuple[str, ...] = ()) -> SchemaRule:
-    """``keyword`` in a schema whose type xgrammar cannot tell: it then allows any value."""
-    return SchemaRule(
-        f"{keyword} without type",
-        lambda s: keyword in s and "type" not in s and not any(k in s for k in inferred_from),
-    )
-
-
-def _has_required_outside_properties(schema: dict[str, Any]) -> bool:
-    required, properties = schema.get("required"), schema.get("properties") or {}
-    may_be_object = "type" not in schema or "object" in _types(schema)
-    return may_be_object and isinstance(required, list) and any(name not in properties for name in required)
-
-
-def _is_non_pointer_ref(schema: dict[str, Any]) -> bool:
-    ref = schema.get("$ref")
-    return isinstance(ref, str) and ref != "#" and not ref.startswith("#/")
-
-
-# Measured on xgrammar 0.2.8 (tests/test_xgrammar_backend.py re-checks each against jsonschema): features it
-# compiles without error but does not enforce. Not refused: oneOf whose branches may overlap (xgrammar falls back
-# to anyOf, with a warning) and unanchored patterns (xgrammar anchors every pattern).
-XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
-    enum_outside_type_rule(),  # the enum is kept, the sibling type dropped ("a" passes type: object)
-    SchemaRule("multipleOf on a non-integer or widely bounded number", _is_multiple_of_ignored),  # any number
-    SchemaRule("uniqueItems", lambda s: s.get("uniqueItems") is True),  # duplicates accepted
-    keyword_rule("contains"),  # any items accepted (min/maxContains only qualify contains)
-    keyword_rule("if"),  # if/then/else all dropped
-    keyword_rule("not"),  # anything accepted
-    keyword_rule("dependentRequired"),  # dependent properties not required
-    keyword_rule("dependentSchemas"),  # dependent schemas dropped
-    keyword_rule("dependencies"),  # (draft 7) dropped
-    keyword_rule("patternProperties"),  # matching properties rejected as unknown
-    keywords_together_rule("pattern", ("minLength", "maxLength")),  # lengths dropped
-    keywords_together_rule("format", ("minLength", "maxLength")),  # lengths dropped
-    keywords_together_rule("format", ("pattern",)),  # pattern dropped
-    unknown_format_rule(XGRAMMAR_SUPPORTED_FORMATS),  # any string accepted
-    SchemaRule("allOf with several subschemas", lambda s: len(s.get("allOf") or ()) > 1),  # not intersected
-    _with_siblings_rule("allOf"),  # siblings dropped
-    _with_siblings_rule("anyOf"),  # siblings dropped
-    _with_siblings_rule("oneOf"),  # siblings dropped
-    _with_siblings_rule("$ref"),  # siblings dropped
-    _with_siblings_rule("enum", allowed=("type",)),  # siblings other than type dropped
-    _with_siblings_rule("const", allowed=("type",)),  # siblings other than type dropped
-    SchemaRule("$ref to anything but a local JSON pointer", _is_non_pointer_ref),  # anything accepted
-    keyword_rule("$dynamicRef"),  # anything accepted
-    keyword_rule("$recursiveRef"),  # (2019-09) anything accepted
-    SchemaRule("required property missing from properties", _has_required_outside_properties),  # not required
-    _untyped_rule("minimum"),  # without a type xgrammar drops the keyword, and so for the rules below
-    _untyped_rule("maximum"),  # any number
-    _untyped_rule("exclusiveMinimum"),  # any number
-    _untyped_rule("exclusiveMaximum"),  # any number
-    _untyped_rule("minLength"),  # any string
-    _untyped_rule("maxLength"),  # any string
-    _untyped_rule("pattern"),  # any string
-    _untyped_rule("format"),  # any string
-    _untyped_rule("minItems", _ARRAY_INFERRED_FROM),  # any array, unless items/prefixItems imply the type
-    _untyped_rule("maxItems", _ARRAY_INFERRED_FROM),  # any array, likewise
-    _untyped_rule("minProperties", _OBJECT_INFERRED_FROM),  # any object, unless properties & co imply the type
-    _untyped_rule("maxProperties", _OBJECT_INFERRED_FROM),  # any object, likewise
-    _untyped_rule("propertyNames", _OBJECT_INFERRED_FROM),  # any object, likewise
-)
+from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
+from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
 
 class XGrammarGrammar(BaseGrammarObject):
@@ -173,6 +39,7 @@ class XGrammarGrammar(BaseGrammarObject):
         super().__init__()
         self.compiled_grammar = compiled_grammar
         self.stop_token_ids = stop_token_ids
+        self._stop_word_bits = token_word_bits(stop_token_ids)
         self.matcher = xgrammar.GrammarMatcher(compiled_grammar, override_stop_tokens=list(stop_token_ids))
 
     def accept_token(self, token: int) -> None:
@@ -200,8 +67,7 @@ class XGrammarGrammar(BaseGrammarObject):
             if not self.matcher.is_terminated():
                 raise
         vocab_mask[idx].zero_()
-        for token in self.stop_token_ids:
-            vocab_mask[idx, token // 32] |= torch.tensor(1 << (token % 32), dtype=torch.int64).to(torch.int32)
+        set_token_bits(vocab_mask[idx], self._stop_word_bits)
 
     def copy(self) -> XGrammarGrammar:
         return XGrammarGrammar(self.compiled_grammar, self.stop_token_ids)
@@ -263,7 +129,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "(--constrained-json-whitespace-pattern); use --constrained-json-disable-any-whitespace for "
                 "compact JSON instead, or leave both unset to allow any whitespace"
             )
-        super().__init__(server_args)
+        super().__init__(server_args, vocab_size)
         self.vocabulary = tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
         self.tokenizer_info = xgrammar.TokenizerInfo.from_vocab_and_metadata(
             list(self.vocabulary.decoded_vocab), self.vocabulary.xgrammar_metadata
@@ -309,7 +175,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         except pydantic.ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
-            raise GrammarSpecError(f"invalid structural tag at {where}: {_bounded(first['msg'])}") from e
+            raise GrammarSpecError(f"invalid structural tag at {where}: {bounded_message(first['msg'])}") from e
         self._check_structural_tag_contents(spec["format"], "/format")
         return self._compile("structural tag", lambda: self.compiler.compile_structural_tag(structural_tag))
 
@@ -373,14 +239,9 @@ def _new_form_structural_tag(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
-_MAX_MESSAGE_CHARS = 300
 
 
 def _xgrammar_message(error: Exception) -> str:
     """xgrammar's error text without its log prefix (time, C++ file, failed check), first line, bounded."""
     lines = str(error).strip().splitlines()
-    return _bounded(_XGRAMMAR_LOG_PREFIX.sub("", lines[0]) if lines else type(error).__name__)
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
+    return bounded_message(_XGRAMMAR_LOG_PREFIX.sub("", lines[0]) if lines else type(error).__name__)

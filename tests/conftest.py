@@ -10,10 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
-
-TokenizerCase = TokenizerSetup
-"""The fixtures' type (``name``, ``tokenizer``, ``vocab_size`` padded above the tokenizer, ``eos_token_ids``)."""
+from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 
 
 @pytest.fixture(scope="session")

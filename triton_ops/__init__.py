@@ -1,13 +1,17 @@
-"""Token-bitmask kernels: a Triton kernel for CUDA, a vectorised CPU path, the NPU path, and their dispatcher."""
+"""Token-bitmask kernels (a Triton kernel for CUDA, a compiled CPU path, the NPU path) and their dispatcher.
+
+The mask format itself (packing, unpacking, row resets) is ``triton_ops.bitmask_format``.
+"""
 
 from triton_ops.bitmask_cpu import (
     apply_token_bitmask_inplace_cpu,
     apply_token_bitmask_inplace_cpu_eager,
     warm_up_cpu_bitmask_kernel,
 )
+from triton_ops.bitmask_format import unpack_bitmask
 from triton_ops.bitmask_npu import apply_token_bitmask_inplace_npu, is_torch_npu_available
 from triton_ops.bitmask_ops import apply_token_bitmask_inplace, apply_token_bitmask_inplace_triton
-from triton_ops.bitmask_reference import apply_token_bitmask_inplace_reference, unpack_bitmask
+from triton_ops.bitmask_reference import apply_token_bitmask_inplace_reference
 
 __all__ = [
     "apply_token_bitmask_inplace",

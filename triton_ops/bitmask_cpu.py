@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from triton_ops.bitmask_reference import BITS_PER_WORD, normalize_bitmask_args
+from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
+from triton_ops.bitmask_reference import normalize_bitmask_args
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +177,7 @@ def warm_up_cpu_bitmask_kernel(vocab_size: int, dtype: torch.dtype = torch.float
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    num_words = (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
-    bitmask = torch.full((2, num_words), -1, dtype=torch.int32)
+    bitmask = allocate_bitmask(2, vocab_size)
     logits = torch.zeros(2, vocab_size, dtype=dtype)
     # Two rows and one: a vocab that is not a multiple of 32 lays the two out differently.
     apply_token_bitmask_inplace_cpu(logits, bitmask)

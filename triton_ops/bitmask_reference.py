@@ -9,8 +9,9 @@ from typing import NamedTuple
 
 import torch
 
+from triton_ops.bitmask_format import BITMASK_DTYPE, unpack_bitmask
+
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BITS_PER_WORD = 32
 
 
 class BitmaskArgs(NamedTuple):
@@ -37,7 +38,7 @@ def normalize_bitmask_args(
         raise ValueError("logits and bitmask must be torch tensors")
     if logits.dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
-    if bitmask.dtype != torch.int32:
+    if bitmask.dtype != BITMASK_DTYPE:
         raise ValueError(f"bitmask must be int32 (32 tokens per word, bit t % 32 of word t // 32), got {bitmask.dtype}")
     if logits.dim() not in (1, 2):
         raise ValueError(f"logits must be [vocab] or [batch, vocab], got shape {tuple(logits.shape)}")
@@ -75,20 +76,6 @@ def _normalize_rows(indices: torch.Tensor | list[int] | None, num_rows: int) -> 
         if low < 0 or high >= num_rows:
             raise ValueError(f"indices must be row ids in [0, {num_rows}), got values from {low} to {high}")
     return rows
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bool tensor ``[..., vocab_size]``: True where the int32 ``bitmask`` ``[..., ceil(V / 32)]`` allows a token.
-
-    Token ids past ``32 * bitmask.shape[-1]`` (a bitmask narrower than the logits) are disallowed.
-    """
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.reshape(*bitmask.shape[:-1], bitmask.shape[-1] * BITS_PER_WORD).bool()
-    if allowed.shape[-1] >= vocab_size:
-        return allowed[..., :vocab_size]
-    padding = torch.zeros(*allowed.shape[:-1], vocab_size - allowed.shape[-1], dtype=torch.bool, device=bitmask.device)
-    return torch.cat([allowed, padding], dim=-1)
 
 
 def apply_token_bitmask_inplace_reference(

@@ -1,0 +1,142 @@
+"""The scheduler requests behind one HTTP request (one per choice and prompt): run concurrently, collected into one
+answer (or streamed, by ``scheduler.http.streaming``), aborted when the client leaves; and the frontend's state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from scheduler.client import AsyncSchedulerClient
+from scheduler.http.protocol import ProtocolError
+from scheduler.http.request_conversion import SchedulerCall
+from scheduler.http.responses import CLIENT_CLOSED_REQUEST, check_finished
+from scheduler.io_struct import GenerateOutput
+
+logger = logging.getLogger("scheduler.http")
+
+
+@dataclass
+class FrontendState:
+    """What every handler shares. ``running_rids``: scheduler requests sent and not yet finished or aborted
+    (an aborted one stays until its abort has been sent to the scheduler)."""
+
+    client: AsyncSchedulerClient
+    model_name: str
+    max_seq_len: int
+    running_rids: set[str] = field(default_factory=set)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self.running_rids)
+
+    def check_model(self, model: str | None) -> None:
+        """Accept the served model's name, or no name; anything else is OpenAI's 404 ``model_not_found``."""
+        if model is not None and model != self.model_name:
+            raise ProtocolError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+
+
+class ChoiceRun:
+    """Runs an HTTP request's scheduler requests concurrently; iterate for ``(index, output)`` as they arrive.
+
+    Iteration raises the ``ProtocolError`` of a request the scheduler aborted, or one with status
+    ``DISCONNECTED`` once ``cancel`` has aborted the unfinished requests. ``cancel`` needs no await: each
+    request's task sends its own abort, so clean-up never depends on who is cancelled when.
+    """
+
+    DISCONNECTED = CLIENT_CLOSED_REQUEST
+
+    def __init__(self, frontend: FrontendState, calls: list[SchedulerCall], stream: bool) -> None:
+        self.frontend = frontend
+        self.rids = [call.rid for call in calls]
+        # The client routes outputs by rid: a second request with a running rid would steal the first one's.
+        clashes = sorted(frontend.running_rids.intersection(self.rids)) or sorted(
+            {rid for rid in self.rids if self.rids.count(rid) > 1}
+        )
+        if clashes:
+            raise ProtocolError(f"a request with rid {clashes[0]!r} is running", param="rid")
+        frontend.running_rids.update(self.rids)
+        self.num_open = len(calls)
+        self._queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException]] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._run(i, call, stream)) for i, call in enumerate(calls)]
+
+    def __aiter__(self) -> ChoiceRun:
+        return self
+
+    async def __anext__(self) -> tuple[int, GenerateOutput]:
+        if self.num_open == 0:
+            raise StopAsyncIteration
+        index, item = await self._queue.get()
+        if isinstance(item, asyncio.CancelledError):
+            raise ProtocolError("the client disconnected", status_code=self.DISCONNECTED)
+        if isinstance(item, BaseException):
+            raise ProtocolError(f"internal error: {type(item).__name__}: {item}", status_code=500) from item
+        check_finished(item)
+        if item.finished:
+            self.num_open -= 1
+        return index, item
+
+    async def first_outputs(self) -> list[tuple[int, GenerateOutput]]:
+        """Outputs until every choice has sent one (so that a failure before any token can still be an HTTP error)."""
+        received: list[tuple[int, GenerateOutput]] = []
+        seen: set[int] = set()
+        while len(seen) < len(self.rids):
+            index, output = await self.__anext__()
+            received.append((index, output))
+            seen.add(index)
+        return received
+
+    def cancel(self) -> None:
+        """Abort every unfinished request in the scheduler (each task sends its abort as it unwinds)."""
+        for task in self._tasks:
+            task.cancel()
+
+    async def cancel_on_disconnect(self, request: Request) -> None:
+        """Wait for the client to go away (or the response to complete), then cancel what still runs."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        running = [rid for rid, task in zip(self.rids, self._tasks, strict=True) if not task.done()]
+        if running:
+            logger.info("client disconnected: aborting %d scheduler request(s) %s", len(running), running)
+        self.cancel()
+
+    async def _run(self, index: int, call: SchedulerCall, stream: bool) -> None:
+        try:
+            if stream:
+                async for output in self.frontend.client.stream(**call.as_kwargs()):
+                    self._queue.put_nowait((index, output))
+            else:
+                self._queue.put_nowait((index, await self.frontend.client.generate(**call.as_kwargs())))
+        except asyncio.CancelledError as e:
+            self._queue.put_nowait((index, e))
+            raise
+        except Exception as e:
+            logger.exception("scheduler request %s failed in the frontend", call.rid)
+            self._queue.put_nowait((index, e))
+        finally:
+            self.frontend.running_rids.discard(call.rid)
+
+
+async def collect_outputs(
+    request: Request, frontend: FrontendState, calls: list[SchedulerCall]
+) -> list[GenerateOutput]:
+    """Every call's final output, in order; a client disconnect aborts them all in the scheduler."""
+    run = ChoiceRun(frontend, calls, stream=False)
+    watcher = asyncio.create_task(run.cancel_on_disconnect(request))
+    try:
+        finals: dict[int, GenerateOutput] = {}
+        async for index, output in run:
+            finals[index] = output
+        return [finals[i] for i in range(len(calls))]
+    finally:
+        watcher.cancel()
+        run.cancel()

@@ -1,0 +1,109 @@
+"""Scheduler outputs as final HTTP answers: OpenAI completions, SGLang ``/generate`` results, and errors in
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (streamed answers: ``scheduler.http.streaming``)."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import msgspec
+
+from scheduler.http.protocol import ProtocolError
+from scheduler.io_struct import FinishReason, GenerateOutput
+
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client went away; logged, never seen by a client."""
+
+_ABORT_STATUS: tuple[tuple[re.Pattern[str], int], ...] = (
+    (re.compile(r"internal error"), 500),
+    (re.compile(r"the grammar failed to compute"), 500),
+    (re.compile(r"token \d+ .* was rejected by the"), 500),
+    (re.compile(r"the \S+ grammar failed on token"), 500),
+    (re.compile(r"the server is shutting down"), 503),
+    (re.compile(r"the grammar backend was reset"), 503),
+    (re.compile(r"aborted by the client"), CLIENT_CLOSED_REQUEST),
+)
+"""Aborts caused by the server, by the scheduler's messages; every other abort is about the request itself (400):
+an invalid or unsupported constraint, a bad prompt, a compile past its deadline, a constraint that cannot finish."""
+
+
+def abort_error(reason: FinishReason) -> ProtocolError:
+    """The HTTP error for a request the scheduler aborted."""
+    message = reason.message or "the request was aborted"
+    status = next((status for pattern, status in _ABORT_STATUS if pattern.match(message)), 400)
+    code = "invalid_constraint" if message.startswith("Failed to compile") else None
+    return ProtocolError(message, status_code=status, code=code)
+
+
+def error_body(error: ProtocolError) -> dict[str, Any]:
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+
+
+def check_finished(output: GenerateOutput) -> None:
+    """Raise the request's error if the scheduler aborted it."""
+    if output.finish_reason is not None and output.finish_reason.type == "abort":
+        raise abort_error(output.finish_reason)
+
+
+def openai_finish_reason(output: GenerateOutput) -> str | None:
+    return output.finish_reason.type if output.finished and output.finish_reason is not None else None
+
+
+def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, int]:
+    """Token counts of a whole completion: each prompt counted once (its choice ``p * n``), every choice's output."""
+    prompt = sum(o.usage.prompt_tokens for i, o in outputs.items() if i % n == 0)
+    completion = sum(o.usage.completion_tokens for o in outputs.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_completion_body(completion_id: str, model: str, outputs: list[GenerateOutput]) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": o.text},
+            "finish_reason": openai_finish_reason(o),
+            "logprobs": None,
+        }
+        for i, o in enumerate(outputs)
+    ]
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(dict(enumerate(outputs)), len(outputs)),
+    }
+
+
+def text_completion_body(completion_id: str, model: str, outputs: list[GenerateOutput], n: int) -> dict[str, Any]:
+    choices = [
+        {"index": i, "text": o.text, "finish_reason": openai_finish_reason(o), "logprobs": None}
+        for i, o in enumerate(outputs)
+    ]
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(dict(enumerate(outputs)), n),
+    }
+
+
+def generate_result(output: GenerateOutput, output_ids: list[int], text: str) -> dict[str, Any]:
+    """SGLang's ``{"text", "output_ids", "meta_info"}``; ``meta_info.finish_reason`` is null until the end."""
+    reason = output.finish_reason
+    return {
+        "text": text,
+        "output_ids": output_ids,
+        "meta_info": {
+            "id": output.rid,
+            "finish_reason": None if reason is None else msgspec.to_builtins(reason),
+            "prompt_tokens": output.usage.prompt_tokens,
+            "completion_tokens": output.usage.completion_tokens,
+            "grammar_cache_hit": output.grammar_cache_hit,
+        },
+    }

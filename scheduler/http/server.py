@@ -1,0 +1,124 @@
+"""The HTTP frontend process: ``start_http_frontend`` (in the launcher) binds the port and starts
+``python -m scheduler.http.server`` on the inherited socket, serving ``scheduler.http.app``.
+
+The scheduler loop is synchronous and CPU-bound, so HTTP lives in another process that talks to it over zmq
+with one ``AsyncSchedulerClient`` (one socket, any number of concurrent requests). The frontend stops on
+SIGINT/SIGTERM, on ``HttpFrontend.stop``, and by itself when the launcher dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+from fastapi import FastAPI
+
+from scheduler.http.app import create_app
+from scheduler.server_args import ServerArgs
+
+logger = logging.getLogger("scheduler.http")
+
+GRACEFUL_SHUTDOWN_S = 2
+STOP_TIMEOUT_S = 10.0
+ORPHAN_CHECK_INTERVAL_S = 1.0
+_FRONTEND_FLAGS = ("host", "port", "zmq_port", "model_path", "max_seq_len", "log_level")
+"""The ``ServerArgs`` fields the frontend reads, passed on as their flags (``--field-name``)."""
+
+
+class HttpFrontend:
+    """The running frontend process started by ``start_http_frontend``."""
+
+    def __init__(self, process: subprocess.Popen[bytes], url: str) -> None:
+        self.process = process
+        self.url = url
+
+    def stop(self) -> None:
+        """SIGTERM (in-flight responses get ``GRACEFUL_SHUTDOWN_S`` to finish), SIGKILL if it does not exit."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("the HTTP frontend (pid %d) ignored SIGTERM: killing it", self.process.pid)
+                self.process.kill()
+                self.process.wait()
+        logger.info("HTTP frontend stopped (exit code %s)", self.process.returncode)
+
+
+def start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
+    """Bind ``--host``:``--port`` here, so that a taken port fails in the caller, and serve it in a new process.
+
+    The process reaches the scheduler at ``server_args.zmq_endpoint``; requests that arrive before it is up
+    wait in the socket's backlog.
+    """
+    if server_args.port is None:
+        raise ValueError("start_http_frontend needs --port")
+    listener = socket.create_server((server_args.host, server_args.port))
+    try:
+        host, port = listener.getsockname()[:2]
+        flags = [
+            item
+            for name in _FRONTEND_FLAGS
+            if getattr(server_args, name) is not None
+            for item in (f"--{name.replace('_', '-')}", str(getattr(server_args, name)))
+        ]
+        command = [sys.executable, "-m", "scheduler.http.server", *flags, "--listen-fd", str(listener.fileno())]
+        process = subprocess.Popen(command, pass_fds=(listener.fileno(),))
+    finally:
+        listener.close()
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    logger.info("HTTP frontend (pid %d) serving on %s", process.pid, url)
+    return HttpFrontend(process, url)
+
+
+async def _serve(app: FastAPI, listener: socket.socket, log_level: str) -> None:
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        loop="asyncio",
+        http="h11",
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = uvicorn.Server(config)
+    launcher = os.getppid()
+
+    async def exit_when_orphaned() -> None:
+        while os.getppid() == launcher:
+            await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
+        logger.warning("the launcher (pid %d) is gone: shutting down", launcher)
+        server.should_exit = True
+
+    watchdog = asyncio.create_task(exit_when_orphaned())
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        watchdog.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler.http.server", description=__doc__)
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--listen-fd", type=int, required=True, help="a bound TCP socket inherited from the launcher")
+    args = parser.parse_args(argv)
+    server_args = ServerArgs.from_cli_args(args)
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(_serve(create_app(server_args), socket.socket(fileno=args.listen_fd), server_args.log_level))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Streamed HTTP answers: server-sent events in each endpoint's chunk format (OpenAI chat and text completions,
+SGLang ``/generate``), built from the scheduler's streamed outputs as they arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from scheduler.http.calls import ChoiceRun, FrontendState
+from scheduler.http.protocol import ProtocolError
+from scheduler.http.request_conversion import SchedulerCall
+from scheduler.http.responses import error_body, generate_result, openai_finish_reason, usage_body
+from scheduler.io_struct import GenerateOutput
+
+
+class StreamChunks:
+    """Turns the outputs of a streamed request's choices into SSE events, one endpoint's format per subclass.
+
+    ``events`` takes each choice's streamed increments in arrival order (``text`` and ``token_ids`` are new).
+    """
+
+    OBJECT = ""
+
+    def __init__(self, completion_id: str, model: str, n: int, include_usage: bool) -> None:
+        self.completion_id = completion_id
+        self.model = model
+        self.n = n
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.latest: dict[int, GenerateOutput] = {}
+
+    def events(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
+        self.latest[index] = output
+        return self.chunks(index, output)
+
+    def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def closing_events(self) -> list[dict[str, Any]]:
+        """OpenAI's usage chunk (``stream_options.include_usage``): no choices, the whole request's usage."""
+        if not self.include_usage:
+            return []
+        return [self._chunk([]) | {"usage": usage_body(self.latest, self.n)}]
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self.completion_id,
+            "object": self.OBJECT,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        return chunk | {"usage": None} if self.include_usage else chunk
+
+
+class ChatStreamChunks(StreamChunks):
+    """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason."""
+
+    OBJECT = "chat.completion.chunk"
+
+    def __init__(self, completion_id: str, model: str, n: int, include_usage: bool) -> None:
+        super().__init__(completion_id, model, n, include_usage)
+        self.started: set[int] = set()
+
+    def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
+        chunks = []
+        if index not in self.started:
+            self.started.add(index)
+            chunks.append(self._choice(index, {"role": "assistant", "content": ""}, None))
+        if output.text:
+            chunks.append(self._choice(index, {"content": output.text}, None))
+        if output.finished:
+            chunks.append(self._choice(index, {}, openai_finish_reason(output)))
+        return chunks
+
+    def _choice(self, index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return self._chunk([choice])
+
+
+class CompletionStreamChunks(StreamChunks):
+    """``text_completion`` chunks: one per output with its new text, the last with the finish reason."""
+
+    OBJECT = "text_completion"
+
+    def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
+        choice = {"index": index, "text": output.text, "finish_reason": openai_finish_reason(output), "logprobs": None}
+        return [self._chunk([choice])]
+
+
+class GenerateStreamChunks(StreamChunks):
+    """SGLang's stream: every event holds the choice's text and output ids so far, and its ``index``."""
+
+    def __init__(self) -> None:
+        super().__init__("", "", n=1, include_usage=False)
+        self.texts: dict[int, str] = {}
+        self.output_ids: dict[int, list[int]] = {}
+
+    def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
+        self.texts[index] = self.texts.get(index, "") + output.text
+        self.output_ids[index] = self.output_ids.get(index, []) + output.token_ids
+        return [generate_result(output, self.output_ids[index], self.texts[index]) | {"index": index}]
+
+
+def sse_event(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``) and a blank line."""
+    data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
+    return b"data: " + data + b"\n\n"
+
+
+async def stream_response(
+    request: Request, frontend: FrontendState, calls: list[SchedulerCall], chunks: StreamChunks
+) -> StreamingResponse:
+    """An SSE response; errors before every choice's first token (an invalid constraint) are HTTP errors."""
+    run = ChoiceRun(frontend, calls, stream=True)
+    watcher = asyncio.create_task(run.cancel_on_disconnect(request))
+    try:
+        received = await run.first_outputs()
+    except BaseException:
+        watcher.cancel()
+        run.cancel()
+        raise
+    return StreamingResponse(_sse_events(run, received, chunks, watcher), media_type="text/event-stream")
+
+
+async def _sse_events(
+    run: ChoiceRun,
+    received: list[tuple[int, GenerateOutput]],
+    chunks: StreamChunks,
+    watcher: asyncio.Task[None],
+) -> AsyncIterator[bytes]:
+    """The stream's events; an abort mid-stream becomes an error event (OpenAI's clients raise on it)."""
+    try:
+        for index, output in received:
+            for event in chunks.events(index, output):
+                yield sse_event(event)
+        try:
+            async for index, output in run:
+                for event in chunks.events(index, output):
+                    yield sse_event(event)
+            for event in chunks.closing_events():
+                yield sse_event(event)
+        except ProtocolError as e:
+            if e.status_code == ChoiceRun.DISCONNECTED:
+                return
+            run.cancel()
+            yield sse_event(error_body(e))
+        yield sse_event("[DONE]")
+    finally:
+        watcher.cancel()
+        run.cancel()

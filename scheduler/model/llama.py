@@ -1,0 +1,216 @@
+"""A Llama forward in plain torch, shaped for serving: packed new tokens of several sequences over a KV cache.
+
+It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from the config's rope
+parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases), but takes a
+flat batch of new tokens, writes their K/V into preallocated cache slots, and returns logits only for the
+last new token of each sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from scheduler.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """New tokens of several sequences, packed: sequence ``i`` owns ``input_ids[offsets[i]:offsets[i + 1]]``.
+
+    Tensors are int64 on the model's device; ``starts[i]`` tokens of sequence ``i`` are already cached in
+    ``slots[i]`` and its new tokens take positions ``starts[i]`` onwards.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    token_slots: torch.Tensor  # [T]
+    last_indices: torch.Tensor  # [S]: index in the packed batch of each sequence's last new token
+    slots: list[int]
+    starts: list[int]
+    offsets: list[int]  # S + 1 entries
+    # Decode (one new token per sequence): [S, 1, 1, L] True where a cached position may be attended.
+    # Otherwise one causal mask per sequence, [n_i, starts[i] + n_i], or None where plain is_causal suffices.
+    decode_mask: torch.Tensor | None
+    extend_masks: list[torch.Tensor | None]
+
+    @classmethod
+    def build(
+        cls, slots: Sequence[int], starts: Sequence[int], token_lists: Sequence[Sequence[int]], device: torch.device
+    ) -> ForwardBatch:
+        offsets = [0]
+        for tokens in token_lists:
+            offsets.append(offsets[-1] + len(tokens))
+        positions = [start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))]
+        token_slots = [slot for slot, tokens in zip(slots, token_lists, strict=True) for _ in tokens]
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        decode_mask = None
+        extend_masks: list[torch.Tensor | None] = []
+        if all(len(tokens) == 1 for tokens in token_lists):
+            lengths = as_tensor([start + 1 for start in starts])
+            window = torch.arange(int(lengths.max()), device=device)
+            decode_mask = (window[None, :] < lengths[:, None])[:, None, None, :]
+        else:
+            for start, tokens in zip(starts, token_lists, strict=True):
+                rows = torch.arange(start, start + len(tokens), device=device)
+                columns = torch.arange(start + len(tokens), device=device)
+                extend_masks.append(None if start == 0 else columns[None, :] <= rows[:, None])
+        return cls(
+            input_ids=as_tensor([token for tokens in token_lists for token in tokens]),
+            positions=as_tensor(positions),
+            token_slots=as_tensor(token_slots),
+            last_indices=as_tensor([end - 1 for end in offsets[1:]]),
+            slots=list(slots),
+            starts=list(starts),
+            offsets=offsets,
+            decode_mask=decode_mask,
+            extend_masks=extend_masks,
+        )
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections stacked
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Llama-style decoder weights on one device, run by ``forward`` over a ``KVCache``."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size: int = config.vocab_size
+        self.eps: float = config.rms_norm_eps
+        self.device = device
+
+        def weight(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"the checkpoint lacks {name!r}; is it a Llama-style causal LM?")
+            return weights[name].to(device=device, dtype=dtype)
+
+        def stacked(names: Sequence[str]) -> torch.Tensor:
+            return torch.cat([weight(name) for name in names])
+
+        self.embed = weight("model.embed_tokens.weight")
+        self.norm = weight("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            qkv_names = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+            bias_names = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+            self.layers.append(
+                _Layer(
+                    input_norm=weight(f"{p}input_layernorm.weight"),
+                    qkv=stacked(qkv_names),
+                    qkv_bias=stacked(bias_names) if bias_names[0] in weights else None,
+                    o_proj=weight(f"{p}self_attn.o_proj.weight"),
+                    post_norm=weight(f"{p}post_attention_layernorm.weight"),
+                    gate_up=stacked([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
+                    down=weight(f"{p}mlp.down_proj.weight"),
+                )
+            )
+        self.cos, self.sin = _rope_tables(config, self.head_dim, max_positions, device, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Write the batch's K/V into ``kv_cache`` and return float32 logits ``[S, vocab_size]``.
+
+        Row ``i`` is the next-token logits after sequence ``i``'s last new token. Does not change the cache's
+        lengths: the caller records them.
+        """
+        num_tokens = batch.input_ids.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        cos = self.cos[batch.positions][:, None, :]
+        sin = self.sin[batch.positions][:, None, :]
+        hidden = F.embedding(batch.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self.eps)
+            qk, v = F.linear(x, layer.qkv, layer.qkv_bias).split([q_size + kv_size, kv_size], dim=-1)
+            # q and k heads are rotated together: one RoPE call per layer.
+            qk = _rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            kv_cache.k[i][batch.token_slots, :, batch.positions] = k
+            kv_cache.v[i][batch.token_slots, :, batch.positions] = v.view(num_tokens, self.num_kv_heads, -1)
+            if batch.decode_mask is not None:
+                attention = self._decode_attention(q, kv_cache.k[i], kv_cache.v[i], batch.slots, batch.decode_mask)
+            else:
+                attention = self._extend_attention(q, kv_cache.k[i], kv_cache.v[i], batch)
+            hidden = hidden + F.linear(attention, layer.o_proj)
+            x = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        last = F.rms_norm(hidden[batch.last_indices], hidden.shape[-1:], self.norm, self.eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One query token per sequence: ``q`` [S, H, D] -> [S, H * D], over each slot's masked cached window."""
+        window = mask.shape[-1]
+        # The group of query heads sharing one KV head acts as that head's queries: no K/V repetition.
+        grouped = q.view(len(slots), self.num_kv_heads, -1, self.head_dim)
+        keys = torch.stack([k_cache[slot, :, :window] for slot in slots])
+        values = torch.stack([v_cache[slot, :, :window] for slot in slots])
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+        return out.reshape(len(slots), -1)
+
+    def _extend_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Several new tokens per sequence: ``q`` [T, H, D] -> [T, H * D], causal over each slot's cache."""
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        for slot, start, lo, hi, mask in zip(
+            batch.slots, batch.starts, batch.offsets[:-1], batch.offsets[1:], batch.extend_masks, strict=True
+        ):
+            end = start + hi - lo
+            seq_q = q[lo:hi].transpose(0, 1)[None]
+            keys, values = k_cache[slot, :, :end][None], v_cache[slot, :, :end][None]
+            seq_out = F.scaled_dot_product_attention(
+                seq_q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
+            out[lo:hi] = seq_out[0].transpose(0, 1).reshape(hi - lo, -1)
+        return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' layout: the two halves of each head are the rotated pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_tables(
+    config: PretrainedConfig, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[max_positions, head_dim]``, computed in float32 as transformers does."""
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        inv_freq, scaling = 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(device, dtype), (angles.sin() * scaling).to(device, dtype)

@@ -1,0 +1,81 @@
+"""Run the scheduler as a child process (one rank, or several under torchrun) and wait until it serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scheduler.client import SchedulerClient
+from scheduler.io_struct import Pong
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class SchedulerProcess:
+    """``python -m scheduler.launch`` on a free loopback port, its output in a log file.
+
+    With ``ranks > 1`` it runs under ``torch.distributed.run`` (torchrun). ``extra_paths`` go on PYTHONPATH
+    (for ``--import-module`` and entry-point plugins).
+    """
+
+    def __init__(self, *flags: str, ranks: int = 1, extra_paths: tuple[Path, ...] = ()) -> None:
+        self.zmq_port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
+        self.ranks = ranks
+        with tempfile.NamedTemporaryFile(prefix="scheduler-", suffix=".log", delete=False) as log_file:
+            self.log_path = Path(log_file.name)
+        launcher = [sys.executable, "-m", "scheduler.launch"]
+        if ranks > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+            launcher += ["--master-port", str(free_port()), "-m", "scheduler.launch"]
+        command = [*launcher, "--zmq-port", str(self.zmq_port), *flags]
+        python_path = [*map(str, extra_paths), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(python_path))
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def client(self, timeout_s: float = 600.0) -> SchedulerClient:
+        return SchedulerClient(self.endpoint, timeout_s=timeout_s)
+
+    def wait_until_ready(self, timeout_s: float = 600.0) -> Pong:
+        """Ping until the scheduler answers; raises at once, with its log, if the process exits first."""
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the scheduler exited at start-up; log:\n{self.log()[-3000:]}")
+                try:
+                    return client.wait_until_ready(timeout_s=2)
+                except TimeoutError:
+                    continue
+        raise TimeoutError(f"the scheduler was not ready within {timeout_s:g} s; log:\n{self.log()[-3000:]}")
+
+    def status(self) -> Pong:
+        with self.client() as client:
+            return client.wait_until_ready(timeout_s=30)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the scheduler answers live requests, then exits); returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise TimeoutError(f"the scheduler did not stop within {timeout_s:g} s of SIGTERM") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")

@@ -1,0 +1,33 @@
+"""The grammar library's errors, and the one rule for quoting an engine's message: short, and never the whole spec.
+
+Importing this module loads nothing else (the HTTP frontend builds constraint keys without torch or an engine).
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_CHARS = 300
+"""Longest engine message quoted to a user; engines echo whole grammars and schemas in theirs."""
+
+
+class GrammarSpecError(ValueError):
+    """A constraint spec that cannot be compiled; the message says why without echoing the whole spec."""
+
+
+class TokenRejectedError(ValueError):
+    """Raised by ``accept_token`` when the grammar does not allow the token in its current state."""
+
+    def __init__(self, token: int, reason: str = "") -> None:
+        self.token = token
+        message = f"token {token} is not allowed by the grammar"
+        super().__init__(f"{message}: {reason}" if reason else message)
+
+
+class CompileTimeoutError(TimeoutError):
+    """A grammar compile ran past its deadline; it is not cached, so the next request compiles anew."""
+
+
+def bounded_message(text: str, first_line_only: bool = True, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """An engine's message fit to show a user: its first line (or all lines joined), at most ``limit`` characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    message = (lines[0] if first_line_only else " ".join(lines)) if lines else "no details given"
+    return message if len(message) <= limit else message[:limit] + "..."

@@ -1,0 +1,177 @@
+"""The JSON-schema features outlines-core 0.2.14 ignores or cannot compile in time, refused up front by name.
+
+For each rule of the table, an instance violating only that feature passes outlines-core's regex (the outlines
+tests check this against the engine). Beyond the table: string length bounds past a size whose automaton takes
+minutes to build, values of any JSON type below the root (seconds to minutes each), and recursive references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_constrained.errors import GrammarSpecError
+from sglang_constrained.schema_features import (
+    SchemaRule,
+    enum_outside_type_rule,
+    iter_subschemas,
+    keyword_rule,
+    keywords_together_rule,
+    refuse_unsupported_features,
+    unknown_format_rule,
+)
+
+OUTLINES_MAX_STRING_LENGTH_BOUND = 12
+# "date-time" and "time" are left out: outlines-core's patterns make the zone optional ("12:00:00" passes, though
+# RFC 3339 requires one) and refuse numeric offsets ("12:00:00+01:00"), so they are not enforced as specified.
+OUTLINES_STRING_FORMATS = frozenset({"date", "uuid", "email", "uri"})
+
+_COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "$ref", "enum", "const")
+
+OUTLINES_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
+    enum_outside_type_rule(),  # the enum is kept, the sibling type dropped ("a" passes type: object)
+    *(keyword_rule(k) for k in ("multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
+    SchemaRule("uniqueItems", lambda schema: schema.get("uniqueItems") is True),
+    *(keyword_rule(k) for k in ("contains", "if", "not", "dependentRequired", "dependentSchemas", "dependencies")),
+    *(keyword_rule(k) for k in ("patternProperties", "propertyNames", "maxProperties")),
+    SchemaRule(
+        "minProperties together with properties, or above 1",
+        lambda schema: "minProperties" in schema and ("properties" in schema or schema["minProperties"] > 1),
+    ),
+    SchemaRule(
+        "unevaluatedProperties without properties or additionalProperties",
+        lambda schema: (
+            "unevaluatedProperties" in schema and "properties" not in schema and "additionalProperties" not in schema
+        ),
+    ),
+    SchemaRule(
+        "unevaluatedItems without items or prefixItems",
+        lambda schema: "unevaluatedItems" in schema and "items" not in schema and "prefixItems" not in schema,
+    ),
+    keywords_together_rule("pattern", ("minLength", "maxLength")),
+    keywords_together_rule("format", ("minLength", "maxLength", "pattern")),
+    unknown_format_rule(OUTLINES_STRING_FORMATS),
+    SchemaRule(
+        "allOf with more than one subschema",
+        lambda schema: isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1,
+    ),
+    SchemaRule(
+        "required naming a property that properties does not define",
+        lambda schema: (
+            isinstance(schema.get("required"), list)
+            and any(name not in schema.get("properties", {}) for name in schema["required"])
+        ),
+    ),
+    keywords_together_rule("properties", _COMPOSITION_KEYWORDS),
+    keywords_together_rule("prefixItems", ("minItems", "maxItems")),
+)
+"""Schema features outlines-core 0.2.14 silently ignores: for each, an instance violating only that feature
+passes its regex (the tests check this against the engine)."""
+
+
+def recursive_ref_rule(root: Any) -> SchemaRule:
+    """A ``$ref`` that leads back to itself; outlines-core unrolls it three levels and then emits broken JSON."""
+    return SchemaRule("recursive $ref", lambda schema: _is_recursive_ref(root, schema.get("$ref")))
+
+
+def refuse_outlines_unsupported(schema: Any, backend_name: str) -> None:
+    """Raise ``GrammarSpecError`` naming the first feature of ``schema`` outlines-core cannot enforce."""
+    refuse_unsupported_features(
+        schema, (*OUTLINES_UNSUPPORTED_SCHEMA_FEATURES, recursive_ref_rule(schema)), backend_name
+    )
+    _refuse_long_string_bounds(schema)
+    _refuse_nested_unconstrained_values(schema)
+
+
+def _is_recursive_ref(root: Any, ref: Any) -> bool:
+    """Whether following the local reference ``ref`` through the schema ``root`` can reach ``ref`` again."""
+    if not isinstance(ref, str):
+        return False
+    pending, seen = [ref], {ref}
+    while pending:
+        target = _resolve_local_ref(root, pending.pop())
+        for _, subschema in iter_subschemas(target):
+            inner = subschema.get("$ref")
+            if inner == ref:
+                return True
+            if isinstance(inner, str) and inner not in seen:
+                seen.add(inner)
+                pending.append(inner)
+    return False
+
+
+def _resolve_local_ref(root: Any, ref: str) -> Any:
+    """The subschema a ``#/...`` reference points at, or None (outlines-core reports other references itself)."""
+    if not ref.startswith("#"):
+        return None
+    target = root
+    for part in ref[1:].split("/")[1:]:
+        if not isinstance(target, dict):
+            return None
+        target = target.get(part.replace("~1", "/").replace("~0", "~"))
+    return target
+
+
+def _refuse_long_string_bounds(schema: Any) -> None:
+    for pointer, subschema in iter_subschemas(schema):
+        for keyword in ("minLength", "maxLength"):
+            bound = subschema.get(keyword)
+            if isinstance(bound, int) and bound > OUTLINES_MAX_STRING_LENGTH_BOUND:
+                raise GrammarSpecError(
+                    f"the outlines grammar backend refuses '{keyword}': {bound} (at {pointer or '/'}): "
+                    f"outlines-core's automaton doubles with every character of a string length bound, so "
+                    f"bounds above {OUTLINES_MAX_STRING_LENGTH_BOUND} take from seconds to hours to compile; "
+                    f"use the xgrammar or llguidance backend"
+                )
+
+
+def _refuse_nested_unconstrained_values(schema: Any) -> None:
+    """Refuse values of any JSON type below the root: each takes outlines-core seconds to minutes to compile.
+
+    Measured at 49k tokens: ``{"type": "object"}`` alone 10-14 s (36 s at 248k); four such values in one
+    object over 250 s. The root may be one (that is ``json_object``), which the compile deadline bounds.
+    """
+    for pointer, subschema in iter_subschemas(schema):
+        if pointer and _is_unconstrained_value(subschema):
+            raise GrammarSpecError(
+                f"the outlines grammar backend refuses a value of any JSON type (at {pointer}): outlines-core "
+                f"takes from seconds to minutes to compile each one; give it a type with a shape (properties, "
+                f"items) or use the xgrammar or llguidance backend"
+            )
+
+
+def _is_unconstrained_value(schema: dict[str, Any]) -> bool:
+    """Any JSON value, any object or any array: nothing narrows what the value may contain."""
+    types = schema.get("type")
+    if types is None:
+        return set(schema) <= _ANNOTATION_KEYWORDS
+    type_list = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if any(key in schema for key in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
+        return False
+    open_object = (
+        "object" in type_list and "properties" not in schema and not _is_schema(schema.get("additionalProperties"))
+    )
+    open_array = "array" in type_list and not _is_schema(schema.get("items")) and "prefixItems" not in schema
+    return open_object or open_array
+
+
+_ANNOTATION_KEYWORDS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$id",
+        "id",
+        "$schema",
+        "readOnly",
+        "readonly",
+        "writeOnly",
+        "deprecated",
+    }
+)
+
+
+def _is_schema(value: Any) -> bool:
+    """A subschema that constrains something (not absent, ``true`` or ``{}``)."""
+    return (isinstance(value, dict) and bool(value)) or value is False

@@ -1,0 +1,233 @@
+"""Check a backend against cases of known answer: valid texts are accepted to their end, invalid ones rejected.
+
+Shared by the conformance test suite and ``scripts/conformance_report.py``, so that the figures the script
+prints are the ones the tests assert on, and both judge a MaskBench case against the same recorded outcomes:
+``known_refusals.json`` (schemas a backend refuses, with the reason its message must give) and
+``known_deviations.json`` (valid instances an engine wrongly rejects, with the measured reason).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
+from sglang_constrained.testing.maskbench import MaskBenchCase
+from sglang_constrained.testing.text_acceptance import walk_tokens
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+
+KNOWN_REFUSALS_FILE = "known_refusals.json"
+KNOWN_DEVIATIONS_FILE = "known_deviations.json"
+MAX_REFUSAL_CHARS = 400
+"""A refusal's message is shown to the user as the request's error: it must name the reason, briefly."""
+
+_FEATURE_REFUSAL = re.compile(r"((?:feature|refuses) .+? \(at .*?\))(?:[;:]|$)")
+_MAX_REASON_CHARS = 80
+
+
+@dataclass
+class ConformanceResult:
+    """Outcome of one constraint: did it compile, and which texts were wrongly rejected or accepted.
+
+    ``seconds`` is what the constraint cost the backend (compile plus walks), whatever ran alongside it.
+    """
+
+    name: str
+    compile_error: str | None = None
+    num_valid: int = 0
+    num_valid_accepted: int = 0
+    num_invalid: int = 0
+    num_invalid_rejected: int = 0
+    wrongly_rejected: list[str] = field(default_factory=list)
+    wrongly_accepted: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_error is None
+
+
+def compile_grammar(backend: BaseGrammarBackend, key: GrammarKey) -> BaseGrammarObject:
+    """The grammar for ``key``, waiting for its compile (a fresh object each call)."""
+    value, _ = backend.get_cached_or_future_value(key)
+    return value if isinstance(value, BaseGrammarObject) else value.result()
+
+
+def check_constraint(
+    backend: BaseGrammarBackend,
+    setup: TokenizerSetup,
+    name: str,
+    key: GrammarKey,
+    valid_texts: tuple[str, ...] | list[str],
+    invalid_texts: tuple[str, ...] | list[str],
+) -> ConformanceResult:
+    """Compile ``key`` once, then walk every text through a fresh copy of the grammar."""
+    result = ConformanceResult(name, num_valid=len(valid_texts), num_invalid=len(invalid_texts))
+    grammar = compile_grammar(backend, key)
+    result.seconds = grammar.grammar_stats.compile_time_s if grammar.grammar_stats is not None else 0.0
+    if isinstance(grammar, InvalidGrammarObject):
+        result.compile_error = grammar.error_message
+        return result
+    start = time.perf_counter()
+    forbidden = setup.forbidden_token_ids
+    for text in valid_texts:
+        walk = walk_tokens(grammar.copy(), setup.encode(text), setup.vocab_size, setup.eos_token_ids, forbidden)
+        if walk.is_accepted:
+            result.num_valid_accepted += 1
+        else:
+            result.wrongly_rejected.append(text)
+    for text in invalid_texts:
+        walk = walk_tokens(grammar.copy(), setup.encode(text), setup.vocab_size, setup.eos_token_ids, forbidden)
+        if walk.is_accepted:
+            result.wrongly_accepted.append(text)
+        else:
+            result.num_invalid_rejected += 1
+    result.seconds += time.perf_counter() - start
+    return result
+
+
+class MaskBenchSweep:
+    """Checks MaskBench cases on one backend in a planned order, with the next compiles already queued.
+
+    The backend's compile threads then work while this thread walks. Only ``ahead`` compiles are queued
+    at a time, because each compile's deadline starts when it is queued: queuing a whole sweep at once would
+    let the later ones time out before a thread takes them up.
+    """
+
+    def __init__(
+        self, backend: BaseGrammarBackend, setup: TokenizerSetup, planned: Sequence[MaskBenchCase], ahead: int = 2
+    ) -> None:
+        self.backend = backend
+        self.setup = setup
+        self.ahead = ahead
+        self._keys = [make_grammar_key("json", case.schema) for case in planned]
+        self._positions = {case.name: position for position, case in enumerate(planned)}
+
+    def check(self, case: MaskBenchCase) -> ConformanceResult:
+        """``check_constraint`` for ``case``'s schema and instances; the compile is not kept in the cache."""
+        key = make_grammar_key("json", case.schema)
+        self.backend.get_cached_or_future_value(key)  # first in the queue, before the ones it makes room for
+        position = self._positions.get(case.name)
+        if position is not None:
+            for upcoming in self._keys[position + 1 : position + 1 + self.ahead]:
+                self.backend.get_cached_or_future_value(upcoming)
+        result = check_constraint(
+            self.backend, self.setup, case.name, key, case.valid_instances, case.invalid_instances
+        )
+        self.backend.discard_pending(key)
+        return result
+
+
+def refusal_reason(message: str) -> str:
+    """The short, stable part of a refusal message that ``known_refusals.json`` records.
+
+    The refused feature and where it is (``feature 'not' (at /properties/a)``) for the backends' own
+    refusals; otherwise the message's first sentence, cut at a word boundary near 80 characters.
+    """
+    feature = _FEATURE_REFUSAL.search(message)
+    if feature is not None:
+        return feature.group(1)
+    sentence = message.split(". ")[0]
+    return sentence if len(sentence) <= _MAX_REASON_CHARS else sentence[:_MAX_REASON_CHARS].rsplit(" ", 1)[0]
+
+
+def known_refusals_from(messages: Mapping[str, Mapping[str, Mapping[str, str]]]) -> dict[str, dict[str, str]]:
+    """``known_refusals.json``'s content from a whole sweep's refusal messages, backend -> tokenizer -> case.
+
+    Refusals are recorded per backend only: every refusal so far depends on the schema alone, not on the
+    vocabulary. A backend that refuses a case at one tokenizer but not (or otherwise) at another is an error.
+    """
+    recorded: dict[str, dict[str, str]] = {}
+    for backend, per_tokenizer in messages.items():
+        reasons = {
+            tokenizer: {case: refusal_reason(m) for case, m in cases.items()}
+            for tokenizer, cases in per_tokenizer.items()
+        }
+        first = next(iter(reasons.values()))
+        for tokenizer, other in reasons.items():
+            if other != first:
+                differing = sorted(set(first.items()) ^ set(other.items()))[:3]
+                raise ValueError(
+                    f"{backend} refuses differently at {tokenizer}: {differing}; known_refusals.json keys refusals "
+                    "by backend alone"
+                )
+        recorded[backend] = dict(sorted(first.items()))
+    return recorded
+
+
+@dataclass(frozen=True)
+class KnownOutcomes:
+    """What the data files record a backend does with a MaskBench case, and the judgement of a result against it.
+
+    ``refusals``: backend -> case -> the reason the refusal message must contain. ``deviations``: backend ->
+    tokenizer -> case -> a key of ``deviation_reasons``.
+    """
+
+    refusals: dict[str, dict[str, str]]
+    deviations: dict[str, dict[str, dict[str, str]]]
+    deviation_reasons: dict[str, str]
+
+    @classmethod
+    def load(cls, root: Path) -> KnownOutcomes:
+        """Read both files in ``root``; raises ``ValueError`` for a deviation whose reason is not described."""
+        deviations_file = json.loads((root / KNOWN_DEVIATIONS_FILE).read_text(encoding="utf-8"))
+        known = cls(
+            refusals=json.loads((root / KNOWN_REFUSALS_FILE).read_text(encoding="utf-8")),
+            deviations=deviations_file["deviations"],
+            deviation_reasons=deviations_file["reasons"],
+        )
+        for backend, per_tokenizer in known.deviations.items():
+            for tokenizer, cases in per_tokenizer.items():
+                for case, reason in cases.items():
+                    if reason not in known.deviation_reasons:
+                        raise ValueError(
+                            f"{KNOWN_DEVIATIONS_FILE}: {backend}/{tokenizer}/{case} has no reason {reason!r}"
+                        )
+        return known
+
+    def refusal(self, backend: str, case: str) -> str | None:
+        return self.refusals.get(backend, {}).get(case)
+
+    def deviation(self, backend: str, tokenizer: str, case: str) -> str | None:
+        return self.deviations.get(backend, {}).get(tokenizer, {}).get(case)
+
+    def problems(self, backend: str, tokenizer: str, result: ConformanceResult) -> list[str]:
+        """Every way ``result`` disagrees with the record, both ways; empty when the backend behaved as recorded.
+
+        A refusal must be listed with a reason its (bounded) message contains, and a listed refusal must still
+        happen; a deviation must be listed, and a listed one must still happen; no invalid text may be accepted.
+        """
+        expected_refusal = self.refusal(backend, result.name)
+        deviation = self.deviation(backend, tokenizer, result.name)
+        problems = []
+        if result.compile_error is not None:
+            message = result.compile_error
+            if len(message) > MAX_REFUSAL_CHARS:
+                problems.append(f"the refusal message has {len(message)} characters (at most {MAX_REFUSAL_CHARS})")
+            if expected_refusal is None:
+                problems.append(f"refused, and not listed in {KNOWN_REFUSALS_FILE}: {message}")
+            elif expected_refusal not in message:
+                problems.append(
+                    f"refused for another reason than {KNOWN_REFUSALS_FILE} lists ({expected_refusal!r}): {message}"
+                )
+            if deviation is not None:
+                problems.append(f"refused, so its deviation no longer happens: remove it from {KNOWN_DEVIATIONS_FILE}")
+            return problems
+        if expected_refusal is not None:
+            problems.append(f"compiles now: remove it from {KNOWN_REFUSALS_FILE} (listed as {expected_refusal!r})")
+        if deviation is None and result.wrongly_rejected:
+            problems.append(
+                f"valid instances rejected (not listed in {KNOWN_DEVIATIONS_FILE}): {result.wrongly_rejected}"
+            )
+        if deviation is not None and not result.wrongly_rejected:
+            problems.append(
+                f"a known deviation ({deviation}) no longer happens: remove it from {KNOWN_DEVIATIONS_FILE}"
+            )
+        if result.wrongly_accepted:
+            problems.append(f"invalid instances accepted: {result.wrongly_accepted}")
+        return problems

@@ -1,0 +1,267 @@
+"""The xgrammar backend against real tokenizers (SmolLM2 49k, Qwen3.5 248k): masks, stop tokens, whitespace,
+structural tags, errors. Grammar state is ``test_xgrammar_state``; schema features ``test_xgrammar_schema_features``."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import jsonschema
+import pytest
+
+from sglang_constrained.base_grammar_backend import InvalidGrammarObject, TokenRejectedError, create_grammar_backend
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import accepts_text, allowed_tokens, compile_grammar, encode_exactly
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+NOTE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+TAG_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+LEGACY_TAG = {"structures": [{"begin": "<f=weather>", "schema": TAG_SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
+NEW_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<f="],
+        "tags": [
+            {
+                "type": "tag",
+                "begin": "<f=weather>",
+                "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+                "end": "</f>",
+            }
+        ],
+    },
+}
+EBNF = 'root ::= "SELECT " column " FROM t"\ncolumn ::= "a" | "bb"'
+
+
+@pytest.fixture(scope="module")
+def backend(build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> XGrammarGrammarBackend:
+    return build_backend("xgrammar", tokenizer_case)
+
+
+@pytest.fixture(scope="module")
+def compact_backend(build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> XGrammarGrammarBackend:
+    return build_backend("xgrammar", tokenizer_case, constrained_json_disable_any_whitespace=True)
+
+
+def never_allowed_ids(backend: XGrammarGrammarBackend) -> set[int]:
+    """Special tokens other than the stop tokens, and the padding ids above the tokenizer's vocabulary."""
+    vocab = backend.vocabulary
+    padding = range(vocab.tokenizer_vocab_size, vocab.model_vocab_size)
+    return (vocab.special_token_ids - set(vocab.stop_token_ids)) | set(padding)
+
+
+def walk(
+    backend: XGrammarGrammarBackend, setup: TokenizerSetup, grammar: Any, text: str, can_end: Callable[[str], bool]
+):
+    """Accept ``text`` then EOS, checking every mask: the token is allowed, no special or padding id ever is,
+    and the stop tokens are allowed exactly where ``can_end(prefix)`` says the grammar may end."""
+    vocab, never = backend.vocabulary, never_allowed_ids(backend)
+    ids, prefix = encode_exactly(setup, text), b""
+    for token in [*ids, None]:
+        allowed = allowed_tokens(grammar, vocab.model_vocab_size)
+        assert not allowed & never, f"a special or padding token is allowed after {prefix!r}"
+        text_so_far = _decoded_or_none(prefix)
+        expected_end = text_so_far is not None and can_end(text_so_far)
+        assert all((stop in allowed) == expected_end for stop in vocab.stop_token_ids), prefix
+        if token is None:
+            break
+        assert token in allowed, f"token {token} ({vocab.decoded_vocab[token]!r}) is masked after {prefix!r}"
+        grammar.accept_token(token)
+        prefix += vocab.decoded_vocab[token]
+    grammar.accept_token(vocab.stop_token_ids[0])
+    assert grammar.is_terminated()
+
+
+def _decoded_or_none(prefix: bytes) -> str | None:
+    try:
+        return prefix.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def json_can_end(schema: Any) -> Callable[[str], bool]:
+    def can_end(text: str) -> bool:
+        try:
+            return jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        except json.JSONDecodeError:
+            return False
+
+    return can_end
+
+
+# kind, spec, a valid text, an invalid text, where the grammar may end
+WALK_CASES = [
+    ("json", PERSON_SCHEMA, '{"name": "Ada", "age": 36}', '{"name": "Ada"}', json_can_end(PERSON_SCHEMA)),
+    ("json", {"type": "integer"}, "-120", "12a", json_can_end({"type": "integer"})),
+    ("json_object", None, '{"a": [1, {"b": null}]}', "[1]", json_can_end({"type": "object"})),
+    (
+        "regex",
+        r"user-[0-9]{3}@example\.com",
+        "user-042@example.com",
+        "user-42@example.com",
+        lambda t: re.fullmatch(r"user-[0-9]{3}@example\.com", t) is not None,
+    ),
+    ("regex", r"[0-9]+", "2024", "20x4", lambda t: re.fullmatch(r"[0-9]+", t) is not None),
+    ("ebnf", EBNF, "SELECT bb FROM t", "SELECT b FROM t", lambda t: t in ("SELECT a FROM t", "SELECT bb FROM t")),
+    ("choice", ["yes", "no", "maybe"], "maybe", "perhaps", lambda t: t in ("yes", "no", "maybe")),
+]
+
+
+@pytest.mark.parametrize(("kind", "spec", "valid", "invalid", "can_end"), WALK_CASES, ids=lambda v: None)
+def test_constraint_walks_valid_text_and_rejects_invalid(backend, tokenizer_case, kind, spec, valid, invalid, can_end):
+    walk(backend, tokenizer_case, compile_grammar(backend, kind, spec), valid, can_end)
+    grammar = compile_grammar(backend, kind, spec)
+    ids = [*encode_exactly(tokenizer_case, invalid), *backend.vocabulary.stop_token_ids]
+    num_ok = grammar.validate_tokens(ids)
+    assert num_ok < len(ids)
+    for token in ids[:num_ok]:
+        grammar.accept_token(token)
+    assert ids[num_ok] not in allowed_tokens(grammar, tokenizer_case.vocab_size)
+    with pytest.raises(TokenRejectedError):
+        grammar.accept_token(ids[num_ok])
+
+
+def test_special_tokens_never_allowed_inside_json_string(backend, tokenizer_case):
+    grammar = compile_grammar(backend, "json", NOTE_SCHEMA)
+    text = '{"text": "Hi <b>, wörld! \\"quoted\\" \\n\\t 42 <|fake|> ok"}'
+    walk(backend, tokenizer_case, grammar, text, json_can_end(NOTE_SCHEMA))
+    grammar = compile_grammar(backend, "json", NOTE_SCHEMA)
+    for token in encode_exactly(tokenizer_case, '{"text": "in a string'):
+        grammar.accept_token(token)
+    for special in sorted(backend.vocabulary.special_token_ids):
+        with pytest.raises(TokenRejectedError):
+            grammar.accept_token(special)
+    assert len(backend.vocabulary.special_token_ids) == {"smollm2": 17, "qwen35": 33}[tokenizer_case.name]
+
+
+def test_padding_and_specials_never_allowed_in_free_text(backend, tokenizer_case):
+    grammar = compile_grammar(backend, "structural_tag", NEW_TAG)
+    allowed = allowed_tokens(grammar, tokenizer_case.vocab_size)
+    assert not allowed & never_allowed_ids(backend)
+    assert set(tokenizer_case.eos_token_ids) <= allowed
+    assert len(allowed) > 0.9 * backend.vocabulary.tokenizer_vocab_size  # free text allows nearly everything
+
+
+def test_xgrammar_sees_the_vocabulary_bytes_unchanged(backend):
+    """xgrammar must take the decoded bytes raw: re-decoding them as byte-level mangles non-ASCII tokens."""
+    assert list(backend.tokenizer_info.decoded_vocab) == list(backend.vocabulary.decoded_vocab)
+    assert backend.tokenizer_info.stop_token_ids == list(backend.vocabulary.stop_token_ids)
+
+
+def test_builtin_registry_builds_this_backend(smollm2_tokenizer, server_args):
+    case = smollm2_tokenizer
+    built = create_grammar_backend(server_args, case.tokenizer, case.vocab_size, case.eos_token_ids)
+    assert isinstance(built, XGrammarGrammarBackend) and built.name == server_args.grammar_backend == "xgrammar"
+    built.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("text", "flexible", "compact"),
+    [
+        ('{"name":"Ada","age":36}', True, True),
+        ('{"name": "Ada", "age": 36}', True, False),
+        ('{\n  "name" : "Ada",\n  "age" : 36\n}', True, False),
+        ('{"name":"Ada" ,"age":36}', True, False),
+    ],
+)
+def test_whitespace_flexible_by_default_and_compact_on_request(
+    backend, compact_backend, tokenizer_case, text, flexible, compact
+):
+    assert accepts_text(compile_grammar(backend, "json", PERSON_SCHEMA), tokenizer_case, text) is flexible
+    assert accepts_text(compile_grammar(compact_backend, "json", PERSON_SCHEMA), tokenizer_case, text) is compact
+
+
+def test_whitespace_pattern_is_refused_with_the_flag_to_use(smollm2_tokenizer, server_args):
+    case = smollm2_tokenizer
+    args = replace(server_args, constrained_json_whitespace_pattern=r"[ ]?")
+    with pytest.raises(ValueError, match="--constrained-json-disable-any-whitespace"):
+        XGrammarGrammarBackend(args, case.tokenizer, case.vocab_size, case.eos_token_ids)
+
+
+def tag_can_end(text: str) -> bool:
+    """Outside a tag anything may end the output; inside one (a begun but unclosed tag) it may not."""
+    last_begin = text.rfind("<f=")
+    return last_begin == -1 or "</f>" in text[last_begin:]
+
+
+@pytest.mark.parametrize(
+    "tag", [LEGACY_TAG, NEW_TAG, {**LEGACY_TAG, "type": "structural_tag"}], ids=["legacy", "new", "legacy-typed"]
+)
+def test_structural_tag_walks_trigger_json_and_end(backend, tokenizer_case, tag):
+    text = 'Let me check. <f=weather>{"city": "Paris"}</f> Done.'
+    walk(backend, tokenizer_case, compile_grammar(backend, "structural_tag", tag), text, tag_can_end)
+    grammar = compile_grammar(backend, "structural_tag", tag)
+    assert accepts_text(grammar, tokenizer_case, "No tool needed.")
+    assert not accepts_text(grammar, tokenizer_case, 'Check <f=weather>{"town": "Paris"}</f>')
+    assert not accepts_text(grammar, tokenizer_case, 'Check <f=weather>{"city": "Paris"} and more')
+
+
+BAD_TRIGGER_TAG = {**NEW_TAG, "format": {**NEW_TAG["format"], "triggers": ["<g="]}}
+# kind, spec, words the message must contain
+MALFORMED_CASES = [
+    ("regex", "user-(", ["regex", "parenthesis is not closed"]),
+    ("regex", "(?=a)b", ["regex", "Lookahead is not supported"]),
+    ("ebnf", 'root ::= item\nitem ::= "a" | missing', ["EBNF", 'Rule "missing" is not defined']),
+    ("ebnf", 'start ::= "a"', ["EBNF", 'root rule with name "root" is not found']),
+    ("ebnf", 'root ::= "a', ["EBNF", "string literal"]),
+    (
+        "json",
+        {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"}]},
+        ["JSON schema", "items must be a boolean or an object"],
+    ),
+    ("json", {"$ref": "#/$defs/missing"}, ["JSON schema", "$defs"]),
+    ("structural_tag", {"type": "structural_tag"}, ["needs 'format'", "'structures' and 'triggers'"]),
+    ("structural_tag", {"type": "tool_calls", "format": {}}, ["type 'structural_tag'", "tool_calls"]),
+    (
+        "structural_tag",
+        {"type": "structural_tag", "format": {"type": "nope"}},
+        ["invalid structural tag at format", "nope"],
+    ),
+    ("structural_tag", BAD_TRIGGER_TAG, ["structural tag", "does not match any trigger"]),
+    ("structural_tag", {"structures": [{"begin": "<f>", "schema": {}}], "triggers": ["<f"]}, ["structure 0 lacks end"]),
+    ("structural_tag", {"structures": "x", "triggers": ["<f"]}, ["'structures' must be a list of objects"]),
+    (
+        "structural_tag",
+        {
+            **LEGACY_TAG,
+            "structures": [{**LEGACY_TAG["structures"][0], "schema": {"type": "integer", "not": {"const": 3}}}],
+        },
+        ["structural tag's JSON schema at /format/tags/0/content", "'not'"],
+    ),
+    (
+        "structural_tag",
+        {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"type": 5}}},
+        ["structural tag's JSON schema at /format", "invalid JSON schema"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "spec", "words"), MALFORMED_CASES, ids=lambda v: None)
+def test_malformed_constraints_give_invalid_grammar_with_clear_message(backend, kind, spec, words):
+    grammar = backend.get_cached_or_future_value(make_grammar_key(kind, spec))[0].result()
+    assert isinstance(grammar, InvalidGrammarObject)
+    for word in words:
+        assert word in grammar.error_message
+    assert ".cc:" not in grammar.error_message and "Check failed" not in grammar.error_message
+    assert "\n" not in grammar.error_message
+
+
+def test_structural_tag_requiring_a_special_token_is_refused(backend, tokenizer_case):
+    special = min(backend.vocabulary.special_token_ids - set(tokenizer_case.eos_token_ids))
+    for token in (special, tokenizer_case.vocab_size - 1):
+        tag = {"type": "structural_tag", "format": {"type": "token", "token": token}}
+        grammar = backend.get_cached_or_future_value(make_grammar_key("structural_tag", tag))[0].result()
+        assert isinstance(grammar, InvalidGrammarObject)
+        assert f"token {token}" in grammar.error_message and "not a regular token" in grammar.error_message

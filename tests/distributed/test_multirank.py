@@ -1,0 +1,155 @@
+"""Two scheduler ranks under torchrun (real torch.distributed over gloo): same outputs, agreed verdicts.
+
+The rank-skewed backends live in ``tests/distributed/plugins``: one is installed through the entry-point group (a
+``.dist-info`` folder put on the path), the other through ``--import-module``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import psutil
+import pytest
+
+from scheduler.client import make_request
+from scheduler.io_struct import GenerateReq
+from scheduler.testing.process import SchedulerProcess
+from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
+from tests.helpers import launch_scheduler
+
+pytestmark = [pytest.mark.model, pytest.mark.multirank]
+
+PLUGINS = Path(__file__).parent / "plugins"
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+PHONE_REGEX = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def seeded_requests() -> list[GenerateReq]:
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    return [
+        make_request(
+            rid="free", text="The best things about summer are", sampling_params={"max_new_tokens": 24, "seed": 1}
+        ),
+        make_request(
+            rid="json", messages=ask, sampling_params={"json_schema": PERSON_SCHEMA, "temperature": 0.8, "seed": 2}
+        ),
+        make_request(
+            rid="regex", text="Call me at", sampling_params={"regex": PHONE_REGEX, "temperature": 0.8, "seed": 3}
+        ),
+        make_request(rid="choice", text="Pick one:", sampling_params={"choice": ["yes", "no", "maybe"], "seed": 4}),
+    ]
+
+
+@pytest.fixture(scope="module")
+def entry_point_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding an installed distribution that declares ``slow-on-rank-1`` in the entry-point group."""
+    site = tmp_path_factory.mktemp("site")
+    dist_info = site / "rank_skewed_plugins-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rank-skewed-plugins\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\nslow-on-rank-1 = rank_skewed_backends:make_slow_on_rank_1\n"
+    )
+    return site
+
+
+@pytest.fixture(scope="module")
+def two_ranks(entry_point_path: Path) -> Iterator[SchedulerProcess]:
+    """Two ranks whose backend compiles 3 s later on rank 1; the module registering fail-on-rank-1 is imported too."""
+    flags = ("--grammar-backend", "slow-on-rank-1", "--import-module", "rank_skewed_backends")
+    with launch_scheduler(*flags, ranks=2, extra_paths=(entry_point_path, PLUGINS)) as launched:
+        yield launched
+
+
+def test_two_ranks_give_the_same_outputs_as_one(two_ranks: SchedulerProcess) -> None:
+    with two_ranks.client() as client:
+        two = client.generate_batch(seeded_requests())
+    with launch_scheduler() as one_rank, one_rank.client() as client:
+        one = client.generate_batch(seeded_requests())
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [o.text for o in two] == [o.text for o in one]
+    free, person, phone, choice = two
+    assert free.text.strip()
+    jsonschema.validate(json.loads(person.text), PERSON_SCHEMA)
+    assert re.fullmatch(PHONE_REGEX, phone.text) and choice.text in ("yes", "no", "maybe")
+
+
+def test_a_grammar_slower_on_one_rank_waits_on_every_rank(two_ranks: SchedulerProcess) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    with two_ranks.client() as client:
+        output = client.generate(rid="slow-grammar", text="JSON:", sampling_params={"json_schema": schema})
+    assert json.loads(output.text)["ok"] in (True, False)
+    waits = {
+        int(rank): float(seconds)
+        for rank, seconds in re.findall(
+            r"\[rank (\d)\] \S+: request slow-grammar: grammar ready after ([\d.]+) s", two_ranks.log()
+        )
+    }
+    assert set(waits) == {0, 1}, "every rank admits the request"
+    assert waits[0] >= 2.5, "rank 0 compiled at once but must wait for rank 1's 3 s compile"
+    assert "ranks ran different batches" not in two_ranks.log()
+
+
+def test_a_compile_failure_on_one_rank_fails_the_request_once(entry_point_path: Path) -> None:
+    refused = {"title": "refused-on-rank-1", "type": "object", "properties": {"a": {"type": "integer"}}}
+    accepted = {"title": "fine", "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    flags = ("--grammar-backend", "fail-on-rank-1", "--import-module", "rank_skewed_backends")
+    with launch_scheduler(*flags, ranks=2, extra_paths=(PLUGINS,)) as launched, launched.client() as client:
+        failed = client.generate(text="JSON:", sampling_params={"json_schema": refused})
+        served = client.generate(text="JSON:", sampling_params={"json_schema": accepted, "max_new_tokens": 32})
+        free = client.generate(text="Hello", sampling_params={"max_new_tokens": 4})
+    assert failed.finish_reason is not None and failed.finish_reason.type == "abort"
+    assert failed.finish_reason.message == (
+        "Failed to compile json grammar: rank 1 refuses schemas titled 'refused-on-rank-1'"
+    )
+    assert isinstance(json.loads(served.text)["a"], int)
+    assert free.finish_reason is not None and free.finish_reason.type == "length"
+
+
+def test_an_abort_sent_to_rank_0_removes_the_request_on_every_rank(two_ranks: SchedulerProcess) -> None:
+    request = {
+        "text": "Once upon a time, there was a dragon who",
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0},
+    }
+    with two_ranks.client() as client:
+        chunks = client.generate_stream(rid="to-abort", **request)
+        next(chunks)
+        client.abort("to-abort")
+        final = list(chunks)[-1]
+    assert final.finish_reason is not None and final.finish_reason.type == "abort"
+    assert two_ranks.status().num_running_requests == 0
+    log = two_ranks.log()
+    for rank in (0, 1):
+        assert f"[rank {rank}] scheduler.scheduler: request to-abort aborted by the client" in log
+
+
+def test_killing_a_rank_stops_the_launcher_with_a_clear_message() -> None:
+    with launch_scheduler(ranks=2, check_clean_stop=False) as launched:
+        os.kill(_rank_pid(launched, 1), signal.SIGKILL)
+        start = time.monotonic()
+        exit_code = launched.process.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        log = launched.log()
+    assert exit_code != 0 and elapsed < 30
+    assert "[rank 0] scheduler.launch: rank 0: a peer rank stopped answering" in log
+    assert "local_rank: 1" in log and "exitcode: -9" in log
+
+
+def _rank_pid(launched: SchedulerProcess, rank: int) -> int:
+    """The pid of one worker: the child of torchrun whose environment says RANK=rank."""
+    children = psutil.Process(launched.process.pid).children()
+    for child in children:
+        if child.environ().get("RANK") == str(rank):
+            return child.pid
+    raise AssertionError(f"no worker with RANK={rank} among {[child.pid for child in children]}")

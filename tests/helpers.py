@@ -1,0 +1,207 @@
+"""What many tests share: compiling a constraint on a backend, reading a grammar's mask, a real scheduler process
+that must stop cleanly when the test is done, and a live HTTP server with the constraints its tests ask for."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import psutil
+from openai.types.chat import ChatCompletionMessageParam
+
+from scheduler.server_args import EMBEDDED_MODEL_NAME
+from scheduler.testing.process import SchedulerProcess, free_port
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from triton_ops.bitmask_format import ALL_ALLOWED, allocate_bitmask, allowed_token_ids, unpack_bitmask
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+"""A small schema every backend enforces; ``{**PERSON_SCHEMA, "additionalProperties": False}`` closes it."""
+
+TEST_SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640")
+"""Enough slots for the concurrency tests, a KV cache small enough to start in seconds."""
+
+COMPILE_TIMEOUT_S = 300.0
+
+
+def compile_grammar(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGrammarObject:
+    """A fresh grammar object at the start state for a constraint (invalid ones included).
+
+    Compiled once per backend: the compile enters the backend's cache as the scheduler's would, and later calls
+    get copies of it.
+    """
+    key = make_grammar_key(kind, spec)
+    value, is_cache_hit = backend.get_cached_or_future_value(key)
+    if is_cache_hit:
+        assert isinstance(value, BaseGrammarObject)
+        return value
+    assert not isinstance(value, BaseGrammarObject)
+    grammar = value.result(timeout=COMPILE_TIMEOUT_S)
+    backend.set_cache(key, grammar.copy())
+    return grammar
+
+
+def compile_valid(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGrammarObject:
+    """``compile_grammar``, asserting that the constraint compiled."""
+    grammar = compile_grammar(backend, kind, spec)
+    assert not isinstance(grammar, InvalidGrammarObject), grammar
+    return grammar
+
+
+def encode_exactly(setup: TokenizerSetup, text: str) -> list[int]:
+    """The token ids of ``text`` (no special tokens), checked to decode back to exactly ``text``."""
+    ids = setup.encode(text)
+    assert setup.tokenizer.decode(ids) == text, f"{text!r} does not round-trip through the tokenizer"
+    return ids
+
+
+def accepts_text(grammar: BaseGrammarObject, setup: TokenizerSetup, text: str) -> bool:
+    """Whether the grammar takes all of ``text`` and then a stop token; its state does not change."""
+    ids = [*encode_exactly(setup, text), setup.eos_token_ids[0]]
+    return grammar.validate_tokens(ids) == len(ids)
+
+
+def allowed_tokens(grammar: BaseGrammarObject, vocab_size: int) -> set[int]:
+    """The token ids the grammar allows now, read from a fresh mask; the grammar's state does not change.
+
+    Fills row 1 of a two-row all-allowed mask and checks the fill's contract on the way: the other row is
+    untouched, and no bit past the vocabulary is set.
+    """
+    mask = allocate_bitmask(2, vocab_size)
+    grammar.fill_vocab_mask(mask, 1)
+    assert (mask[0] == ALL_ALLOWED).all(), "a fill must touch only its own row"
+    allowed = unpack_bitmask(mask[1], 32 * mask.shape[1])
+    assert not allowed[vocab_size:].any(), "a bit past the vocabulary is set"
+    return set(allowed_token_ids(mask[1], vocab_size).tolist())
+
+
+# --- the HTTP API: a live server and the constraints the HTTP tests ask for ---------------------------------------
+
+MODEL = EMBEDDED_MODEL_NAME
+HTTP_SERVER_FLAGS = ("--max-running-requests", "32", "--max-seq-len", "384")
+"""Slots for every concurrent test request at once; a KV cache small enough to start in seconds."""
+
+YES_NO_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+PHONE_REGEX = r"[0-9]{3}-[0-9]{4}"
+COLORS = ["red", "green", "blue"]
+YES_NO_EBNF = 'root ::= answer " " answer\nanswer ::= "yes" | "no"'
+YES_NO_EBNF_LANGUAGE = r"(yes|no) (yes|no)"
+ANSWER_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<answer>",
+        "content": {"type": "regex", "pattern": "yes|no"},
+        "end": "</answer>",
+    },
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO_SCHEMA, "strict": True}}
+SO = "structured_outputs"
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Is the sky blue?"}]
+FEW_SHOT_JSON: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Give me a JSON object with key a set to 1."},
+    {"role": "assistant", "content": '{"a": 1}'},
+    {"role": "user", "content": "Now with key b set to 2."},
+]
+
+
+def is_yes_no_json(text: str) -> None:
+    jsonschema.validate(json.loads(text), YES_NO_SCHEMA)
+
+
+def is_json_object(text: str) -> None:
+    assert isinstance(json.loads(text), dict), text
+
+
+def matches(pattern: str) -> Callable[[str], None]:
+    def check(text: str) -> None:
+        assert re.fullmatch(pattern, text), f"{text!r} does not match {pattern!r}"
+
+    return check
+
+
+def is_color(text: str) -> None:
+    assert text in COLORS, text
+
+
+class HttpServer(SchedulerProcess):
+    """The launcher with ``--port`` (the package's test launcher, plus the HTTP side)."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__("--port", str(self.port), *HTTP_SERVER_FLAGS, *flags)
+
+    def wait_until_healthy(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=10).status_code == 200:
+                    return
+            assert self.process.poll() is None, f"the launcher exited at start-up; log:\n{self.log()[-4000:]}"
+            assert time.monotonic() < deadline, f"not healthy within {timeout_s:g} s; log:\n{self.log()[-4000:]}"
+            time.sleep(0.5)
+
+    def health(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/health", timeout=30)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def frontend_pid(self) -> int:
+        (child,) = psutil.Process(self.process.pid).children()
+        return child.pid
+
+    def openai_client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+@contextlib.contextmanager
+def serving(*servers: HttpServer) -> Iterator[None]:
+    """Wait until every server is healthy (their start-ups overlap); stop them all afterwards."""
+    try:
+        for server in servers:
+            server.wait_until_healthy()
+        yield
+    finally:
+        for server in servers:
+            server.stop()
+            server.log_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def launch_scheduler(
+    *flags: str, ranks: int = 1, extra_paths: tuple[Path, ...] = (), check_clean_stop: bool = True
+) -> Iterator[SchedulerProcess]:
+    """A scheduler with the test flags; on exit it gets SIGTERM and (unless the test stopped it otherwise) every
+    rank must have stopped cleanly: exit code 0, or under torchrun each rank's own "stopped" line."""
+    launched = SchedulerProcess(*TEST_SERVER_FLAGS, *flags, ranks=ranks, extra_paths=extra_paths)
+    try:
+        launched.wait_until_ready()
+        yield launched
+    finally:
+        exit_code = launched.stop()
+        log = launched.log()
+        if check_clean_stop and ranks == 1:
+            assert exit_code == 0, f"the scheduler exited with {exit_code}; log:\n{log[-3000:]}"
+        elif check_clean_stop:  # torchrun reports the SIGTERM it got; what matters is each rank's clean stop
+            for rank in range(ranks):
+                assert f"[rank {rank}] scheduler.launch: stopped" in log, f"rank {rank} did not stop:\n{log[-3000:]}"
+        launched.log_path.unlink(missing_ok=True)

@@ -1,0 +1,303 @@
+"""The model runner against transformers on the embedded SmolLM2-135M-Instruct, and its KV-cache bookkeeping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from scheduler.model.kv_cache import KVCache
+from scheduler.model.loader import check_supported
+from scheduler.model.runner import ModelRunner
+from scheduler.prompt_encoder import PromptEncoder
+from scheduler.server_args import ServerArgs
+from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
+
+NUM_STEPS = 16
+PROMPTS: list[dict[str, Any]] = [
+    {"text": "def fib(n):"},
+    {"messages": [{"role": "user", "content": "Write a haiku about autumn."}]},
+    {"text": "The history of Rome begins"},
+    {"messages": [{"role": "user", "content": "List three colors."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def runner(server_args: ServerArgs) -> ModelRunner:
+    return ModelRunner(server_args.with_overrides(max_running_requests=6, max_seq_len=256))
+
+
+@pytest.fixture(scope="module")
+def hf_model(server_args: ServerArgs, runner: ModelRunner) -> Any:
+    """transformers' own Llama over the de-quantised cache the runner wrote: the reference implementation."""
+    folder = conversion_cache_dir(embedded_model_path(), server_args.cache_path, "weights")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def encoder(runner: ModelRunner) -> PromptEncoder:
+    return PromptEncoder(runner.tokenizer, runner.vocab_size, runner.max_seq_len)
+
+
+@pytest.fixture(scope="module")
+def prompts(encoder: PromptEncoder) -> list[list[int]]:
+    return [encoder.encode(**prompt) for prompt in PROMPTS]
+
+
+def greedy_alone(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits that chose them, for ``prompt`` alone in its own slot."""
+    slot = runner.allocate_slot()
+    logits = [runner.prefill([slot], [prompt])[0]]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(runner.decode([slot], [tokens[-1]])[0])
+        tokens.append(int(logits[-1].argmax()))
+    runner.free_slot(slot)
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def alone(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+    return [greedy_alone(runner, prompt, NUM_STEPS)[0] for prompt in prompts]
+
+
+@pytest.mark.model
+def test_model_facts(runner: ModelRunner) -> None:
+    assert runner.vocab_size == 49152 == len(runner.tokenizer)
+    # <|endoftext|> (0) separates pretraining documents; the instruct model ends its turns with <|im_end|>.
+    assert runner.eos_token_ids == [2] == [runner.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("index", range(3))
+def test_logits_and_greedy_tokens_match_transformers(
+    runner: ModelRunner, hf_model: Any, prompts: list[list[int]], index: int
+) -> None:
+    prompt = prompts[index]
+    tokens, logits = greedy_alone(runner, prompt, 20)
+    with torch.inference_mode():
+        reference = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    ours = torch.stack(logits)
+    assert (ours - reference).abs().max().item() < 1e-3
+    assert reference.argmax(-1).tolist() == tokens  # transformers' greedy choice at every one of 20 steps
+
+
+SCHEDULES = {
+    "staggered joins": [0, 0, 3, 7],
+    "one by one": [0, 1, 2, 3],
+    "join after others leave (slot reuse)": [0, 1, NUM_STEPS, NUM_STEPS + 1],
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("joins", SCHEDULES.values(), ids=SCHEDULES.keys())
+def test_continuous_batching_matches_each_sequence_alone(
+    runner: ModelRunner, prompts: list[list[int]], alone: list[list[int]], joins: list[int]
+) -> None:
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    slots: dict[int, int] = {}
+    slot_history: list[int] = []
+    step = 0
+    while any(len(out) < NUM_STEPS for out in outputs.values()):
+        running = [i for i in slots if len(outputs[i]) < NUM_STEPS]
+        joining = [i for i, join in enumerate(joins) if join == step]
+        if running:  # decode first, so that the joiners' prefill runs while others are mid-decode
+            logits = runner.decode([slots[i] for i in running], [outputs[i][-1] for i in running])
+            for i, row in zip(running, logits, strict=True):
+                outputs[i].append(int(row.argmax()))
+        if joining:
+            for i in joining:
+                slots[i] = runner.allocate_slot()
+                slot_history.append(slots[i])
+            logits = runner.prefill([slots[i] for i in joining], [prompts[i] for i in joining])
+            for i, row in zip(joining, logits, strict=True):
+                outputs[i].append(int(row.argmax()))
+        for i in [i for i in slots if len(outputs[i]) == NUM_STEPS]:
+            runner.free_slot(slots.pop(i))
+        step += 1
+    assert [outputs[i] for i in range(len(prompts))] == alone
+    assert runner.num_free_slots == runner.kv_cache.num_slots
+    if max(joins) > NUM_STEPS:
+        assert len(set(slot_history)) < len(slot_history)  # a finished request's slot was reused
+
+
+@pytest.mark.model
+def test_extend_and_truncate_agree_with_decode(runner: ModelRunner, prompts: list[list[int]]) -> None:
+    prompt = prompts[0]
+    tokens, logits = greedy_alone(runner, prompt, 8)
+    slot = runner.allocate_slot()
+    runner.prefill([slot], [prompt])
+    jumped = runner.extend(slot, tokens[:5])  # as jump-forward appends a forced run of tokens
+    assert runner.seq_len(slot) == len(prompt) + 5
+    assert torch.allclose(jumped, logits[5], atol=1e-4)
+    runner.truncate(slot, len(prompt) + 2)  # roll back three tokens, then continue one at a time
+    for j in range(2, 7):
+        again = runner.decode([slot], [tokens[j]])[0]
+        assert torch.allclose(again, logits[j + 1], atol=1e-4)
+        assert int(again.argmax()) == tokens[j + 1]
+    runner.free_slot(slot)
+
+
+@pytest.mark.model
+def test_slots_run_out_and_are_reused(runner: ModelRunner, prompts: list[list[int]], alone: list[list[int]]) -> None:
+    taken = [runner.allocate_slot() for _ in range(runner.num_free_slots)]
+    assert runner.num_free_slots == 0 and not runner.kv_cache.can_allocate()
+    with pytest.raises(RuntimeError, match="no free KV-cache slot"):
+        runner.allocate_slot()
+    runner.prefill(taken[:1], [prompts[1]])
+    runner.free_slot(taken[0])
+    assert runner.allocate_slot() == taken[0] and runner.seq_len(taken[0]) == 0
+    assert int(runner.prefill(taken[:1], [prompts[0]])[0].argmax()) == alone[0][0]
+    for slot in taken:
+        runner.free_slot(slot)
+    with pytest.raises(ValueError, match="not allocated"):
+        runner.free_slot(taken[0])
+
+
+@pytest.mark.model
+def test_max_seq_len_is_enforced(runner: ModelRunner) -> None:
+    slot = runner.allocate_slot()
+    runner.prefill([slot], [[100] * (runner.max_seq_len - 1)])
+    runner.decode([slot], [101])
+    assert runner.seq_len(slot) == runner.max_seq_len
+    with pytest.raises(ValueError, match="would exceed --max-seq-len"):
+        runner.decode([slot], [102])
+    with pytest.raises(ValueError, match="would exceed --max-seq-len"):
+        runner.extend(slot, [1, 2])
+    assert runner.seq_len(slot) == runner.max_seq_len  # a refused step changes nothing
+    runner.free_slot(slot)
+
+
+@pytest.mark.model
+def test_chat_prompt_ends_with_the_generation_prompt(encoder: PromptEncoder) -> None:
+    ids = encoder.encode(messages=[{"role": "user", "content": "Name a planet."}])
+    text = encoder.tokenizer.decode(ids)
+    assert "<|im_start|>user\nName a planet.<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert encoder.encode(text="Name a planet.") == encoder.tokenizer.encode("Name a planet.")
+    assert encoder.encode(input_ids=[5, 6, 7]) == [5, 6, 7]
+
+
+BAD_PROMPTS = {
+    "no source": ({}, "exactly one"),
+    "two sources": ({"text": "hi", "input_ids": [1]}, "exactly one"),
+    "empty text": ({"text": ""}, "empty"),
+    "empty messages": ({"messages": []}, "messages is empty"),
+    "message without content": ({"messages": [{"role": "user"}]}, "'content' string"),
+    "id out of range": ({"input_ids": [1, 49152]}, r"\[0, 49152\)"),
+    "too long": ({"input_ids": [7] * 256}, "at most 255"),
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("kwargs", "message"), BAD_PROMPTS.values(), ids=BAD_PROMPTS.keys())
+def test_bad_prompts_are_refused(encoder: PromptEncoder, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        encoder.encode(**kwargs)
+
+
+@pytest.mark.model
+def test_bad_batches_are_refused(runner: ModelRunner) -> None:
+    a, b = runner.allocate_slot(), runner.allocate_slot()
+    with pytest.raises(ValueError, match="each slot once"):
+        runner.prefill([a, a], [[1], [2]])
+    runner.prefill([a], [[1, 2]])
+    with pytest.raises(ValueError, match="needs an empty slot"):
+        runner.prefill([a], [[3]])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
+        runner.decode([a, b], [1, -1])
+    assert runner.seq_len(a) == 2 and runner.seq_len(b) == 0  # nothing was half-applied
+    runner.free_slot(a)
+    runner.free_slot(b)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=40))
+def test_kv_cache_slot_bookkeeping(operations: list[tuple[bool, int]]) -> None:
+    cache = KVCache(1, 3, 8, 1, 4, torch.float32, "cpu")
+    held: list[int] = []
+    for allocate, pick in operations:
+        if allocate and cache.can_allocate():
+            slot = cache.allocate()
+            assert slot not in held and cache.length(slot) == 0
+            held.append(slot)
+        elif allocate:
+            with pytest.raises(RuntimeError, match="no free KV-cache slot"):
+                cache.allocate()
+        elif held:
+            cache.free(held.pop(pick % len(held)))
+        assert cache.num_free_slots == 3 - len(held)
+
+
+UNSUPPORTED = {
+    "gpt2": (GPT2Config(), "unsupported architecture 'gpt2'"),
+    "gelu": (LlamaConfig(hidden_act="gelu"), "unsupported activation 'gelu'"),
+    "dynamic rope": (
+        LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+        "unsupported RoPE type 'dynamic'",
+    ),
+    "sliding window": (MistralConfig(sliding_window=64), "sliding-window attention"),
+    "too few positions": (LlamaConfig(max_position_embeddings=128), "exceeds the 128 positions"),
+}
+
+
+@pytest.mark.parametrize(("config", "message"), UNSUPPORTED.values(), ids=UNSUPPORTED.keys())
+def test_unsupported_models_are_refused(config: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_supported(config, max_seq_len=256)
+
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+)
+TINY_MODELS = {
+    "qwen2 (q/k/v biases, untied lm_head)": Qwen2Config(**TINY, tie_word_embeddings=False),
+    "llama3 rope scaling": LlamaConfig(
+        **TINY,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("config", TINY_MODELS.values(), ids=TINY_MODELS.keys())
+def test_model_folders_match_transformers(
+    config: Any, tmp_path: Path, runner: ModelRunner, server_args: ServerArgs
+) -> None:
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    if getattr(reference.model.layers[0].self_attn.q_proj, "bias", None) is not None:
+        for layer in reference.model.layers:  # transformers initialises biases to zero: make them count
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(projection.bias, std=0.5)
+    reference.save_pretrained(tmp_path)
+    runner.tokenizer.save_pretrained(tmp_path)
+    tiny = ModelRunner(server_args.with_overrides(model_path=str(tmp_path), max_running_requests=2, max_seq_len=300))
+    tokens = torch.randint(0, 49152, (80,)).tolist()
+    slots = [tiny.allocate_slot(), tiny.allocate_slot()]
+    ours = [tiny.prefill(slots, [tokens[:70], tokens[:30]])]
+    ours.append(tiny.decode(slots, [tokens[70], tokens[30]]))
+    with torch.inference_mode():
+        expected = reference(torch.tensor([tokens[:71]])).logits[0]
+        shorter = reference(torch.tensor([tokens[:31]])).logits[0]
+    assert torch.allclose(ours[0], torch.stack([expected[69], shorter[29]]), atol=1e-4)
+    assert torch.allclose(ours[1], torch.stack([expected[70], shorter[30]]), atol=1e-4)

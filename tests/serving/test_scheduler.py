@@ -1,0 +1,278 @@
+"""The scheduler on the embedded model, over real zmq: every constraint kind, concurrency, failures, aborts."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+import zmq
+
+from scheduler.client import make_request
+from scheduler.io_struct import GenerateOutput, decode_server_message, encode
+from scheduler.server_args import ServerArgs
+from scheduler.testing.process import SchedulerProcess
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.testing.conformance import compile_grammar
+from sglang_constrained.testing.text_acceptance import walk_tokens
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from tests.helpers import launch_scheduler
+
+pytestmark = pytest.mark.model
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+PHONE_REGEX = r"\(\d{3}\) \d{3}-\d{4}"
+COLORS = ["red", "green", "blue"]
+EBNF = 'root ::= item ("," item)*\nitem ::= "cat" | "dog" | "bird"'
+WEATHER_TAG = {"structures": [{"begin": "<f=weather>", "schema": WEATHER_SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
+SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 900 + i} for i in range(3)}}
+"""xgrammar takes ~12 s to compile this at 49k tokens (measured); the deadline server allows 1 s."""
+
+CASES: dict[str, tuple[str, Any, str]] = {
+    "json_schema": ("json", PERSON_SCHEMA, "Describe a person as JSON with a name and an age."),
+    "regex": ("regex", PHONE_REGEX, "What is your phone number?"),
+    "ebnf": ("ebnf", EBNF, "List some pets, separated by commas."),
+    "choice": ("choice", COLORS, "What is your favourite colour?"),
+    "structural_tag": ("structural_tag", WEATHER_TAG, "Call <f=weather> with a city to get the weather in Paris."),
+    "json_object": ("json_object", True, "Give me a JSON object describing a cat."),
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SchedulerProcess]:
+    with launch_scheduler() as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def grammar_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
+    """An xgrammar backend in the test process, to check outputs with the grammar's own acceptance."""
+    backend = create_grammar_backend(
+        ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+    )
+    assert backend is not None
+    yield backend
+    backend.shutdown()
+
+
+def constrained_request(field: str, temperature: float = 0.0, **params: Any) -> dict[str, Any]:
+    _, spec, prompt = CASES[field]
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "sampling_params": {field: spec, "temperature": temperature, "max_new_tokens": 96, **params},
+    }
+
+
+def assert_obeys(output: GenerateOutput, field: str, backend: BaseGrammarBackend, tokenizer: TokenizerSetup) -> None:
+    """The output is valid for its constraint, or (cut by the length limit) a prefix of a valid output."""
+    assert output.finish_reason is not None and output.finish_reason.type in ("stop", "length"), output
+    kind, spec, _ = CASES[field]
+    ids = [t for t in output.token_ids if t not in tokenizer.eos_token_ids]
+    walk = walk_tokens(
+        compile_grammar(backend, make_grammar_key(kind, spec)), ids, tokenizer.vocab_size, tokenizer.eos_token_ids
+    )
+    if output.finish_reason.type == "length":
+        assert walk.rejected_at is None, f"not a prefix of a valid output: {output.text!r}"
+        return
+    assert walk.is_accepted, f"the grammar does not accept {output.text!r}"
+    if field == "json_schema":
+        jsonschema.validate(json.loads(output.text), PERSON_SCHEMA)
+    elif field == "json_object":
+        assert isinstance(json.loads(output.text), dict)
+    elif field == "regex":
+        assert re.fullmatch(PHONE_REGEX, output.text)
+    elif field == "choice":
+        assert output.text in COLORS
+    elif field == "structural_tag":
+        for call in re.findall(r"<f=weather>(.*?)</f>", output.text, re.DOTALL):
+            jsonschema.validate(json.loads(call), WEATHER_SCHEMA)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("field", list(CASES))
+def test_each_constraint_kind_is_obeyed(
+    server: SchedulerProcess,
+    grammar_backend: BaseGrammarBackend,
+    smollm2_tokenizer: TokenizerSetup,
+    field: str,
+    temperature: float,
+) -> None:
+    with server.client() as client:
+        output = client.generate(**constrained_request(field, temperature, seed=7))
+    assert_obeys(output, field, grammar_backend, smollm2_tokenizer)
+
+
+def test_forty_concurrent_requests_mixing_free_and_constrained(
+    server: SchedulerProcess, grammar_backend: BaseGrammarBackend, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    free = {"text": "The three best things about summer are", "sampling_params": {"max_new_tokens": 24}}
+    requests = [make_request(**(free if i % 4 < 2 else constrained_request("json_schema"))) for i in range(40)]
+    with server.client() as client:
+        outputs = client.generate_batch(requests)
+    for i, output in enumerate(outputs):
+        if i % 4 < 2:
+            assert output.finish_reason is not None and output.finish_reason.type in ("stop", "length")
+            assert output.text.strip()
+        else:
+            assert output.finish_reason is not None and output.finish_reason.type == "stop", output
+            assert_obeys(output, "json_schema", grammar_backend, smollm2_tokenizer)
+
+
+def test_invalid_schema_fails_alone_while_others_succeed(server: SchedulerProcess) -> None:
+    bad = {"text": "hi", "sampling_params": {"json_schema": "INVALID"}}
+    requests = [
+        make_request(**constrained_request("regex")),
+        make_request(**bad),
+        make_request(**constrained_request("choice")),
+    ]
+    with server.client() as client:
+        good_regex, invalid, good_choice = client.generate_batch(requests)
+    assert invalid.finish_reason is not None and invalid.finish_reason.type == "abort"
+    assert invalid.finish_reason.message is not None
+    assert invalid.finish_reason.message.startswith("Failed to compile json grammar:")
+    assert re.fullmatch(PHONE_REGEX, good_regex.text)
+    assert good_choice.text in COLORS
+
+
+def test_unsupported_schema_feature_is_named(server: SchedulerProcess) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
+    with server.client() as client:
+        output = client.generate(text="hi", sampling_params={"json_schema": schema})
+    assert output.finish_reason is not None and output.finish_reason.message is not None
+    assert "'not'" in output.finish_reason.message and "/properties/n" in output.finish_reason.message
+
+
+def test_same_schema_twice_is_a_cache_hit_the_second_time(server: SchedulerProcess) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    request = {"text": "Answer in JSON:", "sampling_params": {"json_schema": schema, "temperature": 0}}
+    with server.client() as client:
+        first = client.generate(**request)
+        second = client.generate(**request)
+    assert first.grammar_cache_hit is False and second.grammar_cache_hit is True
+    assert first.text == second.text and json.loads(second.text)["ok"] in (True, False)
+
+
+def test_compile_past_the_deadline_times_out_and_the_loop_keeps_serving() -> None:
+    slow = {"text": "hi", "sampling_params": {"json_schema": SLOW_SCHEMA}}
+    with launch_scheduler("--grammar-compile-timeout", "1") as launched, launched.client() as client:
+        timed_out = client.generate(**slow)
+        served = client.generate(**constrained_request("choice"))
+        again = client.generate(**slow)
+        stopping_at = time.monotonic()
+    assert time.monotonic() - stopping_at < 20, "shutdown waited for the compile threads"
+    assert timed_out.finish_reason is not None
+    assert timed_out.finish_reason.message == "Grammar compilation timed out after 1 s"
+    assert served.text in COLORS
+    assert again.grammar_cache_hit is False  # a timeout is not cached: the schema compiles anew
+    assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
+
+
+def test_client_abort_mid_generation_frees_the_slot(server: SchedulerProcess) -> None:
+    free_slots = server.status().num_free_slots
+    request = {
+        "text": "Once upon a time, there was a dragon who",
+        "sampling_params": {"max_new_tokens": 500, "temperature": 0},
+    }
+    with server.client() as client:
+        chunks = client.generate_stream(**request)
+        first = next(chunks)
+        assert server.status().num_running_requests == 1
+        client.abort(first.rid)
+        rest = list(chunks)
+    assert rest[-1].finished and rest[-1].finish_reason is not None and rest[-1].finish_reason.type == "abort"
+    assert rest[-1].usage.completion_tokens < 500
+    status = server.status()
+    assert status.num_running_requests == 0 and status.num_free_slots == free_slots
+
+
+def test_streamed_chunks_add_up_to_the_output(server: SchedulerProcess) -> None:
+    request = constrained_request("json_schema")
+    with server.client() as client:
+        chunks = list(client.generate_stream(**request))
+        whole = client.generate(**request)
+    assert len(chunks) > 3 and chunks[-1].finished
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+
+
+def test_stop_string_ends_the_output_before_it(server: SchedulerProcess) -> None:
+    request = {
+        "text": "Count: 1, 2, 3, 4,",
+        "sampling_params": {"temperature": 0, "stop": [" 7"], "max_new_tokens": 40},
+    }
+    with server.client() as client:
+        output = client.generate(**request)
+    assert output.finish_reason is not None and output.finish_reason.type == "stop"
+    assert output.finish_reason.matched == " 7" and output.text.endswith("6,")
+
+
+def test_a_seed_makes_sampling_reproducible(server: SchedulerProcess) -> None:
+    request = {"text": "Once upon a time", "sampling_params": {"temperature": 1.0, "seed": 1234, "max_new_tokens": 16}}
+    with server.client() as client:
+        first, second = client.generate(**request), client.generate(**request)
+    assert first.token_ids == second.token_ids
+
+
+def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(server: SchedulerProcess) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.connect(server.endpoint)
+    try:
+        socket.send(b"\xff not msgpack")
+        socket.send(
+            msgspec.msgpack.encode({"type": "generate", "rid": "bad-1", "sampling_params": {"temperature": "hot"}})
+        )
+        assert socket.poll(30_000)
+        reply = decode_server_message(socket.recv())
+        assert isinstance(reply, GenerateOutput) and reply.rid == "bad-1" and reply.finish_reason is not None
+        assert reply.finish_reason.type == "abort" and "malformed request" in (reply.finish_reason.message or "")
+        socket.send(encode(make_request(rid="good-1", text="Hello", sampling_params={"max_new_tokens": 4})))
+        assert socket.poll(60_000)
+        good = decode_server_message(socket.recv())
+        assert isinstance(good, GenerateOutput) and good.rid == "good-1" and good.finish_reason is not None
+        assert good.finish_reason.type == "length"
+    finally:
+        socket.close(linger=0)
+        context.term()
+    assert "malformed message" in server.log()
+
+
+def test_several_constraints_in_one_request_are_refused(server: SchedulerProcess) -> None:
+    with server.client() as client:
+        output = client.generate(text="hi", sampling_params={"regex": "a+", "choice": ["a"]})
+    assert output.finish_reason is not None and output.finish_reason.message == (
+        "at most one constraint per request, got regex, choice"
+    )
+
+
+def test_grammar_backend_none_refuses_constraints_and_serves_free_requests() -> None:
+    with launch_scheduler("--grammar-backend", "none") as launched, launched.client() as client:
+        refused = client.generate(**constrained_request("regex"))
+        served = client.generate(text="Hello", sampling_params={"max_new_tokens": 4})
+    assert refused.finish_reason is not None and refused.finish_reason.message is not None
+    assert "--grammar-backend none" in refused.finish_reason.message
+    assert served.finish_reason is not None and served.finish_reason.type == "length"
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+def test_other_backends_serve_constrained_requests(backend: str) -> None:
+    with launch_scheduler("--grammar-backend", backend) as launched, launched.client() as client:
+        person, phone = client.generate_batch(
+            [make_request(**constrained_request("json_schema")), make_request(**constrained_request("regex"))]
+        )
+        status = launched.status()
+    assert status.grammar_backend == backend
+    jsonschema.validate(json.loads(person.text), PERSON_SCHEMA)
+    assert re.fullmatch(PHONE_REGEX, phone.text)

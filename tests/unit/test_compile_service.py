@@ -1,0 +1,140 @@
+"""The compile service on its own: one compile per key in flight, cache hits as copies, deadlines that fail the
+waiters and are never cached, and resets that cancel."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import pytest
+
+from sglang_constrained.compile_service import CompileService
+from sglang_constrained.errors import CompileTimeoutError
+
+
+@dataclass
+class Compiled:
+    key: str
+    copies: int = 0
+    is_cache_hit: bool | None = None
+
+
+@dataclass
+class Compiler:
+    """Compiles a key when its gate opens (all gates open unless closed), counting compiles per key."""
+
+    closed: set[str] = field(default_factory=set)
+    gates: dict[str, threading.Event] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, key: str) -> Compiled:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if key in self.closed:
+            self.gates.setdefault(key, threading.Event()).wait(10)
+        if key == "broken":
+            raise RuntimeError("the engine crashed")
+        return Compiled(key)
+
+    def open(self, key: str) -> None:
+        self.gates.setdefault(key, threading.Event()).set()
+
+
+def make_service(compiler: Compiler, timeout_s: float = 30.0, **bounds: int) -> CompileService[str, Compiled]:
+    return CompileService(
+        compiler,
+        name="test",
+        threads=2,
+        timeout_s=timeout_s,
+        cache_max_entries=bounds.get("entries", 8),
+        cache_max_bytes=bounds.get("bytes", 1000),
+        size_of=lambda value: 10,
+        copy=lambda value, hit: Compiled(value.key, value.copies + 1, hit),
+    )
+
+
+def result(value: Compiled | Future[Compiled]) -> Compiled:
+    assert isinstance(value, Future)
+    return value.result(timeout=10)
+
+
+def test_identical_keys_in_flight_share_one_compile_and_get_copies_of_their_own() -> None:
+    compiler = Compiler(closed={"a"})
+    service = make_service(compiler)
+    first, hit_first = service.get("a")
+    second, hit_second = service.get("a")
+    assert not hit_first and not hit_second and first is not second
+    compiler.open("a")
+    one, two = result(first), result(second)
+    assert one is not two and one.key == two.key == "a" and one.copies == 1
+    assert compiler.counts == {"a": 1} and service.num_compilations == 1
+    service.shutdown()
+
+
+def test_a_stored_value_is_a_cache_hit_copy() -> None:
+    compiler = Compiler()
+    service = make_service(compiler)
+    compiled = result(service.get("a")[0])
+    service.store("a", compiled)
+    cached, is_hit = service.get("a")
+    assert is_hit and isinstance(cached, Compiled) and cached.is_cache_hit and cached is not compiled
+    assert compiler.counts == {"a": 1}
+    service.shutdown()
+
+
+def test_a_compile_past_its_deadline_fails_every_waiter_and_is_compiled_anew_next_time() -> None:
+    compiler = Compiler(closed={"slow"})
+    service = make_service(compiler, timeout_s=0.2)
+    waiters = [service.get("slow")[0] for _ in range(3)]
+    for waiter in waiters:
+        assert isinstance(waiter, Future)
+        with pytest.raises(CompileTimeoutError, match=r"timed out after 0.2 s"):
+            waiter.result(timeout=10)
+    again, is_hit = service.get("slow")
+    assert not is_hit and compiler.counts["slow"] >= 1
+    compiler.open("slow")
+    assert result(again).key == "slow"
+    assert service.num_compilations == 2  # the timed-out compile was forgotten, not cached
+    service.shutdown()
+
+
+def test_an_engine_exception_fails_the_waiters_without_killing_the_pool() -> None:
+    service = make_service(Compiler())
+    broken = service.get("broken")[0]
+    assert isinstance(broken, Future)
+    with pytest.raises(RuntimeError, match="the engine crashed"):
+        broken.result(timeout=10)
+    assert result(service.get("fine")[0]).key == "fine"
+    service.shutdown()
+
+
+def test_reset_cancels_compiles_in_flight_and_empties_the_cache() -> None:
+    compiler = Compiler(closed={"a"})
+    service = make_service(compiler)
+    service.store("b", Compiled("b"))
+    waiting = service.get("a")[0]
+    service.reset()
+    assert isinstance(waiting, Future) and waiting.cancelled()
+    assert not service.get("b")[1]
+    compiler.open("a")
+    service.shutdown()
+
+
+def test_forget_lets_the_next_request_compile_anew_while_waiters_still_get_theirs() -> None:
+    compiler = Compiler(closed={"a"})
+    service = make_service(compiler)
+    waiting = service.get("a")[0]
+    service.forget("a")
+    fresh = service.get("a")[0]
+    compiler.open("a")
+    assert result(waiting).key == result(fresh).key == "a"
+    assert compiler.counts["a"] == 2
+    service.shutdown()
+
+
+def test_the_cache_keeps_its_entry_bound() -> None:
+    service = make_service(Compiler(), entries=2)
+    for key in "abc":
+        service.store(key, Compiled(key))
+    assert [service.get(key)[1] for key in "abc"] == [False, True, True]
+    service.shutdown()
