@@ -1,7 +1,7 @@
 """One batch of the loop: forward, mask, sample, accept each token, decide who finished.
 
-The executor owns the model runner: the scheduler asks it for KV-cache slots and to run prefill and decode
-batches, and it calls the model; nothing calls back up. On several ranks every rank runs the same batch; rank 0's
+The executor owns the model runner: the scheduler asks it to admit requests into KV memory and to run prefill and
+decode batches, and it calls the model; nothing calls back up. On several ranks every rank runs the same batch; rank 0's
 sampled tokens and every rank's per-request failures are agreed through ``RankSync``.
 """
 
@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner import ModelRunner
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
@@ -36,17 +37,32 @@ class BatchExecutor:
         self.num_batches = 0
 
     @property
-    def num_free_slots(self) -> int:
-        return self.model_runner.num_free_slots
+    def num_free_kv_tokens(self) -> int:
+        """KV rows a new request could still reserve (free, or held only by unlocked cached prefixes)."""
+        return self.model_runner.kv.num_available
 
-    def allocate_slot(self, req: Req) -> None:
-        """Give ``req`` an empty KV-cache slot (check ``num_free_slots`` first)."""
-        req.slot = self.model_runner.allocate_slot()
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.model_runner.kv.cache_hit_rate
 
-    def release_slot(self, req: Req) -> None:
-        if req.slot is not None:
-            self.model_runner.free_slot(req.slot)
-            req.slot = None
+    def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Raise ``ValueError`` for a request the KV cache could never hold."""
+        self.model_runner.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, max_new_tokens))
+
+    def admit(self, req: Req) -> bool:
+        """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
+        budget = self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens)
+        req.kv = self.model_runner.kv.admit(req.prompt_ids, budget)
+        return req.kv is not None
+
+    def release(self, req: Req) -> None:
+        """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""
+        if req.kv is not None:
+            self.model_runner.kv.release(req.kv)
+            req.kv = None
+
+    def _output_budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
+        return max(1, min(max_new_tokens, self.model_runner.max_seq_len - len(prompt_ids)))
 
     def prefill(self, batch: list[Req]) -> None:
         """Run the prompts of newly scheduled requests and sample each one's first token."""
@@ -75,10 +91,10 @@ class BatchExecutor:
                 req.abort(failures[req.rid])
 
     def _forward(self, batch: list[Req], is_prefill: bool) -> torch.Tensor:
-        slots = [_slot(req) for req in batch]
+        seqs = [_kv(req) for req in batch]
         if is_prefill:
-            return self.model_runner.prefill(slots, [req.prompt_ids for req in batch])
-        return self.model_runner.decode(slots, [req.output_ids[-1] for req in batch])
+            return self.model_runner.prefill(seqs, [req.prompt_ids for req in batch])
+        return self.model_runner.decode(seqs, [req.output_ids[-1] for req in batch])
 
     def _forward_and_sample(self, batch: list[Req], is_prefill: bool) -> tuple[list[int | None], dict[str, str]]:
         info = self.sampling_info
@@ -133,7 +149,7 @@ class BatchExecutor:
             req.finish("length", message=f"reached the context limit of {max_seq_len} tokens")
 
 
-def _slot(req: Req) -> int:
-    if req.slot is None:
-        raise RuntimeError(f"request {req.rid} is scheduled without a KV-cache slot")
-    return req.slot
+def _kv(req: Req) -> KVSequence:
+    if req.kv is None:
+        raise RuntimeError(f"request {req.rid} is scheduled without KV memory")
+    return req.kv

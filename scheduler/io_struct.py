@@ -103,8 +103,11 @@ class FinishReason(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):
+    """``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_fields=True):
@@ -129,7 +132,8 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     num_running_requests: int = 0
     num_waiting_requests: int = 0
     num_compiling_requests: int = 0
-    num_free_slots: int = 0
+    num_free_kv_tokens: int = 0
+    cache_hit_rate: float = 0.0
 
 
 ServerMessage = GenerateOutput | Pong

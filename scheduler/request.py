@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from scheduler.io_struct import FinishReason, SamplingParams
+from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
@@ -19,8 +20,9 @@ class Req:
     """One generation request inside the scheduler (never sent over a socket).
 
     ``grammar`` is a ``Future`` while its grammar compiles, the grammar object once ready, None for a free
-    request. ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text``
-    track what a streaming client has already received.
+    request. ``kv`` is its KV sequence from admission to its end (``kv.num_cached`` prompt tokens came cached).
+    ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text`` track what
+    a streaming client has already received.
     """
 
     rid: str
@@ -36,9 +38,13 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     text: OutputText | None = None
     finish_reason: FinishReason | None = None
-    slot: int | None = None
+    kv: KVSequence | None = None
     num_sent_tokens: int = 0
     sent_text: str = ""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.kv.num_cached if self.kv is not None else 0
 
     @property
     def finished(self) -> bool:

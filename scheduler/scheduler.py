@@ -187,6 +187,7 @@ class Scheduler:
             grammar_key = params.grammar_key()
             messages = [msgspec.structs.asdict(m) for m in message.messages] if message.messages is not None else None
             prompt_ids = self.prompt_encoder.encode(message.text, messages, message.input_ids)
+            self.executor.check_fits(prompt_ids, params.max_new_tokens)
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, str(e))))
             return
@@ -212,11 +213,12 @@ class Scheduler:
             self.waiting_queue.append(req)
 
     def _schedule_prefill(self) -> list[Req]:
+        """Requests admitted into KV memory this turn, in arrival order (the first that does not fit waits, and
+        those behind it with it, so that a long prompt is never starved by short ones)."""
         batch: list[Req] = []
-        while self.waiting_queue and self.executor.num_free_slots > len(batch):
+        room = self.server_args.max_running_requests - len(self.running)
+        while self.waiting_queue and len(batch) < room and self.executor.admit(self.waiting_queue[0]):
             batch.append(self.waiting_queue.popleft())
-        for req in batch:
-            self.executor.allocate_slot(req)
         return batch
 
     def _after_batch(self, batch: list[Req]) -> None:
@@ -231,7 +233,7 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
-        self.executor.release_slot(req)
+        self.executor.release(req)
         self.live.pop(req.rid, None)
         grammar = req.ready_grammar
         if grammar is not None:
@@ -252,7 +254,11 @@ class Scheduler:
             text=text,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
-            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids)),
+            usage=Usage(
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.num_cached_tokens,
+            ),
             grammar_cache_hit=req.grammar_cache_hit,
         )
         self.outbox.append((req.client_id, output))
@@ -281,5 +287,6 @@ class Scheduler:
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
-            num_free_slots=self.executor.num_free_slots,
+            num_free_kv_tokens=self.executor.num_free_kv_tokens,
+            cache_hit_rate=self.executor.cache_hit_rate,
         )

@@ -72,6 +72,8 @@ class ServerArgs:
     reasoning_parser: str | None = None
     max_running_requests: int = 32
     max_seq_len: int = 2048
+    max_total_tokens: int = 65536
+    disable_radix_cache: bool = False
     grammar_compile_timeout: float | None = None
     grammar_compile_threads: int = 2
     grammar_cache_max_entries: int = 1024
@@ -115,7 +117,13 @@ class ServerArgs:
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
-        for name in ("max_running_requests", "max_seq_len", "grammar_compile_threads", "grammar_max_spec_bytes"):
+        for name in (
+            "max_running_requests",
+            "max_seq_len",
+            "max_total_tokens",
+            "grammar_compile_threads",
+            "grammar_max_spec_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.grammar_compile_timeout is not None and self.grammar_compile_timeout <= 0:
@@ -154,6 +162,15 @@ class ServerArgs:
         parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
         parser.add_argument(
             "--max-seq-len", type=int, default=d.max_seq_len, help="prompt plus output tokens per request"
+        )
+        parser.add_argument(
+            "--max-total-tokens",
+            type=int,
+            default=d.max_total_tokens,
+            help="tokens the KV cache holds in all (running requests and cached prefixes); memory grows to it as used",
+        )
+        parser.add_argument(
+            "--disable-radix-cache", action="store_true", help="do not reuse the KV of prefixes requests share"
         )
         parser.add_argument(
             "--grammar-compile-timeout",

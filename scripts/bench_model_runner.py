@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
 
@@ -28,31 +29,39 @@ def median_ms(run: Callable[[], object], steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def admitted(runner: ModelRunner, prompt: list[int]) -> KVSequence:
+    seq = runner.kv.admit(prompt, max_new_tokens=16)
+    assert seq is not None, "the KV pool is too small for the benchmark"
+    return seq
+
+
 def prefill_ms(runner: ModelRunner, prompt: list[int], steps: int) -> float:
-    slot = runner.allocate_slot()
+    seq = admitted(runner, prompt)
 
     def prefill() -> None:
-        runner.truncate(slot, 0)
-        runner.prefill([slot], [prompt])
+        runner.truncate(seq, 0)
+        runner.prefill([seq], [prompt])
 
     ms = median_ms(prefill, steps)
-    runner.free_slot(slot)
+    runner.kv.release(seq)
+    runner.kv.flush()
     return ms
 
 
 def decode_ms(runner: ModelRunner, contexts: list[list[int]], step_tokens: list[int], steps: int) -> float:
     """One decode step over sequences that hold ``contexts``, rolled back after every timed step."""
-    slots = [runner.allocate_slot() for _ in contexts]
-    runner.prefill(slots, contexts)
+    seqs = [admitted(runner, context) for context in contexts]
+    runner.prefill(seqs, contexts)
 
     def decode() -> None:
-        runner.decode(slots, step_tokens)
-        for slot, context in zip(slots, contexts, strict=True):
-            runner.truncate(slot, len(context))
+        runner.decode(seqs, step_tokens)
+        for seq, context in zip(seqs, contexts, strict=True):
+            runner.truncate(seq, len(context))
 
     ms = median_ms(decode, steps)
-    for slot in slots:
-        runner.free_slot(slot)
+    for seq in seqs:
+        runner.kv.release(seq)
+    runner.kv.flush()
     return ms
 
 
@@ -66,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    runner = ModelRunner(ServerArgs(max_running_requests=max(args.batches), max_seq_len=512))
+    runner = ModelRunner(ServerArgs(max_running_requests=max(args.batches), max_seq_len=512, disable_radix_cache=True))
     generator = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:

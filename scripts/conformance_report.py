@@ -5,7 +5,8 @@
     python scripts/conformance_report.py --write-known-refusals   # re-record the suite's known_refusals.json
 
 Prints, per backend and tokenizer and then per folder: schemas compiled / total, valid instances fully accepted /
-total and invalid instances rejected / total (over compiled schemas), and the seconds compiles and walks took;
+total and invalid instances rejected / total (over compiled schemas), invalid outputs / finished random walks
+through each compiled schema's own masks (``--walks`` per schema; must be 0), and the seconds compiles and walks took;
 then the refusals grouped by reason, and the cases that cost the backends most (the conformance test keeps those
 out of its default sample). Where the data folder holds known_refusals.json and known_deviations.json (the
 suite's does), every case is judged as the conformance test judges it: each disagreement is printed on a line
@@ -38,7 +39,7 @@ from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, Tokeni
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("xgrammar", "llguidance", "outlines")
-ROW = "{:<11} {:<9} {:<15} {:>13} {:>16} {:>18} {:>7}"
+ROW = "{:<11} {:<9} {:<15} {:>13} {:>16} {:>18} {:>16} {:>7}"
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Tally:
     num_valid_accepted: int = 0
     num_invalid: int = 0
     num_invalid_rejected: int = 0
+    num_walks_finished: int = 0
+    num_invalid_outputs: int = 0
     seconds: float = 0.0
 
     def add(self, result: ConformanceResult) -> None:
@@ -61,6 +64,8 @@ class Tally:
         self.num_valid_accepted += result.num_valid_accepted
         self.num_invalid += result.num_invalid
         self.num_invalid_rejected += result.num_invalid_rejected
+        self.num_walks_finished += result.walks.num_finished
+        self.num_invalid_outputs += len(result.walks.invalid_outputs)
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other), strict=True)))
@@ -73,6 +78,7 @@ class Tally:
             f"{self.num_compiled}/{self.num_schemas}",
             f"{self.num_valid_accepted}/{self.num_valid}",
             f"{self.num_invalid_rejected}/{self.num_invalid}",
+            f"{self.num_invalid_outputs}/{self.num_walks_finished}",
             f"{self.seconds:.1f}s",
         )
 
@@ -103,13 +109,13 @@ class PairReport:
 
 
 def run(
-    backend_name: str, setup: TokenizerSetup, cases: list[MaskBenchCase]
+    backend_name: str, setup: TokenizerSetup, cases: list[MaskBenchCase], num_walks: int
 ) -> tuple[PairReport, list[ConformanceResult]]:
     backend = create_grammar_backend(
         ServerArgs(grammar_backend=backend_name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
     )
     assert backend is not None
-    sweep = MaskBenchSweep(backend, setup, cases)
+    sweep = MaskBenchSweep(backend, setup, cases, num_walks=num_walks)
     report = PairReport(backend_name, setup.name)
     results = []
     start = time.perf_counter()
@@ -167,6 +173,9 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "conformance.json")
     parser.add_argument("--slow", type=float, default=5.0, help="list cases costing more seconds than this")
     parser.add_argument(
+        "--walks", type=int, default=3, help="random walks per compiled schema, each output judged (0: none)"
+    )
+    parser.add_argument(
         "--write-known-refusals",
         action="store_true",
         help=f"record this run's refusals in DATA/{KNOWN_REFUSALS_FILE} (needs every backend, tokenizer and case)",
@@ -183,13 +192,24 @@ def main() -> int:
     folders = sorted(p.name for p in options.data.iterdir() if p.is_dir())
     cases = [load_case(p) for folder in folders for p in iter_case_paths(options.data, folder, options.limit)]
     print(f"{len(cases)} schemas from {options.data} ({', '.join(folders)})")
-    print(ROW.format("backend", "tokenizer", "folder", "compiled", "valid accepted", "invalid rejected", "time"))
+    print(
+        ROW.format(
+            "backend",
+            "tokenizer",
+            "folder",
+            "compiled",
+            "valid accepted",
+            "invalid rejected",
+            "invalid outputs",
+            "time",
+        )
+    )
     reports: list[PairReport] = []
     results: dict[tuple[str, str], list[ConformanceResult]] = {}
     for tokenizer_name in options.tokenizers:
         setup = load_tokenizer_setup(tokenizer_name, ServerArgs().cache_path)
         for backend_name in options.backends:
-            report, results[backend_name, tokenizer_name] = run(backend_name, setup, cases)
+            report, results[backend_name, tokenizer_name] = run(backend_name, setup, cases, options.walks)
             reports.append(report)
             print_table(report)
 

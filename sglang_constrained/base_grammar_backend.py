@@ -10,6 +10,7 @@ raises: it becomes an ``InvalidGrammarObject`` whose message says what is wrong.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import time
@@ -23,6 +24,7 @@ import torch
 from sglang_constrained.compile_service import CompileService
 from sglang_constrained.constraint_spec import GrammarKey, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.schema_soundness import sound_json_schema, user_patterns_in
 from triton_ops.bitmask_format import VocabMaskLayout, allocate_bitmask
 from triton_ops.bitmask_ops import apply_token_bitmask_inplace
 
@@ -218,6 +220,12 @@ class BaseGrammarBackend:
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         """Refuse schema features this backend would otherwise ignore; raises ``GrammarSpecError``."""
 
+    def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
+        """The schema to compile for a request's ``schema``: checked, then its formats and patterns made sound
+        (``originals`` receives the user's text of each rewritten pattern, for messages)."""
+        self.check_json_schema(schema)
+        return sound_json_schema(schema, originals)
+
     def get_cached_or_future_value(
         self, key: GrammarKey, require_reasoning: bool = False
     ) -> tuple[BaseGrammarObject | Future[BaseGrammarObject], bool]:
@@ -248,14 +256,17 @@ class BaseGrammarBackend:
     def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         key_type = key[0]
         start = time.perf_counter()
+        originals: dict[str, str] = {}
         try:
-            dispatch_type, spec = lower_constraint(key, self.max_spec_bytes, self.check_json_schema)
+            prepare = functools.partial(self.prepare_json_schema, originals=originals)
+            dispatch_type, spec = lower_constraint(key, self.max_spec_bytes, prepare)
             grammar = getattr(self, f"dispatch_{dispatch_type}")(spec)
         except GrammarSpecError as e:
-            grammar = InvalidGrammarObject(str(e))
+            grammar = InvalidGrammarObject(user_patterns_in(str(e), originals))
         except Exception as e:  # an engine's own error for bad input: report it, never raise out of the pool
             logger.debug("%s backend failed to compile a %s grammar", self.name, key_type, exc_info=True)
-            grammar = InvalidGrammarObject(bounded_message(str(e)) if str(e).strip() else type(e).__name__)
+            message = bounded_message(user_patterns_in(str(e), originals)) if str(e).strip() else type(e).__name__
+            grammar = InvalidGrammarObject(message)
         grammar.grammar_stats = GrammarStats(dispatch_type=key_type, compile_time_s=time.perf_counter() - start)
         return grammar
 

@@ -63,10 +63,13 @@ def make_grammar_key(kind: str, spec: Any) -> GrammarKey:
     return kind, spec
 
 
-def lower_constraint(key: GrammarKey, max_spec_bytes: int, check_json_schema: Callable[[Any], None]) -> tuple[str, str]:
+def lower_constraint(
+    key: GrammarKey, max_spec_bytes: int, prepare_json_schema: Callable[[Any], Any]
+) -> tuple[str, str]:
     """``(dispatch_type, spec)`` for a key, after the checks every backend shares; raises ``GrammarSpecError``.
 
-    ``check_json_schema`` is the backend's own refusal of schema features it would silently ignore.
+    ``prepare_json_schema`` is the backend's: it refuses schema features the backend would silently ignore and
+    returns the schema to compile.
     """
     key_type, spec = key
     if key_type not in CONSTRAINT_KINDS:
@@ -83,8 +86,8 @@ def lower_constraint(key: GrammarKey, max_spec_bytes: int, check_json_schema: Ca
     if key_type == "json":
         schema = _parse_json(spec, "JSON schema")
         check_schema_is_valid(schema)
-        check_json_schema(schema)
-    elif key_type == "structural_tag":
+        return key_type, _canonical_json(prepare_json_schema(schema))
+    if key_type == "structural_tag":
         if not isinstance(_parse_json(spec, "structural tag"), dict):
             raise GrammarSpecError("a structural tag must be a JSON object")
     elif not spec.strip():

@@ -236,7 +236,7 @@ class GuidanceBackend(BaseGrammarBackend):
         if not isinstance(schema, dict):
             raise GrammarSpecError("its schema must be a JSON object")
         check_schema_is_valid(schema)
-        self.check_json_schema(schema)
+        schema = self.prepare_json_schema(schema)
         own = schema.get("x-guidance")
         options = {**self.json_options, **(own if isinstance(own, dict) else {}), **_STRICT_JSON}
         return {**schema, "x-guidance": options}

@@ -16,18 +16,37 @@ from sglang_constrained.schema_features import (
     iter_subschemas,
     keyword_rule,
     keywords_together_rule,
+    one_of_overlap_rule,
     refuse_unsupported_features,
+    resolve_local_ref,
     unknown_format_rule,
+    with_siblings_rule,
 )
 
 OUTLINES_MAX_STRING_LENGTH_BOUND = 12
-# "date-time" and "time" are left out: outlines-core's patterns make the zone optional ("12:00:00" passes, though
-# RFC 3339 requires one) and refuse numeric offsets ("12:00:00+01:00"), so they are not enforced as specified.
-OUTLINES_STRING_FORMATS = frozenset({"date", "uuid", "email", "uri"})
+# outlines-core's own "uuid" is exact; the others listed become patterns of ours (json_string_formats) before it
+# sees them. Left out: its own "uri" (it pastes raw quotes and control characters into the JSON text) and
+# "hostname" (our pattern's bounded labels make an automaton too large to build in time).
+OUTLINES_STRING_FORMATS = frozenset(
+    {"uuid", "date", "time", "date-time", "ipv4", "email", "json-pointer", "relative-json-pointer"}
+)
 
 _COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "$ref", "enum", "const")
+_OBJECT_KEYWORDS = ("properties", "additionalProperties", "required", "minProperties", "maxProperties")
+
+
+def _types(schema: dict[str, Any]) -> list[Any]:
+    types = schema.get("type")
+    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
+
+
+def _has_name_needing_escapes(schema: dict[str, Any]) -> bool:
+    names = schema.get("properties")
+    return isinstance(names, dict) and any(any(char in '"\\' or ord(char) < 0x20 for char in name) for name in names)
+
 
 OUTLINES_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
+    SchemaRule("property names with a quote, backslash or control character", _has_name_needing_escapes),  # pasted raw
     enum_outside_type_rule(),  # the enum is kept, the sibling type dropped ("a" passes type: object)
     *(keyword_rule(k) for k in ("multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
     SchemaRule("uniqueItems", lambda schema: schema.get("uniqueItems") is True),
@@ -62,6 +81,11 @@ OUTLINES_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
         ),
     ),
     keywords_together_rule("properties", _COMPOSITION_KEYWORDS),
+    *(with_siblings_rule(keyword) for keyword in ("allOf", "anyOf", "oneOf")),  # siblings dropped
+    SchemaRule(
+        "object keywords on an array",  # the array becomes an object: only {} matches
+        lambda schema: _types(schema) == ["array"] and any(k in schema for k in _OBJECT_KEYWORDS),
+    ),
     keywords_together_rule("prefixItems", ("minItems", "maxItems")),
 )
 """Schema features outlines-core 0.2.14 silently ignores: for each, an instance violating only that feature
@@ -75,9 +99,8 @@ def recursive_ref_rule(root: Any) -> SchemaRule:
 
 def refuse_outlines_unsupported(schema: Any, backend_name: str) -> None:
     """Raise ``GrammarSpecError`` naming the first feature of ``schema`` outlines-core cannot enforce."""
-    refuse_unsupported_features(
-        schema, (*OUTLINES_UNSUPPORTED_SCHEMA_FEATURES, recursive_ref_rule(schema)), backend_name
-    )
+    rules = (*OUTLINES_UNSUPPORTED_SCHEMA_FEATURES, recursive_ref_rule(schema), one_of_overlap_rule(schema))
+    refuse_unsupported_features(schema, rules, backend_name)
     _refuse_long_string_bounds(schema)
     _refuse_nested_unconstrained_values(schema)
 
@@ -88,7 +111,7 @@ def _is_recursive_ref(root: Any, ref: Any) -> bool:
         return False
     pending, seen = [ref], {ref}
     while pending:
-        target = _resolve_local_ref(root, pending.pop())
+        target = resolve_local_ref(root, pending.pop())
         for _, subschema in iter_subschemas(target):
             inner = subschema.get("$ref")
             if inner == ref:
@@ -97,18 +120,6 @@ def _is_recursive_ref(root: Any, ref: Any) -> bool:
                 seen.add(inner)
                 pending.append(inner)
     return False
-
-
-def _resolve_local_ref(root: Any, ref: str) -> Any:
-    """The subschema a ``#/...`` reference points at, or None (outlines-core reports other references itself)."""
-    if not ref.startswith("#"):
-        return None
-    target = root
-    for part in ref[1:].split("/")[1:]:
-        if not isinstance(target, dict):
-            return None
-        target = target.get(part.replace("~1", "/").replace("~0", "~"))
-    return target
 
 
 def _refuse_long_string_bounds(schema: Any) -> None:

@@ -6,6 +6,7 @@ only subschemas: a property *named* ``format`` is not the ``format`` keyword) an
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,19 @@ _SCHEMA_MAP_VALUED = ("properties", "patternProperties", "$defs", "definitions",
 _SCHEMA_ARRAY_VALUED = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
+# Keywords that constrain an instance (annotations such as title, description or default do not).
+ASSERTION_KEYWORDS = frozenset(
+    {
+        "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+        "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "contains",
+        "maxContains", "minContains", "items", "prefixItems", "additionalItems", "unevaluatedItems",
+        "maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "properties",
+        "patternProperties", "additionalProperties", "propertyNames", "unevaluatedProperties", "dependentSchemas",
+        "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+    }
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class SchemaRule:
     """One unsupported feature: its user-facing name and a test on a single (sub)schema object."""
@@ -48,6 +62,15 @@ def keywords_together_rule(keyword: str, others: tuple[str, ...]) -> SchemaRule:
     return SchemaRule(
         f"{keyword} together with {'/'.join(others)}",
         lambda schema: keyword in schema and any(other in schema for other in others),
+    )
+
+
+def with_siblings_rule(keyword: str, allowed: tuple[str, ...] = ()) -> SchemaRule:
+    """``keyword`` next to other assertion keywords (but ``allowed``): engines that keep one side drop the other."""
+    ignored = {keyword, *allowed}
+    return SchemaRule(
+        f"{keyword} together with other keywords",
+        lambda s: keyword in s and any(k in ASSERTION_KEYWORDS and k not in ignored for k in s),
     )
 
 
@@ -124,3 +147,105 @@ def _feature_detail(rule: SchemaRule, subschema: dict[str, Any]) -> str:
 
 def _escape(token: str) -> str:
     return str(token).replace("~", "~0").replace("/", "~1")
+
+
+def resolve_local_ref(root: Any, ref: str) -> Any:
+    """The subschema a ``#/...`` reference points at, or None (outlines-core reports other references itself)."""
+    if not ref.startswith("#"):
+        return None
+    target = root
+    for part in ref[1:].split("/")[1:]:
+        if not isinstance(target, dict):
+            return None
+        target = target.get(part.replace("~1", "/").replace("~0", "~"))
+    return target
+
+
+def one_of_overlap_rule(root: Any) -> SchemaRule:
+    """``oneOf`` whose branches are not provably disjoint (``root`` resolves ``$ref`` branches).
+
+    Engines that read ``oneOf`` as ``anyOf`` (xgrammar falls back to it, outlines-core always does) then accept a
+    value valid under several branches, which ``oneOf`` forbids (measured: ``oneOf`` of integer and number lets ``1``
+    through). Provably disjoint: branches of pairwise disjoint types, of pairwise disjoint ``const``/``enum``
+    values, or objects that all require one property whose ``const``/``enum`` values are pairwise disjoint.
+    """
+
+    def applies(schema: dict[str, Any]) -> bool:
+        branches = schema.get("oneOf")
+        if not isinstance(branches, list):
+            return False
+        resolved = [resolve_local_ref(root, b["$ref"]) if _is_ref(b) else b for b in branches]
+        return not _provably_disjoint(resolved)
+
+    return SchemaRule("oneOf whose branches may overlap", applies)
+
+
+def _is_ref(branch: Any) -> bool:
+    return isinstance(branch, dict) and isinstance(branch.get("$ref"), str) and len(branch) == 1
+
+
+def _provably_disjoint(branches: list[Any]) -> bool:
+    if len(branches) <= 1:
+        return True
+    if not all(isinstance(branch, dict) for branch in branches):
+        return False
+    types = [_type_set(branch) for branch in branches]
+    if all(t is not None for t in types) and _pairwise(types, _types_overlap):
+        return True
+    values = [_value_keys(branch) for branch in branches]
+    if all(v is not None for v in values) and _pairwise(values, lambda a, b: bool(a & b)):
+        return True
+    return _discriminated(branches)
+
+
+def _type_set(schema: dict[str, Any]) -> frozenset[str] | None:
+    types = schema.get("type")
+    if isinstance(types, str):
+        return frozenset({types})
+    if isinstance(types, list) and all(isinstance(t, str) for t in types):
+        return frozenset(types)
+    return None
+
+
+def _types_overlap(a: frozenset[str], b: frozenset[str]) -> bool:
+    numeric = {"integer", "number"}
+    return bool(a & b) or (bool(a & numeric) and bool(b & numeric))
+
+
+def _value_keys(schema: dict[str, Any]) -> frozenset[str] | None:
+    """The ``const``/``enum`` values as comparable keys (``1`` and ``1.0`` are one value)."""
+    if "const" in schema:
+        values = [schema["const"]]
+    elif isinstance(schema.get("enum"), list):
+        values = schema["enum"]
+    else:
+        return None
+    return frozenset(json.dumps(_normalised(value), sort_keys=True) for value in values)
+
+
+def _normalised(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_normalised(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _normalised(item) for key, item in value.items()}
+    return value
+
+
+def _discriminated(branches: list[dict[str, Any]]) -> bool:
+    """Every branch is an object requiring a property whose values tell the branches apart."""
+    if not all(_type_set(branch) == frozenset({"object"}) for branch in branches):
+        return False
+    names = set.intersection(*(set(branch.get("required") or ()) for branch in branches))
+    for name in names:
+        subschemas = [(branch.get("properties") or {}).get(name) for branch in branches]
+        values = [_value_keys(sub) if isinstance(sub, dict) else None for sub in subschemas]
+        if all(v is not None for v in values) and _pairwise(values, lambda a, b: bool(a & b)):
+            return True
+    return False
+
+
+def _pairwise(items: list[Any], overlap: Callable[[Any, Any], bool]) -> bool:
+    """True when no two items overlap."""
+    return not any(overlap(a, b) for i, a in enumerate(items) for b in items[i + 1 :])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -26,7 +27,7 @@ from sglang_constrained.base_grammar_backend import (
 )
 from sglang_constrained.constraint_spec import check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
-from sglang_constrained.schema_features import iter_subschemas, refuse_unsupported_features
+from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import tokenizer_vocabulary
 from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
@@ -143,7 +144,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             names = subschema.get("propertyNames")
             if isinstance(names, dict) and "type" not in names:
                 subschema["propertyNames"] = {"type": "string", **names}
-        refuse_unsupported_features(schema, XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES, self.name)
+        rules = (*XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES, one_of_overlap_rule(schema))
+        refuse_unsupported_features(schema, rules, self.name)
+
+    def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
+        return _length_bounds_as_patterns(super().prepare_json_schema(schema, originals))
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:
         """xgrammar's strict mode, as SGLang: objects hold only the properties the schema lists.
@@ -156,59 +161,72 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         compact = None if self.any_whitespace else (",", ":")
         return self._compile(
             "JSON schema",
-            lambda: self.compiler.compile_json_schema(
-                key_string, any_whitespace=self.any_whitespace, separators=compact
+            lambda: xgrammar.Grammar.from_json_schema(
+                key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=True
             ),
         )
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
-        return self._compile("regex", lambda: self.compiler.compile_regex(key_string))
+        return self._compile("regex", lambda: xgrammar.Grammar.from_regex(key_string))
 
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:
-        return self._compile("EBNF grammar", lambda: self.compiler.compile_grammar(key_string, root_rule_name="root"))
+        return self._compile("EBNF grammar", lambda: xgrammar.Grammar.from_ebnf(key_string, root_rule_name="root"))
 
     def dispatch_structural_tag(self, key_string: str) -> XGrammarGrammar:
         """Accepts xgrammar's ``{"type": "structural_tag", "format": ...}`` and the legacy ``structures`` form."""
         spec = _new_form_structural_tag(json.loads(key_string))
         try:
-            structural_tag = StructuralTag.model_validate(spec)
+            StructuralTag.model_validate(spec)
         except pydantic.ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
             raise GrammarSpecError(f"invalid structural tag at {where}: {bounded_message(first['msg'])}") from e
-        self._check_structural_tag_contents(spec["format"], "/format")
-        return self._compile("structural tag", lambda: self.compiler.compile_structural_tag(structural_tag))
+        prepared = StructuralTag.model_validate({**spec, "format": self._prepared_tag(spec["format"], "/format")})
+        return self._compile("structural tag", lambda: xgrammar.Grammar.from_structural_tag(prepared))
 
-    def _compile(self, what: str, compile_: Any) -> XGrammarGrammar:
+    def _compile(self, what: str, build: Callable[[], xgrammar.Grammar]) -> XGrammarGrammar:
         try:
-            compiled = compile_()
+            compiled = self.compiler.compile_grammar(build())
         except RuntimeError as e:
             raise GrammarSpecError(f"xgrammar cannot compile the {what}: {_xgrammar_message(e)}") from e
         return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
 
-    def _check_structural_tag_contents(self, node: Any, pointer: str) -> None:
-        """Vet the JSON schemas a structural tag embeds, and the token ids it names, as a request's own."""
+    def _prepared_tag(self, node: Any, pointer: str) -> Any:
+        """The structural tag's ``node`` with its JSON schemas prepared as a request's own, its token ids vetted."""
         if isinstance(node, list):
-            for index, item in enumerate(node):
-                self._check_structural_tag_contents(item, f"{pointer}/{index}")
-            return
+            return [self._prepared_tag(item, f"{pointer}/{index}") for index, item in enumerate(node)]
         if not isinstance(node, dict):
-            return
+            return node
         if node.get("type") == "json_schema":
             try:
                 check_schema_is_valid(node.get("json_schema"))
-                self.check_json_schema(node["json_schema"])
+                return {**node, "json_schema": self.prepare_json_schema(node["json_schema"])}
             except GrammarSpecError as e:
                 raise GrammarSpecError(f"in the structural tag's JSON schema at {pointer}: {e}") from e
-            return
         token, decoded = node.get("token") if node.get("type") == "token" else None, self.vocabulary.decoded_vocab
         if isinstance(token, int) and (not 0 <= token < len(decoded) or decoded[token] == b""):  # blank: special
             raise GrammarSpecError(
                 f"the structural tag requires token {token} at {pointer}, which is not a regular token "
                 "(special, padding or out of range) and so is never allowed"
             )
-        for key, value in node.items():
-            self._check_structural_tag_contents(value, f"{pointer}/{key}")
+        return {key: self._prepared_tag(value, f"{pointer}/{key}") for key, value in node.items()}
+
+
+_JSON_STRING_CHARACTER = '[^"\\\\\\u0000-\\u001f]'
+
+
+def _length_bounds_as_patterns(schema: Any) -> Any:
+    """``schema`` (a private copy) with each ``minLength``/``maxLength`` string written as a pattern, in place.
+
+    xgrammar 0.2.8 gives a length-bounded string a character class that lets control characters through raw,
+    which is not JSON (``tests/backends/test_engine_faults.py`` keeps the reproduction); its patterns are sound.
+    Like xgrammar's own, the pattern's characters are written without escapes.
+    """
+    for _, subschema in iter_subschemas(schema):
+        if ("minLength" in subschema or "maxLength" in subschema) and "pattern" not in subschema:
+            low, high = subschema.pop("minLength", 0), subschema.pop("maxLength", "")
+            subschema["pattern"] = f"^{_JSON_STRING_CHARACTER}{{{low},{high}}}$"
+    return schema
 
 
 def _new_form_structural_tag(spec: dict[str, Any]) -> dict[str, Any]:

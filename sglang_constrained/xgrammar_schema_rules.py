@@ -1,8 +1,9 @@
 """The JSON-schema features xgrammar 0.2.8 compiles but does not enforce, refused up front with their names.
 
 Each rule was measured against the engine (the xgrammar tests re-check each against jsonschema): an instance that
-breaks only that feature passes xgrammar's grammar. Not refused: oneOf whose branches may overlap (xgrammar falls
-back to anyOf, with a warning) and unanchored patterns (xgrammar anchors every pattern).
+breaks only that feature passes xgrammar's grammar. A ``oneOf`` whose branches may overlap (xgrammar falls back to
+``anyOf``) is refused by ``schema_features.one_of_overlap_rule``, which needs the whole schema. Not refused:
+unanchored patterns (xgrammar anchors every pattern: a narrowing).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from sglang_constrained.schema_features import (
     keyword_rule,
     keywords_together_rule,
     unknown_format_rule,
+    with_siblings_rule,
 )
 
 # The string formats xgrammar 0.2.8 enforces; it accepts any string for every other format.
@@ -26,17 +28,6 @@ XGRAMMAR_SUPPORTED_FORMATS = frozenset(
     }
 )  # fmt: skip
 
-# Keywords that constrain an instance (annotations such as title, description or default do not).
-_ASSERTION_KEYWORDS = frozenset(
-    {
-        "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-        "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "contains",
-        "maxContains", "minContains", "items", "prefixItems", "additionalItems", "unevaluatedItems",
-        "maxProperties", "minProperties", "required", "dependentRequired", "dependencies", "properties",
-        "patternProperties", "additionalProperties", "propertyNames", "unevaluatedProperties", "dependentSchemas",
-        "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
-    }
-)  # fmt: skip
 _OBJECT_INFERRED_FROM = ("properties", "additionalProperties", "unevaluatedProperties")
 _ARRAY_INFERRED_FROM = ("items", "prefixItems")
 # xgrammar enforces multipleOf on an integer bounded on both sides only when maximum - minimum is below this.
@@ -71,15 +62,6 @@ def _is_multiple_of_ignored(schema: dict[str, Any]) -> bool:
     if low is None and high is None:
         return False
     return low is None or high is None or high - low >= _MULTIPLE_OF_MAX_RANGE
-
-
-def _with_siblings_rule(keyword: str, allowed: tuple[str, ...] = ()) -> SchemaRule:
-    """``keyword`` next to other assertion keywords: xgrammar keeps one side and drops the other."""
-    ignored = {keyword, *allowed}
-    return SchemaRule(
-        f"{keyword} together with other keywords",
-        lambda s: keyword in s and any(k in _ASSERTION_KEYWORDS and k not in ignored for k in s),
-    )
 
 
 def _untyped_rule(keyword: str, inferred_from: tuple[str, ...] = ()) -> SchemaRule:
@@ -117,12 +99,12 @@ XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
     keywords_together_rule("format", ("pattern",)),  # pattern dropped
     unknown_format_rule(XGRAMMAR_SUPPORTED_FORMATS),  # any string accepted
     SchemaRule("allOf with several subschemas", lambda s: len(s.get("allOf") or ()) > 1),  # not intersected
-    _with_siblings_rule("allOf"),  # siblings dropped
-    _with_siblings_rule("anyOf"),  # siblings dropped
-    _with_siblings_rule("oneOf"),  # siblings dropped
-    _with_siblings_rule("$ref"),  # siblings dropped
-    _with_siblings_rule("enum", allowed=("type",)),  # siblings other than type dropped
-    _with_siblings_rule("const", allowed=("type",)),  # siblings other than type dropped
+    with_siblings_rule("allOf"),  # siblings dropped
+    with_siblings_rule("anyOf"),  # siblings dropped
+    with_siblings_rule("oneOf"),  # siblings dropped
+    with_siblings_rule("$ref"),  # siblings dropped
+    with_siblings_rule("enum", allowed=("type",)),  # siblings other than type dropped
+    with_siblings_rule("const", allowed=("type",)),  # siblings other than type dropped
     SchemaRule("$ref to anything but a local JSON pointer", _is_non_pointer_ref),  # anything accepted
     keyword_rule("$dynamicRef"),  # anything accepted
     keyword_rule("$recursiveRef"),  # (2019-09) anything accepted

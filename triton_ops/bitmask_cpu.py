@@ -1,8 +1,13 @@
-"""The CPU path: a ``torch.compile``d fused kernel, with a vectorised eager fallback.
+"""The CPU path: an inductor-compiled kernel per logits dtype, with a vectorised eager fallback.
 
 Both view the logits covering whole bitmask words as ``[rows, words, 32]``, so each int32 word lines up with
 its 32 logits and no per-token gather is needed. The columns left over (a vocab that is not a multiple of 32,
 or a bitmask narrower than the logits) are masked apart; they are fewer than 32 in the usual case.
+
+The kernel is traced once with symbolic sizes and compiled by ``torch._inductor.standalone_compile`` rather than
+``torch.compile``: one artifact per dtype then serves every batch size and vocab, and a call skips dynamo's frame
+evaluation and guards, ~13 µs per call, more than masking a 49k-token row takes. With no guards, the callers here
+keep the kernel's contract: contiguous logits and words, the same rows, at most ``vocab // 32`` words.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from triton_ops.bitmask_reference import normalize_bitmask_args
 
 logger = logging.getLogger(__name__)
 
-# One thread: the kernel is memory-bound, and an OpenMP region waits for its slowest thread, which on a busy
-# machine (grammars compile on background threads) means a scheduler tick of ~4 ms for a 0.2 ms job.
-COMPILED_KERNEL_THREADS = 1
+# One thread below this many logits: the kernel is memory-bound, and an OpenMP region waits for its slowest
+# thread, which on a busy machine (grammars compile on background threads) means a scheduler tick of ~4 ms for
+# a 0.2 ms job. Above it (B=32 at a 49k vocab, 0.3 ms on one thread) torch's threads share the rows: measured by
+# scripts/bench_apply_mask.py, one thread was ~2x slower than two at B=128.
+PARALLEL_MIN_ELEMENTS = 1 << 21
 
 # Bound on the temporaries of the eager path: freshly mapped pages cost more than the arithmetic on them.
 EAGER_CHUNK_ELEMENTS = 1 << 20
@@ -32,54 +39,68 @@ _NEG_INF_BITS = {
 }
 
 
-def _mask_words_fused(bits: torch.Tensor, bitmask_words: torch.Tensor, neg_inf_bits: int) -> None:
+def _mask_words_fused(logits: torch.Tensor, bitmask_words: torch.Tensor):
+    """Mask the first ``32 * words`` columns of contiguous ``[rows, vocab]`` logits by ``[rows, words]`` words.
+
+    Slicing inside the graph, rather than passing a strided view, lets inductor write the logits in place:
+    a view with a symbolic row stride might overlap itself, so it would be masked into a buffer and copied back.
+    No return annotation: tracing copies it into the graph's code as a string, which inductor cannot hash.
+    """
+    num_words = bitmask_words.shape[1]
+    words = logits[:, : num_words * BITS_PER_WORD].unflatten(1, (num_words, BITS_PER_WORD))
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask_words.device)
-    is_allowed = ((bitmask_words.unsqueeze(-1) >> shifts) & 1) != 0
-    bits.masked_fill_(~is_allowed, neg_inf_bits)
+    words.masked_fill_(((bitmask_words.unsqueeze(-1) >> shifts) & 1) == 0, _NEG_INF)
+    return ()  # a traced graph needs an output
 
 
-def _as_bits(words: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The logits' bit patterns as same-width ints (a view), and the pattern of -inf in that dtype."""
-    int_dtype = torch.int32 if words.element_size() == 4 else torch.int16
-    return words.view(int_dtype), _NEG_INF_BITS[words.dtype]
+def _compile_kernel(dtype: torch.dtype, threads: int) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """``_mask_words_fused`` for logits of ``dtype`` on ``threads`` threads, compiled once for every shape."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import standalone_compile
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # Rows, vocab and words all differ (and none is 0, 1 or 32), so tracing gives each its own symbol: nothing
+    # is specialised that a later call could contradict, as no guard checks it.
+    logits = torch.zeros(3, 5 * BITS_PER_WORD + 7, dtype=dtype)
+    bitmask_words = torch.zeros(3, 5, dtype=torch.int32)
+    with torch.no_grad():
+        graph = make_fx(_mask_words_fused, tracing_mode="symbolic")(logits, bitmask_words)
+        with inductor_config.patch({"cpp.threads": threads}):
+            return standalone_compile(graph, [logits, bitmask_words])
 
 
-class _FusedKernel:
-    """The compiled kernel, built on first use; replaced for good by the eager path if compiling fails."""
+def _threads_for(num_elements: int) -> int:
+    return 1 if num_elements < PARALLEL_MIN_ELEMENTS else max(1, torch.get_num_threads())
+
+
+class _CompiledKernels:
+    """The compiled kernel of each dtype and thread count, built on first use; replaced for good by the eager path
+    if that fails."""
 
     def __init__(self) -> None:
-        self._compiled: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        self._kernels: dict[tuple[torch.dtype, int], Callable[[torch.Tensor, torch.Tensor], object]] = {}
         self.is_unavailable = False
 
-    def run(self, words: torch.Tensor, bitmask_words: torch.Tensor) -> bool:
-        """Mask ``words`` in place; False (and nothing written) if torch.compile cannot be used here."""
+    def run(self, logits: torch.Tensor, bitmask_words: torch.Tensor) -> bool:
+        """Mask ``logits`` in place; False (and nothing written) if the kernel cannot be compiled here."""
         if self.is_unavailable:
             return False
-        # Few graphs, shared by every call: detached views carry no view base into the guards, float16 and
-        # bfloat16 share int16, and contiguous rows are flattened with their words into one dim whose size is
-        # never 0 or 1, so dynamo's 0/1 specialisation never splits off a graph for batch size 1.
-        bits, neg_inf_bits = _as_bits(words)
-        if bits.is_contiguous():
-            bits, bitmask_words = bits.view(-1, BITS_PER_WORD), bitmask_words.reshape(-1)
-        elif bitmask_words.stride() != (bitmask_words.shape[1], 1):
-            bitmask_words = bitmask_words.clone(memory_format=torch.contiguous_format)
-        bits, bitmask_words = bits.detach(), bitmask_words.detach()
-        try:
-            # Grad mode is part of a graph's guards: pin it so warm-up and serving share one graph.
-            with torch.no_grad():
-                if self._compiled is None:
-                    self._compiled = torch.compile(
-                        _mask_words_fused, dynamic=True, options={"cpp.threads": COMPILED_KERNEL_THREADS}
-                    )
-                self._compiled(bits, bitmask_words, neg_inf_bits)
-        except RuntimeError as e:  # no C++ compiler, unsupported Python, ...: every dynamo/inductor error
-            logger.warning("torch.compile of the CPU bitmask kernel failed, using the eager path: %s", e)
-            self.is_unavailable = True
-            return False
+        key = (logits.dtype, _threads_for(logits.numel()))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            try:
+                kernel = self._kernels[key] = _compile_kernel(*key)
+            # ImportError: a torch without standalone_compile (< 2.8); RuntimeError: no C++ compiler, and every
+            # other inductor error.
+            except (ImportError, RuntimeError) as e:
+                logger.warning("compiling the CPU bitmask kernel failed, using the eager path: %s", e)
+                self.is_unavailable = True
+                return False
+        kernel(logits, bitmask_words)
         return True
 
 
-_FUSED = _FusedKernel()
+_COMPILED = _CompiledKernels()
 
 
 def _mask_words_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
@@ -88,7 +109,7 @@ def _mask_words_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
     ``keep`` is all ones where the token is allowed and zero where not, so ``(x & keep) | (-inf & ~keep)`` is
     ``x`` or exactly ``-inf`` whatever ``x`` holds (NaN and +inf included).
     """
-    bits, neg_inf_bits = _as_bits(words)
+    bits = words.view(torch.int32 if words.element_size() == 4 else torch.int16)
     # Shifting bit j up to the sign bit, then arithmetically back down, smears it over the whole word.
     to_sign_bit = (BITS_PER_WORD - 1) - torch.arange(BITS_PER_WORD, dtype=torch.int32)
     rows_per_chunk = max(1, EAGER_CHUNK_ELEMENTS // (words.shape[1] * BITS_PER_WORD))
@@ -97,30 +118,33 @@ def _mask_words_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
         keep = keep.to(bits.dtype)
         chunk = bits[start : start + rows_per_chunk]
         chunk &= keep
-        chunk |= keep.bitwise_not_().bitwise_and_(neg_inf_bits)
+        chunk |= keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS[words.dtype])
 
 
-def _mask_words(words: torch.Tensor, bitmask_words: torch.Tensor, use_compiled: bool) -> None:
-    if not (use_compiled and _FUSED.run(words, bitmask_words)):
-        _mask_words_eager(words, bitmask_words)
-
-
-def _mask_leftover_columns(logits: torch.Tensor, bitmask: torch.Tensor, start: int, rows: torch.Tensor | None) -> None:
+def _mask_leftover_columns(logits: torch.Tensor, bitmask: torch.Tensor, start: int) -> None:
     """Columns ``[start, vocab)``: the part of a last, partly used word, or all columns past the bitmask."""
     leftover = logits[:, start:]
     word = start // BITS_PER_WORD
     if word >= bitmask.shape[1]:
-        if rows is None:
-            leftover.fill_(_NEG_INF)
-        else:
-            leftover.index_fill_(0, rows, _NEG_INF)
+        leftover.fill_(_NEG_INF)
         return
     shifts = torch.arange(leftover.shape[1], dtype=torch.int32)
-    disallowed = ((bitmask[:, word : word + 1] >> shifts) & 1) == 0
-    if rows is None:
-        leftover.masked_fill_(disallowed, _NEG_INF)
-    else:
-        leftover[rows] = leftover[rows].masked_fill(disallowed[rows], _NEG_INF)
+    leftover.masked_fill_(((bitmask[:, word : word + 1] >> shifts) & 1) == 0, _NEG_INF)
+
+
+def _mask_all_rows(logits: torch.Tensor, bitmask: torch.Tensor, use_compiled: bool) -> None:
+    """Every row of ``[rows, vocab]`` logits by its row of ``[rows, words]`` bitmask."""
+    num_words = min(logits.shape[1] // BITS_PER_WORD, bitmask.shape[1])
+    if num_words > 0:
+        # Words past the logits' width are dropped (the kernel masks 32 columns per word it is given).
+        bitmask_words = bitmask if num_words == bitmask.shape[1] else bitmask[:, :num_words]
+        # The compiled kernel takes contiguous logits and words; other layouts are rare enough for the eager path.
+        is_compiled = use_compiled and logits.is_contiguous() and _COMPILED.run(logits, bitmask_words.contiguous())
+        if not is_compiled:
+            words = logits[:, : num_words * BITS_PER_WORD].unflatten(1, (num_words, BITS_PER_WORD))
+            _mask_words_eager(words, bitmask_words)
+    if num_words * BITS_PER_WORD < logits.shape[1]:
+        _mask_leftover_columns(logits, bitmask, num_words * BITS_PER_WORD)
 
 
 def _apply(
@@ -133,21 +157,13 @@ def _apply(
             "use triton_ops.apply_token_bitmask_inplace to dispatch by device"
         )
     logits_2d, bitmask_2d = args.logits, args.bitmask.cpu()
-    rows = None if args.rows is None else args.rows.cpu()
-    if logits_2d.shape[0] == 0 or (rows is not None and rows.numel() == 0):
+    if args.rows is None:
+        if logits_2d.shape[0] > 0:
+            _mask_all_rows(logits_2d, bitmask_2d, use_compiled)
         return
-    num_words = min(logits_2d.shape[1] // BITS_PER_WORD, bitmask_2d.shape[1])
-    if num_words > 0:
-        words = logits_2d[:, : num_words * BITS_PER_WORD].unflatten(1, (num_words, BITS_PER_WORD))
-        bitmask_words = bitmask_2d[:, :num_words]
-        if rows is None:
-            _mask_words(words, bitmask_words, use_compiled)
-        else:
-            selected = words.index_select(0, rows)
-            _mask_words(selected, bitmask_words.index_select(0, rows), use_compiled)
-            words.index_copy_(0, rows, selected)
-    if num_words * BITS_PER_WORD < logits_2d.shape[1]:
-        _mask_leftover_columns(logits_2d, bitmask_2d, num_words * BITS_PER_WORD, rows)
+    # Row by row: copying the selected rows out and back (index_select, index_copy_) costs 5-25x more.
+    for row in args.rows.tolist():
+        _mask_all_rows(logits_2d[row : row + 1], bitmask_2d[row : row + 1], use_compiled)
 
 
 def apply_token_bitmask_inplace_cpu(
@@ -155,8 +171,8 @@ def apply_token_bitmask_inplace_cpu(
 ) -> None:
     """Set disallowed CPU logits to -inf in place with the compiled kernel (eager path if it cannot compile).
 
-    Shapes and dtypes as ``apply_token_bitmask_inplace_reference``. The first call per dtype and vocab layout
-    compiles for seconds unless ``warm_up_cpu_bitmask_kernel`` ran; later calls of any batch size reuse it.
+    Shapes and dtypes as ``apply_token_bitmask_inplace_reference``. The first call per logits dtype compiles
+    for seconds unless ``warm_up_cpu_bitmask_kernel`` ran; later calls of any shape reuse it.
     Only the rows in ``indices`` are read or written.
     """
     _apply(logits, bitmask, indices, use_compiled=True)
@@ -165,21 +181,19 @@ def apply_token_bitmask_inplace_cpu(
 def apply_token_bitmask_inplace_cpu_eager(
     logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | list[int] | None = None
 ) -> None:
-    """The same as ``apply_token_bitmask_inplace_cpu`` without torch.compile: vectorised torch ops only."""
+    """The same as ``apply_token_bitmask_inplace_cpu`` without compiling: vectorised torch ops only."""
     _apply(logits, bitmask, indices, use_compiled=False)
 
 
 def warm_up_cpu_bitmask_kernel(vocab_size: int, dtype: torch.dtype = torch.float32) -> bool:
-    """Compile the CPU kernel for ``vocab_size`` and ``dtype`` now (seconds), not on the first request.
+    """Compile the CPU kernels for ``dtype`` now (seconds), not on the first request.
 
-    One graph then serves every batch size, with or without ``indices``. Returns True if the compiled kernel
-    is in use, False if torch.compile is unavailable and the eager path will serve instead.
+    The one-thread kernel and the parallel one for large batches then serve every batch size and vocab, with or
+    without ``indices``. Returns True if the compiled kernels are in use, False if they cannot be compiled here
+    and the eager path will serve instead.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    bitmask = allocate_bitmask(2, vocab_size)
-    logits = torch.zeros(2, vocab_size, dtype=dtype)
-    # Two rows and one: a vocab that is not a multiple of 32 lays the two out differently.
-    apply_token_bitmask_inplace_cpu(logits, bitmask)
-    apply_token_bitmask_inplace_cpu(logits[:1], bitmask[:1])
-    return not _FUSED.is_unavailable
+    for rows in sorted({1, -(-PARALLEL_MIN_ELEMENTS // vocab_size)}):
+        apply_token_bitmask_inplace_cpu(torch.zeros(rows, vocab_size, dtype=dtype), allocate_bitmask(rows, vocab_size))
+    return not _COMPILED.is_unavailable

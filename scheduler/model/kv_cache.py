@@ -1,95 +1,125 @@
-"""A preallocated key/value cache: a fixed number of slots, each holding one sequence up to ``max_seq_len``."""
+"""KV memory for the running requests: per-request tables of pool rows, prefix reuse, and admission by budget.
+
+A request is admitted when the pool can hold the rest of its prompt and every token it may still generate (its
+``max_new_tokens``), counting rows that eviction could free: from then on it never runs out mid-decode, while rows
+are only taken as tokens arrive. A request that could never fit (prompt plus output beyond ``--max-total-tokens``)
+is refused with a clear message; one that does not fit now waits.
+"""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass, field
+
+from scheduler.model.kv_pool import TokenKVPool
+from scheduler.model.radix_cache import RadixCache, TreeNode
 
 
-class KVCache:
-    """K and V of every layer for ``num_slots`` sequences of up to ``max_seq_len`` tokens.
+@dataclass(eq=False)
+class KVSequence:
+    """One request's cached tokens and the pool rows that hold their K/V.
 
-    ``k`` and ``v`` have shape ``[num_layers, num_slots, num_kv_heads, max_seq_len, head_dim]`` and are
-    allocated once. They start zeroed and positions at or past a slot's length hold zeros or stale finite
-    values, never NaN, so a masked-out padded read can never poison attention (0 x NaN would).
+    The first ``num_cached`` rows were found in the prefix cache (shared, read-only); the rest are the request's.
+    ``reserved`` is the budget of rows it may still take.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        max_seq_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: str | torch.device,
-    ) -> None:
-        if num_slots <= 0 or max_seq_len <= 0:
-            raise ValueError(f"a KV cache needs positive slots and length, not {num_slots} x {max_seq_len}")
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
-        self.max_seq_len = max_seq_len
-        self._lengths = [0] * num_slots
-        self._in_use = [False] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest slot first
+    token_ids: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    reserved: int = 0
+    node: TreeNode | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class KVCacheManager:
+    """The pool, the prefix cache (None with ``--disable-radix-cache``) and the reserved budget."""
+
+    def __init__(self, pool: TokenKVPool, use_radix_cache: bool = True) -> None:
+        self.pool = pool
+        self.radix = RadixCache(pool) if use_radix_cache else None
+        self.num_reserved = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
+    def capacity(self) -> int:
+        return self.pool.capacity
 
-    def can_allocate(self) -> bool:
-        return bool(self._free)
+    @property
+    def num_available(self) -> int:
+        """Rows neither held by a request, nor reserved, nor locked in the cache."""
+        evictable = self.radix.num_evictable if self.radix is not None else 0
+        return self.pool.num_free + evictable - self.num_reserved
 
-    def allocate(self) -> int:
-        """Reserve an empty slot for a new sequence; raise RuntimeError when all are in use."""
-        if not self._free:
-            raise RuntimeError(
-                f"no free KV-cache slot: all {self.num_slots} hold running sequences; check can_allocate() "
-                "before admitting a request, or raise --max-running-requests"
-            )
-        slot = self._free.pop()
-        self._in_use[slot] = True
-        self._lengths[slot] = 0
-        return slot
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens whose K/V came from the prefix cache."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
-    def free(self, slot: int) -> None:
-        """Release ``slot``; its cached positions are forgotten (not cleared)."""
-        self._check_in_use(slot)
-        self._in_use[slot] = False
-        self._lengths[slot] = 0
-        self._free.append(slot)
-
-    def length(self, slot: int) -> int:
-        """Tokens cached for the sequence in ``slot``."""
-        self._check_in_use(slot)
-        return self._lengths[slot]
-
-    def check_append(self, slot: int, num_new: int) -> int:
-        """Validate appending ``num_new`` tokens to ``slot`` and return the first new position; changes nothing."""
-        start = self.length(slot)
-        if num_new <= 0:
-            raise ValueError(f"appending to slot {slot} needs at least one token, got {num_new}")
-        if start + num_new > self.max_seq_len:
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise ``ValueError`` for a request that could never be admitted, naming the bound."""
+        if num_prompt_tokens + max_new_tokens > self.capacity:
             raise ValueError(
-                f"slot {slot} holds {start} tokens; {num_new} more would exceed --max-seq-len "
-                f"{self.max_seq_len}: finish the request (finish_reason 'length') or raise --max-seq-len"
+                f"the prompt ({num_prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the KV "
+                f"cache's --max-total-tokens {self.capacity}: shorten the request or raise --max-total-tokens"
             )
-        return start
 
-    def append(self, slot: int, num_new: int) -> int:
-        """Record ``num_new`` more cached tokens in ``slot`` (after check_append) and return the first new position."""
-        start = self.check_append(slot, num_new)
-        self._lengths[slot] = start + num_new
-        return start
+    def admit(self, prompt_ids: list[int], max_new_tokens: int) -> KVSequence | None:
+        """A sequence for a new request, starting from its longest cached prefix (never the whole prompt: its last
+        token must run to give logits), with its budget reserved; None when it does not fit now."""
+        rows: list[int] = []
+        node = None
+        if self.radix is not None:
+            rows, node = self.radix.match_prefix(prompt_ids[:-1])
+            self.radix.lock(node)
+        need = len(prompt_ids) - len(rows) + max_new_tokens
+        if need > self.num_available:
+            if self.radix is not None and node is not None:
+                self.radix.unlock(node)
+            return None
+        self.num_reserved += need
+        self.num_prompt_tokens += len(prompt_ids)
+        self.num_cached_prompt_tokens += len(rows)
+        return KVSequence(list(prompt_ids[: len(rows)]), list(rows), len(rows), need, node)
 
-    def truncate(self, slot: int, length: int) -> None:
-        """Drop cached positions ``length`` and beyond (rollback); the next token is written at ``length``."""
-        current = self.length(slot)
-        if not 0 <= length <= current:
-            raise ValueError(f"cannot truncate slot {slot} to {length} tokens: it holds {current}")
-        self._lengths[slot] = length
+    def append(self, seq: KVSequence, token_ids: list[int]) -> list[int]:
+        """Rows for ``token_ids`` appended to ``seq`` (taken from its budget, evicting cache leaves if needed)."""
+        if len(token_ids) > seq.reserved:
+            raise ValueError(f"{len(token_ids)} new tokens exceed the {seq.reserved} the request reserved")
+        shortfall = len(token_ids) - self.pool.num_free
+        if shortfall > 0 and self.radix is not None:
+            self.radix.evict(shortfall)
+        rows = self.pool.allocate(len(token_ids))
+        seq.rows += rows
+        seq.token_ids += token_ids
+        seq.reserved -= len(rows)
+        self.num_reserved -= len(rows)
+        return rows
 
-    def _check_in_use(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or not self._in_use[slot]:
-            raise ValueError(f"KV-cache slot {slot} is not allocated (slots: 0..{self.num_slots - 1})")
+    def truncate(self, seq: KVSequence, length: int) -> None:
+        """Keep ``seq``'s first ``length`` tokens (a rollback); their rows return to its budget."""
+        if not seq.num_cached <= length <= len(seq):
+            raise ValueError(f"cannot truncate a sequence of {len(seq)} tokens ({seq.num_cached} shared) to {length}")
+        dropped = seq.rows[length:]
+        self.pool.free(dropped)
+        del seq.rows[length:], seq.token_ids[length:]
+        seq.reserved += len(dropped)
+        self.num_reserved += len(dropped)
+
+    def release(self, seq: KVSequence) -> None:
+        """The request is done: its tokens enter the prefix cache (duplicates freed), its budget is returned."""
+        self.num_reserved -= seq.reserved
+        seq.reserved = 0
+        if self.radix is None:
+            self.pool.free(seq.rows)
+        else:
+            num_known = self.radix.insert(seq.token_ids, seq.rows)
+            self.pool.free(seq.rows[seq.num_cached : num_known])
+            if seq.node is not None:
+                self.radix.unlock(seq.node)
+        seq.rows, seq.token_ids, seq.node = [], [], None
+
+    def flush(self) -> int:
+        """Drop every cached prefix no running request reads; returns the rows freed."""
+        return self.radix.evict(self.radix.num_evictable) if self.radix is not None else 0

@@ -1,9 +1,9 @@
-"""A Llama forward in plain torch, shaped for serving: packed new tokens of several sequences over a KV cache.
+"""A Llama forward in plain torch, shaped for serving: packed new tokens of several sequences over a KV pool.
 
 It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from the config's rope
 parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases), but takes a
-flat batch of new tokens, writes their K/V into preallocated cache slots, and returns logits only for the
-last new token of each sequence.
+flat batch of new tokens, writes their K/V into the rows of a token pool, attends over each sequence's rows, and
+returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
 """
 
 from __future__ import annotations
@@ -16,59 +16,73 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from scheduler.model.kv_cache import KVCache
+from scheduler.model.kv_pool import PADDING_ROW, TokenKVPool
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
     """New tokens of several sequences, packed: sequence ``i`` owns ``input_ids[offsets[i]:offsets[i + 1]]``.
 
-    Tensors are int64 on the model's device; ``starts[i]`` tokens of sequence ``i`` are already cached in
-    ``slots[i]`` and its new tokens take positions ``starts[i]`` onwards.
+    Sequence ``i`` has ``starts[i]`` tokens cached before these; ``rows[i]`` lists the KV pool rows of all its
+    tokens, cached and new (the new ones' K/V are written there). Tensors are int64 on the model's device.
     """
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    token_slots: torch.Tensor  # [T]
-    last_indices: torch.Tensor  # [S]: index in the packed batch of each sequence's last new token
-    slots: list[int]
-    starts: list[int]
+    new_rows: torch.Tensor  # [T]: the pool row each new token's K/V goes to
+    logit_indices: torch.Tensor  # packed positions whose next-token logits are returned
     offsets: list[int]  # S + 1 entries
-    # Decode (one new token per sequence): [S, 1, 1, L] True where a cached position may be attended.
-    # Otherwise one causal mask per sequence, [n_i, starts[i] + n_i], or None where plain is_causal suffices.
+    starts: list[int]
+    # Decode (one new token per sequence): every sequence's rows padded to the longest, [S, L], and
+    # [S, 1, 1, L] True where a position may be attended. Otherwise each sequence's rows and its causal mask
+    # [n_i, starts[i] + n_i] (None where plain is_causal suffices).
+    decode_rows: torch.Tensor | None
     decode_mask: torch.Tensor | None
+    extend_rows: list[torch.Tensor]
     extend_masks: list[torch.Tensor | None]
 
     @classmethod
     def build(
-        cls, slots: Sequence[int], starts: Sequence[int], token_lists: Sequence[Sequence[int]], device: torch.device
+        cls,
+        rows: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        device: torch.device,
+        all_logits: bool = False,
     ) -> ForwardBatch:
+        """``all_logits``: logits after every new token (speculative verification), not only each sequence's last."""
         offsets = [0]
         for tokens in token_lists:
             offsets.append(offsets[-1] + len(tokens))
-        positions = [start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))]
-        token_slots = [slot for slot, tokens in zip(slots, token_lists, strict=True) for _ in tokens]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        decode_mask = None
+        positions = [start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))]
+        new_rows = [row for seq_rows, start in zip(rows, starts, strict=True) for row in seq_rows[start:]]
+        decode_rows = decode_mask = None
+        extend_rows: list[torch.Tensor] = []
         extend_masks: list[torch.Tensor | None] = []
         if all(len(tokens) == 1 for tokens in token_lists):
-            lengths = as_tensor([start + 1 for start in starts])
-            window = torch.arange(int(lengths.max()), device=device)
-            decode_mask = (window[None, :] < lengths[:, None])[:, None, None, :]
+            width = max(len(seq_rows) for seq_rows in rows)
+            padded = [list(seq_rows) + [PADDING_ROW] * (width - len(seq_rows)) for seq_rows in rows]
+            decode_rows = as_tensor(padded)
+            lengths = as_tensor([len(seq_rows) for seq_rows in rows])
+            decode_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
         else:
-            for start, tokens in zip(starts, token_lists, strict=True):
-                rows = torch.arange(start, start + len(tokens), device=device)
-                columns = torch.arange(start + len(tokens), device=device)
-                extend_masks.append(None if start == 0 else columns[None, :] <= rows[:, None])
+            for seq_rows, start, tokens in zip(rows, starts, token_lists, strict=True):
+                extend_rows.append(as_tensor(list(seq_rows)))
+                query_positions = torch.arange(start, start + len(tokens), device=device)
+                key_positions = torch.arange(start + len(tokens), device=device)
+                extend_masks.append(None if start == 0 else key_positions[None, :] <= query_positions[:, None])
+        logit_indices = range(offsets[-1]) if all_logits else [end - 1 for end in offsets[1:]]
         return cls(
             input_ids=as_tensor([token for tokens in token_lists for token in tokens]),
             positions=as_tensor(positions),
-            token_slots=as_tensor(token_slots),
-            last_indices=as_tensor([end - 1 for end in offsets[1:]]),
-            slots=list(slots),
-            starts=list(starts),
+            new_rows=as_tensor(new_rows),
+            logit_indices=as_tensor(list(logit_indices)),
             offsets=offsets,
+            starts=list(starts),
+            decode_rows=decode_rows,
             decode_mask=decode_mask,
+            extend_rows=extend_rows,
             extend_masks=extend_masks,
         )
 
@@ -85,7 +99,7 @@ class _Layer:
 
 
 class LlamaModel:
-    """Llama-style decoder weights on one device, run by ``forward`` over a ``KVCache``."""
+    """Llama-style decoder weights on one device, run by ``forward`` over a ``TokenKVPool``."""
 
     def __init__(
         self,
@@ -133,11 +147,10 @@ class LlamaModel:
         self.cos, self.sin = _rope_tables(config, self.head_dim, max_positions, device, dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Write the batch's K/V into ``kv_cache`` and return float32 logits ``[S, vocab_size]``.
+    def forward(self, batch: ForwardBatch, pool: TokenKVPool) -> torch.Tensor:
+        """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.
 
-        Row ``i`` is the next-token logits after sequence ``i``'s last new token. Does not change the cache's
-        lengths: the caller records them.
+        Row ``j`` holds the next-token logits after packed token ``batch.logit_indices[j]``.
         """
         num_tokens = batch.input_ids.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -150,42 +163,41 @@ class LlamaModel:
             # q and k heads are rotated together: one RoPE call per layer.
             qk = _rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            kv_cache.k[i][batch.token_slots, :, batch.positions] = k
-            kv_cache.v[i][batch.token_slots, :, batch.positions] = v.view(num_tokens, self.num_kv_heads, -1)
-            if batch.decode_mask is not None:
-                attention = self._decode_attention(q, kv_cache.k[i], kv_cache.v[i], batch.slots, batch.decode_mask)
+            pool.k[i][batch.new_rows] = k
+            pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
+            if batch.decode_rows is not None and batch.decode_mask is not None:
+                attention = self._decode_attention(q, pool.k[i], pool.v[i], batch.decode_rows, batch.decode_mask)
             else:
-                attention = self._extend_attention(q, kv_cache.k[i], kv_cache.v[i], batch)
+                attention = self._extend_attention(q, pool.k[i], pool.v[i], batch)
             hidden = hidden + F.linear(attention, layer.o_proj)
             x = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
-        last = F.rms_norm(hidden[batch.last_indices], hidden.shape[-1:], self.norm, self.eps)
-        return F.linear(last, self.lm_head).float()
+        selected = F.rms_norm(hidden[batch.logit_indices], hidden.shape[-1:], self.norm, self.eps)
+        return F.linear(selected, self.lm_head).float()
 
     def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int], mask: torch.Tensor
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """One query token per sequence: ``q`` [S, H, D] -> [S, H * D], over each slot's masked cached window."""
-        window = mask.shape[-1]
+        """One query token per sequence: ``q`` [S, H, D] -> [S, H * D], over each sequence's gathered rows."""
+        num_seqs = rows.shape[0]
         # The group of query heads sharing one KV head acts as that head's queries: no K/V repetition.
-        grouped = q.view(len(slots), self.num_kv_heads, -1, self.head_dim)
-        keys = torch.stack([k_cache[slot, :, :window] for slot in slots])
-        values = torch.stack([v_cache[slot, :, :window] for slot in slots])
+        grouped = q.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
+        keys = k_pool[rows].transpose(1, 2)  # [S, H_kv, L, D]
+        values = v_pool[rows].transpose(1, 2)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        return out.reshape(len(slots), -1)
+        return out.reshape(num_seqs, -1)
 
     def _extend_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """Several new tokens per sequence: ``q`` [T, H, D] -> [T, H * D], causal over each slot's cache."""
+        """Several new tokens per sequence: ``q`` [T, H, D] -> [T, H * D], causal over each sequence's rows."""
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
-        for slot, start, lo, hi, mask in zip(
-            batch.slots, batch.starts, batch.offsets[:-1], batch.offsets[1:], batch.extend_masks, strict=True
+        for rows, lo, hi, mask in zip(
+            batch.extend_rows, batch.offsets[:-1], batch.offsets[1:], batch.extend_masks, strict=True
         ):
-            end = start + hi - lo
             seq_q = q[lo:hi].transpose(0, 1)[None]
-            keys, values = k_cache[slot, :, :end][None], v_cache[slot, :, :end][None]
+            keys, values = k_pool[rows].transpose(0, 1)[None], v_pool[rows].transpose(0, 1)[None]
             seq_out = F.scaled_dot_product_attention(
                 seq_q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )

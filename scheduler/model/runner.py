@@ -1,9 +1,10 @@
-"""The model runner: the embedded (or a local) Llama-style model, batched prefill/decode over a slot KV cache.
+"""The model runner: the embedded (or a local) Llama-style model, batched prefill/decode over a token KV pool.
 
-The scheduler owns the batching decisions; this class turns them into forwards. A sequence lives in one
-KV-cache slot from ``allocate_slot`` to ``free_slot``; ``prefill`` fills empty slots, ``decode`` appends one
-token to each of several running slots, ``extend`` appends several to one (jump-forward), ``truncate``
-rolls back. Any mix of slots may be batched: each sequence attends only to its own cached prefix.
+The scheduler owns the batching decisions; this class turns them into forwards. A sequence is admitted by
+``kv.admit`` (starting from its longest cached prefix) and released by ``kv.release``; ``prefill`` runs the rest
+of its prompt, ``decode`` appends one token to each of several sequences, ``extend`` appends several to one
+(jump-forward, verifying drafts), ``truncate`` rolls back. Any mix of sequences may be batched: each attends only
+to its own rows.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from scheduler.model.kv_cache import KVCache
+from scheduler.model.kv_cache import KVCacheManager, KVSequence
+from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel
 from scheduler.model.loader import load_model
 from scheduler.server_args import ServerArgs
@@ -22,10 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Loads the model named by ``server_args`` onto ``device`` (float32 on CPU, bfloat16 elsewhere).
+    """Loads the model named by ``server_args`` onto ``device`` (float32 on CPU, bfloat16 elsewhere) with a KV pool
+    of ``--max-total-tokens`` rows and, unless ``--disable-radix-cache``, prefix reuse.
 
-    Logits are always float32 ``[num_sequences, vocab_size]`` on ``device``; ``vocab_size`` is the model's
-    embedding width, which may exceed ``len(tokenizer)``.
+    Sequences (``KVSequence``) come from ``kv.admit``; each forward appends tokens to them. Logits are float32
+    ``[rows, vocab_size]`` on ``device``; ``vocab_size`` is the model's embedding width, which may exceed
+    ``len(tokenizer)``.
     """
 
     def __init__(self, server_args: ServerArgs, device: str = "cpu") -> None:
@@ -38,80 +42,73 @@ class ModelRunner:
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.max_seq_len = server_args.max_seq_len
         self.model = LlamaModel(config, loaded.weights, self.max_seq_len, self.device, dtype)
-        self.kv_cache = KVCache(
+        pool = TokenKVPool(
             num_layers=self.model.num_layers,
-            num_slots=server_args.max_running_requests,
-            max_seq_len=self.max_seq_len,
+            capacity=server_args.max_total_tokens,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             dtype=dtype,
             device=self.device,
         )
-        cache_mib = 2 * self.kv_cache.k.numel() * self.kv_cache.k.element_size() / 2**20
+        self.kv = KVCacheManager(pool, use_radix_cache=not server_args.disable_radix_cache)
         logger.info(
-            "model runner on %s (%s): %d slots x %d positions, KV cache %.0f MiB",
+            "model runner on %s (%s): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as used), "
+            "prefix cache %s",
             self.device,
             dtype,
-            self.kv_cache.num_slots,
-            self.max_seq_len,
-            cache_mib,
+            pool.capacity,
+            pool.bytes_per_token / 2**10,
+            pool.capacity * pool.bytes_per_token / 2**20,
+            "on" if self.kv.radix is not None else "off",
         )
 
-    @property
-    def num_free_slots(self) -> int:
-        return self.kv_cache.num_free_slots
+    def prefill(self, seqs: list[KVSequence], prompts: list[list[int]]) -> torch.Tensor:
+        """Run each prompt past its cached prefix; logits ``[len(seqs), vocab_size]`` after each prompt."""
+        if len(seqs) != len(prompts):
+            raise ValueError(f"prefill got {len(seqs)} sequences but {len(prompts)} prompts")
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            if seq.token_ids != list(prompt[: len(seq)]) or len(seq) >= len(prompt):
+                raise ValueError("prefill needs a sequence that holds a strict prefix of its prompt")
+        return self.forward(seqs, [prompt[len(seq) :] for seq, prompt in zip(seqs, prompts, strict=True)])
 
-    def allocate_slot(self) -> int:
-        """An empty KV-cache slot for a new sequence; RuntimeError when all are in use (check num_free_slots)."""
-        return self.kv_cache.allocate()
+    def decode(self, seqs: list[KVSequence], token_ids: list[int]) -> torch.Tensor:
+        """Append one token to each running sequence in one forward; logits ``[len(seqs), vocab_size]``."""
+        if len(seqs) != len(token_ids):
+            raise ValueError(f"decode got {len(seqs)} sequences but {len(token_ids)} tokens")
+        return self.forward(seqs, [[token] for token in token_ids])
 
-    def free_slot(self, slot: int) -> None:
-        self.kv_cache.free(slot)
+    def extend(self, seq: KVSequence, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Append several tokens to one sequence: logits ``[vocab_size]`` after the last one, or with
+        ``all_logits`` ``[len(token_ids), vocab_size]`` after each."""
+        logits = self.forward([seq], [token_ids], all_logits)
+        return logits if all_logits else logits[0]
 
-    def seq_len(self, slot: int) -> int:
-        """Tokens cached for the sequence in ``slot``."""
-        return self.kv_cache.length(slot)
+    def truncate(self, seq: KVSequence, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of ``seq`` (rollback); the next token goes at ``length``."""
+        self.kv.truncate(seq, length)
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Fill empty ``slots`` with ``prompts`` in one packed forward; logits ``[len(slots), vocab_size]``."""
-        if len(slots) != len(prompts):
-            raise ValueError(f"prefill got {len(slots)} slots but {len(prompts)} prompts")
-        for slot in slots:
-            if self.kv_cache.length(slot) != 0:
-                raise ValueError(
-                    f"prefill needs an empty slot; slot {slot} already holds {self.kv_cache.length(slot)} "
-                    "tokens (append with extend, or free it and allocate a new one)"
-                )
-        return self._forward(slots, prompts)
-
-    def decode(self, slots: list[int], token_ids: list[int]) -> torch.Tensor:
-        """Append one token to each running sequence in one forward; logits ``[len(slots), vocab_size]``."""
-        if len(slots) != len(token_ids):
-            raise ValueError(f"decode got {len(slots)} slots but {len(token_ids)} tokens")
-        return self._forward(slots, [[token] for token in token_ids])
-
-    def extend(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Append several tokens to one sequence (jump-forward); logits ``[vocab_size]`` after the last one."""
-        return self._forward([slot], [token_ids])[0]
-
-    def truncate(self, slot: int, length: int) -> None:
-        """Keep only the first ``length`` cached tokens of ``slot`` (rollback); the next token goes at ``length``."""
-        self.kv_cache.truncate(slot, length)
-
-    def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Validate everything before touching the cache, run one forward, then record the new lengths."""
-        if not slots:
+    def forward(
+        self, seqs: Sequence[KVSequence], token_lists: Sequence[Sequence[int]], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Validate everything before touching the pool, append the tokens, run one forward."""
+        if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a batch may hold each slot once; got {list(slots)}")
-        starts = [
-            self.kv_cache.check_append(slot, len(tokens)) for slot, tokens in zip(slots, token_lists, strict=True)
-        ]
-        for tokens in token_lists:
+        if len({id(seq) for seq in seqs}) != len(seqs):
+            raise ValueError("a batch may hold each sequence once")
+        for seq, tokens in zip(seqs, token_lists, strict=True):
+            if not tokens:
+                raise ValueError("appending to a sequence needs at least one token")
             if min(tokens) < 0 or max(tokens) >= self.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {min(tokens)}..{max(tokens)}")
-        batch = ForwardBatch.build(slots, starts, token_lists, self.device)
-        logits = self.model.forward(batch, self.kv_cache)
-        for slot, tokens in zip(slots, token_lists, strict=True):
-            self.kv_cache.append(slot, len(tokens))
-        return logits
+            if len(seq) + len(tokens) > self.max_seq_len:
+                raise ValueError(
+                    f"the sequence holds {len(seq)} tokens; {len(tokens)} more would exceed --max-seq-len "
+                    f"{self.max_seq_len}: finish the request (finish_reason 'length') or raise --max-seq-len"
+                )
+            if len(tokens) > seq.reserved:
+                raise ValueError(f"{len(tokens)} new tokens exceed the {seq.reserved} the request reserved")
+        starts = [len(seq) for seq in seqs]
+        for seq, tokens in zip(seqs, token_lists, strict=True):
+            self.kv.append(seq, list(tokens))
+        batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, self.device, all_logits)
+        return self.model.forward(batch, self.kv.pool)

@@ -18,6 +18,7 @@ from pathlib import Path
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.testing.maskbench import MaskBenchCase
+from sglang_constrained.testing.random_walk import Judge, WalkTally, json_judge, walk_and_judge
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 
@@ -46,6 +47,7 @@ class ConformanceResult:
     wrongly_rejected: list[str] = field(default_factory=list)
     wrongly_accepted: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    walks: WalkTally = field(default_factory=WalkTally)
 
     @property
     def compiled(self) -> bool:
@@ -65,8 +67,11 @@ def check_constraint(
     key: GrammarKey,
     valid_texts: tuple[str, ...] | list[str],
     invalid_texts: tuple[str, ...] | list[str],
+    judge: Judge | None = None,
+    num_walks: int = 0,
 ) -> ConformanceResult:
-    """Compile ``key`` once, then walk every text through a fresh copy of the grammar."""
+    """Compile ``key`` once, then walk every text through a fresh copy of the grammar; with a ``judge``, also
+    ``num_walks`` random walks through its own masks (``random_walk``), whose outputs the judge must accept."""
     result = ConformanceResult(name, num_valid=len(valid_texts), num_invalid=len(invalid_texts))
     grammar = compile_grammar(backend, key)
     result.seconds = grammar.grammar_stats.compile_time_s if grammar.grammar_stats is not None else 0.0
@@ -87,6 +92,8 @@ def check_constraint(
             result.wrongly_accepted.append(text)
         else:
             result.num_invalid_rejected += 1
+    if judge is not None and num_walks:
+        result.walks = walk_and_judge(grammar, setup, judge, num_walks, seed=len(name))
     result.seconds += time.perf_counter() - start
     return result
 
@@ -100,11 +107,18 @@ class MaskBenchSweep:
     """
 
     def __init__(
-        self, backend: BaseGrammarBackend, setup: TokenizerSetup, planned: Sequence[MaskBenchCase], ahead: int = 2
+        self,
+        backend: BaseGrammarBackend,
+        setup: TokenizerSetup,
+        planned: Sequence[MaskBenchCase],
+        ahead: int = 2,
+        num_walks: int = 0,
     ) -> None:
+        """``num_walks``: random walks per compiled case, each output judged by the case's schema."""
         self.backend = backend
         self.setup = setup
         self.ahead = ahead
+        self.num_walks = num_walks
         self._keys = [make_grammar_key("json", case.schema) for case in planned]
         self._positions = {case.name: position for position, case in enumerate(planned)}
 
@@ -116,8 +130,16 @@ class MaskBenchSweep:
         if position is not None:
             for upcoming in self._keys[position + 1 : position + 1 + self.ahead]:
                 self.backend.get_cached_or_future_value(upcoming)
+        judge = json_judge(case.schema) if self.num_walks else None
         result = check_constraint(
-            self.backend, self.setup, case.name, key, case.valid_instances, case.invalid_instances
+            self.backend,
+            self.setup,
+            case.name,
+            key,
+            case.valid_instances,
+            case.invalid_instances,
+            judge,
+            self.num_walks,
         )
         self.backend.discard_pending(key)
         return result
@@ -230,4 +252,5 @@ class KnownOutcomes:
             )
         if result.wrongly_accepted:
             problems.append(f"invalid instances accepted: {result.wrongly_accepted}")
+        problems += [f"the mask let an invalid output through: {output}" for output in result.walks.invalid_outputs]
         return problems

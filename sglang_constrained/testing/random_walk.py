@@ -11,10 +11,11 @@ id is ever allowed.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
@@ -47,12 +48,16 @@ class TokenTraits:
 
 @dataclass(frozen=True)
 class WalkResult:
-    """``problem`` says what broke (the oracle's reason, or an invariant); ``finished`` means a stop token was taken."""
+    """``problem`` says what broke (the oracle's reason, or an invariant); ``finished`` means a stop token was taken.
+
+    ``text`` is the output decoded as UTF-8, with U+FFFD for bytes that are not (``is_utf8`` tells).
+    """
 
     finished: bool
     text: str | None
     num_tokens: int
     problem: str | None = None
+    is_utf8: bool = True
 
 
 _TRAITS: dict[tuple[str, int], TokenTraits] = {}
@@ -140,29 +145,75 @@ def _choose(
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(weights, 1, generator=generator))
+    """One index drawn in proportion to ``weights`` (inverse CDF: ``torch.multinomial`` is 20x slower at 248k)."""
+    cdf = weights.cumsum(0)
+    total = cdf[-1:]
+    target = torch.minimum(torch.rand(1, generator=generator, dtype=torch.float64) * total, total.nextafter(total * 0))
+    return int(torch.searchsorted(cdf, target, right=True))
 
 
 def _finished(output: bytes, num_tokens: int) -> WalkResult:
     try:
-        text = output.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return WalkResult(True, None, num_tokens, f"the output is not UTF-8: {e}")
-    return WalkResult(True, text, num_tokens)
+        return WalkResult(True, output.decode("utf-8"), num_tokens)
+    except UnicodeDecodeError:
+        return WalkResult(True, output.decode("utf-8", errors="replace"), num_tokens, is_utf8=False)
 
 
-def judge_walk(result: WalkResult, judge: Judge) -> WalkResult:
-    """The walk with the oracle's verdict on its text (unfinished or already broken walks are left as they are)."""
+def judge_walk(result: WalkResult, judge: Judge, free_text: bool = False) -> WalkResult:
+    """The walk with the oracle's verdict on its text (unfinished or already broken walks are left as they are).
+
+    The whole output must be UTF-8 unless ``free_text`` (a structural tag's text outside its tags is free, as
+    unconstrained decoding is; the judge still checks the tags' bodies).
+    """
     if not result.finished or result.problem is not None or result.text is None:
         return result
     problem = judge(result.text)
-    return result if problem is None else WalkResult(True, result.text, result.num_tokens, problem)
+    if problem is None and not (result.is_utf8 or free_text):
+        problem = "the output is not UTF-8"
+    if problem is None:
+        return result
+    return WalkResult(True, result.text, result.num_tokens, problem, result.is_utf8)
+
+
+@dataclass
+class WalkTally:
+    """What a batch of walks came to: how many finished, and what was wrong with each invalid output."""
+
+    num_walks: int = 0
+    num_finished: int = 0
+    invalid_outputs: list[str] = field(default_factory=list)
+
+
+def walk_and_judge(
+    grammar: BaseGrammarObject,
+    setup: TokenizerSetup,
+    judge: Judge,
+    num_walks: int,
+    seed: int,
+    free_text: bool = False,
+) -> WalkTally:
+    """``num_walks`` seeded walks from fresh copies of ``grammar``, each judged (``judge_walk``)."""
+    generator = torch.Generator().manual_seed(seed)
+    tally = WalkTally(num_walks=num_walks)
+    for _ in range(num_walks):
+        result = judge_walk(random_walk(grammar.copy(), setup, generator), judge, free_text)
+        tally.num_finished += result.finished
+        if result.problem is not None:
+            tally.invalid_outputs.append(f"{result.text!r:.200}: {result.problem}")
+    return tally
 
 
 def json_judge(schema: Any) -> Judge:
-    """Strict JSON (no raw control characters in strings, no NaN or Infinity) that validates against ``schema``."""
-    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    validator = validator_class(schema, format_checker=validator_class.FORMAT_CHECKER)
+    """Strict JSON (no raw control characters in strings, no NaN or Infinity) that validates against ``schema``.
+
+    Formats are checked (``jsonschema[format-nongpl]``), and patterns with ECMA-262's meaning, as JSON Schema
+    says: ``\\d`` and ``\\w`` are ASCII, ``.`` stops at every line terminator.
+    """
+    base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator_class = jsonschema.validators.extend(
+        base, {"pattern": _ecma_pattern, "patternProperties": _ecma_pattern_properties}
+    )
+    validator = validator_class(schema, format_checker=base.FORMAT_CHECKER)
 
     def judge(text: str) -> str | None:
         try:
@@ -175,7 +226,55 @@ def json_judge(schema: Any) -> Judge:
     return judge
 
 
+_ECMA_SPACE = "\\t\\n\\v\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
+_ECMA_ESCAPES = {"d": "0-9", "w": "A-Za-z0-9_", "s": _ECMA_SPACE}
+
+
+@functools.cache
+def ecma_regex(pattern: str) -> re.Pattern[str]:
+    """``pattern`` (ECMA-262) as a Python regex of the same meaning for what schemas use: ASCII ``\\d``/``\\w``
+    and their negations, ECMA's whitespace for ``\\s``/``\\S``, and ``.`` that stops at line terminators."""
+    pieces, index, in_class = [], 0, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\" and index + 1 < len(pattern):
+            escaped = pattern[index + 1]
+            if escaped.lower() in _ECMA_ESCAPES and not in_class:
+                negation = "^" if escaped.isupper() else ""
+                pieces.append(f"[{negation}{_ECMA_ESCAPES[escaped.lower()]}]")
+            elif escaped in _ECMA_ESCAPES and in_class:
+                pieces.append(_ECMA_ESCAPES[escaped])
+            else:
+                pieces.append(pattern[index : index + 2])
+            index += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        elif char == "." and not in_class:
+            char = "[^\\n\\r\\u2028\\u2029]"
+        pieces.append(char)
+        index += 1
+    return re.compile("".join(pieces))
+
+
+def _ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    if validator.is_type(instance, "string") and not ecma_regex(pattern).search(instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _ecma_pattern_properties(validator: Any, pattern_properties: Any, instance: Any, schema: Any) -> Any:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in pattern_properties.items():
+        for name, value in instance.items():
+            if ecma_regex(pattern).search(name):
+                yield from validator.descend(value, subschema, path=name, schema_path=pattern)
+
+
 def regex_judge(pattern: str) -> Judge:
+    """A regex constraint is in the engines' own dialect, whose classes are Unicode-aware as Python's are."""
     compiled = re.compile(pattern)
     return lambda text: None if compiled.fullmatch(text) else "does not match the regex"
 

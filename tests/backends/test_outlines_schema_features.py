@@ -28,7 +28,13 @@ LINKED_LIST = {
     "properties": {"v": INT, "next": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/node"}]}},
     "required": ["v", "next"],
 }
+YES_NO = {"type": "string", "enum": ["yes", "no"]}
 REFUSED_FEATURES = [
+    ("'allOf together with other keywords'", {"allOf": [YES_NO], "enum": ["yes"]}, "/", '"no"'),
+    ("'anyOf together with other keywords'", {"anyOf": [YES_NO], "enum": ["yes"]}, "/", '"no"'),
+    ("'oneOf together with other keywords'", {"oneOf": [YES_NO], "enum": ["yes"]}, "/", '"no"'),
+    ("'object keywords on an array'", {"type": "array", "items": INT, "properties": {}}, "/", "{}"),
+    ("'oneOf whose branches may overlap'", {"oneOf": [INT, {"type": "number"}]}, "/", "1"),
     ("'multipleOf'", {"type": "array", "items": {**INT, "multipleOf": 3}}, "/items", "[4]"),
     ("'minimum'", {"type": "object", "properties": {"n": {**INT, "minimum": 5}}}, "/properties/n", '{"n":1}'),
     ("'maximum'", {"type": "array", "items": {"type": "number", "maximum": 5}}, "/items", "[9]"),

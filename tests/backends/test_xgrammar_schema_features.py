@@ -14,7 +14,7 @@ from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.xgrammar_backend import XGrammarGrammar, XGrammarGrammarBackend
 from tests.backends.conftest import BackendBuilder
-from tests.helpers import accepts_text
+from tests.helpers import accepts_text, compile_grammar
 
 MULTIPLE_OF = "multipleOf on a non-integer or widely bounded number"
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
@@ -192,3 +192,30 @@ def test_enforced_schema_feature_is_accepted_and_enforced(
     for value, expected in ((valid, True), (invalid, False)):
         assert json_schema_says_valid(schema, {"x": value}) is expected
         assert accepts_text(grammar, smollm2_tokenizer, json.dumps({"x": value})) is expected
+
+
+OVERLAPPING_ONE_OF = in_property_x({"oneOf": [{"type": "integer"}, {"type": "number"}]}, {})
+DISJOINT_ONE_OFS = [
+    {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+    {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]},
+    {
+        "oneOf": [
+            {"type": "object", "properties": {"k": {"const": "circle"}, "r": {"type": "number"}}, "required": ["k"]},
+            {"type": "object", "properties": {"k": {"const": "square"}, "side": {"type": "number"}}, "required": ["k"]},
+        ]
+    },
+]
+
+
+def test_a_one_of_whose_branches_may_overlap_is_refused(smollm2_backend, smollm2_tokenizer):
+    # The refusal is warranted: xgrammar reads it as anyOf and takes 1, valid under both branches.
+    assert xgrammar_says_valid(smollm2_backend, smollm2_tokenizer, OVERLAPPING_ONE_OF, {"x": 1})
+    assert not json_schema_says_valid(OVERLAPPING_ONE_OF, {"x": 1})
+    grammar = compile_grammar(smollm2_backend, "json", OVERLAPPING_ONE_OF)
+    assert isinstance(grammar, InvalidGrammarObject)
+    assert "'oneOf whose branches may overlap' (at /properties/x)" in grammar.error_message
+
+
+@pytest.mark.parametrize("subschema", DISJOINT_ONE_OFS)
+def test_a_one_of_of_provably_disjoint_branches_compiles(smollm2_backend, subschema):
+    assert not isinstance(compile_grammar(smollm2_backend, "json", in_property_x(subschema, {})), InvalidGrammarObject)

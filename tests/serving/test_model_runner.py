@@ -7,11 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from scheduler.model.kv_cache import KVCache
+from scheduler.model.kv_cache import KVSequence
 from scheduler.model.loader import check_supported
 from scheduler.model.runner import ModelRunner
 from scheduler.prompt_encoder import PromptEncoder
@@ -29,7 +27,7 @@ PROMPTS: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def runner(server_args: ServerArgs) -> ModelRunner:
-    return ModelRunner(server_args.with_overrides(max_running_requests=6, max_seq_len=256))
+    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096))
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +47,27 @@ def prompts(encoder: PromptEncoder) -> list[list[int]]:
     return [encoder.encode(**prompt) for prompt in PROMPTS]
 
 
+def admitted(runner: ModelRunner, prompt: list[int], budget: int = 64) -> KVSequence:
+    seq = runner.kv.admit(prompt, budget)
+    assert seq is not None
+    return seq
+
+
 def greedy_alone(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and the logits that chose them, for ``prompt`` alone in its own slot."""
-    slot = runner.allocate_slot()
-    logits = [runner.prefill([slot], [prompt])[0]]
+    """Greedy tokens and the logits that chose them, for ``prompt`` alone (from its cached prefix, if any)."""
+    seq = admitted(runner, prompt)
+    logits = [runner.prefill([seq], [prompt])[0]]
     tokens = [int(logits[-1].argmax())]
     for _ in range(steps - 1):
-        logits.append(runner.decode([slot], [tokens[-1]])[0])
+        logits.append(runner.decode([seq], [tokens[-1]])[0])
         tokens.append(int(logits[-1].argmax()))
-    runner.free_slot(slot)
+    runner.kv.release(seq)
     return tokens, logits
 
 
 @pytest.fixture(scope="module")
 def alone(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+    runner.kv.flush()
     return [greedy_alone(runner, prompt, NUM_STEPS)[0] for prompt in prompts]
 
 
@@ -79,6 +84,7 @@ def test_logits_and_greedy_tokens_match_transformers(
     runner: ModelRunner, hf_model: Any, prompts: list[list[int]], index: int
 ) -> None:
     prompt = prompts[index]
+    runner.kv.flush()
     tokens, logits = greedy_alone(runner, prompt, 20)
     with torch.inference_mode():
         reference = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
@@ -87,10 +93,27 @@ def test_logits_and_greedy_tokens_match_transformers(
     assert reference.argmax(-1).tolist() == tokens  # transformers' greedy choice at every one of 20 steps
 
 
+@pytest.mark.model
+def test_a_cached_prefix_gives_the_same_logits(runner: ModelRunner, prompts: list[list[int]]) -> None:
+    runner.kv.flush()
+    prompt = prompts[1]
+    first_tokens, first = greedy_alone(runner, prompt, 6)
+    seq = admitted(runner, prompt + first_tokens[:3])
+    assert seq.num_cached == len(prompt) + 2  # the prompt and the first outputs came from the cache
+    logits = runner.prefill([seq], [prompt + first_tokens[:3]])[0]
+    assert torch.allclose(logits, first[3], atol=1e-4) and int(logits.argmax()) == first_tokens[3]
+    runner.kv.release(seq)
+    shared_system = [*prompts[1][:-4], 100, 101, 102, 103]  # same chat prefix, another user turn
+    other = admitted(runner, shared_system)
+    assert other.num_cached == len(prompts[1]) - 4
+    runner.kv.release(other)
+    assert runner.kv.cache_hit_rate > 0
+
+
 SCHEDULES = {
     "staggered joins": [0, 0, 3, 7],
     "one by one": [0, 1, 2, 3],
-    "join after others leave (slot reuse)": [0, 1, NUM_STEPS, NUM_STEPS + 1],
+    "join after others leave (rows reused)": [0, 1, NUM_STEPS, NUM_STEPS + 1],
 }
 
 
@@ -99,88 +122,63 @@ SCHEDULES = {
 def test_continuous_batching_matches_each_sequence_alone(
     runner: ModelRunner, prompts: list[list[int]], alone: list[list[int]], joins: list[int]
 ) -> None:
+    runner.kv.flush()
     outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    slots: dict[int, int] = {}
-    slot_history: list[int] = []
+    seqs: dict[int, KVSequence] = {}
     step = 0
     while any(len(out) < NUM_STEPS for out in outputs.values()):
-        running = [i for i in slots if len(outputs[i]) < NUM_STEPS]
+        running = [i for i in seqs if len(outputs[i]) < NUM_STEPS]
         joining = [i for i, join in enumerate(joins) if join == step]
         if running:  # decode first, so that the joiners' prefill runs while others are mid-decode
-            logits = runner.decode([slots[i] for i in running], [outputs[i][-1] for i in running])
+            logits = runner.decode([seqs[i] for i in running], [outputs[i][-1] for i in running])
             for i, row in zip(running, logits, strict=True):
                 outputs[i].append(int(row.argmax()))
         if joining:
             for i in joining:
-                slots[i] = runner.allocate_slot()
-                slot_history.append(slots[i])
-            logits = runner.prefill([slots[i] for i in joining], [prompts[i] for i in joining])
+                seqs[i] = admitted(runner, prompts[i])
+            logits = runner.prefill([seqs[i] for i in joining], [prompts[i] for i in joining])
             for i, row in zip(joining, logits, strict=True):
                 outputs[i].append(int(row.argmax()))
-        for i in [i for i in slots if len(outputs[i]) == NUM_STEPS]:
-            runner.free_slot(slots.pop(i))
+        for i in [i for i in seqs if len(outputs[i]) == NUM_STEPS]:
+            runner.kv.release(seqs.pop(i))
         step += 1
     assert [outputs[i] for i in range(len(prompts))] == alone
-    assert runner.num_free_slots == runner.kv_cache.num_slots
-    if max(joins) > NUM_STEPS:
-        assert len(set(slot_history)) < len(slot_history)  # a finished request's slot was reused
+    assert runner.kv.num_reserved == 0
+    assert runner.kv.pool.num_free + runner.kv.radix.num_tokens == runner.kv.capacity  # type: ignore[union-attr]
 
 
 @pytest.mark.model
 def test_extend_and_truncate_agree_with_decode(runner: ModelRunner, prompts: list[list[int]]) -> None:
     prompt = prompts[0]
     tokens, logits = greedy_alone(runner, prompt, 8)
-    slot = runner.allocate_slot()
-    runner.prefill([slot], [prompt])
-    jumped = runner.extend(slot, tokens[:5])  # as jump-forward appends a forced run of tokens
-    assert runner.seq_len(slot) == len(prompt) + 5
-    assert torch.allclose(jumped, logits[5], atol=1e-4)
-    runner.truncate(slot, len(prompt) + 2)  # roll back three tokens, then continue one at a time
+    runner.kv.flush()
+    seq = admitted(runner, prompt)
+    runner.prefill([seq], [prompt])
+    jumped = runner.extend(seq, tokens[:5], all_logits=True)  # verifying a run of drafts: logits after each
+    assert len(seq) == len(prompt) + 5
+    for j in range(5):
+        assert torch.allclose(jumped[j], logits[j + 1], atol=1e-4)
+    runner.truncate(seq, len(prompt) + 2)  # roll back three tokens, then continue one at a time
     for j in range(2, 7):
-        again = runner.decode([slot], [tokens[j]])[0]
+        again = runner.decode([seq], [tokens[j]])[0]
         assert torch.allclose(again, logits[j + 1], atol=1e-4)
         assert int(again.argmax()) == tokens[j + 1]
-    runner.free_slot(slot)
-
-
-@pytest.mark.model
-def test_slots_run_out_and_are_reused(runner: ModelRunner, prompts: list[list[int]], alone: list[list[int]]) -> None:
-    taken = [runner.allocate_slot() for _ in range(runner.num_free_slots)]
-    assert runner.num_free_slots == 0 and not runner.kv_cache.can_allocate()
-    with pytest.raises(RuntimeError, match="no free KV-cache slot"):
-        runner.allocate_slot()
-    runner.prefill(taken[:1], [prompts[1]])
-    runner.free_slot(taken[0])
-    assert runner.allocate_slot() == taken[0] and runner.seq_len(taken[0]) == 0
-    assert int(runner.prefill(taken[:1], [prompts[0]])[0].argmax()) == alone[0][0]
-    for slot in taken:
-        runner.free_slot(slot)
-    with pytest.raises(ValueError, match="not allocated"):
-        runner.free_slot(taken[0])
+    runner.kv.release(seq)
 
 
 @pytest.mark.model
 def test_max_seq_len_is_enforced(runner: ModelRunner) -> None:
-    slot = runner.allocate_slot()
-    runner.prefill([slot], [[100] * (runner.max_seq_len - 1)])
-    runner.decode([slot], [101])
-    assert runner.seq_len(slot) == runner.max_seq_len
+    prompt = [100] * (runner.max_seq_len - 1)
+    seq = admitted(runner, prompt, budget=4)
+    runner.prefill([seq], [prompt])
+    runner.decode([seq], [101])
+    assert len(seq) == runner.max_seq_len
     with pytest.raises(ValueError, match="would exceed --max-seq-len"):
-        runner.decode([slot], [102])
+        runner.decode([seq], [102])
     with pytest.raises(ValueError, match="would exceed --max-seq-len"):
-        runner.extend(slot, [1, 2])
-    assert runner.seq_len(slot) == runner.max_seq_len  # a refused step changes nothing
-    runner.free_slot(slot)
-
-
-@pytest.mark.model
-def test_chat_prompt_ends_with_the_generation_prompt(encoder: PromptEncoder) -> None:
-    ids = encoder.encode(messages=[{"role": "user", "content": "Name a planet."}])
-    text = encoder.tokenizer.decode(ids)
-    assert "<|im_start|>user\nName a planet.<|im_end|>" in text
-    assert text.endswith("<|im_start|>assistant\n")
-    assert encoder.encode(text="Name a planet.") == encoder.tokenizer.encode("Name a planet.")
-    assert encoder.encode(input_ids=[5, 6, 7]) == [5, 6, 7]
+        runner.extend(seq, [1, 2])
+    assert len(seq) == runner.max_seq_len  # a refused step changes nothing
+    runner.kv.release(seq)
 
 
 BAD_PROMPTS = {
@@ -203,35 +201,19 @@ def test_bad_prompts_are_refused(encoder: PromptEncoder, kwargs: dict[str, Any],
 
 @pytest.mark.model
 def test_bad_batches_are_refused(runner: ModelRunner) -> None:
-    a, b = runner.allocate_slot(), runner.allocate_slot()
-    with pytest.raises(ValueError, match="each slot once"):
-        runner.prefill([a, a], [[1], [2]])
-    runner.prefill([a], [[1, 2]])
-    with pytest.raises(ValueError, match="needs an empty slot"):
-        runner.prefill([a], [[3]])
+    a, b = admitted(runner, [1, 2, 3]), admitted(runner, [4, 5])
+    with pytest.raises(ValueError, match="each sequence once"):
+        runner.decode([a, a], [1, 2])
+    runner.prefill([a], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="strict prefix of its prompt"):
+        runner.prefill([a], [[1, 2, 3]])
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
         runner.decode([a, b], [1, -1])
-    assert runner.seq_len(a) == 2 and runner.seq_len(b) == 0  # nothing was half-applied
-    runner.free_slot(a)
-    runner.free_slot(b)
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=40))
-def test_kv_cache_slot_bookkeeping(operations: list[tuple[bool, int]]) -> None:
-    cache = KVCache(1, 3, 8, 1, 4, torch.float32, "cpu")
-    held: list[int] = []
-    for allocate, pick in operations:
-        if allocate and cache.can_allocate():
-            slot = cache.allocate()
-            assert slot not in held and cache.length(slot) == 0
-            held.append(slot)
-        elif allocate:
-            with pytest.raises(RuntimeError, match="no free KV-cache slot"):
-                cache.allocate()
-        elif held:
-            cache.free(held.pop(pick % len(held)))
-        assert cache.num_free_slots == 3 - len(held)
+    with pytest.raises(ValueError, match="exceed the 64 the request reserved"):
+        runner.extend(a, [1] * 65)
+    assert len(a) == 3 and len(b) == b.num_cached  # nothing was half-applied
+    runner.kv.release(a)
+    runner.kv.release(b)
 
 
 UNSUPPORTED = {
@@ -291,11 +273,11 @@ def test_model_folders_match_transformers(
                 torch.nn.init.normal_(projection.bias, std=0.5)
     reference.save_pretrained(tmp_path)
     runner.tokenizer.save_pretrained(tmp_path)
-    tiny = ModelRunner(server_args.with_overrides(model_path=str(tmp_path), max_running_requests=2, max_seq_len=300))
+    tiny = ModelRunner(server_args.with_overrides(model_path=str(tmp_path), max_seq_len=300, max_total_tokens=1024))
     tokens = torch.randint(0, 49152, (80,)).tolist()
-    slots = [tiny.allocate_slot(), tiny.allocate_slot()]
-    ours = [tiny.prefill(slots, [tokens[:70], tokens[:30]])]
-    ours.append(tiny.decode(slots, [tokens[70], tokens[30]]))
+    seqs = [admitted(tiny, tokens[:70]), admitted(tiny, tokens[:30])]
+    ours = [tiny.prefill(seqs, [tokens[:70], tokens[:30]])]
+    ours.append(tiny.decode(seqs, [tokens[70], tokens[30]]))
     with torch.inference_mode():
         expected = reference(torch.tensor([tokens[:71]])).logits[0]
         shorter = reference(torch.tensor([tokens[:31]])).logits[0]

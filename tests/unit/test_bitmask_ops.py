@@ -23,6 +23,7 @@ from triton_ops import (
     apply_token_bitmask_inplace_npu,
     apply_token_bitmask_inplace_reference,
     apply_token_bitmask_inplace_triton,
+    bitmask_cpu,
     warm_up_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import ALL_ALLOWED, pack_bool_mask, unpack_bitmask
@@ -208,20 +209,52 @@ def test_malformed_input_raises_value_error(kernel: Kernel, name: str, make_args
     assert torch.equal(logits, original), "a refused call must not write"
 
 
-def test_warm_up_covers_every_batch_size() -> None:
-    from torch._dynamo.utils import counters
-
-    assert warm_up_cpu_bitmask_kernel(1024, torch.float32), "torch.compile should work on this machine"
-    graphs_after_warm_up = counters["stats"]["unique_graphs"]
-    for batch in (1, 3, 17):
-        logits = make_logits((batch, 1024), torch.float32, seed=batch)
-        bitmask = make_bitmask(Case("warm", batch, 1024), seed=batch)
+def test_rows_strided_logits_and_bitmask_match_reference(kernel: Kernel) -> None:
+    """Column slices of wider buffers, offset by one element: row strides differ from the widths."""
+    for dtype in DTYPES:
+        logits_buffer = make_logits((3, 1100), dtype, seed=3)
+        bitmask_buffer = make_bitmask(Case("strided", 3, 1100, num_words=40), seed=3)
+        logits, bitmask = logits_buffer[:, 1:1025], bitmask_buffer[:, 1:33]
         expected = logits.clone()
-        apply_token_bitmask_inplace_reference(expected, bitmask, [0])
-        apply_token_bitmask_inplace_cpu(logits, bitmask, [0])
+        apply_token_bitmask_inplace_reference(expected, bitmask)
+        untouched = (logits_buffer[:, :1].clone(), logits_buffer[:, 1025:].clone())
+        kernel(logits, bitmask)
         assert_same_logits(logits, expected)
-        apply_token_bitmask_inplace_cpu(logits, bitmask)
-    assert counters["stats"]["unique_graphs"] == graphs_after_warm_up, "a new batch size was compiled"
+        assert torch.equal(logits_buffer[:, :1].nan_to_num(), untouched[0].nan_to_num())
+        assert torch.equal(logits_buffer[:, 1025:].nan_to_num(), untouched[1].nan_to_num())
+
+
+def test_warm_up_covers_every_batch_size_and_vocab(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert warm_up_cpu_bitmask_kernel(1024, torch.float32), "the kernel should compile on this machine"
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("called after the warm-up")
+
+    # A second compile, or a fall back to the eager path, would call one of these.
+    monkeypatch.setattr(bitmask_cpu, "_compile_kernel", refuse)
+    monkeypatch.setattr(bitmask_cpu, "_mask_words_eager", refuse)
+    # The last shape is large enough for the parallel kernel.
+    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), (520, 4099)):
+        logits = make_logits((batch, vocab), torch.float32, seed=batch)
+        bitmask = make_bitmask(Case("warm", batch, vocab), seed=batch)
+        for indices in (None, [0], list(range(batch))):
+            expected = logits.clone()
+            apply_token_bitmask_inplace_reference(expected, bitmask, indices)
+            actual = logits.clone()
+            apply_token_bitmask_inplace_cpu(actual, bitmask, indices)
+            assert_same_logits(actual, expected)
+
+
+@pytest.mark.parametrize("error", [ImportError("no standalone_compile"), RuntimeError("no C++ compiler")], ids=str)
+def test_a_kernel_that_cannot_compile_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    def fail(dtype: torch.dtype, threads: int) -> None:
+        raise error
+
+    monkeypatch.setattr(bitmask_cpu, "_compile_kernel", fail)
+    monkeypatch.setattr(bitmask_cpu, "_COMPILED", bitmask_cpu._CompiledKernels())
+    assert not warm_up_cpu_bitmask_kernel(1024, torch.float16), "the eager path serves instead"
+    actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float16)
+    assert_same_logits(actual, expected)
 
 
 def test_warm_up_rejects_a_non_positive_vocab() -> None:

@@ -1,0 +1,117 @@
+"""KV memory bookkeeping on its own (no model): rows are never lost or shared by mistake, the prefix cache reuses
+what requests share and evicts least recently used leaves, and admission keeps every running request's budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.model.kv_cache import KVCacheManager, KVSequence
+from scheduler.model.kv_pool import PADDING_ROW, OutOfTokensError, TokenKVPool
+
+
+def manager(capacity: int, radix: bool = True) -> KVCacheManager:
+    return KVCacheManager(TokenKVPool(1, capacity, 1, 2, torch.float32, "cpu"), use_radix_cache=radix)
+
+
+def check_invariants(kv: KVCacheManager, running: list[KVSequence]) -> None:
+    """Every row is free, cached, or owned by exactly one running request; the budget adds up."""
+    owned = [row for seq in running for row in seq.rows[seq.num_cached :]]
+    assert len(owned) == len(set(owned)) and PADDING_ROW not in owned
+    cached = kv.radix.num_tokens if kv.radix is not None else 0
+    assert kv.pool.num_free + cached + len(owned) == kv.capacity
+    assert kv.num_reserved == sum(seq.reserved for seq in running) >= 0
+    assert kv.num_available >= 0
+
+
+def test_the_pool_hands_out_the_lowest_rows_and_never_the_padding_row() -> None:
+    pool = TokenKVPool(2, 5, 1, 2, torch.float32, "cpu")
+    assert pool.allocate(3) == [1, 2, 3]
+    pool.free([2])
+    assert pool.allocate(2) == [2, 4]
+    with pytest.raises(OutOfTokensError):
+        pool.allocate(2)
+    assert torch.count_nonzero(pool.k[:, PADDING_ROW]) == 0
+
+
+def test_a_shared_prefix_is_reused_and_only_the_rest_is_computed() -> None:
+    kv = manager(64)
+    first = kv.admit([1, 2, 3, 4, 5], max_new_tokens=2)
+    assert first is not None and first.num_cached == 0
+    kv.append(first, [1, 2, 3, 4, 5])
+    kv.append(first, [9])
+    kv.release(first)
+    second = kv.admit([1, 2, 3, 7], max_new_tokens=2)
+    assert second is not None and second.num_cached == 3 and second.rows == first_rows(kv, [1, 2, 3])
+    same = kv.admit([1, 2, 3, 4, 5], max_new_tokens=2)
+    assert same is not None and same.num_cached == 4  # never the whole prompt: its last token must run
+    assert kv.cache_hit_rate == pytest.approx(7 / 14)
+
+
+def first_rows(kv: KVCacheManager, tokens: list[int]) -> list[int]:
+    assert kv.radix is not None
+    rows, _ = kv.radix.match_prefix(tokens)
+    return rows
+
+
+def test_admission_waits_when_full_evicts_unlocked_prefixes_and_refuses_what_never_fits() -> None:
+    kv = manager(10)
+    with pytest.raises(ValueError, match="--max-total-tokens 10"):
+        kv.check_fits(8, 3)
+    a = kv.admit([1, 2, 3, 4], max_new_tokens=4)
+    assert a is not None
+    kv.append(a, [1, 2, 3, 4])
+    assert kv.admit([5, 6, 7], max_new_tokens=1) is None  # 8 reserved, 2 left: it waits
+    kv.release(a)  # its 4 rows stay cached, but unlocked: they count as available
+    b = kv.admit([5, 6, 7, 8, 9, 10, 11], max_new_tokens=3)
+    assert b is not None
+    kv.append(b, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])  # takes the cached rows back through eviction
+    assert kv.radix is not None and kv.radix.num_tokens == 0
+    check_invariants(kv, [b])
+
+
+def test_without_the_radix_cache_rows_return_to_the_pool() -> None:
+    kv = manager(8, radix=False)
+    seq = kv.admit([1, 2, 3], max_new_tokens=2)
+    assert seq is not None
+    kv.append(seq, [1, 2, 3])
+    kv.release(seq)
+    assert kv.pool.num_free == 8 and kv.admit([1, 2, 3], max_new_tokens=1).num_cached == 0  # type: ignore[union-attr]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "append", "truncate", "release"]),
+            st.lists(st.integers(0, 3), min_size=1, max_size=6),
+            st.integers(0, 10),
+        ),
+        max_size=60,
+    )
+)
+def test_bookkeeping_holds_under_any_sequence_of_operations(operations: list[tuple[str, list[int], int]]) -> None:
+    kv = manager(24)
+    running: list[KVSequence] = []
+    for operation, tokens, pick in operations:
+        if operation == "admit":
+            seq = kv.admit(tokens, max_new_tokens=pick % 4 + 1)
+            if seq is not None:
+                kv.append(seq, tokens[len(seq) :])
+                running.append(seq)
+        elif running:
+            seq = running[pick % len(running)]
+            if operation == "append" and seq.reserved:
+                kv.append(seq, tokens[: seq.reserved])
+            elif operation == "truncate":
+                kv.truncate(seq, seq.num_cached + pick % (len(seq) - seq.num_cached + 1))
+            elif operation == "release":
+                kv.release(seq)
+                running.remove(seq)
+        check_invariants(kv, running)
+    for seq in running:
+        kv.release(seq)
+    check_invariants(kv, [])
+    assert kv.num_reserved == 0
