@@ -53,7 +53,10 @@ class BatchExecutor:
         """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
         budget = self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens)
         req.kv = self.model_runner.kv.admit(req.prompt_ids, budget)
-        return req.kv is not None
+        if req.kv is None:
+            return False
+        req.num_cached_tokens = req.kv.num_cached
+        return True
 
     def release(self, req: Req) -> None:
         """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""

@@ -20,7 +20,7 @@ class Req:
     """One generation request inside the scheduler (never sent over a socket).
 
     ``grammar`` is a ``Future`` while its grammar compiles, the grammar object once ready, None for a free
-    request. ``kv`` is its KV sequence from admission to its end (``kv.num_cached`` prompt tokens came cached).
+    request. ``kv`` is its KV sequence from admission to its end; ``num_cached_tokens`` of its prompt came cached.
     ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text`` track what
     a streaming client has already received.
     """
@@ -39,12 +39,9 @@ class Req:
     text: OutputText | None = None
     finish_reason: FinishReason | None = None
     kv: KVSequence | None = None
+    num_cached_tokens: int = 0
     num_sent_tokens: int = 0
     sent_text: str = ""
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.kv.num_cached if self.kv is not None else 0
 
     @property
     def finished(self) -> bool:

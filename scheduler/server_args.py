@@ -15,6 +15,7 @@ from sglang_constrained.registry import available_grammar_backends
 T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+WEIGHT_DTYPES = ("float32", "bfloat16")
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -74,6 +75,7 @@ class ServerArgs:
     max_seq_len: int = 2048
     max_total_tokens: int = 65536
     disable_radix_cache: bool = False
+    weight_dtype: str = "float32"
     grammar_compile_timeout: float | None = None
     grammar_compile_threads: int = 2
     grammar_cache_max_entries: int = 1024
@@ -117,6 +119,8 @@ class ServerArgs:
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"--weight-dtype must be one of {WEIGHT_DTYPES}")
         for name in (
             "max_running_requests",
             "max_seq_len",
@@ -171,6 +175,13 @@ class ServerArgs:
         )
         parser.add_argument(
             "--disable-radix-cache", action="store_true", help="do not reuse the KV of prefixes requests share"
+        )
+        parser.add_argument(
+            "--weight-dtype",
+            default=d.weight_dtype,
+            choices=WEIGHT_DTYPES,
+            help="the decoder layers' matmul weights on CPU (embedding, lm_head, norms, attention and KV stay "
+            "float32); bfloat16 decodes faster, but its greedy tokens may differ from float32's and with the batch",
         )
         parser.add_argument(
             "--grammar-compile-timeout",

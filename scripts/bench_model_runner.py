@@ -1,92 +1,207 @@
-"""Time the model runner on this machine: prefill of one prompt, and one decode step at several batch sizes.
+"""Time the model runner per weight format, side by side: decode steps, k-token extends, a prefill.
 
-    python scripts/bench_model_runner.py [--context 100] [--prompt 40] [--batches 1 8 32] [--steps 10] [--threads N]
+    python scripts/bench_model_runner.py [--context 100] [--prompt 40] [--batches 1 8 32] [--extends 1 2 4 8 16]
+                                         [--rounds 10] [--output PATH]
 
-Each decode sequence first holds ``--context`` cached tokens; every figure is the median over ``--steps`` calls.
+One runner per ``--weight-dtype`` holds the same sequences; each round times every measurement once per runner,
+alternating which goes first, so their ratio shares the machine's conditions (the median of per-round ratios is
+printed). Each decode or extend is rolled back after it is timed. The memory-bandwidth bound is the bytes a
+decode step streams (every weight once) over the read bandwidth measured here by summing a 512 MiB tensor.
+Also prints the greedy tokens the two formats choose after the benchmark's prompts, and where they differ.
+Writes JSON (default: results/bench_model_runner.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner import ModelRunner
-from scheduler.server_args import ServerArgs
+from scheduler.prompt_encoder import PromptEncoder
+from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+
+GREEDY_PROMPTS = (
+    "Invent a person as JSON.",
+    "What is your phone number?",
+    "Describe a cat in JSON: name, color and age only.",
+    "Tell me a fun fact about octopuses.",
+    "Write a JSON object for a book with a title, an author and a year.",
+)
+"""The demo's questions (and one more), as chats: greedy and unconstrained, where formats can part ways."""
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_model_runner.json"
+BASELINE = "float32"
 
 
-def median_ms(run: Callable[[], object], steps: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(steps):
+def read_bandwidth_gb_s(rounds: int = 5) -> float:
+    """Bytes per second summing a 512 MiB float32 tensor reads (best of ``rounds``): the streaming bound."""
+    data = torch.ones(2**27)
+    best = float("inf")
+    for _ in range(rounds):
         started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * data.element_size() / best / 1e9
 
 
-def admitted(runner: ModelRunner, prompt: list[int]) -> KVSequence:
-    seq = runner.kv.admit(prompt, max_new_tokens=16)
+def weight_bytes(runner: ModelRunner) -> int:
+    """What one decode step streams: every decoder matmul weight, the lm_head and the norms."""
+    model = runner.model
+    tensors = [model.lm_head, model.norm]
+    for layer in model.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Measurements:
+    """Timed calls per (measurement, weight format), gathered round by round."""
+
+    def __init__(self, runners: dict[str, ModelRunner]) -> None:
+        self.runners = runners
+        self.samples: dict[str, dict[str, list[float]]] = {}
+
+    def time(self, name: str, run: Callable[[ModelRunner, str], Callable[[], object]], rounds: int) -> None:
+        calls = {dtype: run(runner, dtype) for dtype, runner in self.runners.items()}
+        for call in calls.values():
+            call()  # warm-up
+        samples = self.samples.setdefault(name, {dtype: [] for dtype in calls})
+        order = list(calls)
+        for round_index in range(rounds):
+            for dtype in order if round_index % 2 == 0 else order[::-1]:
+                started = time.perf_counter()
+                calls[dtype]()
+                samples[dtype].append((time.perf_counter() - started) * 1e3)
+
+    def summary(self, name: str) -> dict[str, float]:
+        samples = self.samples[name]
+        row = {f"{dtype}_ms": statistics.median(times) for dtype, times in samples.items()}
+        for dtype, times in samples.items():
+            if dtype != BASELINE and BASELINE in samples:
+                row[f"{dtype}_over_{BASELINE}"] = statistics.median(
+                    ours / base for ours, base in zip(times, samples[BASELINE], strict=True)
+                )
+        return row
+
+
+def admitted(runner: ModelRunner, prompt: list[int], reserve: int) -> KVSequence:
+    seq = runner.kv.admit(prompt, max_new_tokens=reserve)
     assert seq is not None, "the KV pool is too small for the benchmark"
     return seq
 
 
-def prefill_ms(runner: ModelRunner, prompt: list[int], steps: int) -> float:
-    seq = admitted(runner, prompt)
-
-    def prefill() -> None:
-        runner.truncate(seq, 0)
-        runner.prefill([seq], [prompt])
-
-    ms = median_ms(prefill, steps)
+def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    seq = admitted(runner, prompt, steps)
+    logits = runner.prefill([seq], [prompt])[0]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = runner.decode([seq], [tokens[-1]])[0]
     runner.kv.release(seq)
-    runner.kv.flush()
-    return ms
-
-
-def decode_ms(runner: ModelRunner, contexts: list[list[int]], step_tokens: list[int], steps: int) -> float:
-    """One decode step over sequences that hold ``contexts``, rolled back after every timed step."""
-    seqs = [admitted(runner, context) for context in contexts]
-    runner.prefill(seqs, contexts)
-
-    def decode() -> None:
-        runner.decode(seqs, step_tokens)
-        for seq, context in zip(seqs, contexts, strict=True):
-            runner.truncate(seq, len(context))
-
-    ms = median_ms(decode, steps)
-    for seq in seqs:
-        runner.kv.release(seq)
-    runner.kv.flush()
-    return ms
+    return tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=100)
-    parser.add_argument("--prompt", type=int, default=40)
+    parser.add_argument("--context", type=int, default=100, help="cached tokens each sequence holds")
+    parser.add_argument("--prompt", type=int, default=40, help="prefill length")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--extends", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--greedy-steps", type=int, default=32)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    runner = ModelRunner(ServerArgs(max_running_requests=max(args.batches), max_seq_len=512, disable_radix_cache=True))
+
+    base = ServerArgs(max_running_requests=max(args.batches), max_seq_len=512, disable_radix_cache=True)
+    runners = {dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)}
+    bandwidth = read_bandwidth_gb_s()
+    print(f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s")
+    bounds = {}
+    for dtype, runner in runners.items():
+        streamed = weight_bytes(runner)
+        bounds[dtype] = streamed / bandwidth / 1e6
+        print(f"{dtype:>9}: a decode step streams {streamed / 2**20:.0f} MiB of weights: bound {bounds[dtype]:.1f} ms")
+
     generator = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(100, 20000, (n,), generator=generator).tolist()
 
-    print(f"torch threads: {torch.get_num_threads()}")
-    print(f"prefill {args.prompt} tokens: {prefill_ms(runner, tokens(args.prompt), args.steps):.1f} ms")
+    measurements = Measurements(runners)
+    prompt = tokens(args.prompt)
+
+    def prefill(runner: ModelRunner, _: str) -> Callable[[], object]:
+        seq = admitted(runner, prompt, 1)
+
+        def call() -> None:
+            runner.truncate(seq, 0)
+            runner.prefill([seq], [prompt])
+
+        return call
+
+    measurements.time(f"prefill {args.prompt}", prefill, args.rounds)
     for batch in args.batches:
         contexts = [tokens(args.context) for _ in range(batch)]
-        ms = decode_ms(runner, contexts, tokens(batch), args.steps)
-        print(f"decode batch {batch:3d} at context {args.context}: {ms:.1f} ms/step, {1000 * batch / ms:.0f} tok/s")
+        step = tokens(batch)
+
+        def decode(
+            runner: ModelRunner, _: str, contexts: list[list[int]] = contexts, step: list[int] = step
+        ) -> Callable[[], object]:
+            seqs = [admitted(runner, context, 16) for context in contexts]
+            runner.prefill(seqs, contexts)
+
+            def call() -> None:
+                runner.decode(seqs, step)
+                for seq, context in zip(seqs, contexts, strict=True):
+                    runner.truncate(seq, len(context))
+
+            return call
+
+        measurements.time(f"decode B={batch}", decode, args.rounds)
+    context = tokens(args.context)
+    for k in args.extends:
+        drafts = tokens(k)
+
+        def extend(runner: ModelRunner, _: str, drafts: list[int] = drafts) -> Callable[[], object]:
+            seq = admitted(runner, context, 16)
+            runner.prefill([seq], [context])
+
+            def call() -> None:
+                runner.extend(seq, drafts, all_logits=True)
+                runner.truncate(seq, len(context))
+
+            return call
+
+        measurements.time(f"extend k={k}", extend, args.rounds)
+
+    rows = {}
+    for name in measurements.samples:
+        rows[name] = row = measurements.summary(name)
+        cells = "  ".join(f"{dtype} {row[f'{dtype}_ms']:7.1f} ms" for dtype in runners)
+        ratios = "  ".join(f"{key} {value:.2f}" for key, value in row.items() if "_over_" in key)
+        print(f"{name:<14} {cells}  {ratios}")
+
+    greedy_report = []
+    encoder = PromptEncoder(runners[BASELINE].tokenizer, runners[BASELINE].vocab_size, base.max_seq_len)
+    for question in GREEDY_PROMPTS:
+        prompt = encoder.encode(messages=[{"role": "user", "content": question}])
+        chosen = {dtype: greedy(runner, prompt, args.greedy_steps) for dtype, runner in runners.items()}
+        first_difference = next(
+            (i for i, pair in enumerate(zip(*chosen.values(), strict=True)) if len(set(pair)) > 1), None
+        )
+        greedy_report.append({"prompt": question, "first_difference": first_difference, "tokens": chosen})
+        where = "all" if first_difference is None else f"the first {first_difference}"
+        print(f"greedy, {question!r}: the formats choose the same token in {where} of {args.greedy_steps} steps")
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    report = {"bandwidth_gb_s": bandwidth, "bound_ms": bounds, "rows": rows, "greedy": greedy_report}
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

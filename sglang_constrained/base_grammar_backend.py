@@ -6,6 +6,9 @@ int32 bitmask row per constrained request from that object before sampling and f
 Compiles run on the backend's ``CompileService`` (pool, deadline, cache, in-flight dedup). Bad input never
 raises: it becomes an ``InvalidGrammarObject`` whose message says what is wrong. Backends are named and built by
 ``sglang_constrained.registry``, whose names stay importable from here.
+
+Over 300 lines because the contract is one unit: the two base classes, the invalid object, the stats and the
+JSON-schema preparation every backend runs before its engine sees a schema.
 """
 
 from __future__ import annotations

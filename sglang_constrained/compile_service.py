@@ -64,9 +64,11 @@ class CompileService(Generic[K, V]):
                 return self._copy(cached, True), True
             shared = self._in_flight.get(key)
             if shared is None:
-                shared = self._in_flight[key] = Future()
-                self.num_compilations += 1
+                shared = Future()
+                # Raises RuntimeError after shutdown, before anything waits on a compile that would never run.
                 self.executor.submit(self._run, key, shared)
+                self._in_flight[key] = shared
+                self.num_compilations += 1
                 self._deadlines.call_at(time.monotonic() + self.timeout_s, lambda: self._expire(key, shared))
         return map_future(shared, lambda value: self._copy(value, False)), False
 

@@ -54,7 +54,7 @@ async def health(request: Request) -> Response:
     """200 once the scheduler answers a ping, else 503.
 
     ``running_requests``: scheduler requests this frontend has in flight; ``scheduler``: the scheduler's own
-    counters from its answer (``num_*`` fields of ``Pong``).
+    counters from its answer (``num_*`` fields of ``Pong``, and the prefix cache's ``cache_hit_rate``).
     """
     frontend = _frontend(request)
     try:
@@ -62,7 +62,11 @@ async def health(request: Request) -> Response:
     except TimeoutError:
         body = {"status": "unavailable", "running_requests": frontend.num_running_requests}
         return _json(body, status_code=503)
-    counters = {name: value for name, value in msgspec.structs.asdict(pong).items() if name.startswith("num_")}
+    counters = {
+        name: value
+        for name, value in msgspec.structs.asdict(pong).items()
+        if name.startswith("num_") or name == "cache_hit_rate"
+    }
     return _json(
         {
             "status": "ok",

@@ -51,11 +51,18 @@ def openai_finish_reason(output: GenerateOutput) -> str | None:
     return output.finish_reason.type if output.finished and output.finish_reason is not None else None
 
 
-def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, int]:
-    """Token counts of a whole completion: each prompt counted once (its choice ``p * n``), every choice's output."""
-    prompt = sum(o.usage.prompt_tokens for i, o in outputs.items() if i % n == 0)
+def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, Any]:
+    """Token counts of a whole completion: each prompt counted once (its choice ``p * n``), every choice's output;
+    ``prompt_tokens_details.cached_tokens`` as OpenAI's: prompt tokens whose KV came from the prefix cache."""
+    prompts = [o.usage for i, o in outputs.items() if i % n == 0]
+    prompt = sum(usage.prompt_tokens for usage in prompts)
     completion = sum(o.usage.completion_tokens for o in outputs.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in prompts)},
+    }
 
 
 def chat_completion_body(completion_id: str, model: str, outputs: list[GenerateOutput]) -> dict[str, Any]:
@@ -104,6 +111,7 @@ def generate_result(output: GenerateOutput, output_ids: list[int], text: str) ->
             "finish_reason": None if reason is None else msgspec.to_builtins(reason),
             "prompt_tokens": output.usage.prompt_tokens,
             "completion_tokens": output.usage.completion_tokens,
+            "cached_tokens": output.usage.cached_tokens,
             "grammar_cache_hit": output.grammar_cache_hit,
         },
     }

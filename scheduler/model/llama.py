@@ -89,6 +89,8 @@ class ForwardBatch:
 
 @dataclass(frozen=True)
 class _Layer:
+    """One decoder layer; its four matmul weights may be stored in a narrower dtype than its activations."""
+
     input_norm: torch.Tensor
     qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
     qkv_bias: torch.Tensor | None
@@ -99,7 +101,13 @@ class _Layer:
 
 
 class LlamaModel:
-    """Llama-style decoder weights on one device, run by ``forward`` over a ``TokenKVPool``."""
+    """Llama-style decoder weights on one device, run by ``forward`` over a ``TokenKVPool``.
+
+    Activations, norms, attention, the KV pool, the embedding and the lm_head are in ``dtype``; the decoder
+    layers' matmul weights (nine tenths of the bytes a decode step streams) in ``matmul_dtype``. Decode is bound
+    by memory bandwidth, so halving those bytes speeds it up; the lm_head stays in ``dtype`` because a matmul's
+    output has its inputs' dtype, and bfloat16 logits would tie where float32 ones do not.
+    """
 
     def __init__(
         self,
@@ -108,6 +116,7 @@ class LlamaModel:
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
+        matmul_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = config.num_attention_heads
@@ -117,13 +126,16 @@ class LlamaModel:
         self.eps: float = config.rms_norm_eps
         self.device = device
 
-        def weight(name: str) -> torch.Tensor:
+        self.dtype = dtype
+        self.matmul_dtype = matmul_dtype or dtype
+
+        def weight(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"the checkpoint lacks {name!r}; is it a Llama-style causal LM?")
-            return weights[name].to(device=device, dtype=dtype)
+            return weights[name].to(device=device, dtype=as_dtype)
 
-        def stacked(names: Sequence[str]) -> torch.Tensor:
-            return torch.cat([weight(name) for name in names])
+        def stacked(names: Sequence[str], as_dtype: torch.dtype = self.matmul_dtype) -> torch.Tensor:
+            return torch.cat([weight(name, as_dtype) for name in names])
 
         self.embed = weight("model.embed_tokens.weight")
         self.norm = weight("model.norm.weight")
@@ -137,11 +149,11 @@ class LlamaModel:
                 _Layer(
                     input_norm=weight(f"{p}input_layernorm.weight"),
                     qkv=stacked(qkv_names),
-                    qkv_bias=stacked(bias_names) if bias_names[0] in weights else None,
-                    o_proj=weight(f"{p}self_attn.o_proj.weight"),
+                    qkv_bias=stacked(bias_names, dtype) if bias_names[0] in weights else None,
+                    o_proj=weight(f"{p}self_attn.o_proj.weight", self.matmul_dtype),
                     post_norm=weight(f"{p}post_attention_layernorm.weight"),
                     gate_up=stacked([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
-                    down=weight(f"{p}mlp.down_proj.weight"),
+                    down=weight(f"{p}mlp.down_proj.weight", self.matmul_dtype),
                 )
             )
         self.cos, self.sin = _rope_tables(config, self.head_dim, max_positions, device, dtype)
@@ -159,7 +171,10 @@ class LlamaModel:
         hidden = F.embedding(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self.eps)
-            qk, v = F.linear(x, layer.qkv, layer.qkv_bias).split([q_size + kv_size, kv_size], dim=-1)
+            qkv = self._matmul(x, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             # q and k heads are rotated together: one RoPE call per layer.
             qk = _rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -169,12 +184,18 @@ class LlamaModel:
                 attention = self._decode_attention(q, pool.k[i], pool.v[i], batch.decode_rows, batch.decode_mask)
             else:
                 attention = self._extend_attention(q, pool.k[i], pool.v[i], batch)
-            hidden = hidden + F.linear(attention, layer.o_proj)
+            hidden = hidden + self._matmul(attention, layer.o_proj)
             x = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = self._matmul(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + self._matmul(F.silu(gate) * up, layer.down)
         selected = F.rms_norm(hidden[batch.logit_indices], hidden.shape[-1:], self.norm, self.eps)
         return F.linear(selected, self.lm_head).float()
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` in the weight's dtype, returned in the activations' dtype."""
+        if weight.dtype == x.dtype:
+            return F.linear(x, weight)
+        return F.linear(x.to(weight.dtype), weight).to(x.dtype)
 
     def _decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor

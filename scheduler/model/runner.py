@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Loads the model named by ``server_args`` onto ``device`` (float32 on CPU, bfloat16 elsewhere) with a KV pool
-    of ``--max-total-tokens`` rows and, unless ``--disable-radix-cache``, prefix reuse.
+    """Loads the model named by ``server_args`` onto ``device`` (float32 on CPU with ``--weight-dtype`` matmul
+    weights, bfloat16 elsewhere) with a KV pool of ``--max-total-tokens`` rows and, unless
+    ``--disable-radix-cache``, prefix reuse.
 
     Sequences (``KVSequence``) come from ``kv.admit``; each forward appends tokens to them. Logits are float32
     ``[rows, vocab_size]`` on ``device``; ``vocab_size`` is the model's embedding width, which may exceed
@@ -37,11 +38,12 @@ class ModelRunner:
         config = loaded.config
         self.device = torch.device(device)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        matmul_dtype = getattr(torch, server_args.weight_dtype) if self.device.type == "cpu" else dtype
         self.tokenizer = loaded.tokenizer
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.max_seq_len = server_args.max_seq_len
-        self.model = LlamaModel(config, loaded.weights, self.max_seq_len, self.device, dtype)
+        self.model = LlamaModel(config, loaded.weights, self.max_seq_len, self.device, dtype, matmul_dtype)
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
             capacity=server_args.max_total_tokens,
@@ -52,10 +54,11 @@ class ModelRunner:
         )
         self.kv = KVCacheManager(pool, use_radix_cache=not server_args.disable_radix_cache)
         logger.info(
-            "model runner on %s (%s): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as used), "
-            "prefix cache %s",
+            "model runner on %s (%s, %s matmul weights): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, "
+            "taken as used), prefix cache %s",
             self.device,
             dtype,
+            matmul_dtype,
             pool.capacity,
             pool.bytes_per_token / 2**10,
             pool.capacity * pool.bytes_per_token / 2**20,

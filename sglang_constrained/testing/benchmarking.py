@@ -4,6 +4,7 @@ timed compiles, backends as the scheduler builds them, MaskBench samples, and ho
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -52,9 +53,11 @@ def raw_matcher(backend: BaseGrammarBackend, grammar: BaseGrammarObject, spec: s
 
 @functools.cache
 def llguidance_template(backend: GuidanceBackend, spec: str) -> llguidance.LLMatcher:
-    """One start-state matcher per schema, deep-copied per walk as the backend does with its own template."""
+    """One start-state matcher per schema, deep-copied per walk as the backend does with its own template; built
+    from the schema the backend compiles (``prepare_json_schema``: its formats and patterns made sound)."""
+    prepared = json.dumps(backend.prepare_json_schema(json.loads(spec)))
     lark = llguidance.LLMatcher.grammar_from_json_schema(
-        spec, defaults=backend.json_options, overrides={"lenient": False}
+        prepared, defaults=backend.json_options, overrides={"lenient": False}
     )
     return llguidance.LLMatcher(backend.ll_tokenizer, lark, log_level=0, limits=LLGUIDANCE_LIMITS)
 

@@ -123,7 +123,6 @@ def test_every_stop_token_ends_the_grammar(build_backend: BackendBuilder, smollm
         ended.accept_token(smollm2_tokenizer.encode("a")[0])
         ended.accept_token(eos)
         assert ended.is_terminated()
-    two_stops.shutdown()
 
 
 WHITESPACE_TEXTS = ('{"a":1,"b":[1,2]}', '{"a": 1, "b": [1, 2]}', '{\n  "a": 1,\n  "b": [1, 2]\n}')
@@ -150,7 +149,6 @@ def test_json_whitespace_follows_the_server_flags(
     assert tuple(w.is_accepted for w in walked) == expected
     own_options = compile_valid(variant, "json", {**schema, "x-guidance": {"whitespace_pattern": "[ \\n]*"}})
     assert walk_tokens(own_options, case.encode(WHITESPACE_TEXTS[2]), case.vocab_size, case.eos_token_ids).is_accepted
-    variant.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The HTTP API generating on the embedded model, driven by the real ``openai`` client (and httpx for SGLang's
 ``/generate``). Every request runs concurrently in one module fixture (``outcomes``), so that the scheduler decodes
-them in shared batches rather than one after another; each table row is still its own test."""
+them in shared batches rather than one after another; each table row is still its own test. Over 300 lines: the
+table is one fixture's input, so it stays in one module."""
 
 from __future__ import annotations
 
@@ -341,3 +342,20 @@ def test_generate_endpoint_takes_each_sglang_field(outcomes: dict[str, Any], cas
 @pytest.mark.parametrize("case", OTHER_CASES, ids=lambda case: case.id)
 def test_sampling_streaming_and_parsing(outcomes: dict[str, Any], case: Case) -> None:
     check_outcome(outcomes, case)
+
+
+@pytest.mark.model
+def test_a_repeated_prompt_reports_its_cached_tokens(server: HttpServer, client: openai.OpenAI) -> None:
+    """The second asking of a chat reuses the first's KV: OpenAI's usage, SGLang's meta_info and /health say so."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a prime number below ten."}]
+    first, second = (
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0) for _ in range(2)
+    )
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    # All but the last prompt token: the forward that yields the first output's logits must run on one.
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    body = {"text": "Count to five:", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    metas = [httpx.post(f"{server.url}/generate", json=body, timeout=600).json()["meta_info"] for _ in range(2)]
+    assert metas[1]["cached_tokens"] == metas[1]["prompt_tokens"] - 1
+    assert server.health()["scheduler"]["cache_hit_rate"] > 0

@@ -1,4 +1,6 @@
-"""The model runner against transformers on the embedded SmolLM2-135M-Instruct, and its KV-cache bookkeeping."""
+"""The model runner against transformers on the embedded SmolLM2-135M-Instruct, in both weight formats, and its
+KV-cache bookkeeping. Over 300 lines: one module, so that the loaded runners and transformers' reference are
+shared by every test."""
 
 from __future__ import annotations
 
@@ -27,7 +29,14 @@ PROMPTS: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def runner(server_args: ServerArgs) -> ModelRunner:
-    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096))
+    """float32 weights: the format that matches transformers to float rounding."""
+    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def compact_runner(server_args: ServerArgs) -> ModelRunner:
+    """``--weight-dtype bfloat16``: bfloat16 matmul weights in the decoder layers."""
+    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="bfloat16"))
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +117,25 @@ def test_a_cached_prefix_gives_the_same_logits(runner: ModelRunner, prompts: lis
     assert other.num_cached == len(prompts[1]) - 4
     runner.kv.release(other)
     assert runner.kv.cache_hit_rate > 0
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_compact_weights_choose_float32s_greedy_tokens(
+    runner: ModelRunner, compact_runner: ModelRunner, prompts: list[list[int]], index: int
+) -> None:
+    """Fed float32's greedy tokens, the bfloat16-weight model's logits stay near them and pick the same tokens
+    (on these prompts: the benchmark prints where longer outputs part ways)."""
+    prompt = prompts[index]
+    runner.kv.flush()
+    tokens, expected = greedy_alone(runner, prompt, NUM_STEPS)
+    compact_runner.kv.flush()
+    seq = admitted(compact_runner, prompt)
+    first = compact_runner.prefill([seq], [prompt])
+    logits = torch.cat([first, compact_runner.extend(seq, tokens[:-1], all_logits=True)])
+    compact_runner.kv.release(seq)
+    assert (logits - torch.stack(expected)).abs().max().item() < 1.5
+    assert logits.argmax(-1).tolist() == tokens
 
 
 SCHEDULES = {
@@ -273,7 +301,11 @@ def test_model_folders_match_transformers(
                 torch.nn.init.normal_(projection.bias, std=0.5)
     reference.save_pretrained(tmp_path)
     runner.tokenizer.save_pretrained(tmp_path)
-    tiny = ModelRunner(server_args.with_overrides(model_path=str(tmp_path), max_seq_len=300, max_total_tokens=1024))
+    tiny = ModelRunner(
+        server_args.with_overrides(
+            model_path=str(tmp_path), max_seq_len=300, max_total_tokens=1024, weight_dtype="float32"
+        )
+    )
     tokens = torch.randint(0, 49152, (80,)).tolist()
     seqs = [admitted(tiny, tokens[:70]), admitted(tiny, tokens[:30])]
     ours = [tiny.prefill(seqs, [tokens[:70], tokens[:30]])]

@@ -138,3 +138,11 @@ def test_the_cache_keeps_its_entry_bound() -> None:
         service.store(key, Compiled(key))
     assert [service.get(key)[1] for key in "abc"] == [False, True, True]
     service.shutdown()
+
+
+def test_after_shutdown_every_request_is_refused_at_once() -> None:
+    service = make_service(Compiler())
+    service.shutdown()
+    for _ in range(2):  # the second call must not find a compile in flight that will never run
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            service.get("a")
