@@ -197,6 +197,22 @@ def test_client_abort_mid_generation_returns_its_kv_tokens(server: SchedulerProc
     assert status.num_running_requests == 0 and status.num_free_kv_tokens == free_tokens
 
 
+def test_requests_beyond_the_kv_bound_wait_and_one_that_never_fits_is_refused() -> None:
+    """Admission reserves prompt + max_new_tokens, so the bound holds two of these at a time: four run to the end
+    in turn. One larger than the whole bound is refused with a message naming it; the others are served."""
+    fits = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 60, "temperature": 0}}
+    never = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 200}}
+    with launch_scheduler("--max-total-tokens", "160") as launched, launched.client() as client:
+        outputs = client.generate_batch([make_request(**fits) for _ in range(4)] + [make_request(**never)])
+        status = launched.status()
+    *served, refused = outputs
+    assert all(o.finish_reason is not None and o.finish_reason.type in ("stop", "length") for o in served)
+    assert all(o.usage.completion_tokens > 0 for o in served)
+    assert refused.finish_reason is not None and refused.finish_reason.type == "abort"
+    assert "--max-total-tokens 160" in (refused.finish_reason.message or "")
+    assert status.num_running_requests == status.num_waiting_requests == 0
+
+
 def test_streamed_chunks_add_up_to_the_output(server: SchedulerProcess) -> None:
     request = constrained_request("json_schema")
     with server.client() as client:

@@ -1,0 +1,107 @@
+"""The scheduler's memory and its prefix cache, on the embedded model at the server's defaults.
+
+    python scripts/bench_prefix_cache.py [--rounds 8] [--system-words 300] [--output PATH]
+
+Prints the scheduler's resident memory (RSS, its process and children) once it is ready and idle, and again
+after the run. Then time to first token (TTFT) of chat requests whose long system prompt is cached against
+requests whose system prompt is new (a different first word, so nothing past the template's first tokens
+matches), alternating which goes first each round; the ratio is the median of per-round ratios. Each request
+asks for one token, greedy: TTFT is its whole latency. Writes JSON (default: results/bench_prefix_cache.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import psutil
+
+from scheduler.client import SchedulerClient
+from scheduler.testing.process import SchedulerProcess
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_prefix_cache.json"
+RSS_TARGET_GIB = 1.5
+TTFT_RATIO_TARGET = 0.5
+
+
+def resident_gib(pid: int) -> float:
+    """RSS of a process and its children (a launcher's ranks), in GiB."""
+    process = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**30
+
+
+def system_prompt(first_word: str, words: int) -> str:
+    """A long instruction block, as a deployment's system prompt; ``first_word`` makes it another prompt."""
+    body = " ".join(
+        f"Rule {i}: answer in JSON with keys name and age, and never add prose." for i in range(words // 14)
+    )
+    return f"{first_word}. {body}"
+
+
+def ttft_ms(client: SchedulerClient, system: str, question: str) -> tuple[float, int]:
+    """Milliseconds to the (only) output token, and how many prompt tokens came from the cache."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    started = time.perf_counter()
+    output = client.generate(messages=messages, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    return (time.perf_counter() - started) * 1e3, output.usage.cached_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--system-words", type=int, default=300, help="length of the shared system prompt")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    args = parser.parse_args()
+
+    server = SchedulerProcess()
+    try:
+        server.wait_until_ready()
+        time.sleep(2)
+        idle = resident_gib(server.process.pid)
+        verdict = "ok" if idle <= RSS_TARGET_GIB else f"MISS (target <= {RSS_TARGET_GIB})"
+        print(f"scheduler RSS when ready and idle: {idle:.2f} GiB ({verdict})")
+        shared = system_prompt("Hello", args.system_words)
+        samples: dict[str, list[float]] = {"cached": [], "uncached": []}
+        cached_counts = []
+        with server.client() as client:
+            ttft_ms(client, shared, "Warm-up: who are you?")  # puts the shared system prompt in the cache
+            for round_index in range(args.rounds):
+                question = f"Question {round_index}: invent a person."
+                order = ("cached", "uncached") if round_index % 2 == 0 else ("uncached", "cached")
+                for kind in order:
+                    system = shared if kind == "cached" else system_prompt(f"Round{round_index}", args.system_words)
+                    ms, cached = ttft_ms(client, system, question)
+                    samples[kind].append(ms)
+                    if kind == "cached":
+                        cached_counts.append(cached)
+            status = client.wait_until_ready()
+        after = resident_gib(server.process.pid)
+    finally:
+        server.stop()
+
+    ratio = statistics.median(c / u for c, u in zip(samples["cached"], samples["uncached"], strict=True))
+    verdict = "ok" if ratio <= TTFT_RATIO_TARGET else f"MISS (target <= {TTFT_RATIO_TARGET})"
+    print(
+        f"TTFT cached system prompt {statistics.median(samples['cached']):.0f} ms, new system prompt "
+        f"{statistics.median(samples['uncached']):.0f} ms: ratio {ratio:.3f} ({verdict}); "
+        f"cached prompt tokens per request {min(cached_counts)}-{max(cached_counts)}"
+    )
+    print(f"scheduler cache hit rate {status.cache_hit_rate:.3f}; RSS after the run {after:.2f} GiB")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "rss_idle_gib": idle,
+        "rss_after_gib": after,
+        "ttft_ms": samples,
+        "ttft_ratio_cached_over_uncached": ratio,
+        "cached_tokens": cached_counts,
+        "cache_hit_rate": status.cache_hit_rate,
+    }
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
