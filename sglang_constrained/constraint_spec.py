@@ -96,17 +96,22 @@ def lower_constraint(
 
 
 def choices_to_regex(choices: Any) -> str:
-    """An alternation that matches exactly one of ``choices``, each escaped for every backend's regex dialect."""
+    """An alternation that matches exactly one of ``choices``, each escaped for every backend's regex dialect.
+
+    Longer options come first: outlines-core's automaton follows leftmost-first semantics, under which ``Java``
+    placed before ``JavaScript`` would end the match at ``Java`` and never allow the longer option.
+    """
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
         raise GrammarSpecError("a choice constraint must be a non-empty list of strings")
-    return "|".join(f"({escape_regex_literal(c)})" for c in choices)
+    return "|".join(f"({escape_regex_literal(c)})" for c in sorted(choices, key=len, reverse=True))
 
 
 def escape_regex_literal(text: str) -> str:
     """Escape ``text`` so that the xgrammar, llguidance and outlines-core regex dialects all match it literally.
 
     Only true metacharacters are escaped (xgrammar warns on escapes such as ``\\#``); other control
-    characters become ``\\xHH``; non-ASCII text stays literal.
+    characters become ``\\uHHHH`` (xgrammar reads every hex digit after ``\\x``: ``\\x01f`` would be U+001F); non-ASCII
+    text stays literal.
     """
     pieces = []
     for char in text:
@@ -115,7 +120,7 @@ def escape_regex_literal(text: str) -> str:
         elif char in _REGEX_NAMED_ESCAPES:
             pieces.append(_REGEX_NAMED_ESCAPES[char])
         elif ord(char) < 0x20 or ord(char) == 0x7F:
-            pieces.append(f"\\x{ord(char):02x}")
+            pieces.append(f"\\u{ord(char):04x}")
         else:
             pieces.append(char)
     return "".join(pieces)

@@ -120,6 +120,15 @@ OWN_CASES = [
     ("unicode regex", "regex", "(café|naïve|日本語)+", ["café日本語naïve"], ["cafe", "日本"]),
     ("choice", "choice", ["yes", "no", "maybe so"], ["maybe so", "no"], ["yes!", "Yes", "maybe"]),
     ("choice with metacharacters", "choice", CHOICES_WITH_METACHARACTERS, CHOICES_WITH_METACHARACTERS, ["axb", "x"]),
+    # A prefix of another option (outlines-core's leftmost-first automaton stopped at "Java"), and a control
+    # character (xgrammar read "\x01f" as one escape).
+    (
+        "choice with prefixes",
+        "choice",
+        ["Java", "JavaScript", "a\u0001f"],
+        ["JavaScript", "Java", "a\u0001f"],
+        ["Jav", "JavaScripts", "af"],
+    ),
     (
         "arithmetic ebnf",
         "ebnf",
