@@ -11,6 +11,8 @@ outlines-core 0.2.14 this module is built around, measured on this machine:
 * The index drops a token that ends one byte past a point where the text already matches the whole regex
   and does not itself complete a match (so ``1(\\.5)?`` cannot take the token ``.`` after ``1``; ``.5`` is fine).
   Such texts stay reachable only through other tokenisations.
+* Alternations follow leftmost-first semantics: in ``a|a!`` the match ends at ``a`` and ``a!`` is refused.
+  Choice constraints list longer options first for this reason (``choices_to_regex``).
 """
 
 from __future__ import annotations
