@@ -8,8 +8,13 @@ average output length, and the share of outputs that validate (``jsonschema`` / 
 by the token limit are counted apart, as not valid). Forwards per output token are counted from the stream:
 the scheduler sends one chunk per step in which a request gained tokens, and each such step is one model
 forward that request took part in. ``--profile`` runs the scheduler under cProfile and prints where its time went.
+``--peer llamacpp`` (where llama-cpp-python is installed: the ``llamacpp`` extra) also runs the free and JSON
+requests through llama.cpp on the same GGUF file, each round right after ours, and prints ours over it.
 
     python scripts/bench_serving.py [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
+                                    [--peer llamacpp]
+
+Over 300 lines: the requests, their schedule and their summary are shared by the profile and the peer runs.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import jsonschema
 
 from scheduler.client import AsyncSchedulerClient
+from sglang_constrained.testing import llamacpp_peer
 from sglang_constrained.testing.benchmarking import cpu_pressure
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,7 +159,39 @@ def summarise(kind: str, outcomes: list[Outcome], wall_s: float) -> dict[str, An
     return row
 
 
+def run_peer(
+    peer: llamacpp_peer.LlamaCppPeer, kind: str, num_requests: int, max_new_tokens: int
+) -> tuple[list[Outcome], float]:
+    """The same requests as ``run_kind`` through llama.cpp, one at a time; outcomes and wall seconds."""
+    indices = range(num_requests)
+    start = time.perf_counter()
+    results = peer.run_kind(kind, [PROMPTS[i % len(PROMPTS)] for i in indices], list(indices), max_new_tokens)
+    wall_s = time.perf_counter() - start
+    outcomes = [
+        Outcome(kind, r["text"], r["num_tokens"], r["num_tokens"], r["finish"], r["ttft_s"], r["tpot_s"])
+        for r in results
+    ]
+    return outcomes, wall_s
+
+
+def format_peer_ratio(concurrency: int, kind: str, ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Output tokens/s, ours over llama.cpp's, against the issue's targets."""
+    ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    target = 2.0 if concurrency > 1 else (0.5 if kind == "free" else 1.0)
+    verdict = "ok" if ratio >= target else f"MISS (target >= {target:g})"
+    return (
+        f"ours/llama.cpp {kind} at C={concurrency}: output tok/s {ratio:.3f} ({verdict}); llama.cpp "
+        f"{theirs['output_tokens_per_s']:.1f} tok/s, TPOT {theirs['tpot_median_ms']:.1f} ms, "
+        f"valid {theirs.get('valid', '-')}/{theirs['requests']}"
+    )
+
+
 async def bench(endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    peer = None
+    if args.peer == "llamacpp":
+        if not llamacpp_peer.is_available():
+            raise SystemExit("--peer llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
+        peer = llamacpp_peer.LlamaCppPeer(threads=os.cpu_count() or 1, schema=PERSON_SCHEMA)
     client = AsyncSchedulerClient(endpoint)
     pong = await client.wait_until_ready(timeout_s=600)
     print(f"scheduler ready: {pong.model}, grammar backend {pong.grammar_backend}, vocab {pong.vocab_size}")
@@ -163,6 +201,7 @@ async def bench(endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]
     for concurrency in args.concurrency:
         num_requests = max(args.min_requests, args.waves * concurrency)
         collected: dict[str, tuple[list[Outcome], float]] = {kind: ([], 0.0) for kind in KINDS}
+        peer_collected: dict[str, tuple[list[Outcome], float]] = {kind: ([], 0.0) for kind in llamacpp_peer.PEER_KINDS}
         round_tpots: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for round_index in range(args.rounds):
             order = KINDS[round_index % 3 :] + KINDS[: round_index % 3]
@@ -171,6 +210,10 @@ async def bench(endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]
                 previous, previous_s = collected[kind]
                 collected[kind] = (previous + outcomes, previous_s + wall_s)
                 round_tpots[kind].append(statistics.median(o.tpot_s or math.nan for o in outcomes))
+                if peer is not None and kind in peer_collected:
+                    outcomes, wall_s = run_peer(peer, kind, num_requests, args.max_new_tokens)
+                    previous, previous_s = peer_collected[kind]
+                    peer_collected[kind] = (previous + outcomes, previous_s + wall_s)
         level = {kind: summarise(kind, *collected[kind]) for kind in KINDS}
         for kind in KINDS:
             rows.append(
@@ -182,6 +225,11 @@ async def bench(endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]
             paired = [free / own for free, own in zip(round_tpots["free"], round_tpots[kind], strict=True)]
             rows[-3 + KINDS.index(kind)]["round_decode_ratios"] = paired
             print(format_ratio(concurrency, level[kind], level["free"], statistics.median(paired)))
+        if peer is not None:
+            for kind, (outcomes, wall_s) in peer_collected.items():
+                theirs = summarise(kind, outcomes, wall_s)
+                rows.append({"concurrency": concurrency, "peer": "llamacpp", **theirs})
+                print(format_peer_ratio(concurrency, kind, level[kind], theirs))
     await client.close()
     return rows
 
@@ -215,7 +263,7 @@ def free_port() -> int:
 
 STEP_PARTS = (
     ("step (whole loop turn)", "scheduler/scheduler.py", "step"),
-    ("model forward", "scheduler/model_runner.py", "_forward"),
+    ("model forward", "scheduler/model/runner.py", "forward"),
     ("mask fill (update_regex_vocab_mask)", "scheduler/sampling_batch_info.py", "update_regex_vocab_mask"),
     ("mask apply (apply_logits_bias)", "scheduler/sampling_batch_info.py", "apply_logits_bias"),
     ("sampling tensors (prepare)", "scheduler/sampling_batch_info.py", "prepare"),
@@ -257,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-requests", type=int, default=2, help="at least this many requests per kind and round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds over the three kinds, in rotated order")
     parser.add_argument("--profile", action="store_true", help="run the scheduler under cProfile and print the top")
+    parser.add_argument("--peer", choices=["llamacpp"], default=None, help="also run the requests through llama.cpp")
     parser.add_argument("--output", type=Path, default=None, help="default: results/bench_serving_<backend>.json")
     args = parser.parse_args(argv)
     results_dir = REPO / "results"
