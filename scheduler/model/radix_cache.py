@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from scheduler.model.kv_pool import TokenKVPool
+from sglang_constrained.base_grammar_backend import common_prefix_length
 
 
 @dataclass(eq=False)
@@ -42,7 +43,7 @@ class RadixCache:
             child = node.children.get(token_ids[position])
             if child is None:
                 break
-            shared = _common_length(child.key, token_ids[position:])
+            shared = common_prefix_length(child.key, token_ids[position:])
             if shared < len(child.key):
                 child = self._split(child, shared)
             child.last_access = now
@@ -67,7 +68,7 @@ class RadixCache:
                 self.num_tokens += len(leaf.key)
                 self.num_evictable += len(leaf.key)
                 return position
-            shared = _common_length(child.key, token_ids[position:])
+            shared = common_prefix_length(child.key, token_ids[position:])
             if shared < len(child.key):
                 child = self._split(child, shared)
             child.last_access = now
@@ -132,10 +133,3 @@ class RadixCache:
         parent.children[upper.key[0]] = upper
         child.key, child.value, child.parent = child.key[length:], child.value[length:], upper
         return upper
-
-
-def _common_length(a: list[int], b: list[int]) -> int:
-    for position, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return position
-    return min(len(a), len(b))
