@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 from sglang_constrained.tokenizer_loading import embedded_model_path
 
@@ -41,6 +42,7 @@ class LlamaCppPeer:
         start = time.perf_counter()
         first = last = None
         text, num_tokens, finish = "", 0, "none"
+        # With stream=True the call returns chunks; its declared type also covers the whole-completion answer.
         stream = self._llm.create_chat_completion(
             messages=[{"role": "user", "content": prompt}],
             max_tokens=max_new_tokens,
@@ -48,7 +50,7 @@ class LlamaCppPeer:
             stream=True,
             grammar=self._grammar if kind == "json" else None,
         )
-        for chunk in stream:
+        for chunk in cast(Iterator[dict[str, Any]], stream):
             choice = chunk["choices"][0]
             piece = choice["delta"].get("content") or ""
             if piece:
