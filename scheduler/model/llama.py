@@ -4,6 +4,16 @@ It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from
 parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases), but takes a
 flat batch of new tokens, writes their K/V into the rows of a token pool, attends over each sequence's rows, and
 returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
+
+Decode and verification are batch-invariant: a token's logits are bit for bit the same whatever else shares its
+forward (other sequences, their lengths, the drafts after it), so batching and speculative decoding never change a
+greedy output. Measured with this torch's MKL on CPU: a float32 matmul row's rounding depends on the row count (one
+row, two or three, and the rows past the last multiple of four each take another kernel), so matmul inputs are
+padded to a multiple of ``MATMUL_ROW_MULTIPLE`` rows. Attention runs per query token, as products of
+``[query heads of one KV group, head_dim]`` with that token's contiguous keys, padded to the batch's widest rounded
+up to ``KEY_WIDTH_MULTIPLE``; with at most ``MAX_QUERY_ROWS`` rows these gave the same values for any padding and
+batch size (SDPA's blocked kernel does not). Long prompts take SDPA per sequence instead: a prefill's rounding
+depends on where its cached prefix ended, as in SGLang without deterministic inference.
 """
 
 from __future__ import annotations
@@ -17,6 +27,16 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from scheduler.model.kv_pool import PADDING_ROW, TokenKVPool
+
+MATMUL_ROW_MULTIPLE = 4
+"""Matmul inputs are padded with zero rows to a multiple of this: then MKL's float32 rows never change."""
+MAX_QUERY_ROWS = 3
+"""Query heads per attention product; larger KV groups are split (their keys repeated) to stay within it."""
+KEY_WIDTH_MULTIPLE = 4
+"""Token-wise key widths are padded to a multiple of this: MKL computes a product's last partial group of four
+columns another way, so a score would otherwise change with the padding."""
+TOKENWISE_MAX_NEW_TOKENS = 32
+"""Sequences with at most this many new tokens (decode, jump-forward, draft verification) attend token by token."""
 
 
 @dataclass(frozen=True)
@@ -33,11 +53,11 @@ class ForwardBatch:
     logit_indices: torch.Tensor  # packed positions whose next-token logits are returned
     offsets: list[int]  # S + 1 entries
     starts: list[int]
-    # Decode (one new token per sequence): every sequence's rows padded to the longest, [S, L], and
-    # [S, 1, 1, L] True where a position may be attended. Otherwise each sequence's rows and its causal mask
-    # [n_i, starts[i] + n_i] (None where plain is_causal suffices).
-    decode_rows: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    # Token-wise (every sequence has at most TOKENWISE_MAX_NEW_TOKENS new tokens): per new token, its sequence's
+    # rows padded to the longest, [T, L], and [T, 1, 1, L] True where that token may attend (its causal prefix).
+    # Otherwise each sequence's rows and its causal mask [n_i, starts[i] + n_i] (None where is_causal suffices).
+    token_rows: torch.Tensor | None
+    token_mask: torch.Tensor | None
     extend_rows: list[torch.Tensor]
     extend_masks: list[torch.Tensor | None]
 
@@ -57,15 +77,16 @@ class ForwardBatch:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         positions = [start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))]
         new_rows = [row for seq_rows, start in zip(rows, starts, strict=True) for row in seq_rows[start:]]
-        decode_rows = decode_mask = None
+        token_rows = token_mask = None
         extend_rows: list[torch.Tensor] = []
         extend_masks: list[torch.Tensor | None] = []
-        if all(len(tokens) == 1 for tokens in token_lists):
-            width = max(len(seq_rows) for seq_rows in rows)
+        if all(len(tokens) <= TOKENWISE_MAX_NEW_TOKENS for tokens in token_lists):
+            width = -(-max(len(seq_rows) for seq_rows in rows) // KEY_WIDTH_MULTIPLE) * KEY_WIDTH_MULTIPLE
             padded = [list(seq_rows) + [PADDING_ROW] * (width - len(seq_rows)) for seq_rows in rows]
-            decode_rows = as_tensor(padded)
-            lengths = as_tensor([len(seq_rows) for seq_rows in rows])
-            decode_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            repeats = as_tensor([len(tokens) for tokens in token_lists])
+            token_rows = as_tensor(padded).repeat_interleave(repeats, dim=0)
+            visible = as_tensor(positions) + 1
+            token_mask = (torch.arange(width, device=device)[None, :] < visible[:, None])[:, None, None, :]
         else:
             for seq_rows, start, tokens in zip(rows, starts, token_lists, strict=True):
                 extend_rows.append(as_tensor(list(seq_rows)))
@@ -80,8 +101,8 @@ class ForwardBatch:
             logit_indices=as_tensor(list(logit_indices)),
             offsets=offsets,
             starts=list(starts),
-            decode_rows=decode_rows,
-            decode_mask=decode_mask,
+            token_rows=token_rows,
+            token_mask=token_mask,
             extend_rows=extend_rows,
             extend_masks=extend_masks,
         )
@@ -180,8 +201,8 @@ class LlamaModel:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             pool.k[i][batch.new_rows] = k
             pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
-            if batch.decode_rows is not None and batch.decode_mask is not None:
-                attention = self._decode_attention(q, pool.k[i], pool.v[i], batch.decode_rows, batch.decode_mask)
+            if batch.token_rows is not None and batch.token_mask is not None:
+                attention = self._tokenwise_attention(q, pool.k[i], pool.v[i], batch.token_rows, batch.token_mask)
             else:
                 attention = self._extend_attention(q, pool.k[i], pool.v[i], batch)
             hidden = hidden + self._matmul(attention, layer.o_proj)
@@ -189,25 +210,36 @@ class LlamaModel:
             gate, up = self._matmul(x, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + self._matmul(F.silu(gate) * up, layer.down)
         selected = F.rms_norm(hidden[batch.logit_indices], hidden.shape[-1:], self.norm, self.eps)
-        return F.linear(selected, self.lm_head).float()
+        return self._matmul(selected, self.lm_head).float()
 
     def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` in the weight's dtype, returned in the activations' dtype."""
-        if weight.dtype == x.dtype:
-            return F.linear(x, weight)
-        return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        """``x @ weight.T`` in the weight's dtype, returned in the activations' dtype; batch-invariant rows."""
+        rows = x.shape[0]
+        if rows % MATMUL_ROW_MULTIPLE:
+            x = torch.cat([x, x.new_zeros(MATMUL_ROW_MULTIPLE - rows % MATMUL_ROW_MULTIPLE, x.shape[1])])
+        out = F.linear(x, weight) if weight.dtype == x.dtype else F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return out[:rows]
 
-    def _decode_attention(
+    def _tokenwise_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """One query token per sequence: ``q`` [S, H, D] -> [S, H * D], over each sequence's gathered rows."""
-        num_seqs = rows.shape[0]
-        # The group of query heads sharing one KV head acts as that head's queries: no K/V repetition.
-        grouped = q.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
-        keys = k_pool[rows].transpose(1, 2)  # [S, H_kv, L, D]
-        values = v_pool[rows].transpose(1, 2)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        return out.reshape(num_seqs, -1)
+        """Each query token over its own gathered rows: ``q`` [T, H, D] -> [T, H * D].
+
+        The query heads sharing one KV head are one product's rows (no K/V repetition while there are at most
+        ``MAX_QUERY_ROWS`` of them); the math is spelled out so that padding and batch size never reorder a sum.
+        """
+        num_tokens = rows.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        query_rows = max(n for n in range(1, MAX_QUERY_ROWS + 1) if group % n == 0)
+        keys = k_pool[rows].transpose(1, 2).contiguous()  # [T, H_kv, L, D]: strided keys change the kernel too
+        values = v_pool[rows].transpose(1, 2).contiguous()
+        if query_rows < group:
+            keys = keys.repeat_interleave(group // query_rows, dim=1)
+            values = values.repeat_interleave(group // query_rows, dim=1)
+        grouped = q.reshape(num_tokens, -1, query_rows, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.head_dim**-0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.matmul(probs, values).reshape(num_tokens, -1)
 
     def _extend_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch

@@ -19,6 +19,8 @@ from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
 
 NUM_STEPS = 16
+NEAR_TIE = 0.05
+"""Float32 logits this close are a tie that bfloat16 weights' rounding (~1e-2 here) may break either way."""
 PROMPTS: list[dict[str, Any]] = [
     {"text": "def fib(n):"},
     {"messages": [{"role": "user", "content": "Write a haiku about autumn."}]},
@@ -124,8 +126,8 @@ def test_a_cached_prefix_gives_the_same_logits(runner: ModelRunner, prompts: lis
 def test_compact_weights_choose_float32s_greedy_tokens(
     runner: ModelRunner, compact_runner: ModelRunner, prompts: list[list[int]], index: int
 ) -> None:
-    """Fed float32's greedy tokens, the bfloat16-weight model's logits stay near them and pick the same tokens
-    (on these prompts: the benchmark prints where longer outputs part ways)."""
+    """Fed float32's greedy tokens, the bfloat16-weight model's logits stay near them and pick the same tokens,
+    except where float32's own top two are a near tie (the benchmark prints where longer outputs part ways)."""
     prompt = prompts[index]
     runner.kv.flush()
     tokens, expected = greedy_alone(runner, prompt, NUM_STEPS)
@@ -134,8 +136,12 @@ def test_compact_weights_choose_float32s_greedy_tokens(
     first = compact_runner.prefill([seq], [prompt])
     logits = torch.cat([first, compact_runner.extend(seq, tokens[:-1], all_logits=True)])
     compact_runner.kv.release(seq)
-    assert (logits - torch.stack(expected)).abs().max().item() < 1.5
-    assert logits.argmax(-1).tolist() == tokens
+    expected_logits = torch.stack(expected)
+    assert (logits - expected_logits).abs().max().item() < 1.5
+    for step, (picked, token) in enumerate(zip(logits.argmax(-1).tolist(), tokens, strict=True)):
+        if picked != token:
+            gap = (expected_logits[step, token] - expected_logits[step, picked]).item()
+            assert gap < NEAR_TIE, f"step {step}: bfloat16 picks {picked} where float32 leads by {gap:.4f}"
 
 
 SCHEDULES = {
@@ -176,7 +182,9 @@ def test_continuous_batching_matches_each_sequence_alone(
 
 
 @pytest.mark.model
-def test_extend_and_truncate_agree_with_decode(runner: ModelRunner, prompts: list[list[int]]) -> None:
+def test_extend_and_truncate_agree_with_decode_bit_for_bit(runner: ModelRunner, prompts: list[list[int]]) -> None:
+    """Verifying drafts (a k-token extend with logits after each) gives exactly the logits one-token decode steps
+    give: speculative decoding may not change a greedy token, even at a tie."""
     prompt = prompts[0]
     tokens, logits = greedy_alone(runner, prompt, 8)
     runner.kv.flush()
@@ -185,13 +193,33 @@ def test_extend_and_truncate_agree_with_decode(runner: ModelRunner, prompts: lis
     jumped = runner.extend(seq, tokens[:5], all_logits=True)  # verifying a run of drafts: logits after each
     assert len(seq) == len(prompt) + 5
     for j in range(5):
-        assert torch.allclose(jumped[j], logits[j + 1], atol=1e-4)
+        assert torch.equal(jumped[j], logits[j + 1])
     runner.truncate(seq, len(prompt) + 2)  # roll back three tokens, then continue one at a time
     for j in range(2, 7):
         again = runner.decode([seq], [tokens[j]])[0]
-        assert torch.allclose(again, logits[j + 1], atol=1e-4)
-        assert int(again.argmax()) == tokens[j + 1]
+        assert torch.equal(again, logits[j + 1])
     runner.kv.release(seq)
+
+
+@pytest.mark.model
+def test_a_tokens_logits_do_not_depend_on_its_batch(runner: ModelRunner, prompts: list[list[int]]) -> None:
+    """Decoded alone, beside other sequences of other lengths, or verified among other sequences' drafts: the same
+    logits bit for bit (matmul rows and attention padding never change a token's rounding)."""
+    runner.kv.flush()
+    tokens, logits = greedy_alone(runner, prompts[1], 6)
+    runner.kv.flush()
+    seqs = [admitted(runner, prompt) for prompt in prompts]
+    runner.prefill(seqs, prompts)
+    others = [seqs[0], seqs[2], seqs[3]]
+    mixed = runner.forward([others[0], seqs[1], others[1], others[2]], [[5], tokens[:5], [6, 7], [8, 9, 10]], True)
+    assert all(torch.equal(mixed[1 + j], logits[j + 1]) for j in range(5))
+    runner.truncate(seqs[1], len(prompts[1]))
+    for j in range(5):
+        batch = [seqs[1], *others[: j % 4]]
+        row = runner.decode(batch, [tokens[j], *[11] * len(batch[1:])])[0]
+        assert torch.equal(row, logits[j + 1])
+    for seq in seqs:
+        runner.kv.release(seq)
 
 
 @pytest.mark.model
