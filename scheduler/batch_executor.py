@@ -1,25 +1,51 @@
-"""One batch of the loop: forward, mask, sample, accept each token, decide who finished.
+"""One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), decide who finished.
 
 The executor owns the model runner: the scheduler asks it to admit requests into KV memory and to run prefill and
-decode batches, and it calls the model; nothing calls back up. On several ranks every rank runs the same batch; rank 0's
-sampled tokens and every rank's per-request failures are agreed through ``RankSync``.
+decode batches, and it calls the model; nothing calls back up. A decode forward takes each request's pending tokens
+and its drafts (``scheduler.speculative``) and returns logits after the last pending token and after each draft; one
+mask row and one sample per position decide how many drafts stand. On several ranks every rank runs the same batch;
+rank 0's drafts and sampled tokens and every rank's per-request failures are agreed through ``RankSync``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from scheduler.model.kv_cache import KVSequence
+from scheduler.model.llama import TOKENWISE_MAX_NEW_TOKENS
 from scheduler.model.runner import ModelRunner
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
 from scheduler.sampler import sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
+from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
 from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation saved: forwards per output token, forced tokens, and per draft source the tokens proposed
+    and accepted and the runs (request-forwards it proposed in)."""
+
+    num_forwards: int = 0
+    num_output_tokens: int = 0
+    num_forced_tokens: int = 0
+    drafts_proposed: dict[str, int] = field(default_factory=dict)
+    drafts_accepted: dict[str, int] = field(default_factory=dict)
+    draft_runs: dict[str, int] = field(default_factory=dict)
+
+    def record_drafts(self, drafts: Drafts, num_accepted: int) -> None:
+        for source in set(drafts.sources):
+            self.draft_runs[source] = self.draft_runs.get(source, 0) + 1
+        for i, source in enumerate(drafts.sources):
+            self.drafts_proposed[source] = self.drafts_proposed.get(source, 0) + 1
+            self.drafts_accepted[source] = self.drafts_accepted.get(source, 0) + (i < num_accepted)
 
 
 class BatchExecutor:
@@ -27,14 +53,15 @@ class BatchExecutor:
         self,
         model_runner: ModelRunner,
         sampling_info: SamplingBatchInfo,
-        generator: torch.Generator,
+        proposer: DraftProposer,
         rank_sync: RankSync | None = None,
     ) -> None:
         self.model_runner = model_runner
         self.sampling_info = sampling_info
-        self.generator = generator
+        self.proposer = proposer
         self.rank_sync = rank_sync
         self.num_batches = 0
+        self.stats = SpeculationStats()
 
     @property
     def num_free_kv_tokens(self) -> int:
@@ -60,6 +87,7 @@ class BatchExecutor:
 
     def release(self, req: Req) -> None:
         """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""
+        self.proposer.forget(req)
         if req.kv is not None:
             self.model_runner.kv.release(req.kv)
             req.kv = None
@@ -69,52 +97,103 @@ class BatchExecutor:
 
     def prefill(self, batch: list[Req]) -> None:
         """Run the prompts of newly scheduled requests and sample each one's first token."""
-        self._run(batch, is_prefill=True)
+        seqs = [_kv(req) for req in batch]
+        self._run(
+            batch, [NO_DRAFTS] * len(batch), lambda: self.model_runner.prefill(seqs, [r.prompt_ids for r in batch])
+        )
 
     def decode(self, batch: list[Req]) -> None:
-        """Advance every running request of ``batch`` by one token."""
-        self._run(batch, is_prefill=False)
-
-    def _run(self, batch: list[Req], is_prefill: bool) -> None:
-        """A failure aborts its request only (on every rank)."""
-        self.num_batches += 1
-        tokens, failures = self._forward_and_sample(batch, is_prefill)
+        """Advance every running request of ``batch``: its pending tokens and drafts in one forward, then as many
+        tokens as its verified drafts allow (at least one)."""
+        pending = [req.pending_ids for req in batch]
+        room = [self._room(req) - len(tokens) for req, tokens in zip(batch, pending, strict=True)]
+        drafts = self.proposer.propose(batch, pending, room)
         if self.rank_sync is not None:
-            tokens = self.rank_sync.leader_tokens(tokens)
-        for req, token in zip(batch, tokens, strict=True):
-            if req.rid in failures:
-                continue
-            failure = self._accept(req, token)
-            if failure is not None:
-                failures[req.rid] = failure
+            drafts = self.rank_sync.leader_drafts(drafts)
+        seqs = [_kv(req) for req in batch]
+        token_lists = [tokens + d.token_ids for tokens, d in zip(pending, drafts, strict=True)]
+        num_logits = [len(d.token_ids) + 1 for d in drafts]
+        self._run(batch, drafts, lambda: self.model_runner.forward(seqs, token_lists, num_logits))
+
+    def _room(self, req: Req) -> int:
+        """Tokens ``req``'s KV may still take in one forward (its reservation, the context, token-wise attention)."""
+        seq = _kv(req)
+        return min(seq.reserved, self.model_runner.max_seq_len - len(seq), TOKENWISE_MAX_NEW_TOKENS)
+
+    def _run(self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]) -> None:
+        """Forward, sample every row, then walk each request's rows; a failure aborts its request only (on every
+        rank)."""
+        self.num_batches += 1
+        self.stats.num_forwards += 1
+        row_tokens, failures = self._forward_and_sample(batch, drafts, forward)
+        if self.rank_sync is not None:
+            row_tokens = self.rank_sync.leader_tokens(row_tokens)
+        first_row = 0
+        for req, req_drafts in zip(batch, drafts, strict=True):
+            rows = row_tokens[first_row : first_row + len(req_drafts.token_ids) + 1]
+            first_row += len(rows)
+            if req.rid not in failures:
+                failure = self._walk(req, req_drafts, rows)
+                if failure is not None:
+                    failures[req.rid] = failure
         if self.rank_sync is not None:
             failures = self.rank_sync.agree_batch_failures([req.rid for req in batch], failures)
         for req in batch:
             if req.rid in failures:
                 req.abort(failures[req.rid])
 
-    def _forward(self, batch: list[Req], is_prefill: bool) -> torch.Tensor:
-        seqs = [_kv(req) for req in batch]
-        if is_prefill:
-            return self.model_runner.prefill(seqs, [req.prompt_ids for req in batch])
-        return self.model_runner.decode(seqs, [req.output_ids[-1] for req in batch])
+    def _walk(self, req: Req, drafts: Drafts, row_tokens: list[int | None]) -> str | None:
+        """Accept row 0's token, and row ``j + 1``'s while row ``j``'s token is draft ``j`` (its logits then follow
+        the right tokens); stop at a finish. Roll the KV back to what stood, then append forced tokens."""
+        num_accepted = 0
+        failure = None
+        for j, token in enumerate(row_tokens):
+            failure = self._accept(req, token)
+            if failure is not None or req.finished:
+                break
+            if j == len(drafts.token_ids) or token != drafts.token_ids[j]:
+                break
+            num_accepted += 1
+        self.stats.record_drafts(drafts, num_accepted)
+        self.proposer.record(req, drafts, num_accepted)
+        if req.kv is not None:
+            self.model_runner.truncate(req.kv, min(len(req.kv), len(req.prompt_ids) + len(req.output_ids) - 1))
+        if failure is None and not req.finished:
+            failure = self._append_forced_tokens(req)
+        return failure
 
-    def _forward_and_sample(self, batch: list[Req], is_prefill: bool) -> tuple[list[int | None], dict[str, str]]:
+    def _append_forced_tokens(self, req: Req) -> str | None:
+        """Jump-forward: while the grammar allows exactly one token, append it (no sampling could pick another)."""
+        grammar = req.ready_grammar
+        if not self.proposer.enabled or grammar is None:
+            return None
+        while not grammar.finished and not grammar.is_terminated() and len(req.pending_ids) < self._room(req):
+            token = self.proposer.forced_token(grammar)
+            if token is None:
+                return None
+            failure = self._accept(req, token)
+            self.stats.num_forced_tokens += 1
+            if failure is not None or req.finished:
+                return failure
+        return None
+
+    def _forward_and_sample(
+        self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]
+    ) -> tuple[list[int | None], dict[str, str]]:
         info = self.sampling_info
         try:
             with torch.inference_mode():
-                logits = self._forward(batch, is_prefill)
-                info.prepare(batch)
+                logits = forward()
+                info.prepare(batch, [d.token_ids for d in drafts])
                 info.update_regex_vocab_mask()
                 info.apply_logits_bias(logits)
-                tokens = sample(logits, info, self.generator)
+                tokens = sample(logits, info.rows)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
             message = f"internal error while generating: {type(e).__name__}: {e}"
-            return [None] * len(batch), {req.rid: message for req in batch}
+            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {req.rid: message for req in batch}
         failures = {
-            batch[row].rid: f"the grammar failed to compute the next-token mask: {e}"
-            for row, e in info.fill_errors.items()
+            batch[i].rid: f"the grammar failed to compute the next-token mask: {e}" for i, e in info.fill_errors.items()
         }
         return tokens, failures
 
@@ -123,6 +202,7 @@ class BatchExecutor:
         if token is None:
             return "the grammar allows no token here: the constraint cannot be completed"
         req.output_ids.append(token)
+        self.stats.num_output_tokens += 1
         grammar = req.ready_grammar
         if grammar is not None and not grammar.is_terminated():
             kind = req.grammar_key[0] if req.grammar_key else "request's"

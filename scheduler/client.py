@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -33,12 +34,23 @@ def make_request(
     stream: bool = False,
     rid: str | None = None,
 ) -> GenerateReq:
-    """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict."""
+    """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict.
+
+    A JSON schema or structural tag given as an object travels as its JSON text: msgpack cannot carry integers
+    beyond 64 bits, which a schema may hold (the scheduler reads the text as it reads the object).
+    """
     params = (
         sampling_params
         if isinstance(sampling_params, SamplingParams)
         else msgspec.convert(sampling_params or {}, SamplingParams)
     )
+    as_text = {
+        name: json.dumps(getattr(params, name))
+        for name in ("json_schema", "structural_tag")
+        if isinstance(getattr(params, name), dict)
+    }
+    if as_text:
+        params = msgspec.structs.replace(params, **as_text)
     return GenerateReq(
         rid=rid or uuid.uuid4().hex,
         text=text,

@@ -13,7 +13,10 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import Req
@@ -22,10 +25,45 @@ from sglang_constrained.errors import CompileTimeoutError
 
 logger = logging.getLogger(__name__)
 
+COMPILE_TIMEOUT_PREFIX = "Grammar compilation timed out"
 GRAMMAR_BACKEND_NONE_MESSAGE = (
     "constrained generation (json_schema, regex, ebnf, structural_tag, choice, json_object) is not available: "
     "the server was launched with --grammar-backend none"
 )
+
+
+COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GrammarMetrics:
+    """The grammar manager's Prometheus metrics; the scheduler sends ``render()`` to the frontend in its ``Pong``."""
+
+    def __init__(self, queue_length: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.compile_time = Histogram(
+            "sglang:grammar_compile_time_seconds",
+            "Grammar compiles (cache misses), valid or not, by constraint kind",
+            ["constraint"],
+            buckets=COMPILE_TIME_BUCKETS,
+            registry=self.registry,
+        )
+        self.cache_lookups = Counter(
+            "sglang:grammar_cache_lookups",
+            "Constrained requests, by constraint kind and whether their grammar was cached (hit) or compiled (miss)",
+            ["constraint", "result"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "sglang:grammar_failures",
+            "Constrained requests refused: invalid constraint, compile timeout, or engine failure",
+            ["constraint", "reason"],
+            registry=self.registry,
+        )
+        queue = Gauge("sglang:grammar_compile_queue_length", "Requests waiting for a compile", registry=self.registry)
+        queue.set_function(queue_length)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
 
 
 class GrammarManager:
@@ -33,6 +71,7 @@ class GrammarManager:
         self.grammar_backend = grammar_backend
         self.rank_sync = rank_sync
         self.grammar_queue: list[Req] = []
+        self.metrics = GrammarMetrics(lambda: len(self.grammar_queue))
         self._wakeup_read, self._wakeup_write = os.pipe()
         os.set_blocking(self._wakeup_read, False)
         os.set_blocking(self._wakeup_write, False)
@@ -59,12 +98,14 @@ class GrammarManager:
         )
         req.grammar = value
         req.grammar_cache_hit = cache_hit
+        self.metrics.cache_lookups.labels(req.grammar_key[0], "hit" if cache_hit else "miss").inc()
         if isinstance(value, Future):
             req.grammar_queued_at = time.monotonic()
             value.add_done_callback(self._wake_up)
             self.grammar_queue.append(req)
             return True
         if isinstance(value, InvalidGrammarObject):
+            self.metrics.failures.labels(req.grammar_key[0], "invalid").inc()
             req.abort(_compile_error_message(req, value))
         return False
 
@@ -125,21 +166,32 @@ class GrammarManager:
     def _admit(self, req: Req) -> None:
         assert req.grammar_key is not None and self.grammar_backend is not None
         grammar = _compiling(req).result()
+        self._observe_compile_time(req.grammar_key[0], grammar)
         self.grammar_backend.set_cache(req.grammar_key, grammar.copy())
         req.grammar = grammar
         if req.grammar_queued_at is not None:
-            logger.info("request %s: grammar ready after %.2f s", req.rid, time.monotonic() - req.grammar_queued_at)
+            waited = time.monotonic() - req.grammar_queued_at
+            logger.info("rid=%s constraint=%s grammar_ready_after_s=%.2f", req.rid, req.grammar_key[0], waited)
 
     def _fail(self, req: Req, failure: GrammarFailure) -> None:
         assert req.grammar_key is not None and self.grammar_backend is not None
         future = _compiling(req)
         if failure.is_compile_error:
+            self._observe_compile_time(req.grammar_key[0], future.result())
             self.grammar_backend.set_cache(req.grammar_key, future.result())
+            reason = "invalid"
         else:
             self.grammar_backend.discard_pending(req.grammar_key)
-        logger.info("request %s: %s", req.rid, failure.message)
+            reason = "timeout" if failure.message.startswith(COMPILE_TIMEOUT_PREFIX) else "engine_failure"
+        kind = req.grammar_key[0]
+        self.metrics.failures.labels(kind, reason).inc()
+        logger.info("rid=%s constraint=%s grammar_failed=%s message=%s", req.rid, kind, reason, failure.message)
         req.grammar = None
         req.abort(failure.message)
+
+    def _observe_compile_time(self, kind: str, grammar: BaseGrammarObject) -> None:
+        if grammar.grammar_stats is not None:
+            self.metrics.compile_time.labels(kind).observe(grammar.grammar_stats.compile_time_s)
 
     def _wake_up(self, _: Future[BaseGrammarObject]) -> None:
         # A full pipe means the loop will wake anyway; a closed one means the server is shutting down.

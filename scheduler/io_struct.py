@@ -43,6 +43,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("top_k must be >= 1 (or null for no limit)")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if self.max_new_tokens >= 2**63 or (self.top_k is not None and self.top_k >= 2**63):
+            raise ValueError("max_new_tokens and top_k must be below 2**63")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         constraints = self.constraint_fields()
@@ -134,6 +138,16 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     num_compiling_requests: int = 0
     num_free_kv_tokens: int = 0
     cache_hit_rate: float = 0.0
+    # Speculative decoding since the start: forwards per output token, tokens jump-forward appended, and per draft
+    # source ("grammar", "follower", "ngram") the tokens proposed and accepted and the request-forwards it proposed in.
+    num_forwards: int = 0
+    num_output_tokens: int = 0
+    num_forced_tokens: int = 0
+    drafts_proposed: dict[str, int] = msgspec.field(default_factory=dict)
+    drafts_accepted: dict[str, int] = msgspec.field(default_factory=dict)
+    draft_runs: dict[str, int] = msgspec.field(default_factory=dict)
+    metrics_text: str = ""
+    """The scheduler's own Prometheus metrics (grammar compiles), in the text exposition format."""
 
 
 ServerMessage = GenerateOutput | Pong

@@ -40,6 +40,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_leader = dist is None or dist.is_leader
     ipc = SchedulerIPC(server_args.zmq_endpoint) if is_leader else None
     http_frontend = start_http_frontend(server_args) if is_leader and server_args.port is not None else None
+    frontend_exit_codes: list[int] = []
+
+    def frontend_died(exit_code: int) -> None:
+        logger.error("the HTTP frontend exited with code %d: stopping, the server has no way in without it", exit_code)
+        frontend_exit_codes.append(exit_code)
+        scheduler.stop()
+
+    if http_frontend is not None:
+        http_frontend.on_unexpected_exit(frontend_died)
     exit_code = 0
     try:
         scheduler.serve(ipc)
@@ -52,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ipc.close()
         if http_frontend is not None:
             http_frontend.stop()
+    if frontend_exit_codes:
+        exit_code = 1
     if exit_code == 0:
         destroy_distributed(dist)
     logger.info("stopped")

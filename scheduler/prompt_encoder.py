@@ -1,4 +1,9 @@
-"""The tokenizer's role in the server: a request's prompt (text, chat messages or token ids) as checked token ids."""
+"""The tokenizer's role in the server: a request's prompt (text, chat messages or token ids) as checked token ids.
+
+The HTTP frontend tokenises its prompts with this too (in its own process, on a worker thread), so that only the
+scheduler's own zmq clients have text tokenised by the scheduler; either way a prompt too long in bytes to fit the
+context is refused before it is tokenised.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,18 @@ from typing import Any
 class PromptEncoder:
     """Turns exactly one prompt source into token ids that fit the model: in range, non-empty, within the context.
 
-    Chat messages go through the tokenizer's chat template with the generation prompt added.
+    Chat messages go through the tokenizer's chat template with the generation prompt added. ``max_prompt_bytes``:
+    no prompt of more UTF-8 bytes can fit the context (each token stands for at most as many bytes as its longest).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_seq_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        # A token's text in the vocabulary takes at least as many UTF-8 bytes as the text it stands for ("Ġ" is two
+        # bytes for one space, "<0x0A>" six for one byte): the longest one bounds the bytes per token from above.
+        longest_token_bytes = max(len(token.encode()) for token in tokenizer.get_vocab())
+        self.max_prompt_bytes = (max_seq_len - 1) * longest_token_bytes
 
     def encode(
         self,
@@ -27,6 +37,7 @@ class PromptEncoder:
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of text, messages or input_ids (got {given or 'none'})")
+        self._check_prompt_bytes(text, messages)
         if text is not None:
             ids = list(self.tokenizer.encode(text))
         elif messages is not None:
@@ -44,6 +55,18 @@ class PromptEncoder:
                 f"{self.max_seq_len - 1} (one position is kept for output): shorten it or raise --max-seq-len"
             )
         return ids
+
+    def _check_prompt_bytes(self, text: str | None, messages: list[dict[str, str]] | None) -> None:
+        if text is not None:
+            num_bytes = len(text.encode(errors="replace"))
+        else:
+            contents = (m.get("content") for m in messages or [] if isinstance(m, dict))
+            num_bytes = sum(len(c.encode(errors="replace")) for c in contents if isinstance(c, str))
+        if num_bytes > self.max_prompt_bytes:
+            raise ValueError(
+                f"the prompt is {num_bytes:,} bytes, more than any prompt that fits --max-seq-len {self.max_seq_len} "
+                f"tokens can be ({self.max_prompt_bytes:,} bytes): shorten it"
+            )
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not messages:

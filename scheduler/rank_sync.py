@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from scheduler.distributed import DistributedContext, RankFailureError
+from scheduler.speculative import Drafts
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class RankSync:
     def leader_tokens(self, tokens: list[int | None]) -> list[int | None]:
         """Rank 0's sampled tokens on every rank, so that every rank's grammars advance with the same token."""
         return self.context.broadcast_tokens(tokens)
+
+    def leader_drafts(self, drafts: list[Drafts]) -> list[Drafts]:
+        """Rank 0's drafts on every rank, so that every rank verifies the same tokens."""
+        leader: list[Drafts] = self.context.broadcast_from_leader(drafts)
+        return leader
 
     def agree_batch_failures(self, rids: list[str], failures: dict[str, str]) -> dict[str, str]:
         """Failures of any rank for a batch of ``rids``; raises ``RankFailureError`` if ranks ran other batches."""

@@ -6,8 +6,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from scheduler.io_struct import FinishReason, SamplingParams
 from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
@@ -22,7 +20,8 @@ class Req:
     ``grammar`` is a ``Future`` while its grammar compiles, the grammar object once ready, None for a free
     request. ``kv`` is its KV sequence from admission to its end; ``num_cached_tokens`` of its prompt came cached.
     ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text`` track what
-    a streaming client has already received.
+    a streaming client has already received. ``sampling_seed`` keys its random draws by output position (its own
+    seed, or one the server drew for it).
     """
 
     rid: str
@@ -34,7 +33,7 @@ class Req:
     grammar: BaseGrammarObject | Future[BaseGrammarObject] | None = None
     grammar_cache_hit: bool | None = None
     grammar_queued_at: float | None = None
-    generator: torch.Generator | None = None
+    sampling_seed: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: OutputText | None = None
     finish_reason: FinishReason | None = None
@@ -46,6 +45,12 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """Output tokens the KV cache does not hold yet: the last sampled one, and any forced after it."""
+        num_held = len(self.kv) - len(self.prompt_ids) if self.kv is not None else 0
+        return self.output_ids[num_held:]
 
     @property
     def ready_grammar(self) -> BaseGrammarObject | None:

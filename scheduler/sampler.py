@@ -1,61 +1,82 @@
-"""Token sampling from masked logits: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling from masked logits, one row per sampling position: greedy, or temperature with top-k and top-p.
 
-Each sampled row draws one uniform number from its own generator (or the server's) and samples by inverse
-CDF, so a seeded request gets the same tokens whatever else is in its batch.
+A row at output position ``n`` of a request with sampling seed ``s`` samples by the exponential race
+``argmax p / E`` with ``E ~ Exp(1)`` drawn from a generator keyed by ``(s, n)``: a request's tokens depend on its seed
+and its text only, whatever else is in its batch and whether its tokens came one forward at a time or as verified
+drafts. Each row may carry a draft token; the row says whether the draft stands (``triton_ops.sample_and_verify``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from scheduler.sampling_batch_info import SamplingBatchInfo
+from triton_ops import sample_and_verify
+
+_MASK64 = 2**64 - 1
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo, default_generator: torch.Generator) -> list[int | None]:
-    """One token id per row of ``logits`` (``[batch, vocab]`` fp32, already masked; rows may be changed).
+@dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters of one forward's logits (a request has one row per position it samples)."""
 
-    A row where every logit is -inf (its grammar allows nothing) gets None.
-    """
+    temperatures: torch.Tensor  # [R] float32; 0 is greedy
+    top_ps: torch.Tensor  # [R] float32
+    top_ks: list[int | None]
+    seeds: list[int]
+    positions: list[int]  # the output index each row samples
+    draft_token_ids: list[int]  # NO_DRAFT where the row has none
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
+    """Each row's token (``logits`` ``[R, vocab]`` float32, already masked; rows may be changed); a row's draft
+    stands when its token is that draft. A row where every logit is -inf (its grammar allows nothing) gets None."""
     dead = torch.isneginf(logits).all(dim=-1)
     logits[dead] = 0.0
     tokens = logits.argmax(dim=-1)
-    rows = ((info.temperatures > 0) & ~dead).nonzero().flatten()
-    if len(rows) == 0:
-        return _with_dead_rows(tokens, dead)
-    scaled = logits[rows] / info.temperatures[rows].unsqueeze(-1)
-    uniform = torch.cat([torch.rand(1, generator=info.generators[row] or default_generator) for row in rows.tolist()])
-    top_ks = [info.top_ks[row] for row in rows.tolist()]
-    top_ps = info.top_ps[rows]
-    if all(k is None for k in top_ks) and bool((top_ps >= 1.0).all()):
-        tokens[rows] = _inverse_cdf(torch.softmax(scaled, dim=-1), uniform)
-    else:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        picked = _inverse_cdf(_top_k_top_p(sorted_logits, top_ks, top_ps), uniform)
-        tokens[rows] = order.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
-    return _with_dead_rows(tokens, dead)
-
-
-def _with_dead_rows(tokens: torch.Tensor, dead: torch.Tensor) -> list[int | None]:
+    sampled = ((rows.temperatures > 0) & ~dead).nonzero().flatten()
+    if len(sampled):
+        indices = sampled.tolist()
+        probs = _filtered_probs(
+            logits[sampled] / rows.temperatures[sampled].unsqueeze(-1),
+            [rows.top_ks[i] for i in indices],
+            rows.top_ps[sampled],
+        )
+        exponentials = torch.stack(
+            [position_exponentials(rows.seeds[i], rows.positions[i], probs.shape[1]) for i in indices]
+        )
+        drafts = torch.tensor([rows.draft_token_ids[i] for i in indices])
+        _, tokens[sampled] = sample_and_verify(probs, exponentials, drafts)
     return [None if is_dead else token for token, is_dead in zip(tokens.tolist(), dead.tolist(), strict=True)]
 
 
-def _top_k_top_p(sorted_logits: torch.Tensor, top_ks: list[int | None], top_ps: torch.Tensor) -> torch.Tensor:
-    """Probabilities over logits sorted descending, keeping each row's top-k, then its top-p nucleus."""
-    vocab = sorted_logits.shape[-1]
+def position_exponentials(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """``Exp(1)`` draws for every token at output ``position`` of a request seeded ``seed`` (never exactly 0)."""
+    generator = torch.Generator().manual_seed(_mix(seed, position))
+    draws = torch.empty(vocab_size).exponential_(generator=generator)
+    return draws.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of the pair: nearby seeds and positions get unrelated generator seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # a non-negative int64
+
+
+def _filtered_probs(scaled: torch.Tensor, top_ks: list[int | None], top_ps: torch.Tensor) -> torch.Tensor:
+    """Probabilities per row in vocabulary order, keeping each row's top-k, then its top-p nucleus."""
+    probs = torch.softmax(scaled, dim=-1)
+    if all(k is None for k in top_ks) and bool((top_ps >= 1.0).all()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = sorted_probs.shape[-1]
     ks = torch.tensor([vocab if k is None else min(k, vocab) for k in top_ks])
-    positions = torch.arange(vocab)
-    probs = torch.softmax(sorted_logits.masked_fill(positions >= ks.unsqueeze(-1), float("-inf")), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    return probs.masked_fill(mass_before > top_ps.unsqueeze(-1), 0.0)
-
-
-def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Index per row where the row's CDF first exceeds ``uniform`` times the row's total mass.
-
-    Searching on the right and keeping the target strictly below the total never lands on a zero-probability
-    token, whatever the rounding.
-    """
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1]
-    targets = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, targets.unsqueeze(-1), right=True).squeeze(-1)
+    kept = torch.arange(vocab) < ks.unsqueeze(-1)
+    sorted_probs = sorted_probs.masked_fill(~kept, 0.0)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    total = sorted_probs.sum(dim=-1, keepdim=True)
+    sorted_probs = sorted_probs.masked_fill(mass_before > top_ps.unsqueeze(-1) * total, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

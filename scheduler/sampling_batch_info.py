@@ -1,22 +1,27 @@
-"""Per-step sampling state of a batch: sampling parameters as tensors, and the grammar vocabulary masks."""
+"""Per-step sampling state of a batch: sampling parameters per logits row, and the grammar vocabulary masks."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from scheduler.request import Req
+from scheduler.sampler import SamplingRows
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from triton_ops import apply_token_bitmask_inplace, warm_up_cpu_bitmask_kernel
+from triton_ops import NO_DRAFT, apply_token_bitmask_inplace, warm_up_cpu_bitmask_kernel
 from triton_ops.bitmask_format import VocabMaskLayout, reset_rows
 
 
 class SamplingBatchInfo:
-    """Sampling tensors for the requests of one forward, and their vocabulary masks.
+    """Sampling parameters for the logits rows of one forward, and their vocabulary masks.
 
-    One object lives as long as the scheduler: the mask buffer ``[max_batch_size, words]`` is allocated once, in
-    the grammar backend's ``mask_layout`` (None without a backend: nothing is ever masked), and reused every step.
-    Only rows of active grammars are filled; rows filled in an earlier step and not now are reset to
-    all-allowed, so free requests and finished grammars never see a stale mask.
+    A request has one row per position it samples: one, or one more than its drafts when they are verified (row
+    ``j`` follows its first ``j`` drafts). One object lives as long as the scheduler: the mask buffer
+    ``[max_batch_size * max_rows_per_request, words]`` is allocated once, in the grammar backend's ``mask_layout``
+    (None without a backend: nothing is ever masked), and reused every step. Only rows of active grammars are
+    filled; rows filled in an earlier step and not now are reset to all-allowed, so free requests and finished
+    grammars never see a stale mask.
     """
 
     def __init__(
@@ -25,16 +30,17 @@ class SamplingBatchInfo:
         max_batch_size: int,
         device: torch.device | str = "cpu",
         mask_layout: VocabMaskLayout | None = None,
+        max_rows_per_request: int = 1,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
+        self.max_rows = max_batch_size * max_rows_per_request
         self.device = torch.device(device)
         self.mask_layout = mask_layout
         self.reqs: list[Req] = []
-        self.temperatures = torch.ones(0)
-        self.top_ps = torch.ones(0)
-        self.top_ks: list[int | None] = []
-        self.generators: list[torch.Generator | None] = []
+        self.drafts: list[list[int]] = []
+        self.row_owners: list[int] = []
+        self.rows = SamplingRows(torch.ones(0), torch.ones(0), [], [], [], [])
         self.vocab_mask: torch.Tensor | None = None
         self._mask_buffer: torch.Tensor | None = None
         self._filled_rows: set[int] = set()
@@ -45,40 +51,74 @@ class SamplingBatchInfo:
         if self.device.type == "cpu" and self.mask_layout is not None:
             warm_up_cpu_bitmask_kernel(self.vocab_size)
 
-    def prepare(self, reqs: list[Req]) -> None:
-        """Point at this step's requests (row ``i`` of the logits belongs to ``reqs[i]``)."""
-        if len(reqs) > self.max_batch_size:
-            raise ValueError(f"batch of {len(reqs)} exceeds max_batch_size {self.max_batch_size}")
-        self.reqs = reqs
-        params = [req.sampling_params for req in reqs]
-        self.temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        self.top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        self.top_ks = [p.top_k for p in params]
-        self.generators = [req.generator for req in reqs]
+    def prepare(self, reqs: list[Req], drafts: Sequence[list[int]] | None = None) -> None:
+        """Point at this step's requests and their drafts: ``reqs[i]`` owns ``len(drafts[i]) + 1`` consecutive rows
+        of the logits (one without drafts)."""
+        drafts = [list(d) for d in drafts] if drafts is not None else [[] for _ in reqs]
+        if len(reqs) > self.max_batch_size or sum(len(d) + 1 for d in drafts) > self.max_rows:
+            raise ValueError(f"batch of {len(reqs)} requests exceeds the sampling buffer ({self.max_rows} rows)")
+        self.reqs, self.drafts = reqs, drafts
+        self.row_owners = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+        params = [reqs[i].sampling_params for i in self.row_owners]
+        first_row = {i: self.row_owners.index(i) for i in range(len(reqs))}
+        self.rows = SamplingRows(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_ks=[p.top_k for p in params],
+            seeds=[reqs[i].sampling_seed for i in self.row_owners],
+            positions=[len(reqs[i].output_ids) + row - first_row[i] for row, i in enumerate(self.row_owners)],
+            draft_token_ids=[
+                drafts[i][row - first_row[i]] if row - first_row[i] < len(drafts[i]) else NO_DRAFT
+                for row, i in enumerate(self.row_owners)
+            ],
+        )
 
     def update_regex_vocab_mask(self) -> None:
-        """Fill one mask row per request with an active grammar; ``vocab_mask`` is None when there is none.
+        """Fill the mask rows of requests with an active grammar; ``vocab_mask`` is None when there is none.
 
-        A grammar that fails to fill its row gets a row that allows nothing and its error in ``fill_errors``,
-        so that only its own request fails.
+        A request's row ``j`` is filled after its grammar accepts its first ``j`` drafts (then rolled back). A
+        grammar that fails to fill gets rows that allow nothing and its error in ``fill_errors`` (keyed by its
+        request's index), so that only its own request fails.
         """
         self.fill_errors = {}
-        active = [(row, req.ready_grammar) for row, req in enumerate(self.reqs) if _is_active(req.ready_grammar)]
+        active = [i for i, req in enumerate(self.reqs) if _is_active(req.ready_grammar)]
         if not active and not self._filled_rows:
             self.vocab_mask = None
             return
         mask = self._buffer()
-        active_rows = {row for row, _ in active}
-        reset_rows(mask, self._filled_rows - active_rows)
-        for row, grammar in active:
-            assert grammar is not None
+        active_rows: set[int] = set()
+        for i in active:
+            first = self.row_owners.index(i)
+            rows = range(first, first + len(self.drafts[i]) + 1)
+            active_rows.update(rows)
             try:
-                grammar.fill_vocab_mask(mask, row)
+                self._fill_request_rows(mask, self.reqs[i].ready_grammar, self.drafts[i], rows)
             except Exception as e:  # an engine failure must not take the other requests down
-                mask[row].fill_(0)
-                self.fill_errors[row] = str(e)
+                mask[rows.start : rows.stop].fill_(0)
+                self.fill_errors[i] = str(e)
+        reset_rows(mask, self._filled_rows - active_rows)
         self._filled_rows = active_rows
-        self.vocab_mask = mask[: len(self.reqs)] if active else None
+        self.vocab_mask = mask[: len(self.row_owners)] if active else None
+
+    @staticmethod
+    def _fill_request_rows(
+        mask: torch.Tensor, grammar: BaseGrammarObject | None, drafts: list[int], rows: range
+    ) -> None:
+        """Row ``rows[j]`` after the first ``j`` drafts; the grammar ends where it started. Past the grammar's end
+        (a draft that terminates it) rows stay all-allowed: the request finishes before they are read."""
+        assert grammar is not None
+        grammar.fill_vocab_mask(mask, rows[0])
+        num_accepted = 0
+        try:
+            for j, draft in enumerate(drafts, start=1):
+                grammar.accept_token(draft)
+                num_accepted = j
+                if grammar.is_terminated():
+                    reset_rows(mask, rows[j:])
+                    break
+                grammar.fill_vocab_mask(mask, rows[j])
+        finally:
+            grammar.rollback(num_accepted)
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf in place (``logits`` is ``[batch, vocab]``)."""
@@ -89,7 +129,7 @@ class SamplingBatchInfo:
         if self._mask_buffer is None:
             if self.mask_layout is None:
                 raise RuntimeError("a grammar is active but the batch was built without a grammar backend's layout")
-            self._mask_buffer = self.mask_layout.allocate(self.max_batch_size, self.device)
+            self._mask_buffer = self.mask_layout.allocate(self.max_rows, self.device)
         return self._mask_buffer
 
 

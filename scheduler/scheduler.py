@@ -32,6 +32,7 @@ from scheduler.rank_sync import RankSync
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
+from scheduler.speculative import DraftProposer
 from sglang_constrained.reasoner_grammar_backend import think_end_token_id
 from sglang_constrained.registry import create_grammar_backend
 
@@ -67,15 +68,22 @@ class Scheduler:
         )
         rank_sync = RankSync(dist) if dist is not None else None
         self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
+        proposer = DraftProposer(
+            server_args.speculative_algorithm,
+            server_args.speculative_num_draft_tokens,
+            self.tokenizer,
+            model_runner.vocab_size,
+        )
         sampling_info = SamplingBatchInfo(
             model_runner.vocab_size,
             server_args.max_running_requests,
             model_runner.device,
             grammar_backend.mask_layout if grammar_backend is not None else None,
+            max_rows_per_request=1 + server_args.speculative_num_draft_tokens,
         )
         sampling_info.warm_up()
-        generator = torch.Generator().manual_seed(server_args.seed)
-        self.executor = BatchExecutor(model_runner, sampling_info, generator, rank_sync)
+        self.seed_generator = torch.Generator().manual_seed(server_args.seed)
+        self.executor = BatchExecutor(model_runner, sampling_info, proposer, rank_sync)
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
@@ -198,12 +206,17 @@ class Scheduler:
             sampling_params=params,
             stream=message.stream,
             grammar_key=grammar_key,
-            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            sampling_seed=self._sampling_seed(params.seed),
             text=OutputText(self.tokenizer, params.stop, needs_live_text=message.stream),
         )
         self.live[req.rid] = req
         if not self.grammar_manager.process_req_with_grammar(req):
             self._admit(req)
+
+    def _sampling_seed(self, seed: int | None) -> int:
+        """The request's seed, or the server's next draw (the same on every rank: they see the same requests)."""
+        drawn = int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
+        return drawn if seed is None else seed
 
     def _admit(self, req: Req) -> None:
         """A request whose grammar is settled: queue it for prefill, or answer its failure."""
@@ -289,4 +302,11 @@ class Scheduler:
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
             num_free_kv_tokens=self.executor.num_free_kv_tokens,
             cache_hit_rate=self.executor.cache_hit_rate,
+            num_forwards=self.executor.stats.num_forwards,
+            num_output_tokens=self.executor.stats.num_output_tokens,
+            num_forced_tokens=self.executor.stats.num_forced_tokens,
+            drafts_proposed=dict(self.executor.stats.drafts_proposed),
+            drafts_accepted=dict(self.executor.stats.drafts_accepted),
+            draft_runs=dict(self.executor.stats.draft_runs),
+            metrics_text=self.grammar_manager.metrics.render(),
         )

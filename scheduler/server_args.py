@@ -10,12 +10,16 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from sglang_constrained.registry import available_grammar_backends
+from sglang_constrained.registry import available_grammar_backends, check_grammar_backend_order
 
 T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_DTYPES = ("float32", "bfloat16")
+MAX_DRAFT_TOKENS = 16
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "grammar", "grammar+ngram")
+"""Draft sources: none (one forward per token, no jump-forward), prompt lookup, the grammar's forced continuation
+(with jump-forward over forced tokens), or both."""
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -57,6 +61,11 @@ WORLD_SIZE = EnvVar("WORLD_SIZE", 1, int, "number of ranks (set by torchrun; 1 w
 ENVIRONMENT_TABLE: tuple[EnvVar, ...] = (GRAMMAR_POLL_INTERVAL, GRAMMAR_MAX_POLL_ITERATIONS, CACHE_DIR, WORLD_SIZE)
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_compile_timeout() -> float:
     """SGLang's deadline: ``SGLANG_GRAMMAR_MAX_POLL_ITERATIONS`` x ``SGLANG_GRAMMAR_POLL_INTERVAL`` seconds."""
     return GRAMMAR_MAX_POLL_ITERATIONS.get() * GRAMMAR_POLL_INTERVAL.get()
@@ -68,6 +77,7 @@ class ServerArgs:
 
     model_path: str | None = None
     grammar_backend: str = "xgrammar"
+    grammar_backend_order: tuple[str, ...] = ("xgrammar", "llguidance", "outlines")
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
     reasoning_parser: str | None = None
@@ -76,8 +86,10 @@ class ServerArgs:
     max_total_tokens: int = 65536
     disable_radix_cache: bool = False
     weight_dtype: str = "float32"
+    speculative_algorithm: str = "grammar+ngram"
+    speculative_num_draft_tokens: int = 8
     grammar_compile_timeout: float | None = None
-    grammar_compile_threads: int = 2
+    grammar_compile_threads: int = max(1, available_cores() - 1)
     grammar_cache_max_entries: int = 1024
     grammar_cache_max_bytes: int = 512 * 1024 * 1024
     grammar_max_spec_bytes: int = 1024 * 1024
@@ -117,10 +129,15 @@ class ServerArgs:
             raise ValueError(
                 f"unknown grammar backend {self.grammar_backend!r}; choose one of {available_grammar_backends()}"
             )
+        check_grammar_backend_order(self.grammar_backend_order)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--weight-dtype must be one of {WEIGHT_DTYPES}")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
+        if not 0 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [0, {MAX_DRAFT_TOKENS}]")
         for name in (
             "max_running_requests",
             "max_seq_len",
@@ -147,6 +164,13 @@ class ServerArgs:
             "--grammar-backend",
             default=d.grammar_backend,
             help=f"one of {available_grammar_backends()} or a registered name",
+        )
+        parser.add_argument(
+            "--grammar-backend-order",
+            type=_comma_separated,
+            default=d.grammar_backend_order,
+            help="the backends --grammar-backend auto asks for each constraint, in turn (comma-separated; "
+            f"default: {','.join(d.grammar_backend_order)}); the first that enforces it exactly compiles it",
         )
         parser.add_argument(
             "--constrained-json-whitespace-pattern",
@@ -184,12 +208,31 @@ class ServerArgs:
             "float32); bfloat16 decodes faster, but its greedy tokens may differ from float32's and with the batch",
         )
         parser.add_argument(
+            "--speculative-algorithm",
+            default=d.speculative_algorithm,
+            choices=SPECULATIVE_ALGORITHMS,
+            help="draft tokens verified in one forward, and jump-forward over tokens the grammar forces; outputs are "
+            "the same as without (greedy and seeded): none decodes one forward per token",
+        )
+        parser.add_argument(
+            "--speculative-num-draft-tokens",
+            type=int,
+            default=d.speculative_num_draft_tokens,
+            help=f"the most drafts per request and forward (0 to {MAX_DRAFT_TOKENS}; fewer as the batch grows)",
+        )
+        parser.add_argument(
             "--grammar-compile-timeout",
             type=float,
             default=d.grammar_compile_timeout,
             help="seconds (default: poll interval x max poll iterations)",
         )
-        parser.add_argument("--grammar-compile-threads", type=int, default=d.grammar_compile_threads)
+        parser.add_argument(
+            "--grammar-compile-threads",
+            type=int,
+            default=d.grammar_compile_threads,
+            help="grammars compiled at once, each on one core at low CPU priority (xgrammar's in a compile process "
+            "each); default: the cores less one, left to the loop",
+        )
         parser.add_argument("--grammar-cache-max-entries", type=int, default=d.grammar_cache_max_entries)
         parser.add_argument("--grammar-cache-max-bytes", type=int, default=d.grammar_cache_max_bytes)
         parser.add_argument(
@@ -238,3 +281,7 @@ class ServerArgs:
 
     def with_overrides(self, **changes: object) -> ServerArgs:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _comma_separated(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())

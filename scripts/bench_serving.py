@@ -10,9 +10,12 @@ the scheduler sends one chunk per step in which a request gained tokens, and eac
 forward that request took part in. ``--profile`` runs the scheduler under cProfile and prints where its time went.
 ``--peer llamacpp`` (where llama-cpp-python is installed: the ``llamacpp`` extra) also runs the free and JSON
 requests through llama.cpp on the same GGUF file, each round right after ours, and prints ours over it.
+``--compare-speculation`` starts two schedulers, ``--speculative-algorithm none`` and the default, runs every
+kind on both back to back, and prints speculation on over off, JSON on over free off, forwards per token and, per
+draft source, the acceptance rate and mean accepted run (from the schedulers' counters).
 
     python scripts/bench_serving.py [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
-                                    [--peer llamacpp]
+                                    [--peer llamacpp] [--compare-speculation] [--temperature 0.7]
 
 Over 300 lines: the requests, their schedule and their summary are shared by the profile and the peer runs.
 """
@@ -101,8 +104,10 @@ def is_valid(kind: str, text: str) -> bool:
     return True
 
 
-async def run_one(client: AsyncSchedulerClient, kind: str, index: int, max_new_tokens: int) -> Outcome:
-    params = {"temperature": 0.7, "max_new_tokens": max_new_tokens, "seed": index, **CONSTRAINTS[kind]}
+async def run_one(
+    client: AsyncSchedulerClient, kind: str, index: int, max_new_tokens: int, temperature: float = 0.7
+) -> Outcome:
+    params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": index, **CONSTRAINTS[kind]}
     messages = [{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}]
     start = time.perf_counter()
     first = last = None
@@ -123,14 +128,19 @@ async def run_one(client: AsyncSchedulerClient, kind: str, index: int, max_new_t
 
 
 async def run_kind(
-    client: AsyncSchedulerClient, kind: str, concurrency: int, num_requests: int, max_new_tokens: int
+    client: AsyncSchedulerClient,
+    kind: str,
+    concurrency: int,
+    num_requests: int,
+    max_new_tokens: int,
+    temperature: float = 0.7,
 ) -> tuple[list[Outcome], float]:
     """``num_requests`` requests of one kind with ``concurrency`` in flight; returns outcomes and wall seconds."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(index: int) -> Outcome:
         async with gate:
-            return await run_one(client, kind, index, max_new_tokens)
+            return await run_one(client, kind, index, max_new_tokens, temperature)
 
     start = time.perf_counter()
     outcomes = await asyncio.gather(*(gated(i) for i in range(num_requests)))
@@ -186,58 +196,158 @@ def format_peer_ratio(concurrency: int, kind: str, ours: dict[str, Any], theirs:
     )
 
 
-async def bench(endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+SpeculationCounters = dict[str, Any]
+ZERO_COUNTERS: SpeculationCounters = {
+    "forwards": 0,
+    "tokens": 0,
+    "forced": 0,
+    "proposed": {},
+    "accepted": {},
+    "runs": {},
+}
+
+
+async def speculation_counters(client: AsyncSchedulerClient) -> SpeculationCounters:
+    pong = await client.wait_until_ready()
+    return {
+        "forwards": pong.num_forwards,
+        "tokens": pong.num_output_tokens,
+        "forced": pong.num_forced_tokens,
+        "proposed": dict(pong.drafts_proposed),
+        "accepted": dict(pong.drafts_accepted),
+        "runs": dict(pong.draft_runs),
+    }
+
+
+def counters_delta(after: SpeculationCounters, before: SpeculationCounters) -> SpeculationCounters:
+    delta: SpeculationCounters = {}
+    for name, value in after.items():
+        if isinstance(value, dict):
+            delta[name] = {source: count - before[name].get(source, 0) for source, count in value.items()}
+        else:
+            delta[name] = value - before[name]
+    return delta
+
+
+async def bench(endpoints: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every kind on every scheduler (``endpoints``: label -> address), back to back, round after round."""
     peer = None
     if args.peer == "llamacpp":
         if not llamacpp_peer.is_available():
             raise SystemExit("--peer llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
         peer = llamacpp_peer.LlamaCppPeer(threads=os.cpu_count() or 1, schema=PERSON_SCHEMA)
-    client = AsyncSchedulerClient(endpoint)
-    pong = await client.wait_until_ready(timeout_s=600)
-    print(f"scheduler ready: {pong.model}, grammar backend {pong.grammar_backend}, vocab {pong.vocab_size}")
-    for kind in KINDS:  # compile and cache the grammars, warm every path once
-        await run_one(client, kind, 0, 4)
+    clients = {label: AsyncSchedulerClient(endpoint) for label, endpoint in endpoints.items()}
+    for label, client in clients.items():
+        pong = await client.wait_until_ready(timeout_s=600)
+        print(f"scheduler {label or ''} ready: {pong.model}, grammar backend {pong.grammar_backend}")
+        for kind in KINDS:  # compile and cache the grammars, warm every path once
+            await run_one(client, kind, 0, 4)
     rows = []
     for concurrency in args.concurrency:
         num_requests = max(args.min_requests, args.waves * concurrency)
-        collected: dict[str, tuple[list[Outcome], float]] = {kind: ([], 0.0) for kind in KINDS}
+        runs = [(label, kind) for label in clients for kind in KINDS]
+        collected: dict[tuple[str, str], tuple[list[Outcome], float]] = {run: ([], 0.0) for run in runs}
+        counters = {run: counters_delta(ZERO_COUNTERS, ZERO_COUNTERS) for run in runs}
         peer_collected: dict[str, tuple[list[Outcome], float]] = {kind: ([], 0.0) for kind in llamacpp_peer.PEER_KINDS}
-        round_tpots: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        round_tpots: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
         for round_index in range(args.rounds):
-            order = KINDS[round_index % 3 :] + KINDS[: round_index % 3]
-            for kind in order if round_index % 2 == 0 else order[::-1]:
-                outcomes, wall_s = await run_kind(client, kind, concurrency, num_requests, args.max_new_tokens)
-                previous, previous_s = collected[kind]
-                collected[kind] = (previous + outcomes, previous_s + wall_s)
-                round_tpots[kind].append(statistics.median(o.tpot_s or math.nan for o in outcomes))
-                if peer is not None and kind in peer_collected:
+            order = runs[round_index % len(runs) :] + runs[: round_index % len(runs)]
+            for label, kind in order if round_index % 2 == 0 else order[::-1]:
+                client = clients[label]
+                before = await speculation_counters(client)
+                outcomes, wall_s = await run_kind(
+                    client, kind, concurrency, num_requests, args.max_new_tokens, args.temperature
+                )
+                delta = counters_delta(await speculation_counters(client), before)
+                counters[label, kind] = counters_sum(counters[label, kind], delta)
+                previous, previous_s = collected[label, kind]
+                collected[label, kind] = (previous + outcomes, previous_s + wall_s)
+                round_tpots[label, kind].append(statistics.median(o.tpot_s or math.nan for o in outcomes))
+                if peer is not None and kind in peer_collected and label == next(iter(clients)):
                     outcomes, wall_s = run_peer(peer, kind, num_requests, args.max_new_tokens)
                     previous, previous_s = peer_collected[kind]
                     peer_collected[kind] = (previous + outcomes, previous_s + wall_s)
-        level = {kind: summarise(kind, *collected[kind]) for kind in KINDS}
-        for kind in KINDS:
+        level = {run: summarise(run[1], *collected[run]) for run in runs}
+        for label, kind in runs:
+            row = level[label, kind]
             rows.append(
-                {"concurrency": concurrency, **level[kind], "round_tpot_ms": [t * 1e3 for t in round_tpots[kind]]}
+                {
+                    "concurrency": concurrency,
+                    "scheduler": label,
+                    **row,
+                    "round_tpot_ms": [t * 1e3 for t in round_tpots[label, kind]],
+                    "speculation": counters[label, kind],
+                }
             )
-            print(format_row(concurrency, level[kind]))
+            print(format_row(concurrency, row, label))
         print(f"C={concurrency}: CPU pressure (share of the last minute a task waited for a core) {cpu_pressure()}")
-        for kind in ("json", "regex"):
-            paired = [free / own for free, own in zip(round_tpots["free"], round_tpots[kind], strict=True)]
-            rows[-3 + KINDS.index(kind)]["round_decode_ratios"] = paired
-            print(format_ratio(concurrency, level[kind], level["free"], statistics.median(paired)))
+        for label in clients:
+            for kind in ("json", "regex"):
+                free_tpots, own_tpots = round_tpots[label, "free"], round_tpots[label, kind]
+                paired = [free / own for free, own in zip(free_tpots, own_tpots, strict=True)]
+                print(format_ratio(concurrency, level[label, kind], level[label, "free"], statistics.median(paired)))
+        if set(clients) == set(SPECULATION_LABELS):
+            for line in speculation_lines(concurrency, level, counters):
+                print(line)
         if peer is not None:
+            ours = next(iter(clients))
             for kind, (outcomes, wall_s) in peer_collected.items():
                 theirs = summarise(kind, outcomes, wall_s)
                 rows.append({"concurrency": concurrency, "peer": "llamacpp", **theirs})
-                print(format_peer_ratio(concurrency, kind, level[kind], theirs))
-    await client.close()
+                print(format_peer_ratio(concurrency, kind, level[ours, kind], theirs))
+    for client in clients.values():
+        await client.close()
     return rows
 
 
-def format_row(concurrency: int, row: dict[str, Any]) -> str:
+def counters_sum(a: SpeculationCounters, b: SpeculationCounters) -> SpeculationCounters:
+    total: SpeculationCounters = {}
+    for name, value in a.items():
+        if isinstance(value, dict):
+            total[name] = {source: value.get(source, 0) + b[name].get(source, 0) for source in {*value, *b[name]}}
+        else:
+            total[name] = value + b[name]
+    return total
+
+
+SPECULATION_LABELS = ("spec-off", "spec-on")
+
+
+def speculation_lines(
+    concurrency: int, level: dict[tuple[str, str], dict[str, Any]], counters: dict[tuple[str, str], SpeculationCounters]
+) -> list[str]:
+    """Speculation on over off per kind, JSON on over free off, and what each draft source achieved."""
+    off, on = SPECULATION_LABELS
+    lines = []
+    for kind in KINDS:
+        ratio = level[on, kind]["output_tokens_per_s"] / level[off, kind]["output_tokens_per_s"]
+        target = 1.5 if (kind == "json" and concurrency == 1) else (0.97 if concurrency >= 32 else None)
+        verdict = "" if target is None else (" (ok)" if ratio >= target else f" (MISS: target >= {target:g})")
+        lines.append(
+            f"speculation on/off {kind} at C={concurrency}: output tok/s {ratio:.3f}{verdict}; forwards/token "
+            f"{level[off, kind]['forwards_per_output_token']:.3f} -> {level[on, kind]['forwards_per_output_token']:.3f}"
+        )
+    faster_than_free = level[on, "json"]["output_tokens_per_s"] / level[off, "free"]["output_tokens_per_s"]
+    verdict = "ok" if faster_than_free >= 1.3 else "MISS: target >= 1.3"
+    lines.append(
+        f"JSON with speculation / free without at C={concurrency}: output tok/s {faster_than_free:.3f} ({verdict})"
+    )
+    for kind in KINDS:
+        spec = counters[on, kind]
+        parts = [f"forced {spec['forced']} of {spec['tokens']} tokens"]
+        for source in sorted(spec["proposed"]):
+            proposed, accepted, runs = spec["proposed"][source], spec["accepted"].get(source, 0), spec["runs"][source]
+            rate = accepted / proposed if proposed else 0.0
+            mean_run = accepted / max(runs, 1)
+            parts.append(f"{source} drafts: acceptance {rate:.2f} ({accepted}/{proposed}), mean run {mean_run:.2f}")
+        lines.append(f"  C={concurrency} {kind} speculation: " + "; ".join(parts))
+    return lines
+
+
+def format_row(concurrency: int, row: dict[str, Any], label: str = "") -> str:
     valid = f"valid {row['valid']}/{row['requests']}" if "valid" in row else f"{'':>12}"
     return (
-        f"C={concurrency:<3} {row['kind']:>5}: {row['output_tokens_per_s']:7.1f} tok/s"
+        f"C={concurrency:<3} {label}{' ' if label else ''}{row['kind']:>5}: {row['output_tokens_per_s']:7.1f} tok/s"
         f"  TTFT {row['ttft_median_ms']:7.1f} ms  TPOT {row['tpot_median_ms']:6.1f} ms"
         f"  avg len {row['avg_output_tokens']:5.1f}  {valid}"
         f"  cut {row['cut_by_length']}  aborted {row['aborted']}  forwards/token {row['forwards_per_output_token']:.3f}"
@@ -306,25 +416,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds over the three kinds, in rotated order")
     parser.add_argument("--profile", action="store_true", help="run the scheduler under cProfile and print the top")
     parser.add_argument("--peer", choices=["llamacpp"], default=None, help="also run the requests through llama.cpp")
+    parser.add_argument(
+        "--compare-speculation", action="store_true", help="speculation off and on, two schedulers side by side"
+    )
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy requests")
     parser.add_argument("--output", type=Path, default=None, help="default: results/bench_serving_<backend>.json")
     args = parser.parse_args(argv)
     results_dir = REPO / "results"
     results_dir.mkdir(exist_ok=True)
     output = args.output or results_dir / f"bench_serving_{args.backend}.json"
-    port = free_port()
-    launch = ["-m", "scheduler.launch", "--zmq-port", str(port), "--grammar-backend", args.backend]
-    launch += ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
+    labels = SPECULATION_LABELS if args.compare_speculation else ("",)
+    ports = {label: free_port() for label in labels}
     profile_path = results_dir / f"bench_serving_{args.backend}.prof"
-    prefix = ["-m", "cProfile", "-o", str(profile_path)] if args.profile else []
     log_path = results_dir / f"bench_serving_{args.backend}.log"
+    servers = []
     with log_path.open("w") as log:
-        server = subprocess.Popen([sys.executable, *prefix, *launch], cwd=REPO, stderr=log)
+        for label, port in ports.items():
+            launch = ["-m", "scheduler.launch", "--zmq-port", str(port), "--grammar-backend", args.backend]
+            launch += ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
+            if label == SPECULATION_LABELS[0]:
+                launch += ["--speculative-algorithm", "none"]
+            prefix = ["-m", "cProfile", "-o", str(profile_path)] if args.profile and label == labels[-1] else []
+            servers.append(subprocess.Popen([sys.executable, *prefix, *launch], cwd=REPO, stderr=log))
         try:
-            rows = asyncio.run(bench(f"tcp://127.0.0.1:{port}", args))
+            rows = asyncio.run(bench({label: f"tcp://127.0.0.1:{port}" for label, port in ports.items()}, args))
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=120)
+            for server in servers:
+                server.send_signal(signal.SIGTERM)
+            for server in servers:
+                server.wait(timeout=120)
     report = {"backend": args.backend, "max_new_tokens": args.max_new_tokens, "profiled": args.profile}
+    report |= {"temperature": args.temperature, "compare_speculation": args.compare_speculation}
     report |= {
         "load_average_1min": os.getloadavg()[0],
         "cpu_pressure_avg60": cpu_pressure(),

@@ -4,13 +4,16 @@
     python scripts/conformance_report.py --data ../shared/data/jsonschemabench/maskbench --limit 200
     python scripts/conformance_report.py --write-known-refusals   # re-record the suite's known_refusals.json
 
-Prints, per backend and tokenizer and then per folder: schemas compiled / total, valid instances fully accepted /
-total and invalid instances rejected / total (over compiled schemas), invalid outputs / finished random walks
-through each compiled schema's own masks (``--walks`` per schema; must be 0), and the seconds compiles and walks took;
-then the refusals grouped by reason, and the cases that cost the backends most (the conformance test keeps those
-out of its default sample). Where the data folder holds known_refusals.json and known_deviations.json (the
-suite's does), every case is judged as the conformance test judges it: each disagreement is printed on a line
-starting with "!!" and the exit status is 1. Details go to results/conformance.json.
+Prints, per backend and tokenizer and then per folder: schemas compiled / total, schemas fully right / total
+(compiled, every invalid instance and walk output rejected, every valid instance accepted but for a recorded
+narrowing: the coverage), valid instances fully accepted / total and invalid instances rejected / total (over
+compiled schemas), invalid outputs / finished random walks through each compiled schema's own masks (``--walks``
+per schema; must be 0), and the seconds compiles and walks took; then the refusals grouped by reason, which backend
+``auto`` chose and why, and the cases that cost the backends most (the conformance test keeps those out of its
+default sample). Where the data folder holds known_refusals.json and known_deviations.json (the suite's does),
+every case is judged as the conformance test judges it (``auto`` against what the other backends' records imply):
+each disagreement is printed on a line starting with "!!" and the exit status is 1. Details go to
+results/conformance.json.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.auto_grammar_backend import describe_refusals
+from sglang_constrained.errors import refusal_reason
+from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND, create_grammar_backend
 from sglang_constrained.testing.conformance import (
     KNOWN_DEVIATIONS_FILE,
     KNOWN_REFUSALS_FILE,
@@ -32,20 +37,23 @@ from sglang_constrained.testing.conformance import (
     KnownOutcomes,
     MaskBenchSweep,
     known_refusals_from,
-    refusal_reason,
 )
 from sglang_constrained.testing.maskbench import MaskBenchCase, iter_case_paths, load_case
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ("xgrammar", "llguidance", "outlines")
-ROW = "{:<11} {:<9} {:<15} {:>13} {:>16} {:>18} {:>16} {:>7}"
+RECORDED_BACKENDS = ("xgrammar", "llguidance", "outlines")
+"""The backends whose refusals known_refusals.json records; ``auto``'s outcomes follow from theirs."""
+BACKENDS = (*RECORDED_BACKENDS, AUTO_GRAMMAR_BACKEND)
+ROW = "{:<11} {:<9} {:<15} {:>13} {:>13} {:>16} {:>18} {:>16} {:>7}"
+_POINTER = re.compile(r" \(at [^)]*\)")
 
 
 @dataclass
 class Tally:
     num_schemas: int = 0
     num_compiled: int = 0
+    num_fully_right: int = 0
     num_valid: int = 0
     num_valid_accepted: int = 0
     num_invalid: int = 0
@@ -54,12 +62,13 @@ class Tally:
     num_invalid_outputs: int = 0
     seconds: float = 0.0
 
-    def add(self, result: ConformanceResult) -> None:
+    def add(self, result: ConformanceResult, is_fully_right: bool) -> None:
         self.num_schemas += 1
         self.seconds += result.seconds
         if not result.compiled:
             return
         self.num_compiled += 1
+        self.num_fully_right += is_fully_right
         self.num_valid += result.num_valid
         self.num_valid_accepted += result.num_valid_accepted
         self.num_invalid += result.num_invalid
@@ -76,6 +85,7 @@ class Tally:
             tokenizer,
             folder,
             f"{self.num_compiled}/{self.num_schemas}",
+            f"{self.num_fully_right}/{self.num_schemas}",
             f"{self.num_valid_accepted}/{self.num_valid}",
             f"{self.num_invalid_rejected}/{self.num_invalid}",
             f"{self.num_invalid_outputs}/{self.num_walks_finished}",
@@ -85,7 +95,8 @@ class Tally:
 
 @dataclass
 class PairReport:
-    """One backend at one tokenizer: totals per folder, refusal messages, the cases it got wrong, costs."""
+    """One backend at one tokenizer: totals per folder, refusal messages, the cases it got wrong, costs; for ``auto``
+    the backend chosen per case and the ``(backend, message)`` refusals before the choice."""
 
     backend: str
     tokenizer: str
@@ -96,10 +107,22 @@ class PairReport:
     wrongly_accepted_cases: list[str] = field(default_factory=list)
     case_seconds: dict[str, float] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=dict)
+    choices: dict[str, str | None] = field(default_factory=dict)
+    fallbacks: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
-    def add(self, case: MaskBenchCase, result: ConformanceResult) -> None:
-        self.folders.setdefault(case.folder, Tally()).add(result)
+    def add(self, case: MaskBenchCase, result: ConformanceResult, known: KnownOutcomes | None) -> None:
+        """Count ``result``, judged against ``known`` when the data folder records outcomes."""
+        if known is not None:
+            problems = known.problems(self.backend, self.tokenizer, result)
+            if problems:
+                self.problems[case.name] = problems
+        is_known_narrowing = known is not None and known.deviation(self.backend, self.tokenizer, case.name) is not None
+        self.folders.setdefault(case.folder, Tally()).add(result, result.is_fully_right(is_known_narrowing))
         self.case_seconds[case.name] = result.seconds
+        if self.backend == AUTO_GRAMMAR_BACKEND:
+            self.choices[case.name] = result.chosen_backend
+            if result.fallback_reasons:
+                self.fallbacks[case.name] = result.fallback_reasons
         if result.compile_error is not None:
             self.refusals[case.name] = result.compile_error
         if result.wrongly_rejected:
@@ -107,25 +130,32 @@ class PairReport:
         if result.wrongly_accepted:
             self.wrongly_accepted_cases.append(case.name)
 
+    def refusal_reasons(self, case: str) -> str:
+        """The short reason of a refused case: each backend's, for ``auto``."""
+        if case in self.fallbacks:
+            return describe_refusals(self.fallbacks[case])
+        return refusal_reason(self.refusals[case])
+
 
 def run(
-    backend_name: str, setup: TokenizerSetup, cases: list[MaskBenchCase], num_walks: int
-) -> tuple[PairReport, list[ConformanceResult]]:
+    backend_name: str,
+    setup: TokenizerSetup,
+    cases: list[MaskBenchCase],
+    num_walks: int,
+    known: KnownOutcomes | None,
+) -> PairReport:
     backend = create_grammar_backend(
         ServerArgs(grammar_backend=backend_name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
     )
     assert backend is not None
     sweep = MaskBenchSweep(backend, setup, cases, num_walks=num_walks)
     report = PairReport(backend_name, setup.name)
-    results = []
     start = time.perf_counter()
     for case in cases:
-        result = sweep.check(case)
-        report.add(case, result)
-        results.append(result)
+        report.add(case, sweep.check(case), known)
     report.seconds = time.perf_counter() - start
     backend.shutdown()
-    return report, results
+    return report
 
 
 def print_table(report: PairReport) -> None:
@@ -146,9 +176,29 @@ def print_refusals(reports: list[PairReport]) -> None:
             )
             continue
         printed.setdefault(report.backend, report)
-        reasons = Counter(re.sub(r" \(at .*\)$", "", refusal_reason(message)) for message in report.refusals.values())
+        reasons = Counter(_POINTER.sub("", report.refusal_reasons(case)) for case in report.refusals)
         print(f"{report.backend} at {report.tokenizer} refuses {len(report.refusals)} schemas:")
         for reason, count in reasons.most_common():
+            print(f"  {count:>4}  {reason}")
+
+
+def print_auto_choices(reports: list[PairReport]) -> None:
+    """Which backend ``auto`` chose, and why it passed over the ones before it (reasons without their pointers)."""
+    for report in reports:
+        if report.backend != AUTO_GRAMMAR_BACKEND:
+            continue
+        chosen = Counter(backend for backend in report.choices.values() if backend is not None)
+        print(
+            f"auto at {report.tokenizer} chose "
+            + ", ".join(f"{backend} for {count}" for backend, count in chosen.most_common())
+            + f"; every backend refused {len(report.refusals)} of {len(report.choices)}"
+        )
+        fell_back = Counter(
+            f"{report.choices[case]} because {_POINTER.sub('', describe_refusals(reasons))}"
+            for case, reasons in report.fallbacks.items()
+            if report.choices[case] is not None
+        )
+        for reason, count in fell_back.most_common():
             print(f"  {count:>4}  {reason}")
 
 
@@ -183,11 +233,16 @@ def main() -> int:
     options = parser.parse_args()
     is_whole_sweep = (
         options.limit is None
-        and set(options.backends) == set(BACKENDS)
+        and set(options.backends) >= set(RECORDED_BACKENDS)
         and set(options.tokenizers) == set(TOKENIZER_SETUPS)
     )
     if options.write_known_refusals and not is_whole_sweep:
-        parser.error("--write-known-refusals needs the whole sweep: every backend and tokenizer, and no --limit")
+        parser.error(
+            f"--write-known-refusals needs the whole sweep: {', '.join(RECORDED_BACKENDS)}, every tokenizer, no --limit"
+        )
+    known = None
+    if (options.data / KNOWN_REFUSALS_FILE).exists() and (options.data / KNOWN_DEVIATIONS_FILE).exists():
+        known = KnownOutcomes.load(options.data).with_auto(ServerArgs().grammar_backend_order)
 
     folders = sorted(p.name for p in options.data.iterdir() if p.is_dir())
     cases = [load_case(p) for folder in folders for p in iter_case_paths(options.data, folder, options.limit)]
@@ -198,6 +253,7 @@ def main() -> int:
             "tokenizer",
             "folder",
             "compiled",
+            "fully right",
             "valid accepted",
             "invalid rejected",
             "invalid outputs",
@@ -205,34 +261,31 @@ def main() -> int:
         )
     )
     reports: list[PairReport] = []
-    results: dict[tuple[str, str], list[ConformanceResult]] = {}
     for tokenizer_name in options.tokenizers:
         setup = load_tokenizer_setup(tokenizer_name, ServerArgs().cache_path)
         for backend_name in options.backends:
-            report, results[backend_name, tokenizer_name] = run(backend_name, setup, cases, options.walks)
+            report = run(backend_name, setup, cases, options.walks, known)
             reports.append(report)
             print_table(report)
 
     print_refusals(reports)
+    print_auto_choices(reports)
     print_costliest(reports, options.slow)
     if options.write_known_refusals:
         messages: dict[str, dict[str, dict[str, str]]] = {}
         for report in reports:
-            messages.setdefault(report.backend, {})[report.tokenizer] = report.refusals
+            if report.backend in RECORDED_BACKENDS:
+                messages.setdefault(report.backend, {})[report.tokenizer] = report.refusals
         recorded = known_refusals_from(messages)
         (options.data / KNOWN_REFUSALS_FILE).write_text(json.dumps(recorded, indent=2, ensure_ascii=False) + "\n")
         print(f"wrote {options.data / KNOWN_REFUSALS_FILE}: {', '.join(f'{b} {len(c)}' for b, c in recorded.items())}")
 
     num_problems = 0
-    if (options.data / KNOWN_REFUSALS_FILE).exists() and (options.data / KNOWN_DEVIATIONS_FILE).exists():
-        known = KnownOutcomes.load(options.data)
+    if known is not None:
         for report in reports:
-            for result in results[report.backend, report.tokenizer]:
-                problems = known.problems(report.backend, report.tokenizer, result)
-                if problems:
-                    report.problems[result.name] = problems
+            for name, problems in report.problems.items():
                 for problem in problems:
-                    print(f"!! {report.backend} {report.tokenizer} {result.name}: {problem}")
+                    print(f"!! {report.backend} {report.tokenizer} {name}: {problem}")
                 num_problems += len(problems)
         print(f"{num_problems} disagreements with {KNOWN_REFUSALS_FILE} and {KNOWN_DEVIATIONS_FILE}")
     else:

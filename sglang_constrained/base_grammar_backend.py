@@ -55,15 +55,23 @@ class GrammarBackendArgs(Protocol):
     def grammar_compile_threads(self) -> int: ...
     @property
     def compile_timeout_s(self) -> float: ...
+    @property
+    def grammar_backend_order(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
 class GrammarStats:
-    """What it took to obtain a grammar object: which dispatch built it, how long, and whether it was cached."""
+    """What it took to obtain a grammar object: which dispatch built it, how long, and whether it was cached.
+
+    ``chosen_backend`` and ``fallback_reasons`` are set by ``auto``: the backend that compiled the grammar (None when
+    every backend refused), and ``(backend, message)`` for each backend of the order that refused it before.
+    """
 
     dispatch_type: str
     compile_time_s: float
     is_cache_hit: bool = False
+    chosen_backend: str | None = None
+    fallback_reasons: tuple[tuple[str, str], ...] = ()
 
 
 class BaseGrammarObject(ABC):
@@ -198,7 +206,7 @@ class BaseGrammarBackend:
         self.mask_layout = VocabMaskLayout(vocab_size)
         self.max_spec_bytes = server_args.grammar_max_spec_bytes
         self.compile_service = compile_service or CompileService(
-            self._init_value_dispatch,
+            self.build_grammar,
             name=self.name,
             threads=server_args.grammar_compile_threads,
             timeout_s=server_args.compile_timeout_s,
@@ -256,7 +264,11 @@ class BaseGrammarBackend:
         """An all-allowed mask buffer for ``batch_size`` rows in this backend's layout."""
         return self.mask_layout.allocate(batch_size, device)
 
-    def _init_value_dispatch(self, key: GrammarKey) -> BaseGrammarObject:
+    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
+        """Compile ``key`` on the caller's thread, outside the compile service (no cache, no deadline).
+
+        What the compile service runs; never raises for a bad spec: a refusal is an ``InvalidGrammarObject``.
+        """
         key_type = key[0]
         start = time.perf_counter()
         originals: dict[str, str] = {}

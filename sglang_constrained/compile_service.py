@@ -1,5 +1,9 @@
 """Compiling off the caller's thread: a bounded pool, a deadline per compile, a bounded cache, one compile per key.
 
+Compiles never take the loop's CPU first: the pool's threads run at a lower CPU priority, and ``CompileProcesses``
+moves an engine's compiles into low-priority child processes, where a compile past its deadline is killed (a native
+compile cannot be interrupted in a thread).
+
 ``CompileService.get`` answers a cached key with a copy at once and any other key with a ``Future`` of a copy of
 its own; identical keys asked for while one compiles share that compile. A compile past its deadline fails its
 futures with ``CompileTimeoutError`` and is forgotten (the next request compiles anew; a late result is dropped).
@@ -12,18 +16,31 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import multiprocessing
+import os
+import queue
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Generic, TypeVar
 
-from sglang_constrained.errors import CompileTimeoutError
+from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
 from sglang_constrained.grammar_cache import GrammarCache
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 T = TypeVar("T")
+P = TypeVar("P")
+
+COMPILE_NICENESS = 10
+"""How far below the server's CPU priority compiles run: a busy compile gets the cycles the loop leaves, and the
+loop loses about a tenth of a core to it at worst (Linux CFS weights 1024 against 110)."""
+ORPHAN_CHECK_INTERVAL_S = 1.0
+START_TIMEOUT_S = 120.0
+"""Longest a compile process may take to start (import its engine, build its compiler)."""
 
 
 class CompileService(Generic[K, V]):
@@ -50,7 +67,9 @@ class CompileService(Generic[K, V]):
         self._copy = copy
         self.timeout_s = timeout_s
         self.cache: GrammarCache[K, V] = GrammarCache(cache_max_entries, cache_max_bytes)
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-compile")
+        self.executor = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix=f"{name}-compile", initializer=lower_cpu_priority
+        )
         self._deadlines = _DeadlineWatch(f"{name}-deadlines")
         self._in_flight: dict[K, Future[V]] = {}
         self._lock = threading.Lock()
@@ -179,3 +198,176 @@ class _DeadlineWatch:
                     return
                 _, _, callback = heapq.heappop(self._heap)
             callback()
+
+
+def lower_cpu_priority() -> None:
+    """Lower the calling thread's CPU priority by ``COMPILE_NICENESS`` (Linux: a thread has its own nice value; the
+    threads it starts, such as an engine's compile threads, inherit it). Elsewhere it does nothing."""
+    if hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + COMPILE_NICENESS)
+
+
+class CompileProcesses(Generic[K, P]):
+    """Runs compiles in child processes at lower CPU priority: one child per calling thread (so the compile
+    service's thread count bounds them), kept for its next compile.
+
+    ``start()`` runs once in each child and returns the child's compile function; ``start``, the keys and the
+    results must pickle. A compile running past ``timeout_s`` has its child killed and raises
+    ``CompileTimeoutError``; a child that dies (a crash in a native engine) raises ``CompileProcessError``. Either
+    way a spare replaces it at once. ``num_spares`` children start at once, in the background, for the first
+    compiles (a child's start-up is not a compile's: it does not count towards ``timeout_s``);
+    ``preload``: modules the fork server imports once, so that children start in a fraction of a second.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], Callable[[K], P]],
+        *,
+        name: str,
+        timeout_s: float,
+        num_spares: int = 0,
+        preload: Sequence[str] = (),
+    ) -> None:
+        self._start = start
+        self._name = name
+        self.timeout_s = timeout_s
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["__main__", *preload])
+        self._local = threading.local()
+        self._children: set[_CompileChild] = set()
+        self._spares: queue.SimpleQueue[_CompileChild] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._prestart = threading.Thread(target=self._start_spares, args=(num_spares,), daemon=True)
+        self._prestart.start()
+
+    def wait_until_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until the spare children have started (raises ``CompileProcessError`` if one fails to)."""
+        self._prestart.join(timeout_s)
+        with self._lock:
+            children = list(self._children)
+        for child in children:
+            child.wait_until_ready(timeout_s)
+
+    def run(self, key: K) -> P:
+        """Compile ``key`` in this thread's child and return its result; blocks until then, at most ``timeout_s``
+        once the child has started."""
+        child: _CompileChild | None = getattr(self._local, "child", None)
+        if child is None or not child.process.is_alive():
+            child = self._local.child = self._spare() or self._new_child()
+        try:
+            result: P = child.compile(key, self.timeout_s)
+        except BaseException:
+            self._local.child = None
+            self._retire(child)
+            self._prestart = threading.Thread(target=self._start_spares, args=(1,), daemon=True)
+            self._prestart.start()  # the replacement starts now, not within the next compile's deadline
+            raise
+        return result
+
+    def shutdown(self) -> None:
+        """Kill every child, compiling or not; compiles in flight raise ``CompileProcessError``."""
+        with self._lock:
+            self._closed = True
+            children, self._children = self._children, set()
+        for child in children:
+            child.kill()
+
+    def _start_spares(self, num_spares: int) -> None:
+        with contextlib.suppress(CompileProcessError):  # shut down meanwhile
+            for _ in range(num_spares):
+                self._spares.put(self._new_child())
+
+    def _spare(self) -> _CompileChild | None:
+        try:
+            return self._spares.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _new_child(self) -> _CompileChild:
+        with self._lock:
+            if self._closed:
+                raise CompileProcessError("the compile processes are shut down")
+            child = _CompileChild(self._context, self._start, f"{self._name}-compile-process")
+            self._children.add(child)
+        return child
+
+    def _retire(self, child: _CompileChild) -> None:
+        with self._lock:
+            self._children.discard(child)
+        child.kill()
+
+
+class _CompileChild:
+    """One child process and the pipe to it; compiles one key at a time. Its first message says it has started."""
+
+    def __init__(self, context: Any, start: Callable[[], Callable[[Any], Any]], name: str) -> None:
+        self.connection, child_end = context.Pipe()
+        self.process: BaseProcess = context.Process(
+            target=_compile_process_main, args=(child_end, start, os.getpid()), name=name, daemon=True
+        )
+        self.process.start()
+        child_end.close()
+        self.is_ready = False
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        if self.is_ready:
+            return
+        if not self.connection.poll(timeout_s):
+            raise CompileProcessError(f"the compile process did not start within {timeout_s:g} s")
+        self._receive("starting")
+        self.is_ready = True
+
+    def compile(self, key: Any, timeout_s: float) -> Any:
+        self.wait_until_ready(START_TIMEOUT_S)
+        self.connection.send(key)
+        if not self.connection.poll(timeout_s):
+            raise CompileTimeoutError(f"Grammar compilation timed out after {timeout_s:g} s")
+        return self._receive("compiling")
+
+    def _receive(self, doing: str) -> Any:
+        try:
+            is_ok, result = self.connection.recv()
+        except EOFError:
+            self.process.join(1.0)
+            raise CompileProcessError(
+                f"the compile process died while {doing} (exit code {self.process.exitcode})"
+            ) from None
+        if not is_ok:
+            raise CompileProcessError(f"the compile process failed: {result}")
+        return result
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+def _compile_process_main(connection: Connection, start: Callable[[], Callable[[Any], Any]], parent: int) -> None:
+    """A compile process: lower its priority, build its compiler, then compile what the parent sends until the pipe
+    closes; exits by itself if the parent dies mid-compile."""
+    os.nice(COMPILE_NICENESS)
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+    compile_key = start()
+    connection.send((True, None))
+    while True:
+        try:
+            key = connection.recv()
+        except EOFError:
+            return
+        try:
+            reply = (True, compile_key(key))
+        except Exception as e:  # a bug, not bad input (compile functions report bad input in their result)
+            reply = (False, f"{type(e).__name__}: {e}")
+        connection.send(reply)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """The fork server, not the server, is a compile process's parent: watch the server's pid itself."""
+    with contextlib.suppress(ProcessLookupError):
+        while True:
+            os.kill(parent, 0)  # raises ProcessLookupError once the server is gone
+            time.sleep(ORPHAN_CHECK_INTERVAL_S)
+    os._exit(0)

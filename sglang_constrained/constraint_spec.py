@@ -19,6 +19,7 @@ GrammarKey = tuple[str, str]
 
 __all__ = [
     "CONSTRAINT_KINDS",
+    "MAX_SPEC_DEPTH",
     "GrammarKey",
     "GrammarSpecError",
     "check_schema_is_valid",
@@ -26,9 +27,13 @@ __all__ = [
     "escape_regex_literal",
     "lower_constraint",
     "make_grammar_key",
+    "nesting_depth",
 ]
 
 CONSTRAINT_KINDS = ("json", "regex", "ebnf", "structural_tag", "choice", "json_object")
+MAX_SPEC_DEPTH = 100
+"""Deepest nesting of objects and arrays a JSON spec may have; every backend compiles 100 levels, and the schema
+checks recurse about ten Python frames per level (150 levels ran out of stack)."""
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 _REGEX_METACHARACTERS = frozenset("\\.^$|?*+()[]{}")
@@ -52,12 +57,17 @@ def make_grammar_key(kind: str, spec: Any) -> GrammarKey:
         return kind, json.dumps(list(spec), ensure_ascii=False)
     if kind in ("json", "structural_tag"):
         if isinstance(spec, dict | bool):
+            _check_depth(kind, spec)
             return kind, _canonical_json(spec)
         if isinstance(spec, str):
             try:
-                return kind, _canonical_json(json.loads(spec))
+                parsed = json.loads(spec)
             except json.JSONDecodeError:
                 return kind, spec
+            except RecursionError:
+                raise GrammarSpecError(_too_deep(kind)) from None
+            _check_depth(kind, parsed)
+            return kind, _canonical_json(parsed)
     if not isinstance(spec, str):
         raise ValueError(f"a {kind} constraint is a string, not {type(spec).__name__}")
     return kind, spec
@@ -138,6 +148,29 @@ def check_schema_is_valid(schema: Any) -> None:
             f"invalid JSON schema at {where}: the value of {error.path[-1] if error.path else 'the schema'!r} "
             f"fails the meta-schema's {error.validator!r} rule"
         )
+
+
+def nesting_depth(value: Any) -> int:
+    """How many objects and arrays deep ``value`` nests (0 for a scalar); iterative, for any depth."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            depth = max(depth, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
+def _check_depth(kind: str, spec: Any) -> None:
+    depth = nesting_depth(spec)
+    if depth > MAX_SPEC_DEPTH:
+        raise GrammarSpecError(_too_deep(kind, depth))
+
+
+def _too_deep(kind: str, depth: int | None = None) -> str:
+    what = "JSON schema" if kind == "json" else "structural tag"
+    levels = f"{depth} levels deep" if depth is not None else "too deeply to parse"
+    return f"the {what} nests objects and arrays {levels}; at most {MAX_SPEC_DEPTH} levels are allowed"
 
 
 def _json_pointer(path: Any) -> str:

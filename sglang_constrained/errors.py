@@ -5,8 +5,13 @@ Importing this module loads nothing else (the HTTP frontend builds constraint ke
 
 from __future__ import annotations
 
+import re
+
 MAX_MESSAGE_CHARS = 300
 """Longest engine message quoted to a user; engines echo whole grammars and schemas in theirs."""
+
+_FEATURE_REFUSAL = re.compile(r"((?:feature|refuses) .+? \(at .*?\))(?:[;:]|$)")
+_MAX_REASON_CHARS = 80
 
 
 class GrammarSpecError(ValueError):
@@ -26,8 +31,25 @@ class CompileTimeoutError(TimeoutError):
     """A grammar compile ran past its deadline; it is not cached, so the next request compiles anew."""
 
 
+class CompileProcessError(RuntimeError):
+    """A compile process died (a crash inside a native engine), failed, or was shut down mid-compile."""
+
+
 def bounded_message(text: str, first_line_only: bool = True, limit: int = MAX_MESSAGE_CHARS) -> str:
     """An engine's message fit to show a user: its first line (or all lines joined), at most ``limit`` characters."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     message = (lines[0] if first_line_only else " ".join(lines)) if lines else "no details given"
     return message if len(message) <= limit else message[:limit] + "..."
+
+
+def refusal_reason(message: str) -> str:
+    """The short, stable part of a refusal message (what ``known_refusals.json`` records, what ``auto`` quotes).
+
+    The refused feature and where it is (``feature 'not' (at /properties/a)``) for the backends' own
+    refusals; otherwise the message's first sentence, cut at a word boundary near 80 characters.
+    """
+    feature = _FEATURE_REFUSAL.search(message)
+    if feature is not None:
+        return feature.group(1)
+    sentence = message.split(". ")[0]
+    return sentence if len(sentence) <= _MAX_REASON_CHARS else sentence[:_MAX_REASON_CHARS].rsplit(" ", 1)[0]

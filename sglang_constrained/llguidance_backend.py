@@ -34,7 +34,7 @@ from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.constraint_spec import check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
-from triton_ops.bitmask_format import words_per_row
+from triton_ops.bitmask_format import allowed_token_ids, words_per_row
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict that exists only in llguidance's stub
@@ -59,7 +59,15 @@ _LIMITS = LLParserLimits(verbose_errors=False, step_lexer_fuel=2_000_000)
 # Forced on every schema: "lenient" in a schema's "x-guidance" would make llguidance ignore unknown keywords.
 _STRICT_JSON: JsonCompileOptions = {"lenient": False}
 _COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-_GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][\w.-]*\s*::=")
+_GBNF_RULE = re.compile(r"(?m)^\s*([A-Za-z_][\w.-]*)\s*::=")
+_GBNF_COMMENT = re.compile(r"#[^\n]*")
+_PROBE_STEPS = 8
+_NO_EXTENSION_MEANING = (
+    "it can produce nothing after its first tokens (a rule or $ref with no finite derivation, such as one that "
+    "refers only to itself; llguidance: NoExtensionBias)"
+)
+"""Tokens ``_probe_start`` walks from a new grammar's start: llguidance builds lexer and parser states lazily and
+reports some grammars' errors (a rule with no finite derivation, ``a{1000000}``, ``$ref`` to ``#``) only there."""
 _SOURCE_ECHO = re.compile(r"^\d+ \|")
 _EBNF_HINT = "(an ebnf grammar is GBNF with a 'root ::= ...' rule, or Lark with a 'start: ...' rule)"
 
@@ -212,12 +220,15 @@ class GuidanceBackend(BaseGrammarBackend):
         return self._build(grammar, "JSON schema")
 
     def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        if (len(key_string) - len(key_string.rstrip("\\"))) % 2:  # llguidance drops a dangling escape silently
+            raise GrammarSpecError("invalid regex: it ends in an unfinished escape sequence (a lone '\\')")
         return self._build(LLMatcher.grammar_from_regex(key_string), "regex")
 
     def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
         """GBNF (xgrammar / llama.cpp syntax, root rule ``root``) if any line defines a rule with ``::=``, else Lark."""
         lark = key_string
         if _GBNF_RULE.search(key_string):
+            _check_gbnf_rules(key_string)
             try:
                 lark = gbnf_to_lark(key_string)
             except Exception as e:  # the converter raises bare Exceptions for grammar errors
@@ -252,7 +263,49 @@ class GuidanceBackend(BaseGrammarBackend):
         template = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
         if template.is_error():
             raise GrammarSpecError(f"invalid {what}: {_clean_message(template.get_error())}")
+        _probe_start(template, self.ll_tokenizer, what)
         return GuidanceGrammar(self.ll_tokenizer, grammar, template)
+
+
+def _probe_start(template: LLMatcher, ll_tokenizer: LLTokenizer, what: str) -> None:
+    """Walk up to ``_PROBE_STEPS`` tokens from the start (each the lowest allowed id that is not a stop token) on a
+    copy of ``template``; raises ``GrammarSpecError`` with llguidance's message if a mask or a step fails."""
+    probe = template.deep_copy()
+    for _ in range(_PROBE_STEPS):
+        if probe.is_stopped():
+            return
+        mask = torch.frombuffer(bytearray(probe.compute_bitmask()), dtype=torch.int32)
+        if not probe.is_error():
+            allowed = allowed_token_ids(mask, ll_tokenizer.vocab_size).tolist()
+            regular = [token for token in allowed if token not in ll_tokenizer.eos_tokens]
+            if not regular:
+                return
+            probe.consume_token(regular[0])
+        if probe.is_error():
+            message = _clean_message(probe.get_error())
+            raise GrammarSpecError(
+                f"invalid {what}: {_NO_EXTENSION_MEANING if message == 'NoExtensionBias' else message}"
+            )
+
+
+def _check_gbnf_rules(grammar: str) -> None:
+    """Refuse what llguidance's GBNF converter lets through: a rule defined twice (it keeps the last silently) and a
+    rule with nothing after ``::=`` (it reads it as the empty string); xgrammar refuses both."""
+    heads = list(_GBNF_RULE.finditer(grammar))
+    first_lines: dict[str, int] = {}
+    for index, head in enumerate(heads):
+        name, line = head.group(1), grammar.count("\n", 0, head.start(1)) + 1
+        if name in first_lines:
+            raise GrammarSpecError(
+                f"invalid ebnf grammar: rule {name!r} is defined twice (lines {first_lines[name]} and {line})"
+            )
+        first_lines[name] = line
+        body_end = heads[index + 1].start() if index + 1 < len(heads) else len(grammar)
+        if not _GBNF_COMMENT.sub("", grammar[head.end() : body_end]).strip():
+            raise GrammarSpecError(
+                f"invalid ebnf grammar: rule {name!r} (line {line}) has nothing after '::=' "
+                '(write "" for the empty string)'
+            )
 
 
 def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,10 +21,13 @@ GrammarBackendFactory = Callable[["GrammarBackendArgs", Any, int, list[int]], "B
 GRAMMAR_BACKEND_REGISTRY: dict[str, GrammarBackendFactory] = {}
 """Backends registered by users: ``name -> init_func(server_args, tokenizer, vocab_size, eos_token_ids)``."""
 
+AUTO_GRAMMAR_BACKEND = "auto"
+"""Asks the backends of ``--grammar-backend-order`` in turn for each constraint (``auto_grammar_backend``)."""
 _BUILTIN_BACKENDS: dict[str, str] = {
     "xgrammar": "sglang_constrained.xgrammar_backend:XGrammarGrammarBackend",
     "llguidance": "sglang_constrained.llguidance_backend:GuidanceBackend",
     "outlines": "sglang_constrained.outlines_backend:OutlinesGrammarBackend",
+    AUTO_GRAMMAR_BACKEND: "sglang_constrained.auto_grammar_backend:AutoGrammarBackend",
 }
 _REASONER_BACKEND = "sglang_constrained.reasoner_grammar_backend:ReasonerGrammarBackend"
 NO_GRAMMAR_BACKEND = "none"
@@ -67,6 +70,31 @@ def available_grammar_backends() -> list[str]:
     return [*sorted({*_BUILTIN_BACKENDS, *GRAMMAR_BACKEND_REGISTRY}), NO_GRAMMAR_BACKEND]
 
 
+def check_grammar_backend_order(order: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless ``order`` names distinct backends that ``auto`` can ask (not itself, not none)."""
+    choices = [name for name in available_grammar_backends() if name not in (AUTO_GRAMMAR_BACKEND, NO_GRAMMAR_BACKEND)]
+    if not order:
+        raise ValueError(f"--grammar-backend-order names no backend; give a comma-separated list of {choices}")
+    unknown = [name for name in order if name not in choices]
+    if unknown:
+        raise ValueError(f"--grammar-backend-order cannot hold {unknown}; choose among {choices}")
+    repeated = sorted({name for name in order if order.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--grammar-backend-order names {repeated} more than once")
+
+
+def grammar_backend_factory(name: str) -> GrammarBackendFactory:
+    """The factory of backend ``name``: a registered or installed one, else the built-in; ``ValueError`` if unknown."""
+    register_entry_point_backends()
+    factory = GRAMMAR_BACKEND_REGISTRY.get(name)
+    if factory is not None:
+        return factory
+    if name not in _BUILTIN_BACKENDS:
+        raise ValueError(f"unknown grammar backend {name!r}; choose one of {available_grammar_backends()}")
+    built_in: GrammarBackendFactory = _resolve(_BUILTIN_BACKENDS[name])
+    return built_in
+
+
 def create_grammar_backend(
     server_args: GrammarBackendArgs,
     tokenizer: Any,
@@ -79,15 +107,9 @@ def create_grammar_backend(
     The backend is wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is set and the
     tokenizer has a think-end token (``think_end_id``).
     """
-    name = server_args.grammar_backend
-    if name == NO_GRAMMAR_BACKEND:
+    if server_args.grammar_backend == NO_GRAMMAR_BACKEND:
         return None
-    register_entry_point_backends()
-    factory = GRAMMAR_BACKEND_REGISTRY.get(name)
-    if factory is None:
-        if name not in _BUILTIN_BACKENDS:
-            raise ValueError(f"unknown grammar backend {name!r}; choose one of {available_grammar_backends()}")
-        factory = _resolve(_BUILTIN_BACKENDS[name])
+    factory = grammar_backend_factory(server_args.grammar_backend)
     backend = factory(server_args, tokenizer, vocab_size, eos_token_ids)
     if server_args.reasoning_parser and think_end_id is not None:
         backend = _resolve(_REASONER_BACKEND)(backend, think_end_id)

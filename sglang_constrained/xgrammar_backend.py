@@ -9,9 +9,11 @@ apply kernel is several times slower on this machine).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -23,12 +25,15 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
+    GrammarStats,
+    InvalidGrammarObject,
     common_prefix_length,
 )
-from sglang_constrained.constraint_spec import check_schema_is_valid
+from sglang_constrained.compile_service import CompileProcesses
+from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
-from sglang_constrained.vocabulary import tokenizer_vocabulary
+from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
 from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
@@ -113,17 +118,29 @@ class XGrammarGrammar(BaseGrammarObject):
 
 
 class XGrammarGrammarBackend(BaseGrammarBackend):
-    """Compiles constraints with one xgrammar ``GrammarCompiler`` over the tokenizer's vocabulary.
+    """Compiles constraints with xgrammar ``GrammarCompiler``s over the tokenizer's vocabulary.
 
-    Building the vocabulary decodes every token: about 0.5 s for 49k tokens and 5 s for 248k. xgrammar's own
-    compile cache is off; the base class caches compiled grammars with a bound.
+    Building the vocabulary decodes every token: about 0.5 s for 49k tokens and 5 s for 248k. Compiles run in
+    ``CompileProcesses`` (a compile can take xgrammar seconds to minutes): at low priority, on one thread each, so
+    ``--grammar-compile-threads`` bounds the cores they take, and killed at the compile deadline. The compiled
+    grammar comes back serialised. xgrammar's own compile cache is off; the base class caches with a bound.
     """
 
     name = "xgrammar"
 
     def __init__(
-        self, server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+        self,
+        server_args: GrammarBackendArgs,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        vocabulary: TokenizerVocabulary | None = None,
+        compile_in_processes: bool = True,
     ) -> None:
+        """``vocabulary``: the tokenizer's, already built (a compile process gets it so, and no tokenizer);
+        ``compile_in_processes=False`` compiles on the compile service's threads (what a compile process does). A
+        subclass always does: a compile process runs this class's code, and the subclass's overrides must run."""
         if server_args.constrained_json_whitespace_pattern is not None:
             raise ValueError(
                 "the xgrammar grammar backend cannot restrict JSON whitespace to a regex "
@@ -131,12 +148,41 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "compact JSON instead, or leave both unset to allow any whitespace"
             )
         super().__init__(server_args, vocab_size)
-        self.vocabulary = tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
+        self.vocabulary = vocabulary or tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
         self.tokenizer_info = xgrammar.TokenizerInfo.from_vocab_and_metadata(
             list(self.vocabulary.decoded_vocab), self.vocabulary.xgrammar_metadata
         )
-        self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
+        # xgrammar's default is 8 threads per compile, whatever the machine: one, so that a compile takes one core.
+        self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
+        self.compile_processes: CompileProcesses[GrammarKey, _CompileResult] | None = None
+        if compile_in_processes and type(self) is XGrammarGrammarBackend:
+            self.compile_processes = CompileProcesses(
+                functools.partial(_start_compile_process, server_args, self.vocabulary),
+                name=self.name,
+                timeout_s=server_args.compile_timeout_s,
+                num_spares=server_args.grammar_compile_threads,
+                preload=[__name__],
+            )
+
+    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
+        """Compile ``key`` in a compile process (here, in one); raises ``CompileTimeoutError`` past the deadline and
+        ``CompileProcessError`` if xgrammar crashed."""
+        if self.compile_processes is None:
+            return super().build_grammar(key)
+        result = self.compile_processes.run(key)
+        if result.serialized is None:
+            grammar: BaseGrammarObject = InvalidGrammarObject(result.error_message)
+        else:
+            compiled = xgrammar.CompiledGrammar.deserialize_json(result.serialized, self.tokenizer_info)
+            grammar = XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
+        grammar.grammar_stats = result.stats
+        return grammar
+
+    def shutdown(self) -> None:
+        if self.compile_processes is not None:
+            self.compile_processes.shutdown()
+        super().shutdown()
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         schema = copy.deepcopy(schema)
@@ -210,6 +256,38 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "(special, padding or out of range) and so is never allowed"
             )
         return {key: self._prepared_tag(value, f"{pointer}/{key}") for key, value in node.items()}
+
+
+@dataclass(frozen=True)
+class _CompileResult:
+    """What a compile process sends back: the compiled grammar serialised, or why it is invalid."""
+
+    serialized: str | None
+    error_message: str
+    stats: GrammarStats | None
+
+
+def _start_compile_process(
+    server_args: GrammarBackendArgs, vocabulary: TokenizerVocabulary
+) -> Callable[[GrammarKey], _CompileResult]:
+    """The compile function of a compile process: the same checks and compile as the server's, on its own thread."""
+    backend = XGrammarGrammarBackend(
+        server_args,
+        None,
+        vocabulary.model_vocab_size,
+        list(vocabulary.stop_token_ids),
+        vocabulary=vocabulary,
+        compile_in_processes=False,
+    )
+
+    def compile_key(key: GrammarKey) -> _CompileResult:
+        grammar = backend.build_grammar(key)
+        if isinstance(grammar, InvalidGrammarObject):
+            return _CompileResult(None, grammar.error_message, grammar.grammar_stats)
+        assert isinstance(grammar, XGrammarGrammar)
+        return _CompileResult(grammar.compiled_grammar.serialize_json(), "", grammar.grammar_stats)
+
+    return compile_key
 
 
 _JSON_STRING_CHARACTER = '[^"\\\\\\u0000-\\u001f]'

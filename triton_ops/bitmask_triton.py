@@ -44,7 +44,7 @@ def _mask_logits_kernel(
     tl.store(logits_ptr + row * logits_row_stride + token, float("-inf"), mask=in_vocab & ~is_allowed)
 
 
-def _is_interpreting() -> bool:
+def is_triton_interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     return bool(knobs is not None and knobs.runtime.interpret)
 
@@ -62,7 +62,7 @@ def apply_token_bitmask_inplace_triton(
     logits_2d = args.logits
     device = logits_2d.device
     bitmask_2d = args.bitmask.to(device, non_blocking=True)
-    if device.type == "cpu" and not _is_interpreting():
+    if device.type == "cpu" and not is_triton_interpreting():
         raise ValueError("CPU tensors run through Triton only with TRITON_INTERPRET=1 set before import")
     if logits_2d.stride(1) != 1 or bitmask_2d.stride(1) != 1:
         raise ValueError("logits and bitmask need unit stride along the vocab; pass .contiguous() tensors")

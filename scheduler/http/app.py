@@ -7,16 +7,21 @@ serves it is ``scheduler.http.server``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from scheduler.client import AsyncSchedulerClient
 from scheduler.http.calls import FrontendState, collect_outputs
@@ -27,7 +32,7 @@ from scheduler.http.protocol import (
     ProtocolError,
     parse_body,
 )
-from scheduler.http.request_conversion import chat_calls, completion_calls, generate_calls
+from scheduler.http.request_conversion import RequestLimits, chat_calls, completion_calls, generate_calls
 from scheduler.http.responses import (
     chat_completion_body,
     error_body,
@@ -40,11 +45,16 @@ from scheduler.http.streaming import (
     GenerateStreamChunks,
     stream_response,
 )
+from scheduler.io_struct import Pong
+from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
+from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
 
 logger = logging.getLogger("scheduler.http")
 
 HEALTH_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Larger request bodies are refused (413) as they arrive, before they are parsed."""
 
 router = APIRouter()
 
@@ -78,6 +88,17 @@ async def health(request: Request) -> Response:
     )
 
 
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics: the frontend's, and the scheduler's when it answers within ``HEALTH_TIMEOUT_S``."""
+    frontend = _frontend(request)
+    try:
+        pong: Pong | None = await frontend.client.wait_until_ready(timeout_s=HEALTH_TIMEOUT_S)
+    except TimeoutError:
+        pong = None
+    return Response(frontend.metrics.render(pong), media_type=CONTENT_TYPE_LATEST)
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     frontend = _frontend(request)
@@ -86,18 +107,18 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": frontend.started,
         "owned_by": "sglang-constrained",
-        "max_model_len": frontend.max_seq_len,
+        "max_model_len": frontend.limits.max_seq_len,
     }
     return _json({"object": "list", "data": [model]})
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    body = parse_body(ChatCompletionRequest, await request.body())
+    body = parse_body(ChatCompletionRequest, await _read_body(request))
     frontend = _frontend(request)
     frontend.check_model(body.model)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    calls = chat_calls(body, completion_id, frontend.max_seq_len)
+    calls = await frontend.tokenized(chat_calls(body, completion_id, frontend.limits))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = ChatStreamChunks(completion_id, frontend.model_name, body.n, include_usage)
@@ -108,11 +129,11 @@ async def chat_completions(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    body = parse_body(CompletionRequest, await request.body())
+    body = parse_body(CompletionRequest, await _read_body(request))
     frontend = _frontend(request)
     frontend.check_model(body.model)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    calls = completion_calls(body, completion_id)
+    calls = await frontend.tokenized(completion_calls(body, completion_id, frontend.limits))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = CompletionStreamChunks(completion_id, frontend.model_name, body.n, include_usage)
@@ -124,9 +145,9 @@ async def completions(request: Request) -> Response:
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     """SGLang's native endpoint: one result for one prompt, a list for a batch (``text`` or ``input_ids`` lists)."""
-    body = parse_body(GenerateRequest, await request.body())
+    body = parse_body(GenerateRequest, await _read_body(request))
     frontend = _frontend(request)
-    calls = generate_calls(body)
+    calls = await frontend.tokenized(generate_calls(body, frontend.limits))
     if body.stream:
         return await stream_response(request, frontend, calls, GenerateStreamChunks())
     results = [generate_result(o, o.token_ids, o.text) for o in await collect_outputs(request, frontend, calls)]
@@ -138,8 +159,13 @@ def create_app(server_args: ServerArgs) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        source = Path(server_args.model_path) if server_args.model_path else embedded_model_path()
+        tokenizer = await asyncio.to_thread(load_tokenizer, source, server_args.cache_path)
+        # Token ids are checked by the scheduler, which knows the model's vocabulary; the frontend sends only its own.
+        prompt_encoder = PromptEncoder(tokenizer, len(tokenizer), server_args.max_seq_len)
+        limits = RequestLimits(server_args.max_seq_len, server_args.grammar_max_spec_bytes)
         client = AsyncSchedulerClient(server_args.zmq_endpoint)
-        app.state.frontend = FrontendState(client, server_args.model_name, server_args.max_seq_len)
+        app.state.frontend = FrontendState(client, server_args.model_name, limits, prompt_encoder)
         try:
             yield
         finally:
@@ -147,6 +173,7 @@ def create_app(server_args: ServerArgs) -> FastAPI:
 
     # Bodies are parsed by hand (any content type), so FastAPI's generated docs would be empty: none are served.
     app = FastAPI(title="sglang-constrained", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ArrivalTime)
     app.add_exception_handler(ProtocolError, _protocol_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
@@ -154,20 +181,54 @@ def create_app(server_args: ServerArgs) -> FastAPI:
     return app
 
 
+class ArrivalTime:
+    """ASGI middleware: ``request.state.arrived``, the ``time.monotonic()`` of the request's arrival (latencies)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope.setdefault("state", {})["arrived"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
 async def _protocol_error(request: Request, error: ProtocolError) -> Response:
     if error.status_code >= 500:
         logger.error("%s %s failed: %s", request.method, request.url.path, error.message)
+    return _refusal(request, error)
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
+    return _refusal(request, ProtocolError(str(error.detail), status_code=error.status_code))
+
+
+async def _internal_error(request: Request, error: Exception) -> Response:
+    """A bug in the frontend: still an answer in OpenAI's shape (Starlette logs the traceback)."""
+    return _refusal(request, ProtocolError(f"internal error: {type(error).__name__}: {error}", status_code=500))
+
+
+def _refusal(request: Request, error: ProtocolError) -> Response:
+    """The error answer, counted by reason (its code, else its status) in ``sglang:num_refused_requests``."""
+    reason = error.code or f"http_{error.status_code}"
+    frontend: FrontendState | None = getattr(request.app.state, "frontend", None)
+    if frontend is not None:
+        frontend.metrics.refused(reason)
+    path, status = request.url.path, error.status_code
+    logger.info("path=%s status=%d reason=%s message=%.200s", path, status, reason, error.message)
     return _json(error_body(error), status_code=error.status_code)
 
 
-async def _http_error(_: Request, error: StarletteHTTPException) -> Response:
-    return _json(error_body(ProtocolError(str(error.detail), status_code=error.status_code)), error.status_code)
-
-
-async def _internal_error(_: Request, error: Exception) -> Response:
-    """A bug in the frontend: still an answer in OpenAI's shape (Starlette logs the traceback)."""
-    body = error_body(ProtocolError(f"internal error: {type(error).__name__}: {error}", status_code=500))
-    return _json(body, status_code=500)
+async def _read_body(request: Request) -> bytes:
+    """The body, read up to ``MAX_BODY_BYTES``; raises ``ProtocolError`` (413) past that."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ProtocolError(
+                f"the request body is over {MAX_BODY_BYTES:,} bytes", status_code=413, code="request_too_large"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _frontend(request: Request) -> FrontendState:

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from scheduler.client import AsyncSchedulerClient
+from scheduler.http.metrics import FrontendMetrics, GenerationTimer
 from scheduler.http.protocol import ProtocolError
-from scheduler.http.request_conversion import SchedulerCall
+from scheduler.http.request_conversion import RequestLimits, SchedulerCall
 from scheduler.http.responses import CLIENT_CLOSED_REQUEST, check_finished
 from scheduler.io_struct import GenerateOutput
+from scheduler.prompt_encoder import PromptEncoder
 
 logger = logging.getLogger("scheduler.http")
 
@@ -22,17 +24,41 @@ logger = logging.getLogger("scheduler.http")
 @dataclass
 class FrontendState:
     """What every handler shares. ``running_rids``: scheduler requests sent and not yet finished or aborted
-    (an aborted one stays until its abort has been sent to the scheduler)."""
+    (an aborted one stays until its abort has been sent to the scheduler). ``prompt_encoder`` holds the model's
+    tokenizer: prompts are tokenised here, never on the scheduler loop's thread."""
 
     client: AsyncSchedulerClient
     model_name: str
-    max_seq_len: int
+    limits: RequestLimits
+    prompt_encoder: PromptEncoder
+    metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
     running_rids: set[str] = field(default_factory=set)
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def num_running_requests(self) -> int:
         return len(self.running_rids)
+
+    async def tokenized(self, calls: list[SchedulerCall]) -> list[SchedulerCall]:
+        """``calls`` with their prompts as token ids, each distinct prompt tokenised once on a worker thread (the
+        choices of one prompt share it); raises ``ProtocolError`` for a prompt that cannot fit the context."""
+        prompt_ids: dict[tuple[int, int], list[int]] = {}
+        tokenized = []
+        for call in calls:
+            ids = call.input_ids
+            if ids is None:
+                prompt = (id(call.text), id(call.messages))
+                if prompt not in prompt_ids:
+                    prompt_ids[prompt] = await asyncio.to_thread(self._encode, call)
+                ids = prompt_ids[prompt]
+            tokenized.append(call.with_prompt_ids(ids, self.limits.max_seq_len))
+        return tokenized
+
+    def _encode(self, call: SchedulerCall) -> list[int]:
+        try:
+            return self.prompt_encoder.encode(text=call.text, messages=call.messages)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="prompt" if call.text is not None else "messages") from e
 
     def check_model(self, model: str | None) -> None:
         """Accept the served model's name, or no name; anything else is OpenAI's 404 ``model_not_found``."""
@@ -55,7 +81,8 @@ class ChoiceRun:
 
     DISCONNECTED = CLIENT_CLOSED_REQUEST
 
-    def __init__(self, frontend: FrontendState, calls: list[SchedulerCall], stream: bool) -> None:
+    def __init__(self, frontend: FrontendState, calls: list[SchedulerCall], stream: bool, arrived: float) -> None:
+        """``arrived``: when the HTTP request arrived (``time.monotonic()``), where its latencies start."""
         self.frontend = frontend
         self.rids = [call.rid for call in calls]
         # The client routes outputs by rid: a second request with a running rid would steal the first one's.
@@ -65,6 +92,8 @@ class ChoiceRun:
         if clashes:
             raise ProtocolError(f"a request with rid {clashes[0]!r} is running", param="rid")
         frontend.running_rids.update(self.rids)
+        self.stream = stream
+        self._timers = [GenerationTimer(frontend.metrics, call.rid, call.sampling_params, arrived) for call in calls]
         self.num_open = len(calls)
         self._queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._run(i, call, stream)) for i, call in enumerate(calls)]
@@ -80,6 +109,7 @@ class ChoiceRun:
             raise ProtocolError("the client disconnected", status_code=self.DISCONNECTED)
         if isinstance(item, BaseException):
             raise ProtocolError(f"internal error: {type(item).__name__}: {item}", status_code=500) from item
+        self._timers[index].observe(item, self.stream)
         check_finished(item)
         if item.finished:
             self.num_open -= 1
@@ -130,7 +160,7 @@ async def collect_outputs(
     request: Request, frontend: FrontendState, calls: list[SchedulerCall]
 ) -> list[GenerateOutput]:
     """Every call's final output, in order; a client disconnect aborts them all in the scheduler."""
-    run = ChoiceRun(frontend, calls, stream=False)
+    run = ChoiceRun(frontend, calls, stream=False, arrived=request.state.arrived)
     watcher = asyncio.create_task(run.cancel_on_disconnect(request))
     try:
         finals: dict[int, GenerateOutput] = {}

@@ -1,16 +1,22 @@
 """Request bodies of the HTTP API: OpenAI's, with SGLang's and vLLM's constraint fields, and SGLang's ``/generate``.
 
-Unknown fields are refused (pydantic, ``extra="forbid"``); known OpenAI features this server does not implement
-are declared here and refused by ``openai_requests`` when set, so that no setting is ever silently ignored.
+Unknown fields are refused (pydantic, ``extra="forbid"``) and types are strict as OpenAI's API is (``"8"`` is not an
+integer, ``"yes"`` not a boolean); known OpenAI features this server does not implement are declared here and
+refused by ``request_conversion`` when set, so that no setting is ever silently ignored.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sglang_constrained.constraint_spec import MAX_SPEC_DEPTH
+
 MAX_N = 128
+MAX_SCHEDULER_REQUESTS = 128
+"""Most scheduler requests one HTTP request may become (prompts x ``n``)."""
 SEED_MODULUS = 2**64
 """torch seeds are 64-bit: a request's seed (and seed + choice index) is taken modulo this."""
 
@@ -27,26 +33,83 @@ class ProtocolError(ValueError):
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 BodyT = TypeVar("BodyT", bound=Body)
 
 
 def parse_body(model: type[BodyT], data: bytes) -> BodyT:
-    """Parse a JSON body (whatever its content type); raises ``ProtocolError`` naming the first problem."""
+    """Parse a JSON body (whatever its content type); raises ``ProtocolError`` naming the first problem, in OpenAI's
+    wording where OpenAI has one (wrong type, missing or unknown parameter)."""
     try:
         return model.model_validate_json(data)
     except ValidationError as e:
         problems = e.errors(include_url=False)
         first = problems[0]
-        where = ".".join(str(part) for part in first["loc"])
+        if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
+            raise ProtocolError(
+                f"the request body nests objects and arrays too deeply to parse ({first['msg']}); a constraint may "
+                f"nest at most {MAX_SPEC_DEPTH} levels",
+                code="invalid_json",
+            ) from e
         if first["type"] == "json_invalid":
             raise ProtocolError(f"the request body is not valid JSON: {first['msg']}", code="invalid_json") from e
-        message = f"{where or 'body'}: {first['msg']}"
-        if len(problems) > 1:
+        field = _field_path(first["loc"])
+        where = ".".join(str(part) for part in field)
+        same_field = [p for p in problems if _field_path(p["loc"]) == field]
+        message, code = _openai_wording(first, where, same_field, len(field))
+        if len(problems) > 1 and code is None:
             message += f" (and {len(problems) - 1} more problems)"
-        raise ProtocolError(message, param=where or None) from e
+        raise ProtocolError(message, param=where or None, code=code) from e
+
+
+_UNION_MEMBER = re.compile(r"^(str|int|bool|float|none|list\[.*\]|dict\[.*\]|function-\w+\[.*\])$")
+_EXPECTED_TYPES = {
+    "int_type": "an integer",
+    "bool_type": "a boolean",
+    "float_type": "a number",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A problem's location up to the member of a union it was checked against (pydantic names members by type)."""
+    for index, part in enumerate(loc):
+        if isinstance(part, str) and _UNION_MEMBER.match(part):
+            return loc[:index]
+    return loc
+
+
+def _openai_wording(problem: Any, where: str, same_field: list[Any], depth: int) -> tuple[str, str | None]:
+    """``(message, code)`` for a pydantic problem, as OpenAI words it where it has a wording. ``same_field``: the
+    problems of the same field (one per union member when it takes several types), found ``depth`` parts deep."""
+    kind = problem["type"]
+    is_type_mismatch = all(p["type"] in _EXPECTED_TYPES and len(p["loc"]) <= depth + 1 for p in same_field)
+    if is_type_mismatch:
+        expected = " or ".join(dict.fromkeys(_EXPECTED_TYPES[p["type"]] for p in same_field))
+        got = json_type_name(problem["input"])
+        what = f"'{where}'" if where else "the request body"
+        return f"Invalid type for {what}: expected {expected}, but got {got} instead.", "invalid_type"
+    if kind == "missing":
+        return f"Missing required parameter: '{where}'.", "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {where}", "unknown_parameter"
+    return f"{where or 'body'}: {problem['msg']}", None
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON name of a parsed value's type, with its article (``"a string"``)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "an integer" if isinstance(value, int) else "a number"
+    names: dict[type, str] = {str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), "null" if value is None else type(value).__name__)
 
 
 class JsonSchemaSpec(Body):
@@ -72,7 +135,7 @@ class JsonSchemaFormat(Body):
 class StructuralTagFormat(BaseModel):
     """xgrammar's ``{"type": "structural_tag", "format": ...}`` or the legacy ``structures``/``triggers`` form."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["structural_tag"]
 
 
@@ -133,7 +196,7 @@ class TextPart(Body):
 class Message(BaseModel):
     """A chat message; fields beyond role, content and name are accepted only when empty (as clients echo them)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None

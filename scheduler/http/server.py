@@ -15,7 +15,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,7 +29,16 @@ logger = logging.getLogger("scheduler.http")
 GRACEFUL_SHUTDOWN_S = 2
 STOP_TIMEOUT_S = 10.0
 ORPHAN_CHECK_INTERVAL_S = 1.0
-_FRONTEND_FLAGS = ("host", "port", "zmq_port", "model_path", "max_seq_len", "log_level")
+_FRONTEND_FLAGS = (
+    "host",
+    "port",
+    "zmq_port",
+    "model_path",
+    "max_seq_len",
+    "grammar_max_spec_bytes",
+    "cache_dir",
+    "log_level",
+)
 """The ``ServerArgs`` fields the frontend reads, passed on as their flags (``--field-name``)."""
 
 
@@ -38,9 +48,21 @@ class HttpFrontend:
     def __init__(self, process: subprocess.Popen[bytes], url: str) -> None:
         self.process = process
         self.url = url
+        self.is_stopping = False
+
+    def on_unexpected_exit(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(exit_code)`` on a watcher thread if the process exits before ``stop`` is called."""
+
+        def wait() -> None:
+            exit_code = self.process.wait()
+            if not self.is_stopping:
+                callback(exit_code)
+
+        threading.Thread(target=wait, name="http-frontend-watch", daemon=True).start()
 
     def stop(self) -> None:
         """SIGTERM (in-flight responses get ``GRACEFUL_SHUTDOWN_S`` to finish), SIGKILL if it does not exit."""
+        self.is_stopping = True
         if self.process.poll() is None:
             self.process.terminate()
             try:

@@ -118,7 +118,7 @@ async def stream_response(
     request: Request, frontend: FrontendState, calls: list[SchedulerCall], chunks: StreamChunks
 ) -> StreamingResponse:
     """An SSE response; errors before every choice's first token (an invalid constraint) are HTTP errors."""
-    run = ChoiceRun(frontend, calls, stream=True)
+    run = ChoiceRun(frontend, calls, stream=True, arrived=request.state.arrived)
     watcher = asyncio.create_task(run.cancel_on_disconnect(request))
     try:
         received = await run.first_outputs()

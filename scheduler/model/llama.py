@@ -68,9 +68,10 @@ class ForwardBatch:
         starts: Sequence[int],
         token_lists: Sequence[Sequence[int]],
         device: torch.device,
-        all_logits: bool = False,
+        num_logits: Sequence[int] | None = None,
     ) -> ForwardBatch:
-        """``all_logits``: logits after every new token (speculative verification), not only each sequence's last."""
+        """``num_logits[i]``: how many of sequence ``i``'s last new tokens get next-token logits (default 1; more to
+        verify drafts)."""
         offsets = [0]
         for tokens in token_lists:
             offsets.append(offsets[-1] + len(tokens))
@@ -93,12 +94,13 @@ class ForwardBatch:
                 query_positions = torch.arange(start, start + len(tokens), device=device)
                 key_positions = torch.arange(start + len(tokens), device=device)
                 extend_masks.append(None if start == 0 else key_positions[None, :] <= query_positions[:, None])
-        logit_indices = range(offsets[-1]) if all_logits else [end - 1 for end in offsets[1:]]
+        counts = num_logits if num_logits is not None else [1] * len(token_lists)
+        logit_indices = [i for end, count in zip(offsets[1:], counts, strict=True) for i in range(end - count, end)]
         return cls(
             input_ids=as_tensor([token for tokens in token_lists for token in tokens]),
             positions=as_tensor(positions),
             new_rows=as_tensor(new_rows),
-            logit_indices=as_tensor(list(logit_indices)),
+            logit_indices=as_tensor(logit_indices),
             offsets=offsets,
             starts=list(starts),
             token_rows=token_rows,

@@ -83,7 +83,7 @@ class ModelRunner:
     def extend(self, seq: KVSequence, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Append several tokens to one sequence: logits ``[vocab_size]`` after the last one, or with
         ``all_logits`` ``[len(token_ids), vocab_size]`` after each."""
-        logits = self.forward([seq], [token_ids], all_logits)
+        logits = self.forward([seq], [token_ids], [len(token_ids)] if all_logits else None)
         return logits if all_logits else logits[0]
 
     def truncate(self, seq: KVSequence, length: int) -> None:
@@ -91,9 +91,13 @@ class ModelRunner:
         self.kv.truncate(seq, length)
 
     def forward(
-        self, seqs: Sequence[KVSequence], token_lists: Sequence[Sequence[int]], all_logits: bool = False
+        self,
+        seqs: Sequence[KVSequence],
+        token_lists: Sequence[Sequence[int]],
+        num_logits: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Validate everything before touching the pool, append the tokens, run one forward."""
+        """Append each sequence's tokens in one forward: logits after the last ``num_logits[i]`` tokens of sequence
+        ``i`` (default: its last one), packed in order. Everything is validated before the pool is touched."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         if len({id(seq) for seq in seqs}) != len(seqs):
@@ -110,8 +114,12 @@ class ModelRunner:
                 )
             if len(tokens) > seq.reserved:
                 raise ValueError(f"{len(tokens)} new tokens exceed the {seq.reserved} the request reserved")
+        if num_logits is not None and not all(
+            1 <= count <= len(tokens) for count, tokens in zip(num_logits, token_lists, strict=True)
+        ):
+            raise ValueError("each sequence returns logits after 1 to all of its new tokens")
         starts = [len(seq) for seq in seqs]
         for seq, tokens in zip(seqs, token_lists, strict=True):
             self.kv.append(seq, list(tokens))
-        batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, self.device, all_logits)
+        batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, self.device, num_logits)
         return self.model.forward(batch, self.kv.pool)

@@ -3,20 +3,23 @@
 Shared by the conformance test suite and ``scripts/conformance_report.py``, so that the figures the script
 prints are the ones the tests assert on, and both judge a MaskBench case against the same recorded outcomes:
 ``known_refusals.json`` (schemas a backend refuses, with the reason its message must give) and
-``known_deviations.json`` (valid instances an engine wrongly rejects, with the measured reason).
+``known_deviations.json`` (valid instances an engine wrongly rejects, with the measured reason). What ``auto`` must
+do is derived from the other backends' records (``KnownOutcomes.with_auto``), not recorded again.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sglang_constrained.auto_grammar_backend import describe_refusals
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
+from sglang_constrained.errors import refusal_reason
+from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.testing.maskbench import MaskBenchCase
 from sglang_constrained.testing.random_walk import Judge, WalkTally, json_judge, walk_and_judge
 from sglang_constrained.testing.text_acceptance import walk_tokens
@@ -27,15 +30,13 @@ KNOWN_DEVIATIONS_FILE = "known_deviations.json"
 MAX_REFUSAL_CHARS = 400
 """A refusal's message is shown to the user as the request's error: it must name the reason, briefly."""
 
-_FEATURE_REFUSAL = re.compile(r"((?:feature|refuses) .+? \(at .*?\))(?:[;:]|$)")
-_MAX_REASON_CHARS = 80
-
 
 @dataclass
 class ConformanceResult:
     """Outcome of one constraint: did it compile, and which texts were wrongly rejected or accepted.
 
     ``seconds`` is what the constraint cost the backend (compile plus walks), whatever ran alongside it.
+    ``chosen_backend`` and ``fallback_reasons`` are ``auto``'s choice (``GrammarStats``).
     """
 
     name: str
@@ -48,10 +49,22 @@ class ConformanceResult:
     wrongly_accepted: list[str] = field(default_factory=list)
     seconds: float = 0.0
     walks: WalkTally = field(default_factory=WalkTally)
+    chosen_backend: str | None = None
+    fallback_reasons: tuple[tuple[str, str], ...] = ()
 
     @property
     def compiled(self) -> bool:
         return self.compile_error is None
+
+    def is_fully_right(self, is_known_narrowing: bool) -> bool:
+        """Compiled, no invalid text or walk output let through, and every valid text accepted (unless the valid
+        texts it rejects are a recorded narrowing: ``is_known_narrowing``)."""
+        return (
+            self.compiled
+            and not self.wrongly_accepted
+            and not self.walks.invalid_outputs
+            and (not self.wrongly_rejected or is_known_narrowing)
+        )
 
 
 def compile_grammar(backend: BaseGrammarBackend, key: GrammarKey) -> BaseGrammarObject:
@@ -74,7 +87,10 @@ def check_constraint(
     ``num_walks`` random walks through its own masks (``random_walk``), whose outputs the judge must accept."""
     result = ConformanceResult(name, num_valid=len(valid_texts), num_invalid=len(invalid_texts))
     grammar = compile_grammar(backend, key)
-    result.seconds = grammar.grammar_stats.compile_time_s if grammar.grammar_stats is not None else 0.0
+    if grammar.grammar_stats is not None:
+        result.seconds = grammar.grammar_stats.compile_time_s
+        result.chosen_backend = grammar.grammar_stats.chosen_backend
+        result.fallback_reasons = grammar.grammar_stats.fallback_reasons
     if isinstance(grammar, InvalidGrammarObject):
         result.compile_error = grammar.error_message
         return result
@@ -145,19 +161,6 @@ class MaskBenchSweep:
         return result
 
 
-def refusal_reason(message: str) -> str:
-    """The short, stable part of a refusal message that ``known_refusals.json`` records.
-
-    The refused feature and where it is (``feature 'not' (at /properties/a)``) for the backends' own
-    refusals; otherwise the message's first sentence, cut at a word boundary near 80 characters.
-    """
-    feature = _FEATURE_REFUSAL.search(message)
-    if feature is not None:
-        return feature.group(1)
-    sentence = message.split(". ")[0]
-    return sentence if len(sentence) <= _MAX_REASON_CHARS else sentence[:_MAX_REASON_CHARS].rsplit(" ", 1)[0]
-
-
 def known_refusals_from(messages: Mapping[str, Mapping[str, Mapping[str, str]]]) -> dict[str, dict[str, str]]:
     """``known_refusals.json``'s content from a whole sweep's refusal messages, backend -> tokenizer -> case.
 
@@ -187,12 +190,14 @@ class KnownOutcomes:
     """What the data files record a backend does with a MaskBench case, and the judgement of a result against it.
 
     ``refusals``: backend -> case -> the reason the refusal message must contain. ``deviations``: backend ->
-    tokenizer -> case -> a key of ``deviation_reasons``.
+    tokenizer -> case -> a key of ``deviation_reasons``. ``auto_order``: the order ``auto``'s outcomes were derived
+    for (``with_auto``), empty until then.
     """
 
     refusals: dict[str, dict[str, str]]
     deviations: dict[str, dict[str, dict[str, str]]]
     deviation_reasons: dict[str, str]
+    auto_order: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, root: Path) -> KnownOutcomes:
@@ -212,6 +217,33 @@ class KnownOutcomes:
                         )
         return known
 
+    def with_auto(self, order: Sequence[str]) -> KnownOutcomes:
+        """These outcomes plus what ``auto`` over ``order`` must do, derived from the backends' own records.
+
+        ``auto`` compiles a case with the first backend of ``order`` that does not refuse it, and then deviates as
+        that backend does; a case every backend refuses is refused with each one's reason (``describe_refusals``).
+        """
+        refused_by_all = set.intersection(*(set(self.refusals.get(backend, {})) for backend in order))
+        auto_refusals = {
+            case: describe_refusals([(backend, self.refusals[backend][case]) for backend in order])
+            for case in sorted(refused_by_all)
+        }
+        auto_deviations: dict[str, dict[str, str]] = {}
+        for backend in order:
+            for tokenizer, cases in self.deviations.get(backend, {}).items():
+                for case, reason in cases.items():
+                    if self._first_compiling(order, case) == backend:
+                        auto_deviations.setdefault(tokenizer, {})[case] = reason
+        return replace(
+            self,
+            refusals={**self.refusals, AUTO_GRAMMAR_BACKEND: auto_refusals},
+            deviations={**self.deviations, AUTO_GRAMMAR_BACKEND: auto_deviations},
+            auto_order=tuple(order),
+        )
+
+    def _first_compiling(self, order: Sequence[str], case: str) -> str | None:
+        return next((backend for backend in order if self.refusal(backend, case) is None), None)
+
     def refusal(self, backend: str, case: str) -> str | None:
         return self.refusals.get(backend, {}).get(case)
 
@@ -222,11 +254,16 @@ class KnownOutcomes:
         """Every way ``result`` disagrees with the record, both ways; empty when the backend behaved as recorded.
 
         A refusal must be listed with a reason its (bounded) message contains, and a listed refusal must still
-        happen; a deviation must be listed, and a listed one must still happen; no invalid text may be accepted.
+        happen; a deviation must be listed, and a listed one must still happen; no invalid text may be accepted;
+        ``auto`` must choose the first backend of its order that the record has compile the case.
         """
         expected_refusal = self.refusal(backend, result.name)
         deviation = self.deviation(backend, tokenizer, result.name)
         problems = []
+        if backend == AUTO_GRAMMAR_BACKEND and self.auto_order:
+            expected = self._first_compiling(self.auto_order, result.name)
+            if result.chosen_backend != expected:
+                problems.append(f"auto chose {result.chosen_backend}, but the records have {expected} compile it")
         if result.compile_error is not None:
             message = result.compile_error
             if len(message) > MAX_REFUSAL_CHARS:

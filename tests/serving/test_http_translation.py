@@ -10,7 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from scheduler.http.protocol import ChatCompletionRequest, ProtocolError, parse_body
-from scheduler.http.request_conversion import chat_calls
+from scheduler.http.request_conversion import RequestLimits, chat_calls
 from tests.helpers import ANSWER_TAG, COLORS, JSON_SCHEMA_FORMAT, PHONE_REGEX, QUESTION, SO, YES_NO_EBNF, YES_NO_SCHEMA
 
 CONSTRAINT_SOURCES: dict[str, tuple[dict[str, Any], str]] = {
@@ -32,6 +32,7 @@ CONSTRAINT_SOURCES: dict[str, tuple[dict[str, Any], str]] = {
     "guided_grammar": ({"guided_grammar": YES_NO_EBNF}, "ebnf"),
 }
 """Every way to ask for a constraint (OpenAI, SGLang, vLLM) and the scheduler field it becomes."""
+LIMITS = RequestLimits(max_seq_len=100, max_spec_bytes=1 << 20)
 
 
 @given(st.sets(st.sampled_from(sorted(CONSTRAINT_SOURCES)), max_size=3))
@@ -44,9 +45,9 @@ def test_one_constraint_is_translated_and_more_are_refused_by_name(names: set[st
     request = parse_body(ChatCompletionRequest, json.dumps(body).encode())
     if len(names) > 1:
         with pytest.raises(ProtocolError) as error:
-            chat_calls(request, "id", max_seq_len=100)
+            chat_calls(request, "id", LIMITS)
         assert error.value.status_code == 400 and all(name in error.value.message for name in names)
         return
-    calls = chat_calls(request, "id", max_seq_len=100)
+    calls = chat_calls(request, "id", LIMITS)
     expected = [CONSTRAINT_SOURCES[name][1] for name in names]
     assert [call.sampling_params.constraint_fields() for call in calls] == [expected, expected]

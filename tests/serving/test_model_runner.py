@@ -211,7 +211,9 @@ def test_a_tokens_logits_do_not_depend_on_its_batch(runner: ModelRunner, prompts
     seqs = [admitted(runner, prompt) for prompt in prompts]
     runner.prefill(seqs, prompts)
     others = [seqs[0], seqs[2], seqs[3]]
-    mixed = runner.forward([others[0], seqs[1], others[1], others[2]], [[5], tokens[:5], [6, 7], [8, 9, 10]], True)
+    batch = [others[0], seqs[1], others[1], others[2]]
+    mixed = runner.forward(batch, [[5], tokens[:5], [6, 7], [8, 9, 10]], num_logits=[1, 5, 2, 1])
+    assert mixed.shape[0] == 9
     assert all(torch.equal(mixed[1 + j], logits[j + 1]) for j in range(5))
     runner.truncate(seqs[1], len(prompts[1]))
     for j in range(5):

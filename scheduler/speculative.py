@@ -1,0 +1,209 @@
+"""Speculative decoding's proposals: exact jump-forward over forced tokens, and draft tokens to verify.
+
+Two things make a constrained answer cheaper than one forward per token:
+
+- **Forced tokens** (jump-forward): where the grammar's mask allows exactly one token, plain decoding could only
+  sample that token, so it is appended at once, with no forward of its own (it rides along with the next one). The
+  output is what plain decoding gives, for every backend; the reasoner wrapper allows every token while thinking, so
+  nothing is forced across the think-end boundary.
+- **Drafts**: up to k guesses of the tokens after the pending ones, verified by one forward that returns logits
+  after each (one mask row per position). Sources: the grammar's forced continuation (xgrammar's jump-forward
+  string, llguidance's fast-forward tokens and bytes), tokenised without its last token (the text may end inside a
+  token the model would merge with what follows, as llguidance's token healing avoids), and prompt lookup (the
+  longest suffix of prompt + output, 1 to ``NGRAM_MAX`` tokens, that occurred before: the tokens that followed it).
+  The sources alternate (forced text, then lookup from there, then forced text again: a lookup may settle the
+  whitespace the grammar leaves open, after which the next key is forced); after forced text comes the token the
+  output put after the previous forced text (source "follower": ``"name"`` is drafted as ``name``, without its
+  closing quote, and the model writes ``":``, as it will after the next key). Drafts are cut where the grammar stops
+  accepting them, so the model never sees one the grammar rejects.
+
+k adapts: each request's prompt-lookup length doubles after a fully accepted run and halves after a rejected
+first draft (pausing at 0, then probing again), and a batch's drafts share a token budget that shrinks as the batch
+grows (a full batch is already compute-bound: drafts would slow it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scheduler.request import Req
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from triton_ops.bitmask_format import allocate_bitmask
+
+NGRAM_MAX = 4
+"""Longest output suffix searched for in the prompt and output."""
+NGRAM_MIN_CONTEXT = 8
+"""Below this many context tokens a lookup finds nothing worth a draft."""
+BATCH_TOKEN_BUDGET = 40
+"""Most tokens a speculative decode forward takes (pending + drafts over the batch); drafts fill what the batch
+leaves. Measured here: a forward's cost rises little up to ~40 tokens, then with the token count."""
+PROBE_INTERVAL = 8
+"""Steps a request whose prompt-lookup drafts kept failing waits before it tries one again."""
+
+
+@dataclass
+class DraftState:
+    """A request's adaptive prompt-lookup length, and the token its output put after its last forced text.
+
+    ``grammar_follower`` exists because forced text is drafted less its last token (``"name"`` as ``name``), which
+    the model merges with what follows (``":``): the next forced text likely ends the same way."""
+
+    ngram_k: int = 4
+    paused_steps: int = 0
+    grammar_follower: int | None = None
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """One request's drafts for one forward; ``sources[i]`` names where ``token_ids[i]`` came from."""
+
+    token_ids: list[int]
+    sources: list[str]
+
+
+NO_DRAFTS = Drafts([], [])
+
+
+class DraftProposer:
+    """Finds forced tokens and proposes drafts for the requests of a decode batch."""
+
+    def __init__(self, algorithm: str, max_draft_tokens: int, tokenizer: Any, vocab_size: int) -> None:
+        """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``."""
+        self.use_grammar = algorithm in ("grammar", "grammar+ngram")
+        self.use_ngram = algorithm in ("ngram", "grammar+ngram")
+        self.enabled = algorithm != "none" and max_draft_tokens > 0
+        self.max_draft_tokens = max_draft_tokens
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._scratch = allocate_bitmask(1, vocab_size, "cpu")
+        self.states: dict[str, DraftState] = {}
+
+    def forced_token(self, grammar: BaseGrammarObject) -> int | None:
+        """The one token ``grammar`` allows next, or None when it allows several (or none)."""
+        grammar.fill_vocab_mask(self._scratch, 0)
+        words = self._scratch[0]
+        nonzero = words.nonzero()
+        if nonzero.numel() != 1:
+            return None
+        index = int(nonzero[0, 0])
+        word = int(words[index]) & 0xFFFFFFFF
+        if word & (word - 1):
+            return None
+        token = index * 32 + word.bit_length() - 1
+        return token if token < self.vocab_size else None
+
+    def propose(self, batch: list[Req], pending: list[list[int]], room: list[int]) -> list[Drafts]:
+        """Drafts per request: at most ``room[i]`` tokens each, within the batch's token budget."""
+        if not self.enabled:
+            return [NO_DRAFTS] * len(batch)
+        budget = BATCH_TOKEN_BUDGET - sum(len(tokens) for tokens in pending)
+        proposals = []
+        for req, tokens, limit in zip(batch, pending, room, strict=True):
+            limit = min(limit, self.max_draft_tokens, max(budget, 0))
+            drafts = self._propose_one(req, tokens, limit) if limit > 0 else NO_DRAFTS
+            budget -= len(drafts.token_ids)
+            proposals.append(drafts)
+        return proposals
+
+    def record(self, req: Req, drafts: Drafts, num_accepted: int) -> None:
+        """Adapt ``req``'s prompt-lookup length to how many of its drafts stood (``req`` has taken its tokens)."""
+        state = self.states.setdefault(req.rid, DraftState())
+        if num_accepted and drafts.sources[num_accepted - 1] == "grammar" and len(req.output_ids) > num_accepted:
+            state.grammar_follower = req.output_ids[-1]
+        ngram_drafts = [i for i, source in enumerate(drafts.sources) if source == "ngram"]
+        if not ngram_drafts:
+            return
+        if num_accepted > ngram_drafts[-1]:
+            state.ngram_k = min(self.max_draft_tokens, state.ngram_k * 2)
+        elif num_accepted <= ngram_drafts[0]:
+            state.ngram_k //= 2
+            if state.ngram_k == 0:
+                state.paused_steps = PROBE_INTERVAL
+
+    def forget(self, req: Req) -> DraftState | None:
+        return self.states.pop(req.rid, None)
+
+    def _propose_one(self, req: Req, pending: list[int], limit: int) -> Drafts:
+        """Alternate the sources until neither adds a token: the grammar's forced continuation, then prompt lookup
+        from there (which may settle what the grammar left open, such as whitespace), then the grammar's again. The
+        grammar follows the drafts as they grow (and is rolled back after), so each source sees the state the
+        drafts lead to and every draft is one the grammar accepts."""
+        grammar = req.ready_grammar
+        if grammar is not None and grammar.is_terminated():
+            return NO_DRAFTS
+        state = self.states.setdefault(req.rid, DraftState())
+        ngram_left = self._ngram_allowance(state) if self.use_ngram else 0
+        tokens: list[int] = []
+        sources: list[str] = []
+        try:
+            while len(tokens) < limit and not (grammar is not None and grammar.is_terminated()):
+                size = len(tokens)
+                if self.use_grammar and grammar is not None:
+                    forced = self._grammar_continuation(grammar)
+                    if self._extend(grammar, tokens, sources, forced, "grammar", limit) and state.grammar_follower:
+                        self._extend(grammar, tokens, sources, [state.grammar_follower], "follower", limit)
+                if ngram_left > 0 and len(tokens) < limit:
+                    context = req.prompt_ids + req.output_ids + tokens
+                    looked_up = prompt_lookup(context, min(limit - len(tokens), ngram_left))
+                    ngram_left -= self._extend(grammar, tokens, sources, looked_up, "ngram", limit)
+                if len(tokens) == size:
+                    break
+        finally:
+            if grammar is not None:
+                grammar.rollback(len(tokens))
+        return Drafts(tokens, sources)
+
+    @staticmethod
+    def _extend(
+        grammar: BaseGrammarObject | None,
+        tokens: list[int],
+        sources: list[str],
+        new: list[int],
+        source: str,
+        limit: int,
+    ) -> int:
+        """Append the part of ``new`` the grammar accepts (advancing it) within ``limit``; returns how many."""
+        new = new[: limit - len(tokens)]
+        if grammar is not None and new:
+            new = new[: grammar.validate_tokens(new)]
+            for token in new:
+                grammar.accept_token(token)
+        tokens += new
+        sources += [source] * len(new)
+        return len(new)
+
+    @staticmethod
+    def _ngram_allowance(state: DraftState) -> int:
+        """This step's prompt-lookup length: the adaptive one, or a one-token probe after a pause."""
+        if state.ngram_k == 0:
+            state.paused_steps -= 1
+            if state.paused_steps <= 0:
+                state.ngram_k = 1
+        return state.ngram_k
+
+    def _grammar_continuation(self, grammar: BaseGrammarObject) -> list[int]:
+        """The grammar's forced continuation as tokens, without the last token its text tokenises to."""
+        forced = grammar.try_jump_forward(self.tokenizer)
+        if forced is None:
+            return []
+        token_ids, text = forced
+        tail = self.tokenizer.encode(text, add_special_tokens=False)[:-1] if text else []
+        return [t for t in [*token_ids, *tail] if 0 <= t < self.vocab_size]
+
+
+def prompt_lookup(context: list[int], max_tokens: int) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the longest suffix of ``context`` (``NGRAM_MAX``
+    down to 1 tokens), at most ``max_tokens`` of them."""
+    if max_tokens <= 0 or len(context) < NGRAM_MIN_CONTEXT:
+        return []
+    data = torch.tensor(context)
+    for n in range(NGRAM_MAX, 0, -1):
+        windows = data[:-1].unfold(0, n, 1)  # every earlier n-gram (the suffix itself excluded)
+        hits = (windows == data[-n:]).all(dim=1).nonzero().flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return context[start : start + max_tokens]
+    return []

@@ -1,0 +1,306 @@
+"""Load and faults on a real server: mixed requests at a concurrency, a share of them invalid, clients that
+disconnect, and grammar compiles that take xgrammar minutes, all at once on loopback.
+
+``python -m scripts.load_and_faults [--requests 400] [--concurrency 32]`` starts ``python -m scheduler.launch`` on a
+free loopback port, runs the requests in rounds that alternate between "alone" and "beside a slow compile" (one
+slow compile always in flight during the latter), and prints one line: requests answered and lost, invalid outputs
+(a constrained answer its constraint refuses), server errors, the resident memory of the server's processes at
+start, peak and end, and the p50/p99 latency of valid requests alone and beside a slow compile (target: a p50
+ratio of at most 1.5). Bounded: the request count, and ``--max-seconds`` for the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import jsonschema
+import psutil
+
+from scheduler.testing.process import SchedulerProcess, free_port
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+YES_NO = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+COLORS = ["red", "green", "blue"]
+QUESTION = [{"role": "user", "content": "Describe a person in one short JSON object."}]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of valid request: its extra body fields and the check its answer must pass (None: free text)."""
+
+    name: str
+    fields: dict[str, Any]
+    check: Callable[[str], bool] | None
+
+
+def _is_json_for(schema: dict[str, Any]) -> Callable[[str], bool]:
+    def check(text: str) -> bool:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+
+    return check
+
+
+def _json_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+VALID_KINDS = (
+    Kind("free", {}, None),
+    Kind("json", _json_format(PERSON), _is_json_for(PERSON)),
+    Kind("json", _json_format(YES_NO), _is_json_for(YES_NO)),
+    Kind("regex", {"regex": PHONE}, lambda text: re.fullmatch(PHONE, text) is not None),
+    Kind("choice", {"guided_choice": COLORS}, lambda text: text in COLORS),
+)
+"""Free text and constraints whose grammars are cached after the warm-up: what a slow compile must not slow."""
+
+INVALID_BODIES: tuple[dict[str, Any], ...] = (
+    {"messages": QUESTION, "max_tokens": "8"},
+    {"messages": QUESTION, "stream": "yes"},
+    {"messages": QUESTION, "regex": "(ab"},
+    {"messages": QUESTION, "ebnf": "root ::="},
+    {"messages": QUESTION, "guided_json": {"type": "strin"}},
+    {"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}},
+    {"messages": QUESTION, "max_tokens": 10**9},
+    {"messages": [{"role": "user", "content": "x" * 2_000_000}]},
+    {"messages": QUESTION, "n": 1000},
+)
+
+
+def slow_schema() -> dict[str, Any]:
+    """A schema xgrammar takes tens of seconds to compile (long length-bounded strings), new each time."""
+    tag = uuid.uuid4().hex[:8]
+    return {"type": "object", "properties": {f"f{i}_{tag}": {"type": "string", "maxLength": 5000} for i in range(4)}}
+
+
+@dataclass
+class Tally:
+    answered: int = 0
+    lost: int = 0
+    invalid_outputs: int = 0
+    server_errors: int = 0
+    refused: int = 0
+    disconnects: int = 0
+    slow_compiles_answered: int = 0
+    latencies: dict[str, list[float]] = field(default_factory=lambda: {"alone": [], "beside": []})
+    problems: list[str] = field(default_factory=list)
+
+
+class MemoryWatch:
+    """Samples the resident memory of a process and its descendants on a thread: start, peak, end (MB)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        self.root = psutil.Process(pid)
+        self.start = self.peak = self.end = self.sample()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def sample(self) -> float:
+        total = 0
+        for process in [self.root, *self.root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += process.memory_info().rss
+        return total / 2**20
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = self.sample()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.peak = max(self.peak, self.sample())
+
+
+async def valid_request(http: httpx.AsyncClient, kind: Kind, phase: str, tally: Tally, max_tokens: int) -> None:
+    body = {"messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, **kind.fields}
+    started = time.perf_counter()
+    try:
+        response = await http.post("/v1/chat/completions", json=body)
+    except httpx.HTTPError as e:
+        tally.lost += 1
+        tally.problems.append(f"{kind.name}: {type(e).__name__}")
+        return
+    elapsed = time.perf_counter() - started
+    tally.answered += 1
+    if response.status_code >= 500:
+        tally.server_errors += 1
+        tally.problems.append(f"{kind.name}: {response.status_code} {response.text[:200]}")
+        return
+    if response.status_code != 200:
+        tally.lost += 1
+        tally.problems.append(f"{kind.name}: {response.status_code} {response.text[:200]}")
+        return
+    choice = response.json()["choices"][0]
+    text, finished = choice["message"]["content"], choice["finish_reason"]
+    if kind.check is not None and finished == "stop" and not kind.check(text):
+        tally.invalid_outputs += 1
+        tally.problems.append(f"{kind.name}: invalid output {text[:100]!r}")
+    tally.latencies[phase].append(elapsed)
+
+
+async def invalid_request(http: httpx.AsyncClient, body: dict[str, Any], tally: Tally) -> None:
+    try:
+        response = await http.post("/v1/chat/completions", json=body)
+    except httpx.HTTPError as e:
+        tally.lost += 1
+        tally.problems.append(f"invalid: {type(e).__name__}")
+        return
+    tally.answered += 1
+    if response.status_code >= 500:
+        tally.server_errors += 1
+        tally.problems.append(f"invalid: {response.status_code} {response.text[:200]}")
+    elif 400 <= response.status_code < 500:
+        tally.refused += 1
+    else:
+        tally.problems.append(f"invalid body answered {response.status_code}: {json.dumps(body)[:100]}")
+
+
+async def disconnecting_request(http: httpx.AsyncClient, tally: Tally) -> None:
+    """A streamed request whose client leaves after the first chunk."""
+    body = {"messages": QUESTION, "max_tokens": 200, "stream": True}
+    with contextlib.suppress(httpx.HTTPError):
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                break
+    tally.disconnects += 1
+
+
+async def slow_compiles(http: httpx.AsyncClient, beside: asyncio.Event, done: asyncio.Event, tally: Tally) -> None:
+    """Keep one slow compile in flight whenever ``beside`` is set, until ``done``."""
+    while not done.is_set():
+        await beside.wait()
+        body = {"messages": QUESTION, "max_tokens": 4, **_json_format(slow_schema())}
+        with contextlib.suppress(httpx.HTTPError):
+            response = await http.post("/v1/chat/completions", json=body)
+            tally.slow_compiles_answered += 1
+            if response.status_code >= 500:
+                tally.server_errors += 1
+                tally.problems.append(f"slow compile: {response.status_code} {response.text[:200]}")
+
+
+async def run_load(url: str, args: argparse.Namespace, tally: Tally) -> None:
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    timeout = httpx.Timeout(args.max_seconds)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+        for kind in VALID_KINDS:  # warm-up: every valid kind's grammar compiled and cached
+            await valid_request(http, kind, "alone", Tally(), args.max_tokens)
+        beside, done = asyncio.Event(), asyncio.Event()
+        compiler = asyncio.create_task(slow_compiles(http, beside, done, tally))
+        semaphore = asyncio.Semaphore(args.concurrency)
+
+        async def one(phase: str) -> None:
+            async with semaphore:
+                draw = rng.random()
+                if draw < args.invalid_share:
+                    await invalid_request(http, rng.choice(INVALID_BODIES), tally)
+                elif draw < args.invalid_share + args.disconnect_share:
+                    await disconnecting_request(http, tally)
+                else:
+                    await valid_request(http, rng.choice(VALID_KINDS), phase, tally, args.max_tokens)
+
+        per_round = max(1, args.requests // (2 * args.rounds))
+        for _, phase in itertools.product(range(args.rounds), ("alone", "beside")):
+            if phase == "beside":
+                beside.set()
+                await asyncio.sleep(args.compile_head_start)  # the slow compile is under way
+            await asyncio.gather(*(one(phase) for _ in range(per_round)))
+            beside.clear()
+        done.set()
+        beside.set()
+        compiler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await compiler
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of alone and beside a slow compile")
+    parser.add_argument("--max-tokens", type=int, default=16, help="of each valid request")
+    parser.add_argument("--invalid-share", type=float, default=0.15)
+    parser.add_argument("--disconnect-share", type=float, default=0.05)
+    parser.add_argument("--compile-head-start", type=float, default=1.0, help="seconds a slow compile runs first")
+    parser.add_argument("--max-seconds", type=float, default=900.0, help="the whole run's bound")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("server_flags", nargs="*", help="extra flags for scheduler.launch (after --)")
+    args = parser.parse_args()
+    port = free_port()
+    server = SchedulerProcess(
+        "--port", str(port), "--max-running-requests", "32", "--max-seq-len", "512", "--grammar-compile-timeout",
+        "20", *args.server_flags,
+    )  # fmt: skip
+    tally = Tally()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_healthy(server, url)
+        memory = MemoryWatch(server.process.pid)
+        started = time.perf_counter()
+        try:
+            asyncio.run(asyncio.wait_for(run_load(url, args, tally), args.max_seconds))
+        except TimeoutError:
+            tally.problems.append(f"the run was cut at --max-seconds {args.max_seconds:g}")
+        elapsed = time.perf_counter() - started
+        is_alive = httpx.get(f"{url}/health", timeout=30).status_code == 200
+        memory.stop()
+    finally:
+        exit_code = server.stop()
+    alone, beside = tally.latencies["alone"], tally.latencies["beside"]
+    ratio = percentile(beside, 0.5) / percentile(alone, 0.5)
+    for problem in tally.problems[:10]:
+        print(f"  problem: {problem}")
+    print(
+        f"load-and-faults: {tally.answered} answered, {tally.lost} lost, {tally.invalid_outputs} invalid outputs, "
+        f"{tally.server_errors} server errors ({tally.refused} refused as meant, {tally.disconnects} disconnects, "
+        f"{tally.slow_compiles_answered} slow compiles answered) in {elapsed:.0f} s; RSS start/peak/end "
+        f"{memory.start:.0f}/{memory.peak:.0f}/{memory.end:.0f} MB; valid p50/p99 alone "
+        f"{percentile(alone, 0.5):.2f}/{percentile(alone, 0.99):.2f} s (n={len(alone)}), beside a slow compile "
+        f"{percentile(beside, 0.5):.2f}/{percentile(beside, 0.99):.2f} s (n={len(beside)}); p50 ratio {ratio:.2f} "
+        f"(target <= 1.5); server {'alive' if is_alive else 'DEAD'}, exit code {exit_code}"
+    )
+
+
+def _wait_until_healthy(server: SchedulerProcess, url: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited at start-up:\n{server.log()[-3000:]}")
+        time.sleep(0.5)
+    raise TimeoutError(f"the server was not healthy within {timeout_s:g} s")
+
+
+if __name__ == "__main__":
+    main()

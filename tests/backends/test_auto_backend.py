@@ -1,0 +1,307 @@
+"""``--grammar-backend auto``: the first backend of the order that compiles a constraint wins, and says why.
+
+Checked on both real tokenizers: the choice and its reasons (stats, log, counters), the error when every backend
+refuses, one cache for the whole order, registered backends in the order, a batch whose rows come from three
+backends, random walks through a fallback grammar's masks, the reasoner around ``auto``, every constraint kind
+(the choice fixes among them), and MaskBench cases judged against what the other backends' records imply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scheduler.io_struct import SamplingParams
+from scheduler.request import Req
+from scheduler.sampling_batch_info import SamplingBatchInfo
+from scheduler.server_args import ServerArgs
+from sglang_constrained.auto_grammar_backend import AutoGrammarBackend
+from sglang_constrained.base_grammar_backend import (
+    GRAMMAR_BACKEND_REGISTRY,
+    BaseGrammarBackend,
+    InvalidGrammarObject,
+    create_grammar_backend,
+    register_grammar_backend,
+)
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.errors import GrammarSpecError
+from sglang_constrained.llguidance_backend import GuidanceBackend, GuidanceGrammar
+from sglang_constrained.outlines_backend import OutlinesGrammar
+from sglang_constrained.reasoner_grammar_backend import (
+    ReasonerGrammarBackend,
+    ReasonerGrammarObject,
+    think_end_token_id,
+)
+from sglang_constrained.testing.conformance import (
+    MAX_REFUSAL_CHARS,
+    KnownOutcomes,
+    MaskBenchSweep,
+    check_constraint,
+)
+from sglang_constrained.testing.maskbench import load_case
+from sglang_constrained.testing.random_walk import json_judge, walk_and_judge
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.xgrammar_backend import XGrammarGrammar
+from tests.helpers import PERSON_SCHEMA, accepts_text, allowed_tokens, compile_valid, encode_exactly
+from triton_ops.bitmask_format import allowed_token_ids
+
+FALLBACK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
+        "price": {"type": "number", "multipleOf": 0.5},
+    },
+    "required": ["code", "price"],
+    "additionalProperties": False,
+}
+"""xgrammar refuses a pattern with a length bound (it would drop the bound); llguidance enforces both."""
+XGRAMMAR_REFUSAL = "pattern together with minLength/maxLength"
+REFUSED_BY_ALL_SCHEMA = {"type": "integer", "not": {"const": 3}}
+MASKBENCH_ROOT = Path(__file__).parents[1] / "data" / "maskbench"
+KNOWN = KnownOutcomes.load(MASKBENCH_ROOT).with_auto(ServerArgs().grammar_backend_order)
+MASKBENCH_CASES = {
+    "Github_trivial---o10018": "xgrammar refuses a pattern with a length bound; llguidance compiles it",
+    "Github_easy---o63476": "xgrammar refuses patternProperties; llguidance compiles it",
+    "Github_trivial---o41773": "xgrammar refuses a non-integer multipleOf; llguidance compiles it",
+    "Handwritten---pnmp1": "every backend refuses 'not'",
+    "Github_trivial---o9500": "xgrammar compiles it, with its strict-objects narrowing",
+}
+
+KIND_CASES = [
+    ("regex", r"\(\d{3}\) \d{3}-\d{4}", ["(555) 123-4567"], ["555-123-4567"]),
+    ("ebnf", 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9]+', ["1+22+333"], ["1++2", "+1"]),
+    ("choice", ["Java", "JavaScript", "a\u0001f"], ["JavaScript", "Java", "a\u0001f"], ["Jav", "JavaScripts", "af"]),
+    ("json_object", None, ['{"a": [1, {"b": null}]}', "{}"], ["[1, 2]", '"text"']),
+    (
+        "structural_tag",
+        {"structures": [{"begin": "<f=w>", "schema": PERSON_SCHEMA, "end": "</f>"}], "triggers": ["<f="]},
+        ['Here: <f=w>{"name": "Ada", "age": 36}</f> done.'],
+        ['<f=w>{"name": "Ada"}</f>'],
+    ),
+]
+
+
+def build_auto(setup: TokenizerSetup, **changes: Any) -> BaseGrammarBackend:
+    args = ServerArgs(grammar_backend="auto", **changes)
+    backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    assert backend is not None
+    return backend
+
+
+@pytest.fixture(scope="module")
+def auto(tokenizer_case: TokenizerSetup) -> Iterator[AutoGrammarBackend]:
+    backend = build_auto(tokenizer_case)
+    assert isinstance(backend, AutoGrammarBackend)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture
+def clean_registry() -> Iterator[None]:
+    saved = dict(GRAMMAR_BACKEND_REGISTRY)
+    yield
+    GRAMMAR_BACKEND_REGISTRY.clear()
+    GRAMMAR_BACKEND_REGISTRY.update(saved)
+
+
+def test_auto_takes_xgrammar_when_it_compiles(auto: AutoGrammarBackend) -> None:
+    grammar = compile_valid(auto, "json", PERSON_SCHEMA)
+    assert isinstance(grammar, XGrammarGrammar)
+    assert grammar.grammar_stats is not None
+    assert (grammar.grammar_stats.chosen_backend, grammar.grammar_stats.fallback_reasons) == ("xgrammar", ())
+
+
+def test_auto_falls_back_to_llguidance_and_says_why(
+    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = auto.choice_counts()
+    with caplog.at_level(logging.INFO, logger="sglang_constrained.auto_grammar_backend"):
+        grammar = auto.build_grammar(make_grammar_key("json", FALLBACK_SCHEMA))
+    assert isinstance(grammar, GuidanceGrammar)
+    stats = grammar.grammar_stats
+    assert stats is not None and stats.chosen_backend == "llguidance"
+    [(refused_by, message)] = stats.fallback_reasons
+    assert refused_by == "xgrammar" and XGRAMMAR_REFUSAL in message
+    assert f"auto chose llguidance for a json constraint because xgrammar refused: feature '{XGRAMMAR_REFUSAL}'" in (
+        caplog.text
+    )
+    after = auto.choice_counts()
+    assert after.num_chosen.get("llguidance", 0) == before.num_chosen.get("llguidance", 0) + 1
+    assert after.num_refused.get("xgrammar", 0) == before.num_refused.get("xgrammar", 0) + 1
+    assert accepts_text(grammar, tokenizer_case, '{"code": "abc", "price": 2.5}')
+    assert not accepts_text(grammar.copy(), tokenizer_case, '{"code": "abcdef", "price": 2.5}')
+    assert not accepts_text(grammar.copy(), tokenizer_case, '{"code": "abc", "price": 2.25}')
+
+
+def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGrammarBackend) -> None:
+    before = auto.choice_counts().num_refused_by_all
+    grammar = auto.build_grammar(make_grammar_key("json", REFUSED_BY_ALL_SCHEMA))
+    assert isinstance(grammar, InvalidGrammarObject)
+    message = grammar.error_message
+    assert message.startswith("no grammar backend of --grammar-backend-order compiles this json constraint")
+    assert "xgrammar, outlines refused: feature 'not' (at /)" in message
+    assert 'llguidance refused: invalid JSON schema: Unimplemented keys: ["not"]' in message
+    assert len(message) <= MAX_REFUSAL_CHARS
+    assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend is None
+    assert [name for name, _ in grammar.grammar_stats.fallback_reasons] == ["xgrammar", "llguidance", "outlines"]
+    assert auto.choice_counts().num_refused_by_all == before + 1
+
+
+def test_one_cache_keyed_by_the_constraint_holds_the_chosen_grammar(tokenizer_case: TokenizerSetup) -> None:
+    backend = build_auto(tokenizer_case, grammar_backend_order=("xgrammar", "llguidance"))
+    assert isinstance(backend, AutoGrammarBackend)
+    key = make_grammar_key("json", FALLBACK_SCHEMA)
+    future, is_hit = backend.get_cached_or_future_value(key)
+    assert not is_hit and isinstance(future, Future)
+    first = future.result(timeout=120)
+    backend.set_cache(key, first)
+    second, is_hit = backend.get_cached_or_future_value(key)
+    assert is_hit and isinstance(first, GuidanceGrammar) and isinstance(second, GuidanceGrammar)
+    assert second.grammar_stats is not None and second.grammar_stats.is_cache_hit
+    assert second.grammar_stats.chosen_backend == "llguidance"
+    assert backend.compile_service.num_compilations == 1
+    assert [b.compile_service.num_compilations for b in backend.backends.values()] == [0, 0]
+    backend.shutdown()
+
+
+class JsonRefusingBackend(GuidanceBackend):
+    """llguidance, refusing every JSON schema: a registered backend that ``auto`` asks first."""
+
+    name = "no-json"
+
+    def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
+        raise GrammarSpecError("the no-json backend refuses JSON schemas")
+
+
+def test_a_registered_backend_takes_part_in_the_order(clean_registry: None, smollm2_tokenizer: TokenizerSetup) -> None:
+    register_grammar_backend("no-json", JsonRefusingBackend)
+    backend = build_auto(smollm2_tokenizer, grammar_backend_order=("no-json", "xgrammar"))
+    assert isinstance(backend, AutoGrammarBackend)
+    regex = compile_valid(backend, "regex", "[0-9]{3}")
+    schema = compile_valid(backend, "json", PERSON_SCHEMA)
+    assert regex.grammar_stats is not None and regex.grammar_stats.chosen_backend == "no-json"
+    assert schema.grammar_stats is not None and schema.grammar_stats.chosen_backend == "xgrammar"
+    assert schema.grammar_stats.fallback_reasons == (("no-json", "the no-json backend refuses JSON schemas"),)
+    backend.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("order", "error"),
+    [
+        ("", "names no backend"),
+        ("xgrammar,auto", "cannot hold ['auto']"),
+        ("xgrammar,none", "cannot hold ['none']"),
+        ("xgrammar,nope", "cannot hold ['nope']; choose among ['llguidance', 'outlines', 'xgrammar']"),
+        ("llguidance,xgrammar,llguidance", "names ['llguidance'] more than once"),
+    ],
+)
+def test_a_bad_order_is_refused_with_a_clear_error(order: str, error: str) -> None:
+    with pytest.raises(ValueError, match=f"--grammar-backend-order {error}".replace("[", r"\[").replace("]", r"\]")):
+        ServerArgs.parse(["--grammar-backend", "auto", "--grammar-backend-order", order])
+
+
+def test_the_order_comes_from_the_command_line() -> None:
+    args = ServerArgs.parse(["--grammar-backend", "auto", "--grammar-backend-order", "llguidance, outlines"])
+    assert args.grammar_backend_order == ("llguidance", "outlines")
+    assert ServerArgs.parse([]).grammar_backend_order == ("xgrammar", "llguidance", "outlines")
+
+
+def test_a_backend_the_settings_rule_out_is_named(smollm2_tokenizer: TokenizerSetup) -> None:
+    with pytest.raises(ValueError, match=r"auto cannot build xgrammar .* leave it out of the order"):
+        build_auto(smollm2_tokenizer, constrained_json_whitespace_pattern="[ ]?")
+    build_auto(
+        smollm2_tokenizer, constrained_json_whitespace_pattern="[ ]?", grammar_backend_order=("llguidance",)
+    ).shutdown()
+
+
+def test_one_batch_mixes_the_masks_of_three_backends(tokenizer_case: TokenizerSetup) -> None:
+    """Rows from outlines, xgrammar and llguidance grammars in one mask: each row is what its grammar fills alone,
+    and applying the batch's mask leaves each request's allowed tokens and nothing else."""
+    backend = build_auto(tokenizer_case, grammar_backend_order=("outlines", "xgrammar", "llguidance"))
+    grammars = [
+        compile_valid(backend, "regex", "[0-9]{3}"),
+        compile_valid(backend, "ebnf", 'root ::= "yes" | "no"'),
+        compile_valid(backend, "json", FALLBACK_SCHEMA),
+    ]
+    assert [type(g) for g in grammars] == [OutlinesGrammar, XGrammarGrammar, GuidanceGrammar]
+    reqs = [
+        Req(rid=str(row), client_id=b"", prompt_ids=[0], sampling_params=SamplingParams(), grammar=grammar)
+        for row, grammar in enumerate(grammars)
+    ]
+    batch = SamplingBatchInfo(tokenizer_case.vocab_size, max_batch_size=4, mask_layout=backend.mask_layout)
+
+    def assert_each_row_is_its_own() -> None:
+        batch.prepare(reqs)
+        batch.update_regex_vocab_mask()
+        assert batch.vocab_mask is not None and batch.fill_errors == {}
+        logits = torch.zeros(len(reqs), tokenizer_case.vocab_size)
+        batch.apply_logits_bias(logits)
+        for row, grammar in enumerate(grammars):
+            alone = allowed_tokens(grammar, tokenizer_case.vocab_size)
+            assert alone and set(allowed_token_ids(batch.vocab_mask[row], tokenizer_case.vocab_size).tolist()) == alone
+            assert set(logits[row].isfinite().nonzero().flatten().tolist()) == alone
+
+    assert_each_row_is_its_own()
+    for grammar, text in zip(grammars, ("1", "ye", '{"code": "ab'), strict=True):
+        for token in encode_exactly(tokenizer_case, text):
+            grammar.accept_token(token)
+    assert_each_row_is_its_own()
+    backend.shutdown()
+
+
+def test_walks_through_a_fallback_grammar_validate(auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup) -> None:
+    grammar = compile_valid(auto, "json", FALLBACK_SCHEMA)
+    assert isinstance(grammar, GuidanceGrammar)
+    tally = walk_and_judge(grammar, tokenizer_case, json_judge(FALLBACK_SCHEMA), num_walks=6, seed=5)
+    assert tally.invalid_outputs == []
+    assert tally.num_finished >= 3
+
+
+def test_the_reasoner_wraps_auto(qwen35_tokenizer: TokenizerSetup) -> None:
+    setup = qwen35_tokenizer
+    think_end = think_end_token_id(setup.tokenizer, "qwen3")
+    assert think_end is not None
+    args = ServerArgs(grammar_backend="auto", reasoning_parser="qwen3")
+    backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, think_end)
+    assert isinstance(backend, ReasonerGrammarBackend) and backend.name == "auto"
+    grammar = compile_valid(backend, "json", FALLBACK_SCHEMA)
+    assert isinstance(grammar, ReasonerGrammarObject) and isinstance(grammar.grammar, GuidanceGrammar)
+    assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend == "llguidance"
+    grammar.maybe_init_reasoning(True)
+    thought = [*encode_exactly(setup, "Let me think."), think_end]
+    answer = [*thought, *encode_exactly(setup, '{"code": "ok", "price": 1}'), setup.eos_token_ids[0]]
+    off_step = [*thought, *encode_exactly(setup, '{"code": "ok", "price": 1.25}')]
+    assert grammar.validate_tokens(answer) == len(answer)
+    assert grammar.validate_tokens(off_step) < len(off_step)
+    backend.shutdown()
+
+
+@pytest.mark.parametrize(("kind", "spec", "valid", "invalid"), KIND_CASES, ids=[case[0] for case in KIND_CASES])
+def test_every_constraint_kind_holds_through_auto(
+    auto: AutoGrammarBackend,
+    tokenizer_case: TokenizerSetup,
+    kind: str,
+    spec: Any,
+    valid: list[str],
+    invalid: list[str],
+) -> None:
+    """The choice fixes among them: an option that is a prefix of another, and a control character."""
+    result = check_constraint(auto, tokenizer_case, kind, make_grammar_key(kind, spec), valid, invalid)
+    assert (result.compile_error, result.wrongly_rejected, result.wrongly_accepted) == (None, [], [])
+    assert result.chosen_backend == "xgrammar"
+
+
+@pytest.mark.parametrize("name", list(MASKBENCH_CASES))
+def test_maskbench_cases_match_what_the_records_imply(
+    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup, name: str
+) -> None:
+    [path] = MASKBENCH_ROOT.glob(f"*/{name}.json")
+    case = load_case(path)
+    result = MaskBenchSweep(auto, tokenizer_case, [case], num_walks=2).check(case)
+    assert KNOWN.problems("auto", tokenizer_case.name, result) == []

@@ -1,0 +1,127 @@
+"""Jump-forward and drafts on every backend, proved by walking the mask: a forced token is exactly the one token the
+mask allows, and every draft is a token sequence the grammar accepts, leaving its state where it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler.io_struct import SamplingParams
+from scheduler.request import Req
+from scheduler.speculative import DraftProposer, prompt_lookup
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.testing.conformance import compile_grammar
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import allowed_tokens, encode_exactly
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"enum": ["Paris", "Lima"]}, "age": {"type": "integer"}},
+    "required": ["name", "city", "age"],
+    "additionalProperties": False,
+}
+OUTPUT = '{"name": "Ana", "city": "Lima", "age": 31}'
+
+
+def walk_with_proposer(grammar: BaseGrammarObject, setup: TokenizerSetup, proposer: DraftProposer) -> None:
+    """Along ``OUTPUT``'s tokens and after them: at each state compare the forced token with the mask and check
+    the drafts."""
+    prompt = encode_exactly(setup, f"Answer as JSON. Example: {OUTPUT}")
+    req = Req(rid="r", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+    for token in encode_exactly(setup, OUTPUT):
+        allowed = assert_forced_token_is_the_mask_s_only_token(grammar, setup, proposer)
+        drafts = proposer.propose([req], [[token]], [8])[0]
+        assert len(drafts.token_ids) <= 8 and len(drafts.sources) == len(drafts.token_ids)
+        assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids)
+        assert allowed_tokens(grammar, setup.vocab_size) == allowed  # proposing changed nothing
+        grammar.accept_token(token)
+        req.output_ids.append(token)
+    assert_forced_token_is_the_mask_s_only_token(grammar, setup, proposer)
+
+
+def assert_forced_token_is_the_mask_s_only_token(
+    grammar: BaseGrammarObject, setup: TokenizerSetup, proposer: DraftProposer
+) -> set[int]:
+    allowed = allowed_tokens(grammar, setup.vocab_size)
+    assert proposer.forced_token(grammar) == (next(iter(allowed)) if len(allowed) == 1 else None)
+    return allowed
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance", "outlines"])
+def test_forced_tokens_and_drafts_follow_the_mask(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, backend_name: str
+) -> None:
+    backend = build_backend(backend_name, smollm2_tokenizer)
+    grammar = compile_grammar(backend, make_grammar_key("json", SCHEMA))
+    proposer = DraftProposer("grammar+ngram", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size)
+    walk_with_proposer(grammar, smollm2_tokenizer, proposer)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance", "outlines"])
+def test_a_finished_choice_forces_the_stop_token(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, backend_name: str
+) -> None:
+    backend = build_backend(backend_name, smollm2_tokenizer)
+    grammar = compile_grammar(backend, make_grammar_key("choice", ["Lima", "Oslo"]))
+    proposer = DraftProposer("grammar", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size)
+    for token in encode_exactly(smollm2_tokenizer, "Lima"):
+        grammar.accept_token(token)
+    assert proposer.forced_token(grammar) == smollm2_tokenizer.eos_token_ids[0]
+
+
+def test_grammar_drafts_are_the_forced_text_less_its_last_token(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    grammar = compile_grammar(backend, make_grammar_key("regex", r"The answer is: (yes|no)"))
+    proposer = DraftProposer("grammar", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size)
+    req = Req(rid="r", client_id=b"c", prompt_ids=[1, 2, 3], sampling_params=SamplingParams(), grammar=grammar)
+    drafts = proposer.propose([req], [[1]], [8])[0]
+    forced_text_tokens = smollm2_tokenizer.encode("The answer is: ")
+    assert drafts.token_ids == forced_text_tokens[:-1] and set(drafts.sources) == {"grammar"}
+
+
+def test_prompt_lookup_drafts_that_leave_the_grammar_are_cut(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    grammar = compile_grammar(backend, make_grammar_key("regex", r"[0-9]+ apples"))
+    proposer = DraftProposer("ngram", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size)
+    prompt = smollm2_tokenizer.encode("12 apples and 12 pears, then 12 pears again")
+    output = smollm2_tokenizer.encode("12")
+    for token in output:
+        grammar.accept_token(token)
+    req = Req(rid="r", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+    req.output_ids = list(output)
+    looked_up = prompt_lookup(prompt + output, 8)
+    assert looked_up and smollm2_tokenizer.tokenizer.decode(looked_up).startswith(" pears")  # the latest match
+    drafts = proposer.propose([req], [output[-1:]], [8])[0]
+    assert len(drafts.token_ids) < len(looked_up)
+    assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids)
+
+
+def test_prompt_lookup_finds_the_latest_longest_match() -> None:
+    assert prompt_lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], 4) == [4, 5, 6, 7]
+    assert prompt_lookup([5, 1, 9, 9, 9, 9, 9, 9, 2, 1], 2) == [9, 9]
+    assert prompt_lookup(list(range(20)), 3) == []  # no earlier occurrence of any suffix
+    assert prompt_lookup([1, 2, 3], 3) == []  # too little context
+
+
+def test_nothing_is_forced_while_a_reasoner_thinks(
+    build_backend: BackendBuilder, qwen35_tokenizer: TokenizerSetup
+) -> None:
+    from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject, think_end_token_id
+
+    backend = build_backend("xgrammar", qwen35_tokenizer)
+    inner = compile_grammar(backend, make_grammar_key("regex", r"7"))  # Qwen splits digits: one token
+    think_end = think_end_token_id(qwen35_tokenizer.tokenizer, "qwen3")
+    assert think_end is not None
+    grammar = ReasonerGrammarObject(inner, think_end)
+    proposer = DraftProposer("grammar", 8, qwen35_tokenizer.tokenizer, qwen35_tokenizer.vocab_size)
+    assert proposer.forced_token(grammar) is None  # thinking: every token is allowed
+    grammar.accept_token(think_end)
+    forced = proposer.forced_token(grammar)
+    assert forced is not None and qwen35_tokenizer.tokenizer.decode([forced]) == "7"
+    assert torch.tensor(sorted(allowed_tokens(grammar, qwen35_tokenizer.vocab_size))).tolist() == [forced]

@@ -1,0 +1,53 @@
+"""``--grammar-backend auto`` in the scheduler on the embedded model: one batch whose constraints go to different
+backends, each output valid, the choice in the log."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from scheduler.client import make_request
+from tests.helpers import PERSON_SCHEMA, launch_scheduler
+
+pytestmark = pytest.mark.model
+
+PRODUCT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
+        "price": {"type": "number", "multipleOf": 0.5},
+    },
+    "required": ["code", "price"],
+    "additionalProperties": False,
+}
+"""xgrammar refuses a pattern with a length bound, so ``auto`` gives it to llguidance."""
+PHONE_REGEX = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def ask(prompt: str, **constraint: object) -> dict[str, object]:
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "sampling_params": {**constraint, "temperature": 0, "max_new_tokens": 96},
+    }
+
+
+def test_auto_serves_one_batch_across_backends() -> None:
+    requests = [
+        ask("Describe a person as JSON with a name and an age.", json_schema=PERSON_SCHEMA),
+        ask("Give a product code and its price as JSON.", json_schema=PRODUCT_SCHEMA),
+        ask("What is your phone number?", regex=PHONE_REGEX),
+    ]
+    with launch_scheduler("--grammar-backend", "auto") as launched, launched.client() as client:
+        person, product, phone = client.generate_batch([make_request(**request) for request in requests])
+        status = launched.status()
+        log = launched.log()
+    assert status.grammar_backend == "auto"
+    for output in (person, product, phone):
+        assert output.finish_reason is not None and output.finish_reason.type == "stop", output
+    jsonschema.validate(json.loads(person.text), PERSON_SCHEMA)
+    jsonschema.validate(json.loads(product.text), PRODUCT_SCHEMA)
+    assert re.fullmatch(PHONE_REGEX, phone.text)
+    assert "auto chose llguidance for a json constraint because xgrammar refused: feature 'pattern together" in log

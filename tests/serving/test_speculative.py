@@ -1,0 +1,144 @@
+"""Speculative decoding and jump-forward change no output: the same requests through the loop with speculation off
+and on give the same tokens, greedy and seeded, one at a time and in mixed batches, on every grammar backend.
+
+The schedulers run in this process over one model runner (two loops, one model load); the batch-invariant forward
+makes the comparison exact, so any difference is a bug, never rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from scheduler.client import make_request
+from scheduler.io_struct import GenerateOutput, GenerateReq, encode
+from scheduler.model.runner import ModelRunner
+from scheduler.scheduler import Scheduler
+from scheduler.server_args import ServerArgs
+
+pytestmark = pytest.mark.model
+
+MODEL_SETTINGS: dict[str, Any] = {"max_running_requests": 64, "max_seq_len": 640, "max_total_tokens": 24576}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+CONSTRAINTS: dict[str, tuple[str, Any]] = {
+    "json_schema": ("json_schema", PERSON),
+    "regex": ("regex", r"\(\d{3}\) \d{3}-\d{4}"),
+    "ebnf": ("ebnf", 'root ::= item ("," item)*\nitem ::= "cat" | "dog" | "bird"'),
+    "choice": ("choice", ["Java", "JavaScript", "Python"]),
+    "structural_tag": (
+        "structural_tag",
+        {
+            "structures": [{"begin": "<f=weather>", "schema": {"type": "object"}, "end": "</f>"}],
+            "triggers": ["<f="],
+        },
+    ),
+    "json_object": ("json_object", True),
+}
+BACKEND_KINDS = {
+    "xgrammar": list(CONSTRAINTS),
+    "llguidance": list(CONSTRAINTS),
+    "outlines": ["json_schema", "regex", "choice", "json_object"],
+}
+PROMPTS = [
+    "Describe a person who lives in Paris, as JSON.",
+    "Give me a phone number and a JSON record for Ana, 31, from Lima.",
+    "List some pets.",
+    "Which language runs in browsers?",
+    "Call <f=weather> for Oslo.",
+    'Repeat this JSON exactly: {"name": "Bo", "age": 7, "city": "Oslo"}',
+]
+FREE_PROMPTS = [
+    "The three best things about summer are",
+    "Count from one to twenty: one, two, three,",
+    "Write a haiku about autumn.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def runner(server_args: ServerArgs) -> ModelRunner:
+    return ModelRunner(server_args.with_overrides(**MODEL_SETTINGS))
+
+
+@contextlib.contextmanager
+def in_process_scheduler(runner: ModelRunner, **settings: Any) -> Iterator[Scheduler]:
+    """A loop on ``runner`` with an empty prefix cache, as a fresh server would start."""
+    runner.kv.flush()
+    scheduler = Scheduler(ServerArgs(**MODEL_SETTINGS, **settings), runner)
+    try:
+        yield scheduler
+    finally:
+        scheduler.shutdown(None)
+
+
+def serve(scheduler: Scheduler, requests: list[GenerateReq]) -> list[GenerateOutput]:
+    """Send every request at once and turn the loop until each has its final output."""
+    for request in requests:
+        scheduler.handle_message(b"test", encode(request))
+    finished: dict[str, GenerateOutput] = {}
+    deadline = time.monotonic() + 600
+    while len(finished) < len(requests):
+        assert time.monotonic() < deadline, "the loop stopped answering"
+        scheduler.step([])
+        for _, message in scheduler.outbox:
+            if isinstance(message, GenerateOutput) and message.finished:
+                finished[message.rid] = message
+        scheduler.outbox.clear()
+        if not scheduler.running and not scheduler.waiting_queue:
+            time.sleep(0.01)  # grammars compiling
+    return [finished[request.rid] for request in requests]
+
+
+def request_set(kinds: list[str], temperature: float, copies: int) -> list[dict[str, Any]]:
+    """Every constraint kind with several prompts, and free requests (with a stop string, a short length)."""
+    requests = []
+    for copy in range(copies):
+        for i, kind in enumerate(kinds):
+            field, spec = CONSTRAINTS[kind]
+            prompt = PROMPTS[(i + copy) % len(PROMPTS)]
+            params = {field: spec, "max_new_tokens": 32, "temperature": temperature, "seed": 100 + copy}
+            requests.append({"messages": [{"role": "user", "content": prompt}], "sampling_params": params})
+        for j, prompt in enumerate(FREE_PROMPTS):
+            params = {"max_new_tokens": 12 + 8 * j, "temperature": temperature, "seed": 200 + copy}
+            if j == 1:
+                params["stop"] = ["seven"]
+            requests.append({"text": prompt, "sampling_params": params})
+    return requests
+
+
+def outputs_with(runner: ModelRunner, backend: str, algorithm: str, batches: list[list[dict[str, Any]]]) -> Any:
+    with in_process_scheduler(runner, grammar_backend=backend, speculative_algorithm=algorithm) as scheduler:
+        outputs = [serve(scheduler, [make_request(**r) for r in batch]) for batch in batches]
+        stats = scheduler.executor.stats
+    return [[(o.token_ids, o.finish_reason) for o in batch] for batch in outputs], stats
+
+
+@pytest.mark.parametrize("backend", list(BACKEND_KINDS))
+def test_speculation_changes_no_output(runner: ModelRunner, backend: str) -> None:
+    """Greedy and seeded requests, alone and in one mixed batch (50+ for xgrammar): token for token the same."""
+    kinds = BACKEND_KINDS[backend]
+    mixed = request_set(kinds, 0.0, copies=5 if backend == "xgrammar" else 2) + request_set(kinds, 0.8, copies=1)
+    batches = [mixed]
+    if backend == "xgrammar":
+        batches += [[r] for r in request_set(kinds, 0.0, copies=1)[: len(kinds) + 2]]  # batch 1, each on its own
+    plain, plain_stats = outputs_with(runner, backend, "none", batches)
+    fast, fast_stats = outputs_with(runner, backend, "grammar+ngram", batches)
+    num_outputs = sum(len(batch) for batch in plain)
+    differing = [(i, j) for i, batch in enumerate(plain) for j, output in enumerate(batch) if fast[i][j] != output]
+    assert not differing, f"{len(differing)} of {num_outputs} outputs differ with speculation on: {differing}"
+    assert plain_stats.num_output_tokens == fast_stats.num_output_tokens
+    assert fast_stats.num_forwards < plain_stats.num_forwards  # forced tokens and accepted drafts saved forwards
+    assert sum(fast_stats.drafts_accepted.values()) + fast_stats.num_forced_tokens > 0

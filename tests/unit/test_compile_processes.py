@@ -1,0 +1,77 @@
+"""Compile processes: a compile runs in a child at lower CPU priority, a compile past its deadline is killed (the
+CPU it took comes back), a crashing compile is reported, and the next compile gets a fresh child."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from sglang_constrained.compile_service import COMPILE_NICENESS, CompileProcesses
+from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
+
+
+def start_compiler() -> Callable[[str], tuple[int, int]]:
+    """The children's compile function: ``"spin:S"`` burns S seconds of CPU, ``"crash"`` dies; answers
+    ``(pid, nice value)``."""
+
+    def compile_key(key: str) -> tuple[int, int]:
+        if key == "crash":
+            os._exit(3)
+        if key.startswith("spin:"):
+            deadline = time.monotonic() + float(key.split(":")[1])
+            while time.monotonic() < deadline:
+                pass
+        return os.getpid(), os.nice(0)
+
+    return compile_key
+
+
+@pytest.fixture
+def processes() -> Iterator[CompileProcesses[str, tuple[int, int]]]:
+    compile_processes: CompileProcesses[str, tuple[int, int]] = CompileProcesses(
+        start_compiler, name="test", timeout_s=2.0
+    )
+    yield compile_processes
+    compile_processes.shutdown()
+
+
+def test_a_compile_runs_in_a_child_at_lower_priority(processes: CompileProcesses[str, tuple[int, int]]) -> None:
+    pid, nice = processes.run("quick")
+    assert pid != os.getpid() and nice == os.nice(0) + COMPILE_NICENESS
+    assert processes.run("again")[0] == pid, "the thread's child serves its next compile too"
+
+
+def test_a_compile_past_its_deadline_is_killed(processes: CompileProcesses[str, tuple[int, int]]) -> None:
+    pid, _ = processes.run("quick")
+    started = time.monotonic()
+    with pytest.raises(CompileTimeoutError, match="timed out after 2 s"):
+        processes.run("spin:60")
+    assert time.monotonic() - started < 10
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert processes.run("quick")[0] != pid, "a new child compiles the next key"
+
+
+def test_a_crashing_compile_is_reported_and_the_next_one_runs(
+    processes: CompileProcesses[str, tuple[int, int]],
+) -> None:
+    with pytest.raises(CompileProcessError, match=r"died while compiling \(exit code 3\)"):
+        processes.run("crash")
+    assert processes.run("quick")[0] != os.getpid()
+
+
+def test_each_thread_has_its_own_child_and_shutdown_kills_them(
+    processes: CompileProcesses[str, tuple[int, int]],
+) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        pids = {pid for pid, _ in pool.map(processes.run, ["spin:0.5", "spin:0.5"])}
+    assert len(pids) == 2
+    processes.shutdown()
+    time.sleep(0.2)
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids)
+    with pytest.raises(CompileProcessError, match="shut down"):
+        processes.run("quick")

@@ -1,0 +1,91 @@
+"""Constraints refused when they are compiled, never mid-generation: llguidance's silent acceptances and lazy errors
+are found up front, and an xgrammar compile past its deadline is killed with its process."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import psutil
+import pytest
+
+from scheduler.server_args import ServerArgs
+from sglang_constrained.errors import CompileTimeoutError
+from sglang_constrained.llguidance_backend import GuidanceBackend
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
+from tests.helpers import compile_grammar, compile_valid
+
+REFUSED = [
+    pytest.param("regex", "abc\\", "unfinished escape sequence", id="dangling-escape"),
+    pytest.param("ebnf", "root ::=", "rule 'root' (line 1) has nothing after '::='", id="empty-rule"),
+    pytest.param("ebnf", 'root ::= "a"\nroot ::= "b"', "rule 'root' is defined twice (lines 1 and 2)", id="duplicate"),
+    pytest.param("ebnf", 'root ::= "a" b\nb ::= b "c"', "can produce nothing", id="unproductive-rule"),
+    pytest.param("ebnf", 'root ::= a\na ::= "x" a', "Too many items", id="endless-rule"),
+    pytest.param("json", {"$ref": "#"}, "can produce nothing", id="ref-to-root"),
+    pytest.param("regex", "a{1000000}", "too many expressions", id="huge-repeat"),
+]
+ACCEPTED = [
+    pytest.param("regex", "abc\\\\", id="escaped-backslash"),
+    pytest.param("ebnf", 'root ::= ""', id="explicitly-empty"),
+    pytest.param("ebnf", 'root ::= a\n# a comment\na ::= "x" | "x" a', id="recursive-rule"),
+    pytest.param("json", {"type": "object", "properties": {"next": {"$ref": "#"}}}, id="recursive-schema"),
+    pytest.param("regex", "a{1,100}", id="bounded-repeat"),
+]
+
+
+@pytest.fixture(scope="module")
+def llguidance(server_args: ServerArgs, smollm2_tokenizer: TokenizerSetup) -> Iterator[GuidanceBackend]:
+    setup = smollm2_tokenizer
+    backend = GuidanceBackend(
+        replace(server_args, grammar_backend="llguidance"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
+    )
+    yield backend
+    backend.shutdown()
+
+
+@pytest.mark.parametrize(("kind", "spec", "words"), REFUSED)
+def test_llguidance_refuses_at_compile_time(llguidance: GuidanceBackend, kind: str, spec: Any, words: str) -> None:
+    grammar = compile_grammar(llguidance, kind, spec)
+    assert words in getattr(grammar, "error_message", ""), grammar
+
+
+@pytest.mark.parametrize(("kind", "spec"), ACCEPTED)
+def test_llguidance_still_accepts_their_valid_neighbours(llguidance: GuidanceBackend, kind: str, spec: Any) -> None:
+    compile_valid(llguidance, kind, spec)
+
+
+def test_an_xgrammar_compile_past_its_deadline_is_killed(
+    server_args: ServerArgs, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """The compile process is killed at the deadline: nothing spends CPU on the compile after it (a compile on a
+    thread would go on for the tens of seconds this schema takes)."""
+    setup = smollm2_tokenizer
+    args = replace(server_args, grammar_compile_timeout=1.0)
+    backend = XGrammarGrammarBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    slow = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 5000} for i in range(4)}}
+    try:
+        assert backend.compile_processes is not None
+        backend.compile_processes.wait_until_ready()
+        compile_valid(backend, "regex", "[0-9]+")
+        with pytest.raises(CompileTimeoutError, match="timed out after 1 s"):
+            compile_grammar(backend, "json", slow)
+        before = _descendants_cpu_seconds()
+        time.sleep(1.0)
+        assert _descendants_cpu_seconds() - before < 0.3
+        backend.compile_processes.wait_until_ready()
+        compile_valid(backend, "regex", "[a-z]+")  # a new compile process serves the next compile
+    finally:
+        backend.shutdown()
+
+
+def _descendants_cpu_seconds() -> float:
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
