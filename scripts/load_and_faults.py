@@ -224,17 +224,18 @@ async def run_load(url: str, args: argparse.Namespace, tally: Tally) -> None:
                     await valid_request(http, rng.choice(VALID_KINDS), phase, tally, args.max_tokens)
 
         per_round = max(1, args.requests // (2 * args.rounds))
-        for _, phase in itertools.product(range(args.rounds), ("alone", "beside")):
-            if phase == "beside":
-                beside.set()
-                await asyncio.sleep(args.compile_head_start)  # the slow compile is under way
-            await asyncio.gather(*(one(phase) for _ in range(per_round)))
-            beside.clear()
-        done.set()
-        beside.set()
-        compiler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await compiler
+        try:
+            for _, phase in itertools.product(range(args.rounds), ("alone", "beside")):
+                if phase == "beside":
+                    beside.set()
+                    await asyncio.sleep(args.compile_head_start)  # the slow compile is under way
+                await asyncio.gather(*(one(phase) for _ in range(per_round)))
+                beside.clear()
+        finally:  # also when --max-seconds cuts the run: nothing may outlive the client
+            done.set()
+            compiler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await compiler
 
 
 def percentile(values: list[float], q: float) -> float:
