@@ -106,6 +106,10 @@ class AutoGrammarBackend(BaseGrammarBackend):
         with self._counts_lock:
             return AutoChoiceCounts(dict(self._num_chosen), dict(self._num_refused), self._num_refused_by_all)
 
+    def wait_until_ready(self) -> None:
+        for backend in self.backends.values():
+            backend.wait_until_ready()
+
     def shutdown(self) -> None:
         for backend in self.backends.values():
             backend.shutdown()

@@ -257,6 +257,10 @@ class BaseGrammarBackend:
     def reset(self) -> None:
         self.compile_service.reset()
 
+    def wait_until_ready(self) -> None:
+        """Block until the backend can compile at once (a backend that starts compile processes waits for them), so
+        that no request's compile deadline pays for the server's start-up."""
+
     def shutdown(self) -> None:
         self.compile_service.shutdown()
 

@@ -163,6 +163,12 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
     def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
         return self.grammar_backend.dispatch_structural_tag(key_string)
 
+    def wait_until_ready(self) -> None:
+        self.grammar_backend.wait_until_ready()
+
+    def shutdown(self) -> None:
+        self.grammar_backend.shutdown()  # the shared compile service with it
+
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         self.grammar_backend.check_json_schema(schema)
 

@@ -161,7 +161,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 functools.partial(_start_compile_process, server_args, self.vocabulary),
                 name=self.name,
                 timeout_s=server_args.compile_timeout_s,
-                num_spares=server_args.grammar_compile_threads,
+                # one more than the threads: when a compile is killed, its thread's next child has already started
+                num_spares=server_args.grammar_compile_threads + 1,
                 preload=[__name__],
             )
 
@@ -178,6 +179,10 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             grammar = XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
         grammar.grammar_stats = result.stats
         return grammar
+
+    def wait_until_ready(self) -> None:
+        if self.compile_processes is not None:
+            self.compile_processes.wait_until_ready()
 
     def shutdown(self) -> None:
         if self.compile_processes is not None:

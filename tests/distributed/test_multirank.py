@@ -96,7 +96,7 @@ def test_a_grammar_slower_on_one_rank_waits_on_every_rank(two_ranks: SchedulerPr
     waits = {
         int(rank): float(seconds)
         for rank, seconds in re.findall(
-            r"\[rank (\d)\] \S+: request slow-grammar: grammar ready after ([\d.]+) s", two_ranks.log()
+            r"\[rank (\d)\] \S+: rid=slow-grammar constraint=\S+ grammar_ready_after_s=([\d.]+)", two_ranks.log()
         )
     }
     assert set(waits) == {0, 1}, "every rank admits the request"
