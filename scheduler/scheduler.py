@@ -66,7 +66,8 @@ class Scheduler:
             model_runner.eos_token_ids,
             think_end_id=think_end_token_id(self.tokenizer, server_args.reasoning_parser),
         )
-        grammar_backend.wait_until_ready()
+        if grammar_backend is not None:
+            grammar_backend.wait_until_ready()
         rank_sync = RankSync(dist) if dist is not None else None
         self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
         proposer = DraftProposer(
