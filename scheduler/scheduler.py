@@ -25,6 +25,7 @@ from scheduler.io_struct import (
     read_rid,
 )
 from scheduler.ipc import SchedulerIPC
+from scheduler.model.llama import MATMUL_ROW_MULTIPLE
 from scheduler.model.runner import ModelRunner
 from scheduler.output_text import OutputText
 from scheduler.prompt_encoder import PromptEncoder
@@ -75,6 +76,7 @@ class Scheduler:
             server_args.speculative_num_draft_tokens,
             self.tokenizer,
             model_runner.vocab_size,
+            row_multiple=MATMUL_ROW_MULTIPLE,
         )
         sampling_info = SamplingBatchInfo(
             model_runner.vocab_size,
