@@ -90,6 +90,17 @@ class BatchExecutor:
         req.num_cached_tokens = req.kv.num_cached
         return True
 
+    @property
+    def can_share_prompts(self) -> bool:
+        """Whether a prompt's KV can be reused by requests admitted while it runs (the prefix cache is on)."""
+        return self.model_runner.kv.radix is not None
+
+    def share_prompt(self, req: Req) -> None:
+        """After ``req``'s prefill: cache its prompt now, for requests with the same prompt (``n`` samples) that
+        are admitted while it runs."""
+        if req.kv is not None:
+            self.model_runner.kv.share_prefix(req.kv, len(req.prompt_ids))
+
     def release(self, req: Req) -> None:
         """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""
         self.proposer.forget(req)

@@ -138,6 +138,7 @@ class Scheduler:
         if prefill_batch:
             self.running.extend(prefill_batch)
             self.executor.prefill(prefill_batch)
+            self._share_repeated_prompts(prefill_batch)
             self._after_batch(prefill_batch)
         if decode_batch:
             self.executor.decode(decode_batch)
@@ -255,12 +256,29 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[Req]:
         """Requests admitted into KV memory this turn, in arrival order (the first that does not fit waits, and
-        those behind it with it, so that a long prompt is never starved by short ones)."""
+        those behind it with it, so that a long prompt is never starved by short ones). A request whose prompt is
+        already in the batch waits one turn (with those behind it) to reuse that prompt's KV instead of computing it
+        again: ``n`` samples of one prompt share its prefill."""
         batch: list[Req] = []
+        prompts: set[tuple[int, ...]] = set()
         room = self.server_args.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room and self.executor.admit(self.waiting_queue[0]):
+        while self.waiting_queue and len(batch) < room:
+            prompt = tuple(self.waiting_queue[0].prompt_ids)
+            repeats = prompt in prompts and self.executor.can_share_prompts
+            if repeats or not self.executor.admit(self.waiting_queue[0]):
+                break
             batch.append(self.waiting_queue.popleft())
+            prompts.add(prompt)
         return batch
+
+    def _share_repeated_prompts(self, batch: list[Req]) -> None:
+        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat."""
+        if not self.executor.can_share_prompts:
+            return
+        waiting = {tuple(req.prompt_ids) for req in self.waiting_queue}
+        for req in batch:
+            if tuple(req.prompt_ids) in waiting:
+                self.executor.share_prompt(req)
 
     def _after_batch(self, batch: list[Req]) -> None:
         """Finish who finished; stream what is new to the others."""
