@@ -86,19 +86,20 @@ def flush_cache(server: HttpServer) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_generate_n_gives_n_seeded_samples_that_share_the_prefill(server: HttpServer) -> None:
-    """Choice ``i`` is the sample of seed ``seed + i`` (the same alone, computed without any cache); the choices
-    after the first reuse its prompt's KV."""
+def test_generate_n_gives_n_seeded_samples_reproducibly(server: HttpServer) -> None:
+    """Choice ``i`` is the sample of seed ``seed + i`` (the same alone, computed without any cache)."""
     prompt = "My favourite animal is"
     params = {"n": 4, "temperature": 1.0, "sampling_seed": 7, "max_new_tokens": 8}
     flush_cache(server)
     first = generate(server, text=prompt, sampling_params=params)
     assert isinstance(first, list) and len(first) == 4
     assert len({r["text"] for r in first}) > 1
-    assert sorted(r["meta_info"]["cached_tokens"] > 0 for r in first) == [False, True, True, True]
+    # choices that reached the scheduler together reuse all but the last prompt token of the first (the in-process
+    # check of this is in test_speculative.py; here arrival depends on the frontend's timing)
+    assert {r["meta_info"]["cached_tokens"] for r in first} <= {0, first[0]["meta_info"]["prompt_tokens"] - 1}
     again = generate(server, text=prompt, sampling_params=params)
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again]
-    for i, result in [(i, r) for i, r in enumerate(first) if r["meta_info"]["cached_tokens"]][:2]:
+    for i, result in list(enumerate(first))[1:3]:
         flush_cache(server)
         alone = generate(server, text=prompt, sampling_params={**params, "n": 1, "sampling_seed": 7 + i})
         assert alone["output_ids"] == result["output_ids"], i

@@ -186,3 +186,24 @@ def test_speculation_changes_no_output_with_sampling_knobs(runner: ModelRunner) 
     assert not differing, f"{len(differing)} of {len(plain)} outputs differ with speculation on: {differing}"
     assert fast_stats.num_forwards < plain_stats.num_forwards
     assert all(logprobs is not None for _, _, logprobs in plain[::2])
+
+
+def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone(runner: ModelRunner) -> None:
+    """Four seeded samples of one prompt sent together (as ``n`` sends them): the first computes the prompt, the
+    others reuse all of it but its last token, and each is token for token the sample its seed gives alone on an
+    empty cache (here for this module's in-process loop; the prefix cache must change no output either)."""
+
+    def seeded(seed: int) -> GenerateReq:
+        return make_request(
+            text=FREE_PROMPTS[0], sampling_params={"temperature": 0.9, "max_new_tokens": 12, "seed": seed}
+        )
+
+    seeds = [50, 51, 52, 53]
+    with in_process_scheduler(runner, grammar_backend="none") as scheduler:
+        together = serve(scheduler, [seeded(seed) for seed in seeds])
+        num_prompt_tokens = together[0].usage.prompt_tokens
+        assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens - 1] * 3
+        for seed, output in zip(seeds, together, strict=True):
+            scheduler.executor.flush_cache()
+            (alone,) = serve(scheduler, [seeded(seed)])
+            assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
