@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.io_struct import TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.llama import TOKENWISE_MAX_NEW_TOKENS
 from scheduler.model.runner import ModelRunner
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
-from scheduler.sampler import sample
+from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
 from sglang_constrained.errors import TokenRejectedError
@@ -72,6 +73,10 @@ class BatchExecutor:
     def cache_hit_rate(self) -> float:
         return self.model_runner.kv.cache_hit_rate
 
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no request reads; returns the tokens freed."""
+        return self.model_runner.kv.flush()
+
     def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Raise ``ValueError`` for a request the KV cache could never hold."""
         self.model_runner.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, max_new_tokens))
@@ -84,6 +89,17 @@ class BatchExecutor:
             return False
         req.num_cached_tokens = req.kv.num_cached
         return True
+
+    @property
+    def can_share_prompts(self) -> bool:
+        """Whether a prompt's KV can be reused by requests admitted while it runs (the prefix cache is on)."""
+        return self.model_runner.kv.radix is not None
+
+    def share_prompt(self, req: Req) -> None:
+        """After ``req``'s prefill: cache its prompt now, for requests with the same prompt (``n`` samples) that
+        are admitted while it runs."""
+        if req.kv is not None:
+            self.model_runner.kv.share_prefix(req.kv, len(req.prompt_ids))
 
     def release(self, req: Req) -> None:
         """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""
@@ -125,15 +141,17 @@ class BatchExecutor:
         rank)."""
         self.num_batches += 1
         self.stats.num_forwards += 1
-        row_tokens, failures = self._forward_and_sample(batch, drafts, forward)
+        row_tokens, logprobs, failures = self._forward_and_sample(batch, drafts, forward)
         if self.rank_sync is not None:
             row_tokens = self.rank_sync.leader_tokens(row_tokens)
         first_row = 0
         for req, req_drafts in zip(batch, drafts, strict=True):
-            rows = row_tokens[first_row : first_row + len(req_drafts.token_ids) + 1]
-            first_row += len(rows)
+            num_rows = len(req_drafts.token_ids) + 1
+            rows = row_tokens[first_row : first_row + num_rows]
+            req_logprobs = [logprobs.get(row) for row in range(first_row, first_row + num_rows)]
+            first_row += num_rows
             if req.rid not in failures:
-                failure = self._walk(req, req_drafts, rows)
+                failure = self._walk(req, req_drafts, rows, req_logprobs)
                 if failure is not None:
                     failures[req.rid] = failure
         if self.rank_sync is not None:
@@ -142,13 +160,16 @@ class BatchExecutor:
             if req.rid in failures:
                 req.abort(failures[req.rid])
 
-    def _walk(self, req: Req, drafts: Drafts, row_tokens: list[int | None]) -> str | None:
+    def _walk(
+        self, req: Req, drafts: Drafts, row_tokens: list[int | None], logprobs: list[torch.Tensor | None]
+    ) -> str | None:
         """Accept row 0's token, and row ``j + 1``'s while row ``j``'s token is draft ``j`` (its logits then follow
-        the right tokens); stop at a finish. Roll the KV back to what stood, then append forced tokens."""
+        the right tokens); stop at a finish. Roll the KV back to what stood, then append forced tokens.
+        ``logprobs[j]``: row ``j``'s log-probabilities, where the request asked for them."""
         num_accepted = 0
         failure = None
         for j, token in enumerate(row_tokens):
-            failure = self._accept(req, token)
+            failure = self._accept(req, token, logprobs[j])
             if failure is not None or req.finished:
                 break
             if j == len(drafts.token_ids) or token != drafts.token_ids[j]:
@@ -171,7 +192,7 @@ class BatchExecutor:
             token = self.proposer.forced_token(grammar)
             if token is None:
                 return None
-            failure = self._accept(req, token)
+            failure = self._accept(req, token, None)
             self.stats.num_forced_tokens += 1
             if failure is not None or req.finished:
                 return failure
@@ -179,7 +200,8 @@ class BatchExecutor:
 
     def _forward_and_sample(
         self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]
-    ) -> tuple[list[int | None], dict[str, str]]:
+    ) -> tuple[list[int | None], dict[int, torch.Tensor], dict[str, str]]:
+        """Every row's token, the log-probabilities of rows whose request asked for them, and failures by rid."""
         info = self.sampling_info
         try:
             with torch.inference_mode():
@@ -187,21 +209,25 @@ class BatchExecutor:
                 info.prepare(batch, [d.token_ids for d in drafts])
                 info.update_regex_vocab_mask()
                 info.apply_logits_bias(logits)
+                logprobs = row_logprobs(logits, info.rows)
                 tokens = sample(logits, info.rows)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
             message = f"internal error while generating: {type(e).__name__}: {e}"
-            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {req.rid: message for req in batch}
+            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {}, {req.rid: message for req in batch}
         failures = {
             batch[i].rid: f"the grammar failed to compute the next-token mask: {e}" for i, e in info.fill_errors.items()
         }
-        return tokens, failures
+        return tokens, logprobs, failures
 
-    def _accept(self, req: Req, token: int | None) -> str | None:
-        """Append ``token`` and feed it to the grammar; returns why the request must fail, if it must."""
+    def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> str | None:
+        """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1)
+        and feed it to the grammar; returns why the request must fail, if it must."""
         if token is None:
             return "the grammar allows no token here: the constraint cannot be completed"
         req.output_ids.append(token)
+        if req.top_logprobs_num is not None:
+            req.output_logprobs.append(_token_logprob(token, logprobs, req.top_logprobs_num))
         self.stats.num_output_tokens += 1
         grammar = req.ready_grammar
         if grammar is not None and not grammar.is_terminated():
@@ -217,12 +243,19 @@ class BatchExecutor:
         self._check_finished(req, token)
         return None
 
+    def stop_token_ids(self, req: Req) -> set[int]:
+        """Tokens that end ``req``: its ``stop_token_ids``, and the model's EOS unless ``ignore_eos``. While fewer
+        than ``min_new_tokens`` are out they are disallowed (``SamplingBatchInfo``), unless a grammar forces one."""
+        params = req.sampling_params
+        eos = set() if params.ignore_eos else set(self.model_runner.eos_token_ids)
+        return eos | set(params.stop_token_ids)
+
     def _check_finished(self, req: Req, token: int) -> None:
         assert req.text is not None
-        req.text.update(req.output_ids)
+        req.text.update(req.output_ids, can_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
         grammar = req.ready_grammar
         max_seq_len = self.model_runner.max_seq_len
-        if token in self.model_runner.eos_token_ids or (grammar is not None and grammar.is_terminated()):
+        if token in self.stop_token_ids(req) or (grammar is not None and grammar.is_terminated()):
             req.finish("stop", matched=token)
         elif req.text.matched_stop is not None:
             req.finish("stop", matched=req.text.matched_stop)
@@ -230,6 +263,18 @@ class BatchExecutor:
             req.finish("length")
         elif len(req.prompt_ids) + len(req.output_ids) >= max_seq_len:
             req.finish("length", message=f"reached the context limit of {max_seq_len} tokens")
+
+
+def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> TokenLogprob:
+    """``token``'s logprob and the ``num_top`` most likely tokens' (never a disallowed one, whose logprob is -inf).
+    ``logprobs`` None: a token the grammar forced, whose row would have allowed it alone (logprob exactly 0)."""
+    if logprobs is None:
+        return TokenLogprob(token, 0.0, [(token, 0.0)] if num_top else [])
+    top: list[tuple[int, float]] = []
+    if num_top:
+        values, ids = logprobs.topk(min(num_top, logprobs.shape[0]))
+        top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != float("-inf")]
+    return TokenLogprob(token, float(logprobs[token]), top)
 
 
 def _kv(req: Req) -> KVSequence:

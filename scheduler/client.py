@@ -16,6 +16,8 @@ import zmq.asyncio
 from scheduler.io_struct import (
     AbortReq,
     ChatMessage,
+    FlushCacheDone,
+    FlushCacheReq,
     GenerateOutput,
     GenerateReq,
     PingReq,
@@ -33,8 +35,10 @@ def make_request(
     sampling_params: SamplingParams | dict[str, Any] | None = None,
     stream: bool = False,
     rid: str | None = None,
+    top_logprobs_num: int | None = None,
 ) -> GenerateReq:
     """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict.
+    ``top_logprobs_num``: None for no logprobs, else how many alternatives per output token.
 
     A JSON schema or structural tag given as an object travels as its JSON text: msgpack cannot carry integers
     beyond 64 bits, which a schema may hold (the scheduler reads the text as it reads the object).
@@ -58,6 +62,7 @@ def make_request(
         input_ids=input_ids,
         sampling_params=params,
         stream=stream,
+        top_logprobs_num=top_logprobs_num,
     )
 
 
@@ -143,6 +148,7 @@ class AsyncSchedulerClient:
         self.socket.connect(endpoint)
         self._queues: dict[str, asyncio.Queue[GenerateOutput]] = {}
         self._pings: dict[str, asyncio.Future[Pong]] = {}
+        self._flushes: dict[str, asyncio.Future[FlushCacheDone]] = {}
         self._receiver: asyncio.Task[None] | None = None
 
     async def wait_until_ready(self, timeout_s: float = 300.0) -> Pong:
@@ -159,6 +165,17 @@ class AsyncSchedulerClient:
             finally:
                 self._pings.pop(ping.ping_id, None)
         raise TimeoutError(f"the scheduler did not answer within {timeout_s:g} s")
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> FlushCacheDone:
+        """Ask the scheduler to drop its prefix cache; raises ``TimeoutError`` if it does not answer in time."""
+        self._ensure_receiver()
+        request = FlushCacheReq(request_id=uuid.uuid4().hex)
+        answer = self._flushes[request.request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self.socket.send(encode(request))
+            return await asyncio.wait_for(answer, timeout=timeout_s)
+        finally:
+            self._flushes.pop(request.request_id, None)
 
     async def generate(self, **request: Any) -> GenerateOutput:
         """Send one request (arguments of ``make_request``) and await its final output."""
@@ -210,5 +227,9 @@ class AsyncSchedulerClient:
                 answer = self._pings.get(message.ping_id)
                 if answer is not None and not answer.done():
                     answer.set_result(message)
+            elif isinstance(message, FlushCacheDone):
+                flushed = self._flushes.get(message.request_id)
+                if flushed is not None and not flushed.done():
+                    flushed.set_result(message)
             elif message.rid in self._queues:
                 self._queues[message.rid].put_nowait(message)

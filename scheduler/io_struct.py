@@ -1,7 +1,8 @@
 """Messages that cross the process boundary between clients and the scheduler (msgpack, via msgspec).
 
-Client → scheduler: ``ClientMessage`` (a tagged union of ``GenerateReq``, ``AbortReq``, ``PingReq``).
-Scheduler → client: ``ServerMessage`` (``GenerateOutput`` or ``Pong``). No pickle crosses a socket.
+Client → scheduler: ``ClientMessage`` (a tagged union of ``GenerateReq``, ``AbortReq``, ``PingReq``,
+``FlushCacheReq``). Scheduler → client: ``ServerMessage`` (``GenerateOutput``, ``Pong`` or ``FlushCacheDone``). No
+pickle crosses a socket.
 """
 
 from __future__ import annotations
@@ -17,13 +18,32 @@ _CONSTRAINT_KIND = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf", "st
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How to sample, when to stop, and at most one constraint on the output."""
+    """How to sample, when to stop, and at most one constraint on the output (SGLang's field names and defaults).
+
+    Logits are adjusted in vLLM's order before the grammar mask, which comes last (nothing re-enables a token it
+    disallows): ``logit_bias`` (token id as a string → added to its logit), ``repetition_penalty`` (tokens of the
+    prompt or output: a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` and
+    ``presence_penalty`` (subtracted per occurrence in the output, and once for any), and while fewer than
+    ``min_new_tokens`` are out the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are disallowed,
+    unless the grammar allows nothing else. Then temperature, ``min_p``, top-k and top-p.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = msgspec.field(default_factory=dict)
     seed: int | None = None
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -49,9 +69,39 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._validate_adjustments()
         constraints = self.constraint_fields()
         if len(constraints) > 1:
             raise ValueError(f"at most one constraint per request, got {', '.join(constraints)}")
+
+    def _validate_adjustments(self) -> None:
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError("min_new_tokens must be in [0, max_new_tokens]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (non-negative integers)")
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids written as decimal strings, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError for a ``stop_token_ids`` or ``logit_bias`` token outside the vocabulary."""
+        bad = [t for t in [*self.stop_token_ids, *map(int, self.logit_bias)] if t >= vocab_size]
+        if bad:
+            raise ValueError(f"token ids in stop_token_ids and logit_bias must be below {vocab_size}; got {bad[:5]}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the output so far changes this request's logits (beyond the grammar mask)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def constraint_fields(self) -> list[str]:
         return [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
@@ -83,6 +133,8 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True, forbid_unknown_f
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
+    top_logprobs_num: int | None = None
+    """None: no logprobs; k >= 0: each output token's logprob and the k most likely tokens' (see ``TokenLogprob``)."""
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -95,7 +147,26 @@ class PingReq(msgspec.Struct, tag="ping", forbid_unknown_fields=True):
     ping_id: str = ""
 
 
-ClientMessage = GenerateReq | AbortReq | PingReq
+class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):
+    """Drop the prefix cache; answered with a ``FlushCacheDone`` carrying the same ``request_id``."""
+
+    request_id: str = ""
+
+
+ClientMessage = GenerateReq | AbortReq | PingReq | FlushCacheReq
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """An output token's log-probability, and the ``top`` most likely tokens' as ``(token_id, logprob)``.
+
+    The log-softmax of the logits the token was sampled from: logit bias, penalties and the grammar mask applied,
+    divided by the temperature (SGLang's definition; greedy rows are not scaled). A token the grammar disallows is
+    never among ``top``; a token jump-forward appended (the only one the grammar allowed) has logprob 0.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 class FinishReason(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,6 +195,8 @@ class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_
     finish_reason: FinishReason | None = None
     usage: Usage
     grammar_cache_hit: bool | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """With ``top_logprobs_num``: one per token of ``token_ids``."""
 
 
 class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True):
@@ -150,7 +223,15 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     """The scheduler's own Prometheus metrics (grammar compiles), in the text exposition format."""
 
 
-ServerMessage = GenerateOutput | Pong
+class FlushCacheDone(msgspec.Struct, tag="flush_cache_done", kw_only=True, forbid_unknown_fields=True):
+    """``success``: the prefix cache was dropped (refused while requests run, which read it)."""
+
+    request_id: str
+    success: bool
+    message: str = ""
+
+
+ServerMessage = GenerateOutput | Pong | FlushCacheDone
 
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)

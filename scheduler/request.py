@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scheduler.io_struct import FinishReason, SamplingParams
+from scheduler.io_struct import FinishReason, SamplingParams, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
@@ -20,7 +20,8 @@ class Req:
     ``grammar`` is a ``Future`` while its grammar compiles, the grammar object once ready, None for a free
     request. ``kv`` is its KV sequence from admission to its end; ``num_cached_tokens`` of its prompt came cached.
     ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text`` track what
-    a streaming client has already received. ``sampling_seed`` keys its random draws by output position (its own
+    a streaming client has already received. With ``top_logprobs_num`` set, ``output_logprobs`` holds one
+    ``TokenLogprob`` per output token. ``sampling_seed`` keys its random draws by output position (its own
     seed, or one the server drew for it).
     """
 
@@ -35,6 +36,8 @@ class Req:
     grammar_queued_at: float | None = None
     sampling_seed: int = 0
     output_ids: list[int] = field(default_factory=list)
+    top_logprobs_num: int | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     text: OutputText | None = None
     finish_reason: FinishReason | None = None
     kv: KVSequence | None = None

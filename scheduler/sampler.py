@@ -1,4 +1,5 @@
-"""Token sampling from masked logits, one row per sampling position: greedy, or temperature with top-k and top-p.
+"""Token sampling from masked logits, one row per sampling position: greedy, or temperature with min-p, top-k and
+top-p (vLLM's order); and the log-probabilities a request asked for.
 
 A row at output position ``n`` of a request with sampling seed ``s`` samples by the exponential race
 ``argmax p / E`` with ``E ~ Exp(1)`` drawn from a generator keyed by ``(s, n)``: a request's tokens depend on its seed
@@ -23,10 +24,27 @@ class SamplingRows:
 
     temperatures: torch.Tensor  # [R] float32; 0 is greedy
     top_ps: torch.Tensor  # [R] float32
+    min_ps: torch.Tensor  # [R] float32; 0 keeps every token
     top_ks: list[int | None]
     seeds: list[int]
     positions: list[int]  # the output index each row samples
     draft_token_ids: list[int]  # NO_DRAFT where the row has none
+    top_logprobs_nums: list[int | None]  # None: the row's request asked for no logprobs
+
+
+def row_logprobs(logits: torch.Tensor, rows: SamplingRows) -> dict[int, torch.Tensor]:
+    """``{row: [vocab] log-probabilities}`` for the rows whose request asked for logprobs: the log-softmax of the
+    row's (masked) logits divided by its temperature (not for greedy rows), before min-p, top-k and top-p. Rows the
+    grammar allows nothing in are left out. Call before ``sample``, which may change ``logits``."""
+    wanted = [i for i, k in enumerate(rows.top_logprobs_nums) if k is not None]
+    if not wanted:
+        return {}
+    index = torch.tensor(wanted)
+    temperatures = rows.temperatures[index]
+    scale = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    logprobs = torch.log_softmax(logits[index] / scale.unsqueeze(-1), dim=-1)
+    alive = ~torch.isneginf(logits[index]).all(dim=-1)
+    return {row: logprobs[j] for j, row in enumerate(wanted) if bool(alive[j])}
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
@@ -42,6 +60,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
             logits[sampled] / rows.temperatures[sampled].unsqueeze(-1),
             [rows.top_ks[i] for i in indices],
             rows.top_ps[sampled],
+            rows.min_ps[sampled],
         )
         exponentials = torch.stack(
             [position_exponentials(rows.seeds[i], rows.positions[i], probs.shape[1]) for i in indices]
@@ -66,9 +85,15 @@ def _mix(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1  # a non-negative int64
 
 
-def _filtered_probs(scaled: torch.Tensor, top_ks: list[int | None], top_ps: torch.Tensor) -> torch.Tensor:
-    """Probabilities per row in vocabulary order, keeping each row's top-k, then its top-p nucleus."""
+def _filtered_probs(
+    scaled: torch.Tensor, top_ks: list[int | None], top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities per row in vocabulary order, keeping the tokens at least ``min_p`` times as likely as the most
+    likely one, then each row's top-k, then its top-p nucleus."""
     probs = torch.softmax(scaled, dim=-1)
+    if bool((min_ps > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(-1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
     if all(k is None for k in top_ks) and bool((top_ps >= 1.0).all()):
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)

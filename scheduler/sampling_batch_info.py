@@ -1,4 +1,5 @@
-"""Per-step sampling state of a batch: sampling parameters per logits row, and the grammar vocabulary masks."""
+"""Per-step sampling state of a batch: sampling parameters per logits row, their logit adjustments (bias, penalties,
+``min_new_tokens``), and the grammar vocabulary masks, applied after the adjustments."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from scheduler.logits_processing import RowAdjustment, adjust_logits
 from scheduler.request import Req
 from scheduler.sampler import SamplingRows
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
@@ -31,16 +33,19 @@ class SamplingBatchInfo:
         device: torch.device | str = "cpu",
         mask_layout: VocabMaskLayout | None = None,
         max_rows_per_request: int = 1,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
         self.max_rows = max_batch_size * max_rows_per_request
         self.device = torch.device(device)
         self.mask_layout = mask_layout
+        self.eos_token_ids = list(eos_token_ids)
         self.reqs: list[Req] = []
         self.drafts: list[list[int]] = []
         self.row_owners: list[int] = []
-        self.rows = SamplingRows(torch.ones(0), torch.ones(0), [], [], [], [])
+        self.rows = SamplingRows(torch.ones(0), torch.ones(0), torch.zeros(0), [], [], [], [], [])
+        self.adjustments: dict[int, RowAdjustment] = {}
         self.vocab_mask: torch.Tensor | None = None
         self._mask_buffer: torch.Tensor | None = None
         self._filled_rows: set[int] = set()
@@ -64,6 +69,7 @@ class SamplingBatchInfo:
         self.rows = SamplingRows(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             top_ks=[p.top_k for p in params],
             seeds=[reqs[i].sampling_seed for i in self.row_owners],
             positions=[len(reqs[i].output_ids) + row - first_row[i] for row, i in enumerate(self.row_owners)],
@@ -71,6 +77,31 @@ class SamplingBatchInfo:
                 drafts[i][row - first_row[i]] if row - first_row[i] < len(drafts[i]) else NO_DRAFT
                 for row, i in enumerate(self.row_owners)
             ],
+            top_logprobs_nums=[reqs[i].top_logprobs_num for i in self.row_owners],
+        )
+        self.adjustments = {}
+        for row, i in enumerate(self.row_owners):
+            adjustment = self._row_adjustment(reqs[i], drafts[i][: row - first_row[i]])
+            if adjustment is not None:
+                self.adjustments[row] = adjustment
+
+    def _row_adjustment(self, req: Req, drafts_before: list[int]) -> RowAdjustment | None:
+        """How ``req``'s row after ``drafts_before`` is adjusted (None: not at all); drafts count as output."""
+        params = req.sampling_params
+        position = len(req.output_ids) + len(drafts_before)
+        banned = []
+        if position < params.min_new_tokens:
+            banned = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        if not (params.logit_bias or params.has_penalties or banned):
+            return None
+        return RowAdjustment(
+            prompt_ids=req.prompt_ids if params.repetition_penalty != 1.0 else [],
+            history=req.output_ids + drafts_before if params.has_penalties else [],
+            logit_bias={int(token): bias for token, bias in params.logit_bias.items()},
+            repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            banned_ids=banned,
         )
 
     def update_regex_vocab_mask(self) -> None:
@@ -121,9 +152,19 @@ class SamplingBatchInfo:
             grammar.rollback(num_accepted)
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """Set the logits of disallowed tokens to -inf in place (``logits`` is ``[batch, vocab]``)."""
-        if self.vocab_mask is not None:
-            apply_token_bitmask_inplace(logits, self.vocab_mask.to(logits.device, non_blocking=True))
+        """Adjust the rows (bias, penalties, stop-token ban), then set the logits of tokens the grammar disallows to
+        -inf, in place (``logits`` is ``[rows, vocab]``). Where the ban leaves a grammar nothing (it allows only stop
+        tokens: the constraint is complete), the ban is lifted: the grammar's end wins over ``min_new_tokens``."""
+        before_ban = adjust_logits(logits, self.adjustments)
+        if self.vocab_mask is None:
+            return
+        mask = self.vocab_mask.to(logits.device, non_blocking=True)
+        apply_token_bitmask_inplace(logits, mask)
+        emptied = [row for row in before_ban if bool(torch.isneginf(logits[row]).all())]
+        if emptied:
+            restored = torch.stack([before_ban[row] for row in emptied])
+            apply_token_bitmask_inplace(restored, mask[emptied])
+            logits[emptied] = restored
 
     def _buffer(self) -> torch.Tensor:
         if self._mask_buffer is None:

@@ -14,6 +14,8 @@ from scheduler.distributed import DistributedContext
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
     AbortReq,
+    FlushCacheDone,
+    FlushCacheReq,
     GenerateOutput,
     GenerateReq,
     PingReq,
@@ -39,6 +41,8 @@ from sglang_constrained.registry import create_grammar_backend
 
 logger = logging.getLogger(__name__)
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per output token (OpenAI's limit for chat)."""
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
 
@@ -84,6 +88,7 @@ class Scheduler:
             model_runner.device,
             grammar_backend.mask_layout if grammar_backend is not None else None,
             max_rows_per_request=1 + server_args.speculative_num_draft_tokens,
+            eos_token_ids=model_runner.eos_token_ids,
         )
         sampling_info.warm_up()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
@@ -135,6 +140,7 @@ class Scheduler:
         if prefill_batch:
             self.running.extend(prefill_batch)
             self.executor.prefill(prefill_batch)
+            self._share_repeated_prompts(prefill_batch)
             self._after_batch(prefill_batch)
         if decode_batch:
             self.executor.decode(decode_batch)
@@ -188,6 +194,16 @@ class Scheduler:
             self.abort_request(message.rid)
         elif isinstance(message, PingReq):
             self.outbox.append((client_id, self._pong(message.ping_id)))
+        elif isinstance(message, FlushCacheReq):
+            self.outbox.append((client_id, self._flush_cache(message.request_id)))
+
+    def _flush_cache(self, request_id: str) -> FlushCacheDone:
+        """Drop the prefix cache, as SGLang's ``/flush_cache`` does: only when no request is live (they read it)."""
+        if self.live:
+            message = f"not flushed: {len(self.live)} requests are running or waiting"
+            return FlushCacheDone(request_id=request_id, success=False, message=message)
+        num_rows = self.executor.flush_cache()
+        return FlushCacheDone(request_id=request_id, success=True, message=f"flushed {num_rows} cached tokens")
 
     def _add_request(self, client_id: bytes, message: GenerateReq) -> None:
         if message.rid in self.live:
@@ -196,6 +212,9 @@ class Scheduler:
         try:
             params = message.sampling_params
             params.validate()
+            params.check_token_ids(self.vocab_size)
+            if message.top_logprobs_num is not None and not 0 <= message.top_logprobs_num <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
             grammar_key = params.grammar_key()
             messages = [msgspec.structs.asdict(m) for m in message.messages] if message.messages is not None else None
             prompt_ids = self.prompt_encoder.encode(message.text, messages, message.input_ids)
@@ -211,7 +230,15 @@ class Scheduler:
             stream=message.stream,
             grammar_key=grammar_key,
             sampling_seed=self._sampling_seed(params.seed),
-            text=OutputText(self.tokenizer, params.stop, needs_live_text=message.stream),
+            text=OutputText(
+                self.tokenizer,
+                params.stop,
+                needs_live_text=message.stream,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                no_stop_trim=params.no_stop_trim,
+            ),
+            top_logprobs_num=message.top_logprobs_num,
         )
         self.live[req.rid] = req
         if not self.grammar_manager.process_req_with_grammar(req):
@@ -231,12 +258,31 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[Req]:
         """Requests admitted into KV memory this turn, in arrival order (the first that does not fit waits, and
-        those behind it with it, so that a long prompt is never starved by short ones)."""
+        those behind it with it, so that a long prompt is never starved by short ones). A request whose prompt another
+        request of the batch computes waits one turn (with those behind it) to reuse that prompt's KV instead of
+        computing it again: ``n`` samples of one prompt share its prefill."""
         batch: list[Req] = []
+        prompts: set[tuple[int, ...]] = set()
         room = self.server_args.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room and self.executor.admit(self.waiting_queue[0]):
-            batch.append(self.waiting_queue.popleft())
+        while self.waiting_queue and len(batch) < room:
+            prompt = tuple(self.waiting_queue[0].prompt_ids)
+            repeats = prompt in prompts and self.executor.can_share_prompts
+            if repeats or not self.executor.admit(self.waiting_queue[0]):
+                break
+            req = self.waiting_queue.popleft()
+            batch.append(req)
+            if req.num_cached_tokens < len(prompt) - 1:  # it computes its prompt: the same prompt waits for it
+                prompts.add(prompt)
         return batch
+
+    def _share_repeated_prompts(self, batch: list[Req]) -> None:
+        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat."""
+        if not self.executor.can_share_prompts:
+            return
+        waiting = {tuple(req.prompt_ids) for req in self.waiting_queue}
+        for req in batch:
+            if tuple(req.prompt_ids) in waiting:
+                self.executor.share_prompt(req)
 
     def _after_batch(self, batch: list[Req]) -> None:
         """Finish who finished; stream what is new to the others."""
@@ -255,14 +301,18 @@ class Scheduler:
         grammar = req.ready_grammar
         if grammar is not None:
             grammar.finished = True
-        self._send(req, req.text.final_text(req.output_ids) if req.text is not None else "", finished=True)
+        matched = req.finish_reason.matched if req.finish_reason is not None else None
+        ends_with_stop_token = isinstance(matched, int) and matched in self.executor.stop_token_ids(req)
+        text = req.text.final_text(req.output_ids, ends_with_stop_token) if req.text is not None else ""
+        self._send(req, text, finished=True)
 
     def _send(self, req: Req, full_text: str, finished: bool) -> None:
+        first_new = req.num_sent_tokens if req.stream else 0
+        token_ids = req.output_ids[first_new:]
         if req.stream:
-            token_ids = req.output_ids[req.num_sent_tokens :]
             text = full_text[len(req.sent_text) :] if full_text.startswith(req.sent_text) else full_text
         else:
-            token_ids, text = req.output_ids, full_text
+            text = full_text
         req.num_sent_tokens = len(req.output_ids)
         req.sent_text = full_text
         output = GenerateOutput(
@@ -277,6 +327,7 @@ class Scheduler:
                 cached_tokens=req.num_cached_tokens,
             ),
             grammar_cache_hit=req.grammar_cache_hit,
+            logprobs=req.output_logprobs[first_new:] if req.top_logprobs_num is not None else None,
         )
         self.outbox.append((req.client_id, output))
 

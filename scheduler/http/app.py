@@ -14,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
@@ -25,6 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from scheduler.client import AsyncSchedulerClient
 from scheduler.http.calls import FrontendState, collect_outputs
+from scheduler.http.generate_conversion import generate_calls
+from scheduler.http.logprobs import sglang_logprobs
 from scheduler.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,29 +33,29 @@ from scheduler.http.protocol import (
     ProtocolError,
     parse_body,
 )
-from scheduler.http.request_conversion import RequestLimits, chat_calls, completion_calls, generate_calls
+from scheduler.http.request_conversion import RequestLimits, chat_calls, completion_calls
 from scheduler.http.responses import (
     chat_completion_body,
     error_body,
     generate_result,
     text_completion_body,
 )
+from scheduler.http.routing import frontend_of, json_response, read_body
+from scheduler.http.service_routes import HEALTH_TIMEOUT_S
+from scheduler.http.service_routes import router as service_router
 from scheduler.http.streaming import (
     ChatStreamChunks,
     CompletionStreamChunks,
     GenerateStreamChunks,
     stream_response,
 )
+from scheduler.http.tool_calls import tool_plan
 from scheduler.io_struct import Pong
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
 
 logger = logging.getLogger("scheduler.http")
-
-HEALTH_TIMEOUT_S = 5.0
-MAX_BODY_BYTES = 32 * 1024 * 1024
-"""Larger request bodies are refused (413) as they arrive, before they are parsed."""
 
 router = APIRouter()
 
@@ -66,18 +67,18 @@ async def health(request: Request) -> Response:
     ``running_requests``: scheduler requests this frontend has in flight; ``scheduler``: the scheduler's own
     counters from its answer (``num_*`` fields of ``Pong``, and the prefix cache's ``cache_hit_rate``).
     """
-    frontend = _frontend(request)
+    frontend = frontend_of(request)
     try:
         pong = await frontend.client.wait_until_ready(timeout_s=HEALTH_TIMEOUT_S)
     except TimeoutError:
         body = {"status": "unavailable", "running_requests": frontend.num_running_requests}
-        return _json(body, status_code=503)
+        return json_response(body, status_code=503)
     counters = {
         name: value
         for name, value in msgspec.structs.asdict(pong).items()
         if name.startswith("num_") or name == "cache_hit_rate"
     }
-    return _json(
+    return json_response(
         {
             "status": "ok",
             "model": pong.model,
@@ -91,7 +92,7 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus metrics: the frontend's, and the scheduler's when it answers within ``HEALTH_TIMEOUT_S``."""
-    frontend = _frontend(request)
+    frontend = frontend_of(request)
     try:
         pong: Pong | None = await frontend.client.wait_until_ready(timeout_s=HEALTH_TIMEOUT_S)
     except TimeoutError:
@@ -101,7 +102,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    frontend = _frontend(request)
+    frontend = frontend_of(request)
     model = {
         "id": frontend.model_name,
         "object": "model",
@@ -109,49 +110,62 @@ async def models(request: Request) -> Response:
         "owned_by": "sglang-constrained",
         "max_model_len": frontend.limits.max_seq_len,
     }
-    return _json({"object": "list", "data": [model]})
+    return json_response({"object": "list", "data": [model]})
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    body = parse_body(ChatCompletionRequest, await _read_body(request))
-    frontend = _frontend(request)
+    body = parse_body(ChatCompletionRequest, await read_body(request))
+    frontend = frontend_of(request)
     frontend.check_model(body.model)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    calls = await frontend.tokenized(chat_calls(body, completion_id, frontend.limits))
+    plan = tool_plan(body)
+    calls = await frontend.tokenized(chat_calls(body, completion_id, frontend.limits, plan))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = ChatStreamChunks(completion_id, frontend.model_name, body.n, include_usage)
+        chunks = ChatStreamChunks(completion_id, frontend.model_name, body.n, include_usage, frontend.token_text, plan)
         return await stream_response(request, frontend, calls, chunks)
     outputs = await collect_outputs(request, frontend, calls)
-    return _json(chat_completion_body(completion_id, frontend.model_name, outputs))
+    body_out = chat_completion_body(completion_id, frontend.model_name, outputs, frontend.token_text, plan)
+    return json_response(body_out)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    body = parse_body(CompletionRequest, await _read_body(request))
-    frontend = _frontend(request)
+    body = parse_body(CompletionRequest, await read_body(request))
+    frontend = frontend_of(request)
     frontend.check_model(body.model)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     calls = await frontend.tokenized(completion_calls(body, completion_id, frontend.limits))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = CompletionStreamChunks(completion_id, frontend.model_name, body.n, include_usage)
+        chunks = CompletionStreamChunks(completion_id, frontend.model_name, body.n, include_usage, frontend.token_text)
         return await stream_response(request, frontend, calls, chunks)
     outputs = await collect_outputs(request, frontend, calls)
-    return _json(text_completion_body(completion_id, frontend.model_name, outputs, body.n))
+    return json_response(text_completion_body(completion_id, frontend.model_name, outputs, body.n, frontend.token_text))
 
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
-    """SGLang's native endpoint: one result for one prompt, a list for a batch (``text`` or ``input_ids`` lists)."""
-    body = parse_body(GenerateRequest, await _read_body(request))
-    frontend = _frontend(request)
+    """SGLang's native endpoint: one result for one prompt of ``n`` 1, else a list (prompt-major: each prompt's ``n``
+    choices in turn) for a batch (``text`` or ``input_ids`` lists) or ``n`` > 1."""
+    body = parse_body(GenerateRequest, await read_body(request))
+    frontend = frontend_of(request)
     calls = await frontend.tokenized(generate_calls(body, frontend.limits))
+    num_top = body.top_logprobs_num if body.return_logprob else None
+    logprob_text = frontend.token_text if body.return_text_in_logprobs else None
     if body.stream:
-        return await stream_response(request, frontend, calls, GenerateStreamChunks())
-    results = [generate_result(o, o.token_ids, o.text) for o in await collect_outputs(request, frontend, calls)]
-    return _json(results if body.is_batch else results[0])
+        return await stream_response(request, frontend, calls, GenerateStreamChunks(num_top, logprob_text))
+    results = [
+        generate_result(
+            o,
+            o.token_ids,
+            o.text,
+            sglang_logprobs(o.logprobs or [], num_top, logprob_text) if num_top is not None else None,
+        )
+        for o in await collect_outputs(request, frontend, calls)
+    ]
+    return json_response(results if body.is_batch or len(results) > 1 else results[0])
 
 
 def create_app(server_args: ServerArgs) -> FastAPI:
@@ -166,6 +180,7 @@ def create_app(server_args: ServerArgs) -> FastAPI:
         limits = RequestLimits(server_args.max_seq_len, server_args.grammar_max_spec_bytes)
         client = AsyncSchedulerClient(server_args.zmq_endpoint)
         app.state.frontend = FrontendState(client, server_args.model_name, limits, prompt_encoder)
+        app.state.server_args = server_args
         try:
             yield
         finally:
@@ -178,6 +193,7 @@ def create_app(server_args: ServerArgs) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    app.include_router(service_router)
     return app
 
 
@@ -215,26 +231,4 @@ def _refusal(request: Request, error: ProtocolError) -> Response:
         frontend.metrics.refused(reason)
     path, status = request.url.path, error.status_code
     logger.info("path=%s status=%d reason=%s message=%.200s", path, status, reason, error.message)
-    return _json(error_body(error), status_code=error.status_code)
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, read up to ``MAX_BODY_BYTES``; raises ``ProtocolError`` (413) past that."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ProtocolError(
-                f"the request body is over {MAX_BODY_BYTES:,} bytes", status_code=413, code="request_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _frontend(request: Request) -> FrontendState:
-    state: FrontendState = request.app.state.frontend
-    return state
-
-
-def _json(body: Any, status_code: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status_code, media_type="application/json")
+    return json_response(error_body(error), status_code=error.status_code)

@@ -54,6 +54,10 @@ class FrontendState:
             tokenized.append(call.with_prompt_ids(ids, self.limits.max_seq_len))
         return tokenized
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text, decoded alone (logprobs show tokens this way)."""
+        return str(self.prompt_encoder.tokenizer.decode([token_id]))
+
     def _encode(self, call: SchedulerCall) -> list[int]:
         try:
             return self.prompt_encoder.encode(text=call.text, messages=call.messages)

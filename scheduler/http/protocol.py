@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sglang_constrained.constraint_spec import MAX_SPEC_DEPTH
 
 MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on ``top_logprobs`` (chat); also the bound of ``logprobs`` (completions) and ``top_logprobs_num``."""
 MAX_SCHEDULER_REQUESTS = 128
 """Most scheduler requests one HTTP request may become (prompts x ``n``)."""
 SEED_MODULUS = 2**64
@@ -145,7 +147,7 @@ ResponseFormat = Annotated[
 
 
 class StructuredOutputs(Body):
-    """vLLM's ``structured_outputs`` (``grammar`` is EBNF)."""
+    """vLLM's ``structured_outputs`` (``grammar`` is EBNF; a per-request ``whitespace_pattern`` is refused)."""
 
     json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -153,6 +155,7 @@ class StructuredOutputs(Body):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
+    whitespace_pattern: str | None = None
 
 
 class StreamOptions(Body):
@@ -160,7 +163,8 @@ class StreamOptions(Body):
 
 
 class CommonRequest(Body):
-    """Fields shared by chat and text completions, including every way to ask for a constraint."""
+    """Fields shared by chat and text completions: OpenAI's, vLLM's and SGLang's sampling extras, and every way to ask
+    for a constraint."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -182,10 +186,19 @@ class CommonRequest(Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    logprobs: bool | int | None = None
+    guided_whitespace_pattern: str | None = None
     logit_bias: dict[str, float] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None
 
 
 class TextPart(Body):
@@ -193,26 +206,64 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(Body):
+    """A call an assistant message made (echoed back by a client in a later turn)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    """A chat message; fields beyond role, content and name are accepted only when empty (as clients echo them)."""
+    """A chat message; fields beyond these are accepted only when empty (as clients echo them)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_message(self) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template: ``developer`` is the newer name of ``system``."""
+        """``{"role", "content"}`` for the chat template: ``developer`` is the newer name of ``system``. (An
+        assistant's ``tool_calls`` are written into its content by ``scheduler.http.tool_calls``.)"""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(CommonRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
@@ -220,21 +271,44 @@ class ChatCompletionRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
 
 class GenerateRequest(Body):
-    """SGLang's native ``/generate``: ``sampling_params`` are the scheduler's own ``SamplingParams`` fields."""
+    """SGLang's native ``/generate``: ``sampling_params`` are the scheduler's own ``SamplingParams`` fields, plus
+    SGLang's ``n``, ``sampling_seed`` and ``custom_params`` (``request_conversion``). ``logprob_start_len`` -1 asks
+    for output logprobs only (prompt logprobs are refused)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | list[str] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
 
     @property
     def is_batch(self) -> bool:
         """A list of texts or of token-id lists: answered with a list of results."""
         return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
+
+
+class TokenizeRequest(Body):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[int]

@@ -9,7 +9,9 @@ from typing import Any
 
 import msgspec
 
+from scheduler.http.logprobs import TokenText, chat_logprobs, completion_logprobs
 from scheduler.http.protocol import ProtocolError
+from scheduler.http.tool_calls import ToolPlan
 from scheduler.io_struct import FinishReason, GenerateOutput
 
 CLIENT_CLOSED_REQUEST = 499
@@ -65,16 +67,14 @@ def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, Any]:
     }
 
 
-def chat_completion_body(completion_id: str, model: str, outputs: list[GenerateOutput]) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": o.text},
-            "finish_reason": openai_finish_reason(o),
-            "logprobs": None,
-        }
-        for i, o in enumerate(outputs)
-    ]
+def chat_completion_body(
+    completion_id: str, model: str, outputs: list[GenerateOutput], token_text: TokenText, plan: ToolPlan | None
+) -> dict[str, Any]:
+    choices = []
+    for i, o in enumerate(outputs):
+        message, finish_reason = chat_message(o, plan)
+        logprobs = chat_logprobs(o.logprobs, token_text) if o.logprobs is not None else None
+        choices.append({"index": i, "message": message, "finish_reason": finish_reason, "logprobs": logprobs})
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -85,9 +85,30 @@ def chat_completion_body(completion_id: str, model: str, outputs: list[GenerateO
     }
 
 
-def text_completion_body(completion_id: str, model: str, outputs: list[GenerateOutput], n: int) -> dict[str, Any]:
+def chat_message(output: GenerateOutput, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a final output and its finish reason: with tools, the calls read from the text
+    (finish reason ``tool_calls`` when there are any, but ``stop`` for a named function, as OpenAI answers)."""
+    finish_reason = openai_finish_reason(output)
+    if plan is None:
+        return {"role": "assistant", "content": output.text}, finish_reason
+    content, calls = plan.parse(output.text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    if finish_reason == "stop" and plan.mode != "named":
+        finish_reason = "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
+
+
+def text_completion_body(
+    completion_id: str, model: str, outputs: list[GenerateOutput], n: int, token_text: TokenText
+) -> dict[str, Any]:
     choices = [
-        {"index": i, "text": o.text, "finish_reason": openai_finish_reason(o), "logprobs": None}
+        {
+            "index": i,
+            "text": o.text,
+            "finish_reason": openai_finish_reason(o),
+            "logprobs": completion_logprobs(o.logprobs, token_text) if o.logprobs is not None else None,
+        }
         for i, o in enumerate(outputs)
     ]
     return {
@@ -100,8 +121,11 @@ def text_completion_body(completion_id: str, model: str, outputs: list[GenerateO
     }
 
 
-def generate_result(output: GenerateOutput, output_ids: list[int], text: str) -> dict[str, Any]:
-    """SGLang's ``{"text", "output_ids", "meta_info"}``; ``meta_info.finish_reason`` is null until the end."""
+def generate_result(
+    output: GenerateOutput, output_ids: list[int], text: str, logprob_fields: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """SGLang's ``{"text", "output_ids", "meta_info"}``; ``meta_info.finish_reason`` is null until the end.
+    ``logprob_fields``: ``meta_info``'s logprob lists (``scheduler.http.logprobs.sglang_logprobs``), if asked for."""
     reason = output.finish_reason
     return {
         "text": text,
@@ -113,5 +137,6 @@ def generate_result(output: GenerateOutput, output_ids: list[int], text: str) ->
             "completion_tokens": output.usage.completion_tokens,
             "cached_tokens": output.usage.cached_tokens,
             "grammar_cache_hit": output.grammar_cache_hit,
+            **(logprob_fields or {}),
         },
     }

@@ -13,10 +13,12 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from scheduler.http.calls import ChoiceRun, FrontendState
+from scheduler.http.logprobs import TokenText, chat_logprobs, completion_logprobs, sglang_logprobs
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.request_conversion import SchedulerCall
-from scheduler.http.responses import error_body, generate_result, openai_finish_reason, usage_body
-from scheduler.io_struct import GenerateOutput
+from scheduler.http.responses import chat_message, error_body, generate_result, openai_finish_reason, usage_body
+from scheduler.http.tool_calls import ToolPlan
+from scheduler.io_struct import GenerateOutput, TokenLogprob
 
 
 class StreamChunks:
@@ -60,27 +62,67 @@ class StreamChunks:
 
 
 class ChatStreamChunks(StreamChunks):
-    """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason."""
+    """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason.
+
+    With tools (``plan``) the text is held until the end, then sent as a content delta (if any text is not a call)
+    and one ``tool_calls`` delta per call, in OpenAI's shape (``index``, ``id``, ``type``, ``function``)."""
 
     OBJECT = "chat.completion.chunk"
 
-    def __init__(self, completion_id: str, model: str, n: int, include_usage: bool) -> None:
+    def __init__(
+        self,
+        completion_id: str,
+        model: str,
+        n: int,
+        include_usage: bool,
+        token_text: TokenText,
+        plan: ToolPlan | None = None,
+    ) -> None:
         super().__init__(completion_id, model, n, include_usage)
+        self.token_text = token_text
         self.started: set[int] = set()
+        self.plan = plan
+        self.held: dict[int, GenerateOutput] = {}
 
     def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
+        """Logprobs ride with the content delta of their tokens (with an empty delta while text is held back)."""
         chunks = []
         if index not in self.started:
             self.started.add(index)
             chunks.append(self._choice(index, {"role": "assistant", "content": ""}, None))
-        if output.text:
-            chunks.append(self._choice(index, {"content": output.text}, None))
+        if self.plan is not None:
+            return chunks + self._tool_chunks(index, output, self.plan)
+        if output.text or output.logprobs:
+            logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
+            chunks.append(self._choice(index, {"content": output.text}, None, logprobs))
         if output.finished:
             chunks.append(self._choice(index, {}, openai_finish_reason(output)))
         return chunks
 
-    def _choice(self, index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def _tool_chunks(self, index: int, output: GenerateOutput, plan: ToolPlan) -> list[dict[str, Any]]:
+        held = self.held.get(index)
+        if held is not None:
+            output = msgspec.structs.replace(
+                output,
+                text=held.text + output.text,
+                logprobs=None if output.logprobs is None else (held.logprobs or []) + output.logprobs,
+            )
+        self.held[index] = output
+        if not output.finished:
+            return []
+        message, finish_reason = chat_message(output, plan)
+        logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
+        chunks = []
+        if message["content"] or logprobs:
+            chunks.append(self._choice(index, {"content": message["content"] or ""}, None, logprobs))
+        for j, call in enumerate(message.get("tool_calls", [])):
+            chunks.append(self._choice(index, {"tool_calls": [{"index": j, **call}]}, None))
+        return [*chunks, self._choice(index, {}, finish_reason)]
+
+    def _choice(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._chunk([choice])
 
 
@@ -89,23 +131,47 @@ class CompletionStreamChunks(StreamChunks):
 
     OBJECT = "text_completion"
 
+    def __init__(self, completion_id: str, model: str, n: int, include_usage: bool, token_text: TokenText) -> None:
+        super().__init__(completion_id, model, n, include_usage)
+        self.token_text = token_text
+        self.text_offsets: dict[int, int] = {}
+
     def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
-        choice = {"index": index, "text": output.text, "finish_reason": openai_finish_reason(output), "logprobs": None}
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = completion_logprobs(output.logprobs, self.token_text, self.text_offsets.get(index, 0))
+            self.text_offsets[index] = self.text_offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+        choice = {
+            "index": index,
+            "text": output.text,
+            "finish_reason": openai_finish_reason(output),
+            "logprobs": logprobs,
+        }
         return [self._chunk([choice])]
 
 
 class GenerateStreamChunks(StreamChunks):
-    """SGLang's stream: every event holds the choice's text and output ids so far, and its ``index``."""
+    """SGLang's stream: every event holds the choice's text, output ids (and logprobs) so far, and its ``index``.
 
-    def __init__(self) -> None:
+    ``num_top_logprobs``: None without ``return_logprob``; ``token_text`` None unless ``return_text_in_logprobs``.
+    """
+
+    def __init__(self, num_top_logprobs: int | None, token_text: TokenText | None) -> None:
         super().__init__("", "", n=1, include_usage=False)
+        self.num_top_logprobs = num_top_logprobs
+        self.token_text = token_text
         self.texts: dict[int, str] = {}
         self.output_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[TokenLogprob]] = {}
 
     def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
         self.texts[index] = self.texts.get(index, "") + output.text
         self.output_ids[index] = self.output_ids.get(index, []) + output.token_ids
-        return [generate_result(output, self.output_ids[index], self.texts[index]) | {"index": index}]
+        self.logprobs[index] = self.logprobs.get(index, []) + (output.logprobs or [])
+        fields = None
+        if self.num_top_logprobs is not None:
+            fields = sglang_logprobs(self.logprobs[index], self.num_top_logprobs, self.token_text)
+        return [generate_result(output, self.output_ids[index], self.texts[index], fields) | {"index": index}]
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:

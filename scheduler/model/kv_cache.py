@@ -107,6 +107,23 @@ class KVCacheManager:
         seq.reserved += len(dropped)
         self.num_reserved += len(dropped)
 
+    def share_prefix(self, seq: KVSequence, num_tokens: int) -> None:
+        """Cache ``seq``'s first ``num_tokens`` now, while it runs, so that requests admitted after it (``n``
+        samples of one prompt) reuse them: they become ``seq``'s shared rows, locked until it is released. Nothing
+        happens if another request cached part of them meanwhile (its rows, not ``seq``'s, hold that part)."""
+        if self.radix is None or not seq.num_cached < num_tokens <= len(seq):
+            return
+        token_ids = seq.token_ids[:num_tokens]
+        cached_rows, _ = self.radix.match_prefix(token_ids)
+        if len(cached_rows) != seq.num_cached:
+            return
+        self.radix.insert(token_ids, seq.rows[:num_tokens])
+        _, shared = self.radix.match_prefix(token_ids)
+        self.radix.lock(shared)
+        if seq.node is not None:
+            self.radix.unlock(seq.node)
+        seq.node, seq.num_cached = shared, num_tokens
+
     def release(self, seq: KVSequence) -> None:
         """The request is done: its tokens enter the prefix cache (duplicates freed), its budget is returned."""
         self.num_reserved -= seq.reserved

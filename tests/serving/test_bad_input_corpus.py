@@ -21,6 +21,7 @@ from tests.helpers import HTTP_SERVER_FLAGS, QUESTION, HttpServer
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
 MAX_SEQ_LEN = int(HTTP_SERVER_FLAGS[HTTP_SERVER_FLAGS.index("--max-seq-len") + 1])
 MESSAGES = [dict(m) for m in QUESTION]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @dataclass(frozen=True)
@@ -191,14 +192,22 @@ HTTP_CASES: list[Case] = [
     *(
         make(400, name, "not supported", **{name: value})
         for make, fields in (
-            (chat, {"logprobs": True, "top_logprobs": 2, "tools": [{"type": "function"}], "tool_choice": "auto"}),
-            (chat, {"functions": [{"name": "f"}], "function_call": "auto", "logit_bias": {"1": 5.0}}),
-            (chat, {"frequency_penalty": 0.5, "presence_penalty": 0.5}),
-            (completion, {"echo": True, "suffix": "x", "best_of": 2, "logprobs": 1}),
+            (chat, {"functions": [{"name": "f"}], "function_call": "auto", "guided_whitespace_pattern": " *"}),
+            (completion, {"echo": True, "suffix": "x", "best_of": 2}),
         )
         for name, value in fields.items()
     ),
-    chat(400, "messages[0].tool_calls", "not supported", messages=[{**MESSAGES[0], "tool_calls": [{"id": "1"}]}]),
+    chat(
+        400,
+        "messages[0].tool_calls",
+        "not supported on a user message",
+        messages=[{**MESSAGES[0], "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]}],
+    ),
+    chat(
+        400,
+        "Missing required parameter: 'messages.0.tool_calls.0.function'",
+        messages=[{**MESSAGES[0], "tool_calls": [{"id": "1"}]}],
+    ),
     # values out of range
     *(
         make(400, field, **{field: value})
@@ -214,8 +223,37 @@ HTTP_CASES: list[Case] = [
             ("top_k", -2),
             ("seed", 2**64),
             ("seed", -(2**63) - 1),
+            ("frequency_penalty", 2.5),
+            ("presence_penalty", -3),
+            ("repetition_penalty", 0),
+            ("min_p", 1.5),
+            ("min_tokens", -1),
+            ("logit_bias", {"1": 101.0}),
+            ("logit_bias", {"a": 1.0}),
         )
     ),
+    chat(400, "Missing required parameter: 'tools.0.function'", tools=[{"type": "function"}]),
+    chat(400, "tool_choice needs tools", tool_choice="required"),
+    chat(
+        400,
+        "'g', which is not among the tools",
+        tools=[TOOL],
+        tool_choice={"type": "function", "function": {"name": "g"}},
+    ),
+    chat(400, "distinct function names", tools=[TOOL, TOOL]),
+    chat(400, "no other constraint", tools=[TOOL], tool_choice="required", regex="a"),
+    chat(400, "tools.0.function.name", tools=[{"type": "function", "function": {"name": "a b"}}]),
+    chat(400, "top_logprobs", top_logprobs=21, logprobs=True),
+    chat(400, "top_logprobs needs logprobs", top_logprobs=2),
+    chat(400, "Invalid type for 'logprobs'", logprobs=2),
+    completion(400, "logprobs", logprobs=21),
+    completion(400, "min_tokens", min_tokens=20, max_tokens=10),
+    chat(400, "stop_token_ids and logit_bias must be below", stop_token_ids=[10**7]),
+    chat(400, "structured_outputs.whitespace_pattern", structured_outputs={"regex": "a", "whitespace_pattern": " "}),
+    generate(400, "custom_params", sampling_params={"custom_params": {"a": 1}}),
+    generate(400, "sampling_params.n", sampling_params={"n": 0}),
+    generate(400, "logprob_start_len", return_logprob=True, logprob_start_len=0),
+    generate(400, "seed and sampling_seed differ", sampling_params={"seed": 1, "sampling_seed": 2}),
     chat(400, "messages", messages=[]),
     chat(400, "messages.0.role", messages=[{"role": "bot", "content": "Hi"}]),
     completion(400, "prompt must not be empty", prompt=[]),
@@ -337,6 +375,12 @@ ZMQ_CASES: list[ZmqCase] = [
     zmq("max_new_tokens must be >= 1", sampling_params={"max_new_tokens": -1}),
     zmq("below 2**63", sampling_params={"max_new_tokens": 2**63}),
     zmq("stop strings must be non-empty", sampling_params={"stop": ["a", ""]}),
+    zmq("top_logprobs_num must be in [0, 20]", top_logprobs_num=21),
+    zmq("must be below", sampling_params={"stop_token_ids": [10**7]}),
+    zmq("must be below", sampling_params={"logit_bias": {"10000000": 1.0}}),
+    zmq("repetition_penalty must be in (0, 2]", sampling_params={"repetition_penalty": 0.0}),
+    zmq("min_new_tokens must be in [0, max_new_tokens]", sampling_params={"min_new_tokens": 9, "max_new_tokens": 8}),
+    zmq("min_p must be in [0, 1]", sampling_params={"min_p": -0.1}),
     zmq("at most one constraint", sampling_params={"regex": "a", "ebnf": 'root ::= "a"'}),
     zmq("at most one constraint", sampling_params={"choice": ["a"], "json_object": True}),
     ZmqCase({"sampling_params": {}}, ("exactly one of text, messages or input_ids",)),

@@ -77,8 +77,13 @@ BAD_BODIES = [
     pytest.param(CHAT, {"messages": QUESTION, "top_p": 0}, 400, {"param": "top_p"}, id="out-of-range"),
     pytest.param(CHAT, {"messages": []}, 400, {"param": "messages"}, id="no-messages"),
     pytest.param(CHAT, {"messages": QUESTION, "frobnicate": 1}, 400, {"param": "frobnicate"}, id="unknown-field"),
+    pytest.param(CHAT, {"messages": QUESTION, "best_of": 2}, 400, {"code": "unknown_parameter"}, id="unknown-for-chat"),
     pytest.param(
-        CHAT, {"messages": QUESTION, "logprobs": True}, 400, {"code": "unsupported_parameter"}, id="unsupported"
+        CHAT,
+        {"messages": QUESTION, "guided_whitespace_pattern": " *"},
+        400,
+        {"code": "unsupported_parameter"},
+        id="unsupported",
     ),
     pytest.param(CHAT, {"messages": QUESTION, "model": "gpt-4"}, 404, {"code": "model_not_found"}, id="unknown-model"),
     pytest.param("/v1/completions", {"prompt": []}, 400, {"param": "prompt"}, id="empty-prompt"),

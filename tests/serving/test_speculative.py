@@ -142,3 +142,68 @@ def test_speculation_changes_no_output(runner: ModelRunner, backend: str) -> Non
     assert plain_stats.num_output_tokens == fast_stats.num_output_tokens
     assert fast_stats.num_forwards < plain_stats.num_forwards  # forced tokens and accepted drafts saved forwards
     assert sum(fast_stats.drafts_accepted.values()) + fast_stats.num_forced_tokens > 0
+
+
+KNOBS: list[dict[str, Any]] = [
+    {"frequency_penalty": 0.8, "presence_penalty": 0.4},
+    {"repetition_penalty": 1.3, "min_p": 0.05},
+    {"logit_bias": {"1345": 2.0, "28": -3.0}, "min_new_tokens": 6, "stop_token_ids": [30]},
+    {"ignore_eos": True, "top_k": 20, "frequency_penalty": -0.5},
+]
+
+
+def knob_requests() -> list[dict[str, Any]]:
+    """Every sampling knob on constrained and free requests (whose prompts invite grammar and prompt-lookup drafts),
+    greedy and seeded, half of them asking for logprobs."""
+    requests = []
+    for i, knobs in enumerate(KNOBS):
+        for temperature in (0.0, 0.8):
+            common = {**knobs, "max_new_tokens": 32, "temperature": temperature, "seed": 300 + i}
+            requests += [
+                {"messages": [{"role": "user", "content": PROMPTS[5]}], "sampling_params": {"json_schema": PERSON}},
+                {"messages": [{"role": "user", "content": PROMPTS[1]}], "sampling_params": {"regex": r"\d{3}-\d{4}"}},
+                {"text": FREE_PROMPTS[3], "sampling_params": {}},
+                {"text": FREE_PROMPTS[1], "sampling_params": {}},
+            ]
+            for j, request in enumerate(requests[-4:]):
+                request["sampling_params"] |= common
+                request["top_logprobs_num"] = 3 if j % 2 == 0 else None
+    return requests
+
+
+def test_speculation_changes_no_output_with_sampling_knobs(runner: ModelRunner) -> None:
+    """Penalties (which count verified drafts as output), bias, min-p, min_new_tokens, stop tokens and ignore_eos:
+    tokens, finish reasons and logprobs exactly as without speculation."""
+    requests = knob_requests()
+    results = {}
+    for algorithm in ("none", "grammar+ngram"):
+        with in_process_scheduler(runner, grammar_backend="xgrammar", speculative_algorithm=algorithm) as scheduler:
+            outputs = serve(scheduler, [make_request(**r) for r in requests])
+            stats = scheduler.executor.stats
+        results[algorithm] = ([(o.token_ids, o.finish_reason, o.logprobs) for o in outputs], stats)
+    (plain, plain_stats), (fast, fast_stats) = results["none"], results["grammar+ngram"]
+    differing = [i for i, output in enumerate(plain) if fast[i] != output]
+    assert not differing, f"{len(differing)} of {len(plain)} outputs differ with speculation on: {differing}"
+    assert fast_stats.num_forwards < plain_stats.num_forwards
+    assert all(logprobs is not None for _, _, logprobs in plain[::2])
+
+
+def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone(runner: ModelRunner) -> None:
+    """Four seeded samples of one prompt sent together (as ``n`` sends them): the first computes the prompt, the
+    others reuse all of it but its last token, and each is token for token the sample its seed gives alone on an
+    empty cache (here for this module's in-process loop; the prefix cache must change no output either)."""
+
+    def seeded(seed: int) -> GenerateReq:
+        return make_request(
+            text=FREE_PROMPTS[0], sampling_params={"temperature": 0.9, "max_new_tokens": 12, "seed": seed}
+        )
+
+    seeds = [50, 51, 52, 53]
+    with in_process_scheduler(runner, grammar_backend="none") as scheduler:
+        together = serve(scheduler, [seeded(seed) for seed in seeds])
+        num_prompt_tokens = together[0].usage.prompt_tokens
+        assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens - 1] * 3
+        for seed, output in zip(seeds, together, strict=True):
+            scheduler.executor.flush_cache()
+            (alone,) = serve(scheduler, [seeded(seed)])
+            assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed

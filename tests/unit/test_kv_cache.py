@@ -115,3 +115,29 @@ def test_bookkeeping_holds_under_any_sequence_of_operations(operations: list[tup
         kv.release(seq)
     check_invariants(kv, [])
     assert kv.num_reserved == 0
+
+
+def test_a_running_request_shares_its_prompt_with_requests_admitted_after_it() -> None:
+    """``n`` samples of one prompt: the first one's prompt rows are cached right after its prefill, the others
+    start from them; whatever order they finish in, no row is lost or freed twice."""
+    kv = manager(64)
+    prompt = [1, 2, 3, 4, 5]
+    first = kv.admit(prompt, max_new_tokens=4)
+    assert first is not None
+    kv.append(first, prompt)
+    kv.share_prefix(first, len(prompt))
+    assert first.num_cached == len(prompt)
+    check_invariants(kv, [first])
+    siblings = [kv.admit(prompt, max_new_tokens=4) for _ in range(3)]
+    assert all(s is not None and s.num_cached == len(prompt) - 1 for s in siblings)
+    running = [first, *[s for s in siblings if s is not None]]
+    for seq in running:
+        kv.append(seq, [9] if seq is first else [5, 9])
+    check_invariants(kv, running)
+    kv.flush()  # the shared prompt is locked while its requests run
+    assert first_rows(kv, prompt) == first.rows[: len(prompt)]
+    for seq in [running[2], running[0], running[1], running[3]]:
+        kv.release(seq)
+        running.remove(seq)
+        check_invariants(kv, running)
+    assert kv.num_available == kv.capacity

@@ -1,0 +1,91 @@
+"""The constraints tool calls are generated under, compiled by the server's backend (xgrammar) on the real SmolLM2
+vocabulary: a call whose arguments break its function's schema, or that names no offered function, is not an output
+the grammar accepts; the text the grammar accepts is read back as OpenAI's ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.http.protocol import ChatCompletionRequest
+from scheduler.http.tool_calls import ToolPlan, tool_plan
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.testing.conformance import compile_grammar
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import accepts_text
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+
+
+def plan_for(tool_choice: object, parallel: bool = True) -> ToolPlan:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "tool_choice": tool_choice}
+    plan = tool_plan(ChatCompletionRequest.model_validate_json(json.dumps(body | {"parallel_tool_calls": parallel})))
+    assert plan is not None
+    return plan
+
+
+def accepts(plan: ToolPlan, text: str, setup: TokenizerSetup, build_backend: BackendBuilder) -> bool:
+    ((field, spec),) = plan.constraint().items()
+    kind = {"json_schema": "json", "structural_tag": "structural_tag"}[field]
+    grammar = compile_grammar(build_backend("xgrammar", setup), make_grammar_key(kind, spec))
+    return accepts_text(grammar, setup, text)
+
+
+GOOD_CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
+CASES = [
+    ("required", True, f"[{GOOD_CALL}]", True),
+    ("required", True, f'[{GOOD_CALL}, {{"name": "get_time", "arguments": {{"zone": "UTC"}}}}]', True),
+    ("required", False, f'[{GOOD_CALL}, {{"name": "get_time", "arguments": {{"zone": "UTC"}}}}]', False),
+    ("required", True, "[]", False),
+    ("required", True, '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "K"}}]', False),
+    ("required", True, '[{"name": "launch", "arguments": {}}]', False),
+    ("named", True, '{"city": "Oslo", "unit": "F"}', True),
+    ("named", True, '{"zone": "UTC"}', False),
+    ("auto", True, "It is sunny.", True),
+    ("auto", True, f"Let me check.<tool_call>{GOOD_CALL}</tool_call>", True),
+    ("auto", True, '<tool_call>{"name": "get_weather", "arguments": {"city": 5}}</tool_call>', False),
+    ("auto", True, '<tool_call>{"name": "other", "arguments": {}}</tool_call>', False),
+]
+
+
+@pytest.mark.parametrize(("mode", "parallel", "text", "accepted"), CASES)
+def test_the_grammar_admits_exactly_the_calls_that_fit_their_schemas(
+    smollm2_tokenizer: TokenizerSetup,
+    build_backend: BackendBuilder,
+    mode: str,
+    parallel: bool,
+    text: str,
+    accepted: bool,
+) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}} if mode == "named" else mode
+    plan = plan_for(choice, parallel)
+    assert accepts(plan, text, smollm2_tokenizer, build_backend) is accepted
+
+
+def test_accepted_outputs_read_back_as_openai_tool_calls() -> None:
+    content, calls = plan_for("auto").parse(f"Checking.<tool_call>{GOOD_CALL}</tool_call>")
+    assert content == "Checking." and len(calls) == 1
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
+    _, named = plan_for({"type": "function", "function": {"name": "get_time"}}).parse('{"zone": "UTC"}')
+    assert named[0]["function"]["name"] == "get_time"
+    assert plan_for("required").parse('[{"name": "get_time"') == ('[{"name": "get_time"', [])
+    assert plan_for("auto").parse("No call here.") == ("No call here.", [])

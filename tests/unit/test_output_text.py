@@ -1,0 +1,51 @@
+"""A request's output text with SGLang's and vLLM's text fields, on the real SmolLM2 tokenizer: ``no_stop_trim``,
+stop strings only once ``min_new_tokens`` are out, a stop token left out of the text, and special tokens shown with
+``skip_special_tokens`` off (spaced as ``spaces_between_special_tokens`` asks)."""
+
+from __future__ import annotations
+
+from scheduler.output_text import OutputText
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+
+
+def walk(text: OutputText, ids: list[int], min_new_tokens: int = 0) -> None:
+    for end in range(1, len(ids) + 1):
+        text.update(ids[:end], can_stop=end >= min_new_tokens)
+        if text.matched_stop is not None:
+            return
+
+
+def test_a_stop_string_is_cut_unless_no_stop_trim(smollm2_tokenizer: TokenizerSetup) -> None:
+    ids = smollm2_tokenizer.encode("one, two. three, four.")
+    trimmed = OutputText(smollm2_tokenizer.tokenizer, ["."], needs_live_text=False)
+    walk(trimmed, ids)
+    kept = OutputText(smollm2_tokenizer.tokenizer, ["."], needs_live_text=False, no_stop_trim=True)
+    walk(kept, ids)
+    assert (trimmed.final_text(ids), kept.final_text(ids)) == ("one, two", "one, two.")
+
+
+def test_no_stop_string_counts_before_min_new_tokens(smollm2_tokenizer: TokenizerSetup) -> None:
+    ids = smollm2_tokenizer.encode("one, two. three, four. five")
+    text = OutputText(smollm2_tokenizer.tokenizer, ["."], needs_live_text=False)
+    walk(text, ids, min_new_tokens=len(smollm2_tokenizer.encode("one, two. three")))
+    assert text.final_text(ids) == "one, two. three, four"
+
+
+def test_a_stop_token_is_left_out_unless_no_stop_trim(smollm2_tokenizer: TokenizerSetup) -> None:
+    ids = smollm2_tokenizer.encode("Hello world")
+    for no_stop_trim, expected in ((False, "Hello"), (True, "Hello world")):
+        text = OutputText(smollm2_tokenizer.tokenizer, [], needs_live_text=False, no_stop_trim=no_stop_trim)
+        assert text.final_text(ids, ends_with_stop_token=True) == expected
+
+
+def test_special_tokens_are_shown_when_not_skipped(smollm2_tokenizer: TokenizerSetup) -> None:
+    tokenizer = smollm2_tokenizer.tokenizer
+    ids = [*smollm2_tokenizer.encode("Hi"), smollm2_tokenizer.eos_token_ids[0], *smollm2_tokenizer.encode("there")]
+    eos = tokenizer.decode([smollm2_tokenizer.eos_token_ids[0]])
+
+    def final(**options: bool) -> str:
+        return OutputText(tokenizer, [], needs_live_text=False, **options).final_text(ids)
+
+    assert final() == "Hithere"
+    assert final(skip_special_tokens=False, spaces_between_special_tokens=False) == f"Hi{eos}there"
+    assert final(skip_special_tokens=False) == f"Hi {eos} there"
