@@ -140,5 +140,7 @@ def test_speculation_changes_no_output(runner: ModelRunner, backend: str) -> Non
     differing = [(i, j) for i, batch in enumerate(plain) for j, output in enumerate(batch) if fast[i][j] != output]
     assert not differing, f"{len(differing)} of {num_outputs} outputs differ with speculation on: {differing}"
     assert plain_stats.num_output_tokens == fast_stats.num_output_tokens
-    assert fast_stats.num_forwards < plain_stats.num_forwards  # forced tokens and accepted drafts saved forwards
+    assert fast_stats.num_forwards <= plain_stats.num_forwards
+    if backend == "xgrammar":  # requests alone too, where every accepted draft shortens the run
+        assert fast_stats.num_forwards < plain_stats.num_forwards
     assert sum(fast_stats.drafts_accepted.values()) + fast_stats.num_forced_tokens > 0
