@@ -13,7 +13,8 @@ padded to a multiple of ``MATMUL_ROW_MULTIPLE`` rows. Attention runs per query t
 ``[query heads of one KV group, head_dim]`` with that token's contiguous keys, padded to the batch's widest rounded
 up to ``KEY_WIDTH_MULTIPLE``; with at most ``MAX_QUERY_ROWS`` rows these gave the same values for any padding and
 batch size (SDPA's blocked kernel does not). Long prompts take SDPA per sequence instead: a prefill's rounding
-depends on where its cached prefix ended, as in SGLang without deterministic inference.
+depends on where its cached prefix ended, as in SGLang without deterministic inference. The path is chosen per
+sequence, so a short sequence's logits never depend on a long prompt sharing its forward.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ class ForwardBatch:
     logit_indices: torch.Tensor  # packed positions whose next-token logits are returned
     offsets: list[int]  # S + 1 entries
     starts: list[int]
-    # Token-wise (every sequence has at most TOKENWISE_MAX_NEW_TOKENS new tokens): per new token, its sequence's
-    # rows padded to the longest, [T, L], and [T, 1, 1, L] True where that token may attend (its causal prefix).
-    # Otherwise each sequence's rows and its causal mask [n_i, starts[i] + n_i] (None where is_causal suffices).
+    # Sequences with at most TOKENWISE_MAX_NEW_TOKENS new tokens attend token by token: per such token, its
+    # sequence's rows padded to the longest of them, [t, L], and [t, 1, 1, L] True where that token may attend (its
+    # causal prefix). token_indices: their packed positions, None when every token of the batch is one of them.
     token_rows: torch.Tensor | None
     token_mask: torch.Tensor | None
+    token_indices: torch.Tensor | None
+    # The other sequences, by SDPA: each one's first sequence index, its rows and its causal mask [n_i, starts[i] +
+    # n_i] (None where is_causal suffices).
+    extend_sequences: list[int]
     extend_rows: list[torch.Tensor]
     extend_masks: list[torch.Tensor | None]
 
@@ -78,22 +83,24 @@ class ForwardBatch:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         positions = [start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))]
         new_rows = [row for seq_rows, start in zip(rows, starts, strict=True) for row in seq_rows[start:]]
-        token_rows = token_mask = None
+        tokenwise = [i for i, tokens in enumerate(token_lists) if len(tokens) <= TOKENWISE_MAX_NEW_TOKENS]
+        extend_sequences = [i for i, tokens in enumerate(token_lists) if len(tokens) > TOKENWISE_MAX_NEW_TOKENS]
+        token_rows = token_mask = token_indices = None
+        if tokenwise:
+            width = -(-max(len(rows[i]) for i in tokenwise) // KEY_WIDTH_MULTIPLE) * KEY_WIDTH_MULTIPLE
+            padded = [list(rows[i]) + [PADDING_ROW] * (width - len(rows[i])) for i in tokenwise]
+            token_rows = as_tensor(padded).repeat_interleave(as_tensor([len(token_lists[i]) for i in tokenwise]), dim=0)
+            packed = [j for i in tokenwise for j in range(offsets[i], offsets[i + 1])]
+            visible = as_tensor([positions[j] for j in packed]) + 1
+            token_mask = (torch.arange(width, device=device)[None, :] < visible[:, None])[:, None, None, :]
+            token_indices = as_tensor(packed) if extend_sequences else None
         extend_rows: list[torch.Tensor] = []
         extend_masks: list[torch.Tensor | None] = []
-        if all(len(tokens) <= TOKENWISE_MAX_NEW_TOKENS for tokens in token_lists):
-            width = -(-max(len(seq_rows) for seq_rows in rows) // KEY_WIDTH_MULTIPLE) * KEY_WIDTH_MULTIPLE
-            padded = [list(seq_rows) + [PADDING_ROW] * (width - len(seq_rows)) for seq_rows in rows]
-            repeats = as_tensor([len(tokens) for tokens in token_lists])
-            token_rows = as_tensor(padded).repeat_interleave(repeats, dim=0)
-            visible = as_tensor(positions) + 1
-            token_mask = (torch.arange(width, device=device)[None, :] < visible[:, None])[:, None, None, :]
-        else:
-            for seq_rows, start, tokens in zip(rows, starts, token_lists, strict=True):
-                extend_rows.append(as_tensor(list(seq_rows)))
-                query_positions = torch.arange(start, start + len(tokens), device=device)
-                key_positions = torch.arange(start + len(tokens), device=device)
-                extend_masks.append(None if start == 0 else key_positions[None, :] <= query_positions[:, None])
+        for i in extend_sequences:
+            extend_rows.append(as_tensor(list(rows[i])))
+            query_positions = torch.arange(starts[i], starts[i] + len(token_lists[i]), device=device)
+            key_positions = torch.arange(starts[i] + len(token_lists[i]), device=device)
+            extend_masks.append(None if starts[i] == 0 else key_positions[None, :] <= query_positions[:, None])
         counts = num_logits if num_logits is not None else [1] * len(token_lists)
         logit_indices = [i for end, count in zip(offsets[1:], counts, strict=True) for i in range(end - count, end)]
         return cls(
@@ -105,6 +112,8 @@ class ForwardBatch:
             starts=list(starts),
             token_rows=token_rows,
             token_mask=token_mask,
+            token_indices=token_indices,
+            extend_sequences=extend_sequences,
             extend_rows=extend_rows,
             extend_masks=extend_masks,
         )
@@ -203,10 +212,7 @@ class LlamaModel:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             pool.k[i][batch.new_rows] = k
             pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
-            if batch.token_rows is not None and batch.token_mask is not None:
-                attention = self._tokenwise_attention(q, pool.k[i], pool.v[i], batch.token_rows, batch.token_mask)
-            else:
-                attention = self._extend_attention(q, pool.k[i], pool.v[i], batch)
+            attention = self._attention(q, pool.k[i], pool.v[i], batch)
             hidden = hidden + self._matmul(attention, layer.o_proj)
             x = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
             gate, up = self._matmul(x, layer.gate_up).chunk(2, dim=-1)
@@ -221,6 +227,20 @@ class LlamaModel:
             x = torch.cat([x, x.new_zeros(MATMUL_ROW_MULTIPLE - rows % MATMUL_ROW_MULTIPLE, x.shape[1])])
         out = F.linear(x, weight) if weight.dtype == x.dtype else F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return out[:rows]
+
+    def _attention(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``q`` [T, H, D] -> [T, H * D]: token by token for short sequences, by SDPA for the others."""
+        if batch.token_rows is not None and batch.token_mask is not None and batch.token_indices is None:
+            return self._tokenwise_attention(q, k_pool, v_pool, batch.token_rows, batch.token_mask)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        if batch.token_rows is not None and batch.token_mask is not None and batch.token_indices is not None:
+            out[batch.token_indices] = self._tokenwise_attention(
+                q[batch.token_indices], k_pool, v_pool, batch.token_rows, batch.token_mask
+            )
+        self._extend_attention(q, k_pool, v_pool, batch, out)
+        return out
 
     def _tokenwise_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
@@ -244,20 +264,17 @@ class LlamaModel:
         return torch.matmul(probs, values).reshape(num_tokens, -1)
 
     def _extend_attention(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """Several new tokens per sequence: ``q`` [T, H, D] -> [T, H * D], causal over each sequence's rows."""
-        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
-        for rows, lo, hi, mask in zip(
-            batch.extend_rows, batch.offsets[:-1], batch.offsets[1:], batch.extend_masks, strict=True
-        ):
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch, out: torch.Tensor
+    ) -> None:
+        """Sequences with many new tokens: their rows of ``out`` [T, H * D], causal over each sequence's rows."""
+        for seq, rows, mask in zip(batch.extend_sequences, batch.extend_rows, batch.extend_masks, strict=True):
+            lo, hi = batch.offsets[seq], batch.offsets[seq + 1]
             seq_q = q[lo:hi].transpose(0, 1)[None]
             keys, values = k_pool[rows].transpose(0, 1)[None], v_pool[rows].transpose(0, 1)[None]
             seq_out = F.scaled_dot_product_attention(
                 seq_q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )
             out[lo:hi] = seq_out[0].transpose(0, 1).reshape(hi - lo, -1)
-        return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -225,6 +225,30 @@ def test_a_tokens_logits_do_not_depend_on_its_batch(runner: ModelRunner, prompts
 
 
 @pytest.mark.model
+def test_a_cached_prompts_last_token_does_not_depend_on_a_long_prompt_beside_it(
+    runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """A prompt whose prefix is cached (``n`` samples of one prompt) runs its last token in the same forward as a
+    long uncached prompt, or with other short ones: its logits are the same bit for bit either way."""
+    runner.kv.flush()
+    prompt = prompts[1]
+    long_prompt = (prompts[0] * 8)[:100]
+    runs = []
+    for partners in ([], [long_prompt], [prompts[3][:5]]):
+        first = admitted(runner, prompt)
+        runner.prefill([first], [prompt])
+        runner.kv.release(first)  # its prompt is cached for the next one
+        seq = admitted(runner, prompt)
+        assert seq.num_cached == len(prompt) - 1
+        others = [admitted(runner, other) for other in partners]
+        runs.append(runner.prefill([seq, *others], [prompt, *partners])[0])
+        for held in (seq, *others):
+            runner.kv.release(held)
+        runner.kv.flush()
+    assert [float((run - runs[0]).abs().max()) for run in runs[1:]] == [0.0, 0.0]
+
+
+@pytest.mark.model
 def test_max_seq_len_is_enforced(runner: ModelRunner) -> None:
     prompt = [100] * (runner.max_seq_len - 1)
     seq = admitted(runner, prompt, budget=4)
