@@ -90,11 +90,6 @@ class BatchExecutor:
         req.num_cached_tokens = req.kv.num_cached
         return True
 
-    @property
-    def can_share_prompts(self) -> bool:
-        """Whether a prompt's KV can be reused by requests admitted while it runs (the prefix cache is on)."""
-        return self.model_runner.kv.radix is not None
-
     def share_prompt(self, req: Req) -> None:
         """After ``req``'s prefill: cache its prompt now, for requests with the same prompt (``n`` samples) that
         are admitted while it runs."""
@@ -112,11 +107,45 @@ class BatchExecutor:
         return max(1, min(max_new_tokens, self.model_runner.max_seq_len - len(prompt_ids)))
 
     def prefill(self, batch: list[Req]) -> None:
-        """Run the prompts of newly scheduled requests and sample each one's first token."""
-        seqs = [_kv(req) for req in batch]
-        self._run(
-            batch, [NO_DRAFTS] * len(batch), lambda: self.model_runner.prefill(seqs, [r.prompt_ids for r in batch])
-        )
+        """Run the prompts of newly scheduled requests and sample each one's first token. A request repeating the
+        prompt of one before it in ``batch`` (``n`` samples) runs no forward of its own where the prefix cache lets it
+        take that request's prompt KV and first logits: every sample then starts from the same bits."""
+        leaders, sharing = self._prompt_leaders(batch)
+        computing = sorted(set(leaders))
+        seqs = [_kv(batch[i]) for i in computing]
+        logit_rows = [computing.index(lead) for lead in leaders]
+        kv = self.model_runner.kv
+
+        def forward() -> torch.Tensor:
+            logits = self.model_runner.prefill(seqs, [batch[i].prompt_ids for i in computing])
+            for lead in sharing:  # in the order their sharing was checked
+                kv.share_prefix(_kv(batch[lead]), len(batch[lead].prompt_ids))
+            for req, lead in zip(batch, leaders, strict=True):
+                if req is not batch[lead]:
+                    kv.share_prompt(_kv(batch[lead]), _kv(req), len(req.prompt_ids))
+                    req.num_cached_tokens = len(req.prompt_ids)
+            return logits[logit_rows]
+
+        self._run(batch, [NO_DRAFTS] * len(batch), forward)
+
+    def _prompt_leaders(self, batch: list[Req]) -> tuple[list[int], list[int]]:
+        """Per request, the index of the request whose forward computes its prompt: the first of ``batch`` with the
+        same prompt where its KV can be shared, else its own; and the sharing requests, in order. A prompt is shared
+        through the prefix cache, so it cannot be where the cache (or a prompt shared before it in this batch) will
+        hold more of it than its first request reused: those rows would not be the ones that request computed."""
+        kv = self.model_runner.kv
+        first: dict[tuple[int, ...], int] = {}
+        leaders: list[int] = []
+        sharing: list[int] = []
+        for i, req in enumerate(batch):
+            lead = first.setdefault(tuple(req.prompt_ids), i)
+            if lead != i and lead not in sharing:
+                reused = _kv(batch[lead]).num_cached
+                overlaps = (_common_prefix(req.prompt_ids, batch[j].prompt_ids) > reused for j in sharing)
+                if kv.can_share_prompt(_kv(batch[lead]), req.prompt_ids) and not any(overlaps):
+                    sharing.append(lead)
+            leaders.append(lead if lead in sharing else i)
+        return leaders, sharing
 
     def decode(self, batch: list[Req]) -> None:
         """Advance every running request of ``batch``: its pending tokens and drafts in one forward, then as many
@@ -260,9 +289,10 @@ class BatchExecutor:
         elif req.text.matched_stop is not None:
             req.finish("stop", matched=req.text.matched_stop)
         elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
-            req.finish("length")
+            req.finish("length", length=len(req.output_ids))
         elif len(req.prompt_ids) + len(req.output_ids) >= max_seq_len:
-            req.finish("length", message=f"reached the context limit of {max_seq_len} tokens")
+            message = f"reached the context limit of {max_seq_len} tokens"
+            req.finish("length", message=message, length=len(req.output_ids))
 
 
 def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> TokenLogprob:
@@ -275,6 +305,10 @@ def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> T
         values, ids = logprobs.topk(min(num_top, logprobs.shape[0]))
         top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != float("-inf")]
     return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _kv(req: Req) -> KVSequence:

@@ -170,11 +170,13 @@ class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class FinishReason(msgspec.Struct, forbid_unknown_fields=True):
-    """``stop``: EOS, a stop string or the grammar's end; ``length``: token limit; ``abort``: error or abort."""
+    """``stop``: EOS, a stop token or string (``matched``) or the grammar's end; ``length``: the token limit, after
+    ``length`` output tokens (as SGLang reports it); ``abort``: error or abort."""
 
     type: Literal["stop", "length", "abort"]
     message: str | None = None
     matched: str | int | None = None
+    length: int | None = None
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):

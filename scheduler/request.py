@@ -61,10 +61,14 @@ class Req:
         return self.grammar if isinstance(self.grammar, BaseGrammarObject) else None
 
     def finish(
-        self, reason: Literal["stop", "length", "abort"], message: str | None = None, matched: str | int | None = None
+        self,
+        reason: Literal["stop", "length", "abort"],
+        message: str | None = None,
+        matched: str | int | None = None,
+        length: int | None = None,
     ) -> None:
         if self.finish_reason is None:
-            self.finish_reason = FinishReason(type=reason, message=message, matched=matched)
+            self.finish_reason = FinishReason(type=reason, message=message, matched=matched, length=length)
 
     def abort(self, message: str) -> None:
         self.finish("abort", message=message)

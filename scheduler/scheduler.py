@@ -258,27 +258,15 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[Req]:
         """Requests admitted into KV memory this turn, in arrival order (the first that does not fit waits, and
-        those behind it with it, so that a long prompt is never starved by short ones). A request whose prompt another
-        request of the batch computes waits one turn (with those behind it) to reuse that prompt's KV instead of
-        computing it again: ``n`` samples of one prompt share its prefill."""
+        those behind it with it, so that a long prompt is never starved by short ones)."""
         batch: list[Req] = []
-        prompts: set[tuple[int, ...]] = set()
         room = self.server_args.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room:
-            prompt = tuple(self.waiting_queue[0].prompt_ids)
-            repeats = prompt in prompts and self.executor.can_share_prompts
-            if repeats or not self.executor.admit(self.waiting_queue[0]):
-                break
-            req = self.waiting_queue.popleft()
-            batch.append(req)
-            if req.num_cached_tokens < len(prompt) - 1:  # it computes its prompt: the same prompt waits for it
-                prompts.add(prompt)
+        while self.waiting_queue and len(batch) < room and self.executor.admit(self.waiting_queue[0]):
+            batch.append(self.waiting_queue.popleft())
         return batch
 
     def _share_repeated_prompts(self, batch: list[Req]) -> None:
         """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat."""
-        if not self.executor.can_share_prompts:
-            return
         waiting = {tuple(req.prompt_ids) for req in self.waiting_queue}
         for req in batch:
             if tuple(req.prompt_ids) in waiting:

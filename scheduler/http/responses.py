@@ -121,10 +121,16 @@ def text_completion_body(
     }
 
 
+def sglang_finish_reason(reason: FinishReason) -> dict[str, Any]:
+    """``reason`` as SGLang writes it: its type and the fields that are set."""
+    return {key: value for key, value in msgspec.to_builtins(reason).items() if value is not None}
+
+
 def generate_result(
     output: GenerateOutput, output_ids: list[int], text: str, logprob_fields: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """SGLang's ``{"text", "output_ids", "meta_info"}``; ``meta_info.finish_reason`` is null until the end.
+    """SGLang's ``{"text", "output_ids", "meta_info"}``; ``meta_info.finish_reason`` is null until the end, then
+    SGLang's shape (``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ...).
     ``logprob_fields``: ``meta_info``'s logprob lists (``scheduler.http.logprobs.sglang_logprobs``), if asked for."""
     reason = output.finish_reason
     return {
@@ -132,7 +138,7 @@ def generate_result(
         "output_ids": output_ids,
         "meta_info": {
             "id": output.rid,
-            "finish_reason": None if reason is None else msgspec.to_builtins(reason),
+            "finish_reason": None if reason is None else sglang_finish_reason(reason),
             "prompt_tokens": output.usage.prompt_tokens,
             "completion_tokens": output.usage.completion_tokens,
             "cached_tokens": output.usage.cached_tokens,

@@ -124,6 +124,36 @@ class KVCacheManager:
             self.radix.unlock(seq.node)
         seq.node, seq.num_cached = shared, num_tokens
 
+    def can_share_prompt(self, leader: KVSequence, prompt_ids: list[int]) -> bool:
+        """Whether ``share_prompt`` will hand ``prompt_ids`` over from ``leader`` once it has run them: the prefix
+        cache is on and holds no more of them than ``leader`` reused."""
+        return self.radix is not None and len(self.radix.match_prefix(prompt_ids)[0]) == leader.num_cached
+
+    def share_prompt(self, leader: KVSequence, follower: KVSequence, num_tokens: int) -> None:
+        """``follower`` (admitted for the same prompt) takes ``leader``'s first ``num_tokens`` rows, just computed, as
+        its cached prefix: the two read the same K/V, so their outputs start from the same bits (a cached prefix
+        otherwise ends one token short of a prompt, whose last token runs again). The reservation it made for
+        those tokens is returned."""
+        if self.radix is None:
+            raise RuntimeError("sharing a prompt needs the prefix cache")
+        self.share_prefix(leader, num_tokens)
+        if leader.num_cached != num_tokens or follower.token_ids != leader.token_ids[: follower.num_cached]:
+            raise RuntimeError("the leader's prompt could not be shared (check can_share_prompt first)")
+        rows, node = self.radix.match_prefix(leader.token_ids[:num_tokens])
+        self.radix.lock(node)
+        if follower.node is not None:
+            self.radix.unlock(follower.node)
+        gained = num_tokens - follower.num_cached
+        follower.reserved -= gained
+        self.num_reserved -= gained
+        self.num_cached_prompt_tokens += gained
+        follower.token_ids, follower.rows, follower.num_cached, follower.node = (
+            leader.token_ids[:num_tokens],
+            list(rows),
+            num_tokens,
+            node,
+        )
+
     def release(self, seq: KVSequence) -> None:
         """The request is done: its tokens enter the prefix cache (duplicates freed), its budget is returned."""
         self.num_reserved -= seq.reserved

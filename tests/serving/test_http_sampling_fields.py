@@ -94,9 +94,10 @@ def test_generate_n_gives_n_seeded_samples_reproducibly(server: HttpServer) -> N
     first = generate(server, text=prompt, sampling_params=params)
     assert isinstance(first, list) and len(first) == 4
     assert len({r["text"] for r in first}) > 1
-    # choices that reached the scheduler together reuse all but the last prompt token of the first (the in-process
-    # check of this is in test_speculative.py; here arrival depends on the frontend's timing)
-    assert {r["meta_info"]["cached_tokens"] for r in first} <= {0, first[0]["meta_info"]["prompt_tokens"] - 1}
+    # choices that reached the scheduler together take the whole prompt's KV from the first, later ones all but its
+    # last token (the in-process check of this is in test_speculative.py; here arrival depends on the frontend)
+    num_prompt_tokens = first[0]["meta_info"]["prompt_tokens"]
+    assert {r["meta_info"]["cached_tokens"] for r in first} <= {0, num_prompt_tokens - 1, num_prompt_tokens}
     again = generate(server, text=prompt, sampling_params=params)
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again]
     for i, result in list(enumerate(first))[1:3]:
@@ -110,13 +111,14 @@ def test_generate_n_gives_n_seeded_samples_reproducibly(server: HttpServer) -> N
 def test_a_stop_token_ends_the_output_where_it_occurs(server: HttpServer) -> None:
     plain = generate(server, text=COUNTING, sampling_params={"temperature": 0, "max_new_tokens": 10})
     ids = plain["output_ids"]
+    assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 10}, plain
     index = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
     stop = ids[index]
     for no_stop_trim in (False, True):
         params = {"temperature": 0, "max_new_tokens": 10, "stop_token_ids": [stop], "no_stop_trim": no_stop_trim}
         result = generate(server, text=COUNTING, sampling_params=params)
         assert result["output_ids"] == ids[: index + 1]
-        assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop, "message": None}
+        assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         shown = ids[: index + 1] if no_stop_trim else ids[:index]
         detokenized = httpx.post(f"{server.url}/detokenize", json={"tokens": shown}, timeout=30).json()["prompt"]
         assert result["text"] == detokenized

@@ -192,8 +192,8 @@ def test_speculation_changes_no_output_with_sampling_knobs(runner: ModelRunner) 
 
 def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone(runner: ModelRunner) -> None:
     """Four seeded samples of one prompt sent together (as ``n`` sends them): the first computes the prompt, the
-    others reuse all of it but its last token, and each is token for token the sample its seed gives alone on an
-    empty cache (here for this module's in-process loop; the prefix cache must change no output either)."""
+    others take all of its KV and its first logits, and each is token for token the sample its seed gives alone on
+    an empty cache."""
 
     def seeded(seed: int) -> GenerateReq:
         return make_request(
@@ -204,7 +204,7 @@ def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone
     with in_process_scheduler(runner, grammar_backend="none") as scheduler:
         together = serve(scheduler, [seeded(seed) for seed in seeds])
         num_prompt_tokens = together[0].usage.prompt_tokens
-        assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens - 1] * 3
+        assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens] * 3
         for seed, output in zip(seeds, together, strict=True):
             scheduler.executor.flush_cache()
             (alone,) = serve(scheduler, [seeded(seed)])

@@ -141,3 +141,30 @@ def test_a_running_request_shares_its_prompt_with_requests_admitted_after_it() -
         running.remove(seq)
         check_invariants(kv, running)
     assert kv.num_available == kv.capacity
+
+
+def test_requests_admitted_with_a_prompt_take_its_whole_kv_from_the_one_that_runs_it() -> None:
+    """``n`` samples admitted in one batch: only the first runs the prompt; the others then hold all of its rows (the
+    last token's too) as their cached prefix, their reservation for the prompt is returned, and no row is lost or freed
+    twice whatever order they finish in."""
+    kv = manager(64)
+    prompt = [1, 2, 3, 4, 5]
+    leader = kv.admit(prompt, max_new_tokens=4)
+    followers = [kv.admit(prompt, max_new_tokens=4) for _ in range(3)]
+    assert leader is not None and all(f is not None for f in followers)
+    running = [leader, *[f for f in followers if f is not None]]
+    assert all(kv.can_share_prompt(leader, prompt) for _ in running)
+    kv.append(leader, prompt)
+    for follower in running[1:]:
+        kv.share_prompt(leader, follower, len(prompt))
+        assert follower.rows == leader.rows[: len(prompt)] and follower.num_cached == len(prompt)
+        assert follower.reserved == 4
+    check_invariants(kv, running)
+    for i, seq in enumerate(running):
+        kv.append(seq, [10 + i])
+    check_invariants(kv, running)
+    for seq in [running[2], running[0], running[3], running[1]]:
+        kv.release(seq)
+        running.remove(seq)
+        check_invariants(kv, running)
+    assert kv.num_available == kv.capacity
