@@ -1,5 +1,5 @@
-"""The thread count of a CPU mask apply: one below the size that could pay for threads, else the count timed
-faster in that size class, with the slower one re-timed every ``RETIME_EVERY`` applies."""
+"""The thread count of a CPU mask apply: one below the size that could pay for threads, else the count with the
+lower median recent cost in that size class, with the slower one re-timed every ``RETIME_EVERY`` applies."""
 
 from __future__ import annotations
 
@@ -49,3 +49,14 @@ def test_size_classes_choose_apart() -> None:
     run(choice, LARGE * 8, {1: 1e-3, 2: 2e-3}, 4)
     assert choice.threads_for(LARGE, max_threads=2) == 2
     assert choice.threads_for(LARGE * 8, max_threads=2) == 1
+
+
+def test_an_occasional_stall_keeps_the_parallel_kernel() -> None:
+    choice = ThreadChoice()
+    chosen = []
+    for apply_index in range(10 * RETIME_EVERY):
+        threads = choice.threads_for(LARGE, max_threads=2)
+        stalled = threads == 2 and apply_index % 10 == 0
+        choice.record(threads, LARGE, 15e-3 if stalled else {1: 2e-3, 2: 1e-3}[threads])
+        chosen.append(threads)
+    assert chosen.count(1) <= 1 + len(chosen) // RETIME_EVERY, "one thread only when it is re-timed"
