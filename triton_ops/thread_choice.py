@@ -8,7 +8,8 @@ per size class (a power of two of logits), and the one with the lower median cos
 applies serves; the other is re-timed now and then to notice when the load changes.
 
 The median, not the mean: a parallel kernel that stalls now and then (one apply in ten, say) keeps serving,
-as it is still ~2x faster in the usual case, but one that stalls in most recent applies gives way to one thread.
+as it is still ~2x faster in the usual case, but one that stalls in two of its last three applies gives way to one
+thread.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ PARALLEL_MIN_ELEMENTS = 1 << 17
 """Below this many logits (a few rows of 49k tokens, tens of µs on one thread) one thread always serves: a stalled
 OpenMP region would cost far more than a second thread could save."""
 
-RETIME_EVERY = 16
-"""In each size class, every this many applies the count that is currently slower runs once, to re-time it."""
+RETIME_EVERY = 8
+"""In each size class, every this many applies the count that is currently slower runs once, to re-time it. Stalls
+came in spells (in one interleaved run 78 of 80 parallel applies stalled at one shape, 7 of 80 at the next), and a
+spell's end is noticed after two re-timings; each costs a stall while the spell lasts, or one apply at one thread's
+speed while the machine is quiet."""
 
-RECENT_APPLIES = 5
+RECENT_APPLIES = 3
 """Applies per thread count whose median cost decides."""
 
 
