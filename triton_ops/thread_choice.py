@@ -37,6 +37,9 @@ class _SizeClass:
     seconds_per_element: dict[int, deque[float]] = field(default_factory=dict)
     num_applies: int = 0
 
+    def num_timings(self, threads: int) -> int:
+        return len(self.seconds_per_element.get(threads, ()))
+
     def median_cost(self, threads: int) -> float:
         return statistics.median(self.seconds_per_element[threads])
 
@@ -57,7 +60,8 @@ class ThreadChoice:
         size_class = self._size_classes.setdefault(num_elements.bit_length(), _SizeClass())
         size_class.num_applies += 1
         counts = (1, max_threads)
-        untimed = [threads for threads in counts if threads not in size_class.seconds_per_element]
+        # Each count is timed RECENT_APPLIES times before the first choice, so that one stall cannot decide it.
+        untimed = [threads for threads in counts if size_class.num_timings(threads) < RECENT_APPLIES]
         if untimed:
             return untimed[0]
         faster, slower = sorted(counts, key=size_class.median_cost)

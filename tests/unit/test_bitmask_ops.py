@@ -27,6 +27,7 @@ from triton_ops import (
     warm_up_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import ALL_ALLOWED, pack_bool_mask, unpack_bitmask
+from triton_ops.thread_choice import RECENT_APPLIES
 
 Kernel = Callable[..., None]
 IMPLEMENTATIONS: dict[str, Kernel] = {
@@ -261,8 +262,8 @@ def test_warm_up_covers_every_batch_size_and_vocab(monkeypatch: pytest.MonkeyPat
     # A second compile, or a fall back to the eager path, would call one of these.
     monkeypatch.setattr(bitmask_cpu, "_compile_kernel", refuse)
     monkeypatch.setattr(bitmask_cpu, "_mask_words_eager", refuse)
-    # The last shapes are large enough for the thread choice to time both kernels.
-    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), (520, 4099), (520, 4099), (520, 4099)):
+    # The last shape is large enough for the thread choice, repeated until it has timed both kernels.
+    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), *[(520, 4099)] * (2 * RECENT_APPLIES)):
         logits = make_logits((batch, vocab), torch.float32, seed=batch)
         bitmask = make_bitmask(Case("warm", batch, vocab), seed=batch)
         for indices in (None, [0], list(range(batch))):

@@ -3,7 +3,7 @@ lower median recent cost in that size class, with the slower one re-timed every 
 
 from __future__ import annotations
 
-from triton_ops.thread_choice import PARALLEL_MIN_ELEMENTS, RETIME_EVERY, ThreadChoice
+from triton_ops.thread_choice import PARALLEL_MIN_ELEMENTS, RECENT_APPLIES, RETIME_EVERY, ThreadChoice
 
 LARGE = PARALLEL_MIN_ELEMENTS * 4
 
@@ -26,12 +26,22 @@ def test_small_applies_and_a_single_thread_budget_take_one_thread() -> None:
 
 def test_both_counts_are_timed_then_the_faster_serves_and_the_slower_is_retimed() -> None:
     chosen = run(ThreadChoice(), LARGE, {1: 2e-3, 2: 1e-3}, 3 * RETIME_EVERY)
-    assert chosen[:2] == [1, 2]
-    assert [i for i, threads in enumerate(chosen, start=1) if threads == 1 and i > 2] == [
+    timing = 2 * RECENT_APPLIES
+    assert chosen[:timing] == [1] * RECENT_APPLIES + [2] * RECENT_APPLIES
+    assert [i for i, threads in enumerate(chosen, start=1) if threads == 1 and i > timing] == [
         RETIME_EVERY,
         2 * RETIME_EVERY,
         3 * RETIME_EVERY,
     ]
+
+
+def test_one_stall_while_timing_does_not_decide() -> None:
+    choice = ThreadChoice()
+    stalls = iter([False, False, False, True, False, False])
+    for _ in range(2 * RECENT_APPLIES):
+        threads = choice.threads_for(LARGE, max_threads=2)
+        choice.record(threads, LARGE, 15e-3 if next(stalls) else {1: 2e-3, 2: 1e-3}[threads])
+    assert choice.threads_for(LARGE, max_threads=2) == 2
 
 
 def test_stalled_parallel_applies_hand_over_to_one_thread_and_back_when_the_stalls_end() -> None:
@@ -45,8 +55,8 @@ def test_stalled_parallel_applies_hand_over_to_one_thread_and_back_when_the_stal
 
 def test_size_classes_choose_apart() -> None:
     choice = ThreadChoice()
-    run(choice, LARGE, {1: 2e-3, 2: 1e-3}, 4)
-    run(choice, LARGE * 8, {1: 1e-3, 2: 2e-3}, 4)
+    run(choice, LARGE, {1: 2e-3, 2: 1e-3}, 2 * RECENT_APPLIES)
+    run(choice, LARGE * 8, {1: 1e-3, 2: 2e-3}, 2 * RECENT_APPLIES)
     assert choice.threads_for(LARGE, max_threads=2) == 2
     assert choice.threads_for(LARGE * 8, max_threads=2) == 1
 
@@ -59,4 +69,4 @@ def test_an_occasional_stall_keeps_the_parallel_kernel() -> None:
         stalled = threads == 2 and apply_index % 10 == 0
         choice.record(threads, LARGE, 15e-3 if stalled else {1: 2e-3, 2: 1e-3}[threads])
         chosen.append(threads)
-    assert chosen.count(1) <= 1 + len(chosen) // RETIME_EVERY, "one thread only when it is re-timed"
+    assert chosen.count(1) <= RECENT_APPLIES + len(chosen) // RETIME_EVERY, "one thread only to time it"
