@@ -8,30 +8,34 @@ The kernel is traced once with symbolic sizes and compiled by ``torch._inductor.
 ``torch.compile``: one artifact per dtype then serves every batch size and vocab, and a call skips dynamo's frame
 evaluation and guards, ~13 µs per call, more than masking a 49k-token row takes. With no guards, the callers here
 keep the kernel's contract: contiguous logits and words, the same rows, at most ``vocab // 32`` words.
+Each dtype has a one-thread kernel and a parallel one; ``ThreadChoice`` picks between them per call.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 from triton_ops.bitmask_reference import normalize_bitmask_args
+from triton_ops.thread_choice import ThreadChoice
 
 logger = logging.getLogger(__name__)
-
-# One thread below this many logits: the kernel is memory-bound, and an OpenMP region waits for its slowest
-# thread, which on a busy machine (grammars compile on background threads) means a scheduler tick of ~4 ms for
-# a 0.2 ms job. Above it (B=32 at a 49k vocab, 0.3 ms on one thread) torch's threads share the rows: measured by
-# scripts/bench_apply_mask.py, one thread was ~2x slower than two at B=128.
-PARALLEL_MIN_ELEMENTS = 1 << 21
 
 # Bound on the temporaries of the eager path: freshly mapped pages cost more than the arithmetic on them.
 EAGER_CHUNK_ELEMENTS = 1 << 20
 
 _NEG_INF = float("-inf")
+
+_MaskKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+"""A compiled ``_mask_words_fused``."""
+
+_TO_SIGN_BIT = (BITS_PER_WORD - 1) - torch.arange(BITS_PER_WORD, dtype=torch.int32)
+"""Per lane j, the left shift that brings bit j of a word to the sign bit."""
+
 _NEG_INF_BITS = {
     torch.float32: int(torch.tensor(_NEG_INF, dtype=torch.float32).view(torch.int32)),
     torch.float16: int(torch.tensor(_NEG_INF, dtype=torch.float16).view(torch.int16)),
@@ -39,21 +43,24 @@ _NEG_INF_BITS = {
 }
 
 
-def _mask_words_fused(logits: torch.Tensor, bitmask_words: torch.Tensor):
+def _mask_words_fused(logits: torch.Tensor, bitmask_words: torch.Tensor, to_sign_bit: torch.Tensor):
     """Mask the first ``32 * words`` columns of contiguous ``[rows, vocab]`` logits by ``[rows, words]`` words.
 
+    ``to_sign_bit`` is ``_TO_SIGN_BIT``: bit j shifted up to the sign bit is clear exactly when the shifted word is
+    non-negative, one shift and one compare per lane. Passed in rather than built in the graph, the shifts are
+    loaded as a vector instead of assembled lane by lane: in one interleaved run, 3-5 % faster on one thread and
+    2-13 % on two at 8-32 rows (fp32).
     Slicing inside the graph, rather than passing a strided view, lets inductor write the logits in place:
     a view with a symbolic row stride might overlap itself, so it would be masked into a buffer and copied back.
     No return annotation: tracing copies it into the graph's code as a string, which inductor cannot hash.
     """
     num_words = bitmask_words.shape[1]
     words = logits[:, : num_words * BITS_PER_WORD].unflatten(1, (num_words, BITS_PER_WORD))
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=bitmask_words.device)
-    words.masked_fill_(((bitmask_words.unsqueeze(-1) >> shifts) & 1) == 0, _NEG_INF)
+    words.masked_fill_((bitmask_words.unsqueeze(-1) << to_sign_bit) >= 0, _NEG_INF)
     return ()  # a traced graph needs an output
 
 
-def _compile_kernel(dtype: torch.dtype, threads: int) -> Callable[[torch.Tensor, torch.Tensor], object]:
+def _compile_kernel(dtype: torch.dtype, threads: int) -> _MaskKernel:
     """``_mask_words_fused`` for logits of ``dtype`` on ``threads`` threads, compiled once for every shape."""
     from torch._inductor import config as inductor_config
     from torch._inductor import standalone_compile
@@ -63,14 +70,14 @@ def _compile_kernel(dtype: torch.dtype, threads: int) -> Callable[[torch.Tensor,
     # is specialised that a later call could contradict, as no guard checks it.
     logits = torch.zeros(3, 5 * BITS_PER_WORD + 7, dtype=dtype)
     bitmask_words = torch.zeros(3, 5, dtype=torch.int32)
+    # Inductor sizes its parallel loop by these tiny example sizes and, at its default minimum chunk, would keep
+    # the loop serial whatever ``threads`` says; a minimum of 1 makes the parallel kernel parallel. (The setting
+    # is part of inductor's cache key, so no serial artifact cached before can be served for it.)
+    settings = {"cpp.threads": threads, "cpp.min_chunk_size": 1}
     with torch.no_grad():
-        graph = make_fx(_mask_words_fused, tracing_mode="symbolic")(logits, bitmask_words)
-        with inductor_config.patch({"cpp.threads": threads}):
-            return standalone_compile(graph, [logits, bitmask_words])
-
-
-def _threads_for(num_elements: int) -> int:
-    return 1 if num_elements < PARALLEL_MIN_ELEMENTS else max(1, torch.get_num_threads())
+        graph = make_fx(_mask_words_fused, tracing_mode="symbolic")(logits, bitmask_words, _TO_SIGN_BIT)
+        with inductor_config.patch(settings):
+            return standalone_compile(graph, [logits, bitmask_words, _TO_SIGN_BIT])
 
 
 class _CompiledKernels:
@@ -78,26 +85,41 @@ class _CompiledKernels:
     if that fails."""
 
     def __init__(self) -> None:
-        self._kernels: dict[tuple[torch.dtype, int], Callable[[torch.Tensor, torch.Tensor], object]] = {}
+        self._kernels: dict[tuple[torch.dtype, int], _MaskKernel] = {}
+        self.thread_choice = ThreadChoice()
         self.is_unavailable = False
 
-    def run(self, logits: torch.Tensor, bitmask_words: torch.Tensor) -> bool:
-        """Mask ``logits`` in place; False (and nothing written) if the kernel cannot be compiled here."""
-        if self.is_unavailable:
+    def run(self, logits: torch.Tensor, bitmask_words: torch.Tensor, threads: int | None = None) -> bool:
+        """Mask ``logits`` in place; False (and nothing written) if the kernel cannot be compiled here.
+
+        With ``threads`` None, ``thread_choice`` picks the count, and the call is timed for it.
+        """
+        num_elements = logits.numel()
+        chosen = self.thread_choice.threads_for(num_elements, torch.get_num_threads()) if threads is None else threads
+        kernel = self._kernel(logits.dtype, chosen)
+        if kernel is None:
             return False
-        key = (logits.dtype, _threads_for(logits.numel()))
+        start = time.perf_counter()
+        kernel(logits, bitmask_words, _TO_SIGN_BIT)
+        if threads is None:
+            self.thread_choice.record(chosen, num_elements, time.perf_counter() - start)
+        return True
+
+    def _kernel(self, dtype: torch.dtype, threads: int) -> _MaskKernel | None:
+        if self.is_unavailable:
+            return None
+        key = (dtype, threads)
         kernel = self._kernels.get(key)
         if kernel is None:
             try:
-                kernel = self._kernels[key] = _compile_kernel(*key)
+                kernel = self._kernels[key] = _compile_kernel(dtype, threads)
             # ImportError: a torch without standalone_compile (< 2.8); RuntimeError: no C++ compiler, and every
             # other inductor error.
             except (ImportError, RuntimeError) as e:
                 logger.warning("compiling the CPU bitmask kernel failed, using the eager path: %s", e)
                 self.is_unavailable = True
-                return False
-        kernel(logits, bitmask_words)
-        return True
+                return None
+        return kernel
 
 
 _COMPILED = _CompiledKernels()
@@ -111,10 +133,9 @@ def _mask_words_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
     """
     bits = words.view(torch.int32 if words.element_size() == 4 else torch.int16)
     # Shifting bit j up to the sign bit, then arithmetically back down, smears it over the whole word.
-    to_sign_bit = (BITS_PER_WORD - 1) - torch.arange(BITS_PER_WORD, dtype=torch.int32)
     rows_per_chunk = max(1, EAGER_CHUNK_ELEMENTS // (words.shape[1] * BITS_PER_WORD))
     for start in range(0, words.shape[0], rows_per_chunk):
-        keep = (bitmask_words[start : start + rows_per_chunk].unsqueeze(-1) << to_sign_bit) >> (BITS_PER_WORD - 1)
+        keep = (bitmask_words[start : start + rows_per_chunk].unsqueeze(-1) << _TO_SIGN_BIT) >> (BITS_PER_WORD - 1)
         keep = keep.to(bits.dtype)
         chunk = bits[start : start + rows_per_chunk]
         chunk &= keep
@@ -188,12 +209,13 @@ def apply_token_bitmask_inplace_cpu_eager(
 def warm_up_cpu_bitmask_kernel(vocab_size: int, dtype: torch.dtype = torch.float32) -> bool:
     """Compile the CPU kernels for ``dtype`` now (seconds), not on the first request.
 
-    The one-thread kernel and the parallel one for large batches then serve every batch size and vocab, with or
-    without ``indices``. Returns True if the compiled kernels are in use, False if they cannot be compiled here
-    and the eager path will serve instead.
+    The one-thread kernel and the parallel one then serve every batch size and vocab, with or without ``indices``.
+    Returns True if the compiled kernels are in use, False if they cannot be compiled here and the eager path will
+    serve instead.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    for rows in sorted({1, -(-PARALLEL_MIN_ELEMENTS // vocab_size)}):
-        apply_token_bitmask_inplace_cpu(torch.zeros(rows, vocab_size, dtype=dtype), allocate_bitmask(rows, vocab_size))
+    for threads in sorted({1, torch.get_num_threads()}):
+        _COMPILED.run(torch.zeros(1, BITS_PER_WORD, dtype=dtype), allocate_bitmask(1, BITS_PER_WORD), threads)
+    apply_token_bitmask_inplace_cpu(torch.zeros(1, vocab_size, dtype=dtype), allocate_bitmask(1, vocab_size))
     return not _COMPILED.is_unavailable

@@ -27,6 +27,7 @@ from triton_ops import (
     warm_up_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import ALL_ALLOWED, pack_bool_mask, unpack_bitmask
+from triton_ops.thread_choice import RECENT_APPLIES
 
 Kernel = Callable[..., None]
 IMPLEMENTATIONS: dict[str, Kernel] = {
@@ -174,6 +175,34 @@ def test_random_bitmasks_match_reference(kernel: Kernel, problem: tuple) -> None
     assert_same_logits(logits, expected)
 
 
+@st.composite
+def large_masking_problems(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batches and vocabs big enough for the parallel kernel; masks sparse, dense or random, as decoding makes them."""
+    batch = draw(st.integers(1, 40))
+    vocab = draw(st.integers(1, 12_000))
+    num_words = max(0, (vocab + 31) // 32 + draw(st.integers(-2, 2)))
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    share = draw(st.sampled_from((0.01, 0.5, 0.99)))
+    bitmask = pack_bool_mask(torch.rand(batch, num_words * 32, generator=generator) < share)
+    return make_logits((batch, vocab), draw(st.sampled_from(DTYPES)), seed), bitmask
+
+
+@pytest.mark.parametrize("threads", ["one", "all"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=large_masking_problems())
+def test_each_thread_count_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, threads: str, problem: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    count = 1 if threads == "one" else torch.get_num_threads()
+    monkeypatch.setattr(bitmask_cpu._COMPILED.thread_choice, "threads_for", lambda num_elements, max_threads: count)
+    logits, bitmask = problem
+    expected = logits.clone()
+    apply_token_bitmask_inplace_reference(expected, bitmask)
+    apply_token_bitmask_inplace_cpu(logits, bitmask)
+    assert_same_logits(logits, expected)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=200))
 def test_reference_follows_the_format_definition(allowed: list[bool]) -> None:
@@ -233,8 +262,8 @@ def test_warm_up_covers_every_batch_size_and_vocab(monkeypatch: pytest.MonkeyPat
     # A second compile, or a fall back to the eager path, would call one of these.
     monkeypatch.setattr(bitmask_cpu, "_compile_kernel", refuse)
     monkeypatch.setattr(bitmask_cpu, "_mask_words_eager", refuse)
-    # The last shape is large enough for the parallel kernel.
-    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), (520, 4099)):
+    # The last shape is large enough for the thread choice, repeated until it has timed both kernels.
+    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), *[(520, 4099)] * (2 * RECENT_APPLIES)):
         logits = make_logits((batch, vocab), torch.float32, seed=batch)
         bitmask = make_bitmask(Case("warm", batch, vocab), seed=batch)
         for indices in (None, [0], list(range(batch))):
