@@ -18,8 +18,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 MAX_DRAFT_TOKENS = 16
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "grammar", "grammar+ngram")
-"""Draft sources: none (one forward per token, no jump-forward), prompt lookup, the grammar's forced continuation
-(with jump-forward over forced tokens), or both."""
+"""Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
+n-gram cache of earlier outputs, ``--speculative-ngram-capacity``), the grammar's forced continuation (with
+jump-forward over forced tokens), or both."""
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 

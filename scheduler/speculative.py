@@ -247,7 +247,7 @@ class DraftProposer:
 
 def _cache_output(cache: NgramCache, req: Req, state: DraftState, stop: int) -> None:
     """Give ``cache`` ``req``'s output positions up to ``stop``; the n-grams before the first ones reach into the
-    prompt's end (the chat template's ``assistant\n`` before the answer's ``{``)."""
+    prompt's end (the chat template's ``assistant\\n`` before the answer's ``{``)."""
     if stop <= state.num_cached_positions:
         return
     prompt_tail = req.prompt_ids[-cache.max_ngram :]
