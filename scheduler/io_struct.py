@@ -214,7 +214,8 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     num_free_kv_tokens: int = 0
     cache_hit_rate: float = 0.0
     # Speculative decoding since the start: forwards per output token, tokens jump-forward appended, and per draft
-    # source ("grammar", "follower", "ngram") the tokens proposed and accepted and the request-forwards it proposed in.
+    # source ("grammar", "follower", "ngram", "ngram_cache") the tokens proposed and accepted and the request-forwards
+    # it proposed in.
     num_forwards: int = 0
     num_output_tokens: int = 0
     num_forced_tokens: int = 0

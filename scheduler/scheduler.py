@@ -29,13 +29,14 @@ from scheduler.io_struct import (
 from scheduler.ipc import SchedulerIPC
 from scheduler.model.llama import MATMUL_ROW_MULTIPLE
 from scheduler.model.runner import ModelRunner
+from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
-from scheduler.speculative import DraftProposer
+from scheduler.speculative import NGRAM_MAX, DraftProposer
 from sglang_constrained.reasoner_grammar_backend import think_end_token_id
 from sglang_constrained.registry import create_grammar_backend
 
@@ -75,12 +76,18 @@ class Scheduler:
             grammar_backend.wait_until_ready()
         rank_sync = RankSync(dist) if dist is not None else None
         self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
+        ngram_cache = None
+        if server_args.speculative_ngram_capacity and server_args.speculative_num_draft_tokens:
+            ngram_cache = NgramCache(
+                server_args.speculative_ngram_capacity, NGRAM_MAX, server_args.speculative_num_draft_tokens
+            )
         proposer = DraftProposer(
             server_args.speculative_algorithm,
             server_args.speculative_num_draft_tokens,
             self.tokenizer,
             model_runner.vocab_size,
             row_multiple=MATMUL_ROW_MULTIPLE,
+            ngram_cache=ngram_cache,
         )
         sampling_info = SamplingBatchInfo(
             model_runner.vocab_size,

@@ -18,8 +18,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 MAX_DRAFT_TOKENS = 16
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "grammar", "grammar+ngram")
-"""Draft sources: none (one forward per token, no jump-forward), prompt lookup, the grammar's forced continuation
-(with jump-forward over forced tokens), or both."""
+"""Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
+n-gram cache of earlier outputs, ``--speculative-ngram-capacity``), the grammar's forced continuation (with
+jump-forward over forced tokens), or both."""
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -88,6 +89,7 @@ class ServerArgs:
     weight_dtype: str = "float32"
     speculative_algorithm: str = "grammar+ngram"
     speculative_num_draft_tokens: int = 8
+    speculative_ngram_capacity: int = 65536
     grammar_compile_timeout: float | None = None
     grammar_compile_threads: int = max(1, available_cores() - 1)
     grammar_cache_max_entries: int = 1024
@@ -138,6 +140,8 @@ class ServerArgs:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
         if not 0 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--speculative-num-draft-tokens must be in [0, {MAX_DRAFT_TOKENS}]")
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError("--speculative-ngram-capacity must be 0 (no cache) or more")
         for name in (
             "max_running_requests",
             "max_seq_len",
@@ -219,6 +223,13 @@ class ServerArgs:
             type=int,
             default=d.speculative_num_draft_tokens,
             help=f"the most drafts per request and forward (0 to {MAX_DRAFT_TOKENS}; fewer as the batch grows)",
+        )
+        parser.add_argument(
+            "--speculative-ngram-capacity",
+            type=int,
+            default=d.speculative_ngram_capacity,
+            help="n-grams of earlier outputs kept to draft from, across requests (least recently used evicted; "
+            "used by the ngram algorithms where prompt lookup finds less); 0 keeps none",
         )
         parser.add_argument(
             "--grammar-compile-timeout",

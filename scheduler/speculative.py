@@ -6,22 +6,24 @@ Two things make a constrained answer cheaper than one forward per token:
   sample that token, so it is appended at once, with no forward of its own (it rides along with the next one). The
   output is what plain decoding gives, for every backend; the reasoner wrapper allows every token while thinking, so
   nothing is forced across the think-end boundary.
-- **Drafts**: up to k guesses of the tokens after the pending ones, verified by one forward that returns logits
-  after each (one mask row per position). Sources: the grammar's forced continuation (xgrammar's jump-forward
-  string, llguidance's fast-forward tokens and bytes), tokenised without its last token (the text may end inside a
-  token the model would merge with what follows, as llguidance's token healing avoids), and prompt lookup (the
-  longest suffix of prompt + output, 1 to ``NGRAM_MAX`` tokens, that occurred before: the tokens that followed it).
-  The sources alternate (forced text, then lookup from there, then forced text again: a lookup may settle the
-  whitespace the grammar leaves open, after which the next key is forced); after forced text comes the token the
-  output put after the previous forced text (source "follower": ``"name"`` is drafted as ``name``, without its
-  closing quote, and the model writes ``":``, as it will after the next key). Drafts are cut where the grammar stops
-  accepting them, so the model never sees one the grammar rejects.
+- **Drafts**: up to k guesses of the tokens after the pending ones, verified by one forward that returns logits after
+  each (one mask row per position). Sources: the grammar's forced continuation (xgrammar's jump-forward string,
+  llguidance's fast-forward tokens and bytes), tokenised without its last token (the text may end inside a token the
+  model would merge with what follows, as llguidance's token healing avoids), and prompt lookup (the longest suffix of
+  prompt + output, 1 to ``NGRAM_MAX`` tokens, that occurred before: the tokens that followed it), or the n-gram cache of
+  earlier outputs where it matches a longer suffix or prompt lookup finds nothing the grammar accepts
+  (``scheduler.ngram_cache``, source "ngram_cache": an answer's first ``{`` then ``\\n  "``, which no prompt holds). The
+  sources alternate (forced text, then lookup from there, then forced text again: a lookup may settle the whitespace the
+  grammar leaves open, after which the next key is forced); after forced text comes the token the output put after the
+  previous forced text (source "follower": ``"name"`` is drafted as ``name``, without its closing quote, and the model
+  writes ``":``, as it will after the next key). Drafts are cut where the grammar stops accepting them, so the model
+  never sees one the grammar rejects.
 
-k adapts: each request's prompt-lookup length doubles after a fully accepted run and halves after a rejected
-first draft (pausing at 0, then probing again), and a batch's drafts share a token budget that shrinks as the batch
-grows (a full batch is already compute-bound: drafts would slow it). Prompt lookup, right about half the time, stops
-at ``NGRAM_MAX_BATCH`` requests; below it, the rows the forward pads its matmuls to anyway (``free_rows``) always
-take lookup drafts, paused or not, since they cost no more weight reads.
+k adapts: each request's lookup length (prompt lookup and the cache share it) doubles after a fully accepted run and
+halves after a rejected first draft (pausing at 0, then probing again), and a batch's drafts share a token budget that
+shrinks as the batch grows (a full batch is already compute-bound: drafts would slow it). Lookup drafts (prompt lookup,
+right about half the time, and the cache) stop at ``NGRAM_MAX_BATCH`` requests; below it, the rows the forward pads its
+matmuls to anyway (``free_rows``) always take lookup drafts, paused or not, since they cost no more weight reads.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from triton_ops.bitmask_format import allocate_bitmask
@@ -50,9 +53,14 @@ more per token there, while a lookup draft saved less (acceptance 0.27 on free t
 for grammar drafts): lookup drafts made free text 0.91x as fast."""
 
 
+LOOKUP_SOURCES = ("ngram", "ngram_cache")
+"""Draft sources that share a request's adaptive lookup length."""
+
+
 @dataclass
 class DraftState:
-    """A request's adaptive prompt-lookup length, and the token its output put after its last forced text.
+    """A request's adaptive lookup length, the token its output put after its last forced text, and how many of its
+    output positions the n-gram cache has taken.
 
     ``grammar_follower`` exists because forced text is drafted less its last token (``"name"`` as ``name``), which
     the model merges with what follows (``":``): the next forced text likely ends the same way."""
@@ -60,6 +68,7 @@ class DraftState:
     ngram_k: int = 4
     paused_steps: int = 0
     grammar_follower: int | None = None
+    num_cached_positions: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,14 +86,22 @@ class DraftProposer:
     """Finds forced tokens and proposes drafts for the requests of a decode batch."""
 
     def __init__(
-        self, algorithm: str, max_draft_tokens: int, tokenizer: Any, vocab_size: int, row_multiple: int = 1
+        self,
+        algorithm: str,
+        max_draft_tokens: int,
+        tokenizer: Any,
+        vocab_size: int,
+        row_multiple: int = 1,
+        ngram_cache: NgramCache | None = None,
     ) -> None:
         """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the forward
-        pads its matmul rows to a multiple of this (the rows up to it cost no more weight reads)."""
+        pads its matmul rows to a multiple of this (the rows up to it cost no more weight reads); ``ngram_cache``:
+        outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none)."""
         self.row_multiple = row_multiple
         self.use_grammar = algorithm in ("grammar", "grammar+ngram")
         self.use_ngram = algorithm in ("ngram", "grammar+ngram")
         self.enabled = algorithm != "none" and max_draft_tokens > 0
+        self.ngram_cache = ngram_cache if self.use_ngram and self.enabled else None
         self.max_draft_tokens = max_draft_tokens
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -124,11 +141,14 @@ class DraftProposer:
         return proposals
 
     def record(self, req: Req, drafts: Drafts, num_accepted: int) -> None:
-        """Adapt ``req``'s prompt-lookup length to how many of its drafts stood (``req`` has taken its tokens)."""
+        """Adapt ``req``'s lookup length to how many of its drafts stood (``req`` has taken its tokens), and give
+        the n-gram cache the output positions whose continuation is now complete."""
         state = self.states.setdefault(req.rid, DraftState())
         if num_accepted and drafts.sources[num_accepted - 1] == "grammar" and len(req.output_ids) > num_accepted:
             state.grammar_follower = req.output_ids[-1]
-        ngram_drafts = [i for i, source in enumerate(drafts.sources) if source == "ngram"]
+        if self.ngram_cache is not None:
+            _cache_output(self.ngram_cache, req, state, len(req.output_ids) - self.ngram_cache.max_continuation)
+        ngram_drafts = [i for i, source in enumerate(drafts.sources) if source in LOOKUP_SOURCES]
         if not ngram_drafts:
             return
         if num_accepted > ngram_drafts[-1]:
@@ -139,7 +159,11 @@ class DraftProposer:
                 state.paused_steps = PROBE_INTERVAL
 
     def forget(self, req: Req) -> DraftState | None:
-        return self.states.pop(req.rid, None)
+        """``req`` is done: the n-gram cache takes the rest of its output."""
+        state = self.states.pop(req.rid, None)
+        if state is not None and self.ngram_cache is not None:
+            _cache_output(self.ngram_cache, req, state, len(req.output_ids))
+        return state
 
     def _propose_one(self, req: Req, pending: list[int], limit: int, use_ngram: bool, ngram_floor: int) -> Drafts:
         """Alternate the sources until neither adds a token: the grammar's forced continuation, then prompt lookup
@@ -163,8 +187,8 @@ class DraftProposer:
                         self._extend(grammar, tokens, sources, [state.grammar_follower], "follower", limit)
                 if ngram_left > 0 and len(tokens) < limit:
                     context = req.prompt_ids + req.output_ids + tokens
-                    looked_up = prompt_lookup(context, min(limit - len(tokens), ngram_left))
-                    ngram_left -= self._extend(grammar, tokens, sources, looked_up, "ngram", limit)
+                    looked_up, source = self._look_up(grammar, context, min(limit - len(tokens), ngram_left))
+                    ngram_left -= self._extend(grammar, tokens, sources, looked_up, source, limit)
                 if len(tokens) == size:
                     break
         finally:
@@ -191,6 +215,17 @@ class DraftProposer:
         sources += [source] * len(new)
         return len(new)
 
+    def _look_up(self, grammar: BaseGrammarObject | None, context: list[int], max_tokens: int) -> tuple[list[int], str]:
+        """Prompt lookup's drafts, or the n-gram cache's where it matches a longer suffix of ``context`` or prompt
+        lookup finds nothing the grammar accepts; with its source name."""
+        prompt_n, looked_up = prompt_lookup(context, max_tokens)
+        if self.ngram_cache is None:
+            return looked_up, "ngram"
+        cache_n, cached = self.ngram_cache.lookup(context, max_tokens)
+        if cached and (cache_n > prompt_n or not _accepted_prefix(grammar, looked_up)):
+            return cached, "ngram_cache"
+        return looked_up, "ngram"
+
     @staticmethod
     def _ngram_allowance(state: DraftState) -> int:
         """This step's prompt-lookup length: the adaptive one, or a one-token probe after a pause."""
@@ -210,16 +245,34 @@ class DraftProposer:
         return [t for t in [*token_ids, *tail] if 0 <= t < self.vocab_size]
 
 
-def prompt_lookup(context: list[int], max_tokens: int) -> list[int]:
-    """The tokens that followed the latest earlier occurrence of the longest suffix of ``context`` (``NGRAM_MAX``
-    down to 1 tokens), at most ``max_tokens`` of them."""
+def _cache_output(cache: NgramCache, req: Req, state: DraftState, stop: int) -> None:
+    """Give ``cache`` ``req``'s output positions up to ``stop``; the n-grams before the first ones reach into the
+    prompt's end (the chat template's ``assistant\\n`` before the answer's ``{``)."""
+    if stop <= state.num_cached_positions:
+        return
+    prompt_tail = req.prompt_ids[-cache.max_ngram :]
+    offset = len(prompt_tail)
+    cache.insert(prompt_tail + req.output_ids, offset + state.num_cached_positions, offset + stop)
+    state.num_cached_positions = stop
+
+
+def _accepted_prefix(grammar: BaseGrammarObject | None, tokens: list[int]) -> int:
+    """How many of ``tokens`` the grammar accepts from its state (which stays as it is)."""
+    if grammar is None or not tokens:
+        return len(tokens)
+    return grammar.validate_tokens(tokens)
+
+
+def prompt_lookup(context: list[int], max_tokens: int) -> tuple[int, list[int]]:
+    """The length of the longest suffix of ``context`` (``NGRAM_MAX`` down to 1 tokens) that occurred earlier in it,
+    and the tokens that followed its latest earlier occurrence, at most ``max_tokens``; ``(0, [])`` when none did."""
     if max_tokens <= 0 or len(context) < NGRAM_MIN_CONTEXT:
-        return []
+        return 0, []
     data = torch.tensor(context)
     for n in range(NGRAM_MAX, 0, -1):
         windows = data[:-1].unfold(0, n, 1)  # every earlier n-gram (the suffix itself excluded)
         hits = (windows == data[-n:]).all(dim=1).nonzero().flatten()
         if hits.numel():
             start = int(hits[-1]) + n
-            return context[start : start + max_tokens]
-    return []
+            return n, context[start : start + max_tokens]
+    return 0, []

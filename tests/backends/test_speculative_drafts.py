@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from scheduler.io_struct import SamplingParams
+from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
-from scheduler.speculative import DraftProposer, prompt_lookup
+from scheduler.speculative import NO_DRAFTS, DraftProposer, prompt_lookup
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
@@ -95,18 +96,43 @@ def test_prompt_lookup_drafts_that_leave_the_grammar_are_cut(
         grammar.accept_token(token)
     req = Req(rid="r", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
     req.output_ids = list(output)
-    looked_up = prompt_lookup(prompt + output, 8)
+    _, looked_up = prompt_lookup(prompt + output, 8)
     assert looked_up and smollm2_tokenizer.tokenizer.decode(looked_up).startswith(" pears")  # the latest match
     drafts = proposer.propose([req], [output[-1:]], [8])[0]
     assert len(drafts.token_ids) < len(looked_up)
     assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids)
 
 
+def test_the_ngram_cache_drafts_what_an_earlier_output_held_cut_by_the_grammar(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    cache = NgramCache(capacity=1000, max_ngram=4, max_continuation=8)
+    proposer = DraftProposer("ngram", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, ngram_cache=cache)
+    prompt = smollm2_tokenizer.encode("Count the fruit in the basket for me, please.")
+    earlier = Req(rid="a", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams())
+    earlier.output_ids = smollm2_tokenizer.encode("12 apples and 3 pears")
+    proposer.record(earlier, NO_DRAFTS, 0)
+    proposer.forget(earlier)  # finished: the cache takes all of its output
+    assert len(cache) > 0
+    grammar = compile_grammar(backend, make_grammar_key("regex", r"[0-9]+ apples"))
+    output = smollm2_tokenizer.encode("12")
+    for token in output:
+        grammar.accept_token(token)
+    req = Req(rid="b", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+    req.output_ids = list(output)
+    assert prompt_lookup(prompt + output, 8) == (0, [])  # nothing in this request to look up
+    drafts = proposer.propose([req], [output[-1:]], [8])[0]
+    assert set(drafts.sources) == {"ngram_cache"}
+    assert smollm2_tokenizer.tokenizer.decode(drafts.token_ids) == " apples"  # " and 3 pears" cut by the grammar
+    assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids)
+
+
 def test_prompt_lookup_finds_the_latest_longest_match() -> None:
-    assert prompt_lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], 4) == [4, 5, 6, 7]
-    assert prompt_lookup([5, 1, 9, 9, 9, 9, 9, 9, 2, 1], 2) == [9, 9]
-    assert prompt_lookup(list(range(20)), 3) == []  # no earlier occurrence of any suffix
-    assert prompt_lookup([1, 2, 3], 3) == []  # too little context
+    assert prompt_lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], 4) == (3, [4, 5, 6, 7])
+    assert prompt_lookup([5, 1, 9, 9, 9, 9, 9, 9, 2, 1], 2) == (1, [9, 9])
+    assert prompt_lookup(list(range(20)), 3) == (0, [])  # no earlier occurrence of any suffix
+    assert prompt_lookup([1, 2, 3], 3) == (0, [])  # too little context
 
 
 def test_nothing_is_forced_while_a_reasoner_thinks(

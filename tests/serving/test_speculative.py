@@ -119,8 +119,12 @@ def request_set(kinds: list[str], temperature: float, copies: int) -> list[dict[
     return requests
 
 
-def outputs_with(runner: ModelRunner, backend: str, algorithm: str, batches: list[list[dict[str, Any]]]) -> Any:
-    with in_process_scheduler(runner, grammar_backend=backend, speculative_algorithm=algorithm) as scheduler:
+def outputs_with(
+    runner: ModelRunner, backend: str, algorithm: str, batches: list[list[dict[str, Any]]], **settings: Any
+) -> Any:
+    with in_process_scheduler(
+        runner, grammar_backend=backend, speculative_algorithm=algorithm, **settings
+    ) as scheduler:
         outputs = [serve(scheduler, [make_request(**r) for r in batch]) for batch in batches]
         stats = scheduler.executor.stats
     return [[(o.token_ids, o.finish_reason) for o in batch] for batch in outputs], stats
@@ -209,3 +213,19 @@ def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone
             scheduler.executor.flush_cache()
             (alone,) = serve(scheduler, [seeded(seed)])
             assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
+
+
+def test_the_ngram_cache_drafts_the_layout_earlier_answers_had_and_changes_no_output(runner: ModelRunner) -> None:
+    """Greedy JSON answers one after another: from the second on, the n-gram cache of earlier outputs drafts the
+    layout no prompt holds (``{`` then ``\\n  "``), its drafts stand, and every output is the one plain decoding
+    gives, with the cache and without."""
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[5]]
+    params = {"json_schema": PERSON, "max_new_tokens": 48, "temperature": 0.0}
+    batches = [[{"messages": [{"role": "user", "content": p}], "sampling_params": params}] for p in prompts]
+    plain, _ = outputs_with(runner, "xgrammar", "none", batches)
+    cached, cached_stats = outputs_with(runner, "xgrammar", "grammar+ngram", batches)
+    uncached, uncached_stats = outputs_with(runner, "xgrammar", "grammar+ngram", batches, speculative_ngram_capacity=0)
+    assert cached == plain and uncached == plain
+    assert "ngram_cache" not in uncached_stats.drafts_proposed
+    assert cached_stats.drafts_accepted.get("ngram_cache", 0) > 0
+    assert cached_stats.num_forwards < uncached_stats.num_forwards

@@ -1,0 +1,55 @@
+"""A bounded cache of n-grams from earlier outputs, across requests: the draft source for text no prompt holds yet.
+
+Prompt lookup only finds what the prompt and the output so far contain. Answers to similar requests share their
+layout (``{`` then ``\\n  "``, `` [`` then ``\\n    "``) and often their content, so the tokens that followed an
+n-gram in another request's output are a good guess the first time it occurs in this one (SGLang's ``ngram``
+speculative algorithm keeps such a cache too). Keys are the last 1 to ``max_ngram`` tokens before a position, values
+the tokens that came after them most recently. Entries are evicted least recently used (written or found), so the
+cache holds at most ``capacity`` of them; the same calls in the same order always give the same drafts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class NgramCache:
+    """n-gram (1 to ``max_ngram`` tokens) -> the ``max_continuation`` tokens that followed it last, LRU-bounded."""
+
+    def __init__(self, capacity: int, max_ngram: int, max_continuation: int) -> None:
+        if capacity < 1 or max_ngram < 1 or max_continuation < 1:
+            raise ValueError("an n-gram cache needs a capacity, an n-gram length and a continuation of at least 1")
+        self.capacity = capacity
+        self.max_ngram = max_ngram
+        self.max_continuation = max_continuation
+        self._entries: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def insert(self, tokens: Sequence[int], start: int, stop: int) -> None:
+        """Record what followed the n-grams ending just before each position in ``[start, stop)`` of ``tokens``
+        (the continuation is what ``tokens`` holds from that position on, at most ``max_continuation``)."""
+        entries = self._entries
+        for position in range(max(start, 1), min(stop, len(tokens))):
+            continuation = tuple(tokens[position : position + self.max_continuation])
+            for n in range(1, min(self.max_ngram, position) + 1):
+                key = tuple(tokens[position - n : position])
+                entries[key] = continuation
+                entries.move_to_end(key)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def lookup(self, context: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
+        """The longest suffix of ``context`` held (``max_ngram`` down to 1 tokens) and up to ``max_tokens`` tokens
+        that followed it; ``(0, [])`` when none is. A hit counts as a use for eviction."""
+        if max_tokens <= 0:
+            return 0, []
+        for n in range(min(self.max_ngram, len(context)), 0, -1):
+            key = tuple(context[-n:])
+            continuation = self._entries.get(key)
+            if continuation is not None:
+                self._entries.move_to_end(key)
+                return n, list(continuation[:max_tokens])
+        return 0, []
