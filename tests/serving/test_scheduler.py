@@ -214,11 +214,13 @@ def test_requests_beyond_the_kv_bound_wait_and_one_that_never_fits_is_refused() 
 
 
 def test_streamed_chunks_add_up_to_the_output(server: SchedulerProcess) -> None:
+    """One chunk per forward that commits tokens (speculation may commit many at once, so there are fewer chunks
+    than tokens), and together they are the whole output."""
     request = constrained_request("json_schema")
     with server.client() as client:
         chunks = list(client.generate_stream(**request))
         whole = client.generate(**request)
-    assert len(chunks) > 3 and chunks[-1].finished
+    assert len(chunks) > 1 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
 
