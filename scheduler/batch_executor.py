@@ -24,6 +24,7 @@ from scheduler.request import Req
 from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
+from sglang_constrained.base_grammar_backend import common_prefix_length
 from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class BatchExecutor:
             lead = first.setdefault(tuple(req.prompt_ids), i)
             if lead != i and lead not in sharing:
                 reused = _kv(batch[lead]).num_cached
-                overlaps = (_common_prefix(req.prompt_ids, batch[j].prompt_ids) > reused for j in sharing)
+                overlaps = (common_prefix_length(req.prompt_ids, batch[j].prompt_ids) > reused for j in sharing)
                 if kv.can_share_prompt(_kv(batch[lead]), req.prompt_ids) and not any(overlaps):
                     sharing.append(lead)
             leaders.append(lead if lead in sharing else i)
@@ -305,10 +306,6 @@ def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> T
         values, ids = logprobs.topk(min(num_top, logprobs.shape[0]))
         top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != float("-inf")]
     return TokenLogprob(token, float(logprobs[token]), top)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _kv(req: Req) -> KVSequence:
