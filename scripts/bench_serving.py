@@ -1,8 +1,9 @@
 """Serving cost of constraints: free, JSON-schema and regex requests on the embedded model, side by side.
 
-Starts ``python -m scheduler.launch`` on a free loopback port, then at each concurrency level runs the same
-prompts (chat prompts that ask for JSON) as free, JSON-schema and regex requests, the kinds taking turns in
-rotated order for ``--rounds`` rounds, each with ``concurrency`` streams in flight. Per kind: output tokens/s
+Starts ``python -m scheduler.launch`` on a free loopback port, then at each concurrency level runs chat prompts
+that ask for JSON as free, JSON-schema and regex requests (each prompt asked once per scheduler, so that no answer
+is a replay of an earlier one), the kinds taking turns in rotated order for ``--rounds`` rounds, each with
+``concurrency`` streams in flight. Per kind: output tokens/s
 (all output tokens over the kind's wall time), time to first token, time per output token after the first,
 average output length, and the share of outputs that validate (``jsonschema`` / ``re.fullmatch``; outputs cut
 by the token limit are counted apart, as not valid). Forwards per output token are counted from the stream:
@@ -62,16 +63,32 @@ PERSON_REGEX = (
     r'\{"name": "[A-Z][a-z]{1,12}( [A-Z][a-z]{1,12})?", "age": (0|[1-9][0-9]?), '
     r'"city": "[A-Z][a-z]{1,15}( [A-Z][a-z]{1,15})?", "hobbies": \["[a-z ]{3,20}"(, "[a-z ]{3,20}"){0,3}\]\}'
 )
-PROMPTS = (
-    "Describe a fictional person as JSON with name, age, city and hobbies.",
-    "Give me a JSON object for a chess player: name, age, city, hobbies.",
-    "Invent a baker from Lyon. Answer in JSON with name, age, city and hobbies.",
-    "Return JSON describing a retired sailor (name, age, city, hobbies).",
-    "Create a JSON profile of a young painter with name, age, city and hobbies.",
-    "Output a JSON record for a marathon runner: name, age, city, hobbies.",
-    "Make up a librarian and describe them in JSON (name, age, city, hobbies).",
-    "Write a JSON object about a gardener: name, age, city and a list of hobbies.",
+PROMPT_TEMPLATES = (
+    "Describe a {who} as JSON with name, age, city and hobbies.",
+    "Give me a JSON object for a {who}: name, age, city, hobbies.",
+    "Invent a {who}. Answer in JSON with name, age, city and hobbies.",
+    "Return JSON describing a {who} (name, age, city, hobbies).",
+    "Create a JSON profile of a {who} with name, age, city and hobbies.",
+    "Output a JSON record for a {who}: name, age, city, hobbies.",
+    "Make up a {who} and describe them in JSON (name, age, city, hobbies).",
+    "Write a JSON object about a {who}: name, age, city and a list of hobbies.",
 )
+ADJECTIVES = ("cheerful", "quiet", "young", "famous", "busy", "patient", "curious", "friendly", "shy", "bold", "gentle")
+ROLES = (
+    "chess player", "baker", "retired sailor", "painter", "marathon runner", "librarian", "gardener", "pilot",
+    "nurse", "carpenter", "violinist", "chemist", "farmer", "journalist", "firefighter", "potter", "translator",
+    "beekeeper", "surgeon", "tailor", "geologist", "mechanic", "poet",
+)  # fmt: skip
+DISTINCT_PROMPTS = len(PROMPT_TEMPLATES) * len(ADJECTIVES) * len(ROLES)
+"""Template, adjective and role counts are coprime, so request ``i`` < this gets its own prompt and consecutive
+requests differ in all three: no request repeats an earlier one, whose answer the n-gram cache would replay."""
+WARM_UP_INDEX = DISTINCT_PROMPTS - 1
+
+
+def prompt_for(index: int) -> str:
+    """The chat prompt of request ``index``: distinct for every index below ``DISTINCT_PROMPTS``."""
+    who = f"{ADJECTIVES[index % len(ADJECTIVES)]} {ROLES[index % len(ROLES)]}"
+    return PROMPT_TEMPLATES[index % len(PROMPT_TEMPLATES)].format(who=who)
 
 
 @dataclass
@@ -108,7 +125,7 @@ async def run_one(
     client: AsyncSchedulerClient, kind: str, index: int, max_new_tokens: int, temperature: float = 0.7
 ) -> Outcome:
     params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": index, **CONSTRAINTS[kind]}
-    messages = [{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}]
+    messages = [{"role": "user", "content": prompt_for(index)}]
     start = time.perf_counter()
     first = last = None
     text, num_tokens, num_chunks, finish = "", 0, 0, "none"
@@ -131,11 +148,11 @@ async def run_kind(
     client: AsyncSchedulerClient,
     kind: str,
     concurrency: int,
-    num_requests: int,
+    indices: range,
     max_new_tokens: int,
     temperature: float = 0.7,
 ) -> tuple[list[Outcome], float]:
-    """``num_requests`` requests of one kind with ``concurrency`` in flight; returns outcomes and wall seconds."""
+    """Requests ``indices`` of one kind with ``concurrency`` in flight; returns outcomes and wall seconds."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(index: int) -> Outcome:
@@ -143,7 +160,7 @@ async def run_kind(
             return await run_one(client, kind, index, max_new_tokens, temperature)
 
     start = time.perf_counter()
-    outcomes = await asyncio.gather(*(gated(i) for i in range(num_requests)))
+    outcomes = await asyncio.gather(*(gated(i) for i in indices))
     return list(outcomes), time.perf_counter() - start
 
 
@@ -170,12 +187,11 @@ def summarise(kind: str, outcomes: list[Outcome], wall_s: float) -> dict[str, An
 
 
 def run_peer(
-    peer: llamacpp_peer.LlamaCppPeer, kind: str, num_requests: int, max_new_tokens: int
+    peer: llamacpp_peer.LlamaCppPeer, kind: str, indices: range, max_new_tokens: int
 ) -> tuple[list[Outcome], float]:
     """The same requests as ``run_kind`` through llama.cpp, one at a time; outcomes and wall seconds."""
-    indices = range(num_requests)
     start = time.perf_counter()
-    results = peer.run_kind(kind, [PROMPTS[i % len(PROMPTS)] for i in indices], list(indices), max_new_tokens)
+    results = peer.run_kind(kind, [prompt_for(i) for i in indices], list(indices), max_new_tokens)
     wall_s = time.perf_counter() - start
     outcomes = [
         Outcome(kind, r["text"], r["num_tokens"], r["num_tokens"], r["finish"], r["ttft_s"], r["tpot_s"])
@@ -241,32 +257,39 @@ async def bench(endpoints: dict[str, str], args: argparse.Namespace) -> list[dic
         pong = await client.wait_until_ready(timeout_s=600)
         print(f"scheduler {label or ''} ready: {pong.model}, grammar backend {pong.grammar_backend}")
         for kind in KINDS:  # compile and cache the grammars, warm every path once
-            await run_one(client, kind, 0, 4)
+            await run_one(client, kind, WARM_UP_INDEX, 4)
     rows = []
+    level_start = 0  # each scheduler gets request i of a level, kind and round once: the same prompts, none repeated
     for concurrency in args.concurrency:
         num_requests = max(args.min_requests, args.waves * concurrency)
+        level_size = args.rounds * len(KINDS) * num_requests
         runs = [(label, kind) for label in clients for kind in KINDS]
         collected: dict[tuple[str, str], tuple[list[Outcome], float]] = {run: ([], 0.0) for run in runs}
         counters = {run: counters_delta(ZERO_COUNTERS, ZERO_COUNTERS) for run in runs}
         peer_collected: dict[str, tuple[list[Outcome], float]] = {kind: ([], 0.0) for kind in llamacpp_peer.PEER_KINDS}
         round_tpots: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+        round_rates: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
         for round_index in range(args.rounds):
             order = runs[round_index % len(runs) :] + runs[: round_index % len(runs)]
             for label, kind in order if round_index % 2 == 0 else order[::-1]:
                 client = clients[label]
+                first = level_start + (round_index * len(KINDS) + KINDS.index(kind)) * num_requests
+                indices = range(first, first + num_requests)
                 before = await speculation_counters(client)
                 outcomes, wall_s = await run_kind(
-                    client, kind, concurrency, num_requests, args.max_new_tokens, args.temperature
+                    client, kind, concurrency, indices, args.max_new_tokens, args.temperature
                 )
                 delta = counters_delta(await speculation_counters(client), before)
                 counters[label, kind] = counters_sum(counters[label, kind], delta)
                 previous, previous_s = collected[label, kind]
                 collected[label, kind] = (previous + outcomes, previous_s + wall_s)
                 round_tpots[label, kind].append(statistics.median(o.tpot_s or math.nan for o in outcomes))
+                round_rates[label, kind].append(sum(o.num_tokens for o in outcomes) / wall_s)
                 if peer is not None and kind in peer_collected and label == next(iter(clients)):
-                    outcomes, wall_s = run_peer(peer, kind, num_requests, args.max_new_tokens)
+                    outcomes, wall_s = run_peer(peer, kind, indices, args.max_new_tokens)
                     previous, previous_s = peer_collected[kind]
                     peer_collected[kind] = (previous + outcomes, previous_s + wall_s)
+        level_start += level_size
         level = {run: summarise(run[1], *collected[run]) for run in runs}
         for label, kind in runs:
             row = level[label, kind]
@@ -276,6 +299,7 @@ async def bench(endpoints: dict[str, str], args: argparse.Namespace) -> list[dic
                     "scheduler": label,
                     **row,
                     "round_tpot_ms": [t * 1e3 for t in round_tpots[label, kind]],
+                    "round_output_tokens_per_s": round_rates[label, kind],
                     "speculation": counters[label, kind],
                 }
             )
@@ -287,7 +311,7 @@ async def bench(endpoints: dict[str, str], args: argparse.Namespace) -> list[dic
                 paired = [free / own for free, own in zip(free_tpots, own_tpots, strict=True)]
                 print(format_ratio(concurrency, level[label, kind], level[label, "free"], statistics.median(paired)))
         if set(clients) == set(SPECULATION_LABELS):
-            for line in speculation_lines(concurrency, level, counters):
+            for line in speculation_lines(concurrency, level, round_rates, counters):
                 print(line)
         if peer is not None:
             ours = next(iter(clients))
@@ -314,25 +338,42 @@ SPECULATION_LABELS = ("spec-off", "spec-on")
 
 
 def speculation_lines(
-    concurrency: int, level: dict[tuple[str, str], dict[str, Any]], counters: dict[tuple[str, str], SpeculationCounters]
+    concurrency: int,
+    level: dict[tuple[str, str], dict[str, Any]],
+    round_rates: dict[tuple[str, str], list[float]],
+    counters: dict[tuple[str, str], SpeculationCounters],
 ) -> list[str]:
-    """Speculation on over off per kind, JSON on over free off, and what each draft source achieved."""
+    """Speculation on over off per kind, JSON on over free off, and what each draft source achieved.
+
+    Ratios of output tokens/s are the median over rounds of each round's pair (run back to back, so a load spike
+    on this shared machine skews one round, not the result), then the pooled ratio over all rounds.
+    """
     off, on = SPECULATION_LABELS
+
+    def median_ratio(numerator: tuple[str, str], denominator: tuple[str, str]) -> float:
+        return statistics.median(a / b for a, b in zip(round_rates[numerator], round_rates[denominator], strict=True))
+
+    def paired(numerator: tuple[str, str], denominator: tuple[str, str]) -> str:
+        pooled = level[numerator]["output_tokens_per_s"] / level[denominator]["output_tokens_per_s"]
+        return f"{median_ratio(numerator, denominator):.3f} (median of rounds; pooled {pooled:.3f})"
+
     lines = []
     for kind in KINDS:
-        ratio = level[on, kind]["output_tokens_per_s"] / level[off, kind]["output_tokens_per_s"]
+        ratio = median_ratio((on, kind), (off, kind))
         target = 1.5 if (kind == "json" and concurrency == 1) else (0.97 if concurrency >= 32 else None)
         verdict = "" if target is None else (" (ok)" if ratio >= target else f" (MISS: target >= {target:g})")
         forwards = level[on, kind]["forwards_per_output_token"]
         forwards_verdict = (" (ok)" if forwards <= 0.6 else " (MISS: target <= 0.6)") if kind == "json" else ""
         lines.append(
-            f"speculation on/off {kind} at C={concurrency}: output tok/s {ratio:.3f}{verdict}; forwards/token "
+            f"speculation on/off {kind} at C={concurrency}: output tok/s {paired((on, kind), (off, kind))}{verdict}; "
+            "forwards/token "
             f"{level[off, kind]['forwards_per_output_token']:.3f} -> {forwards:.3f}{forwards_verdict}"
         )
-    faster_than_free = level[on, "json"]["output_tokens_per_s"] / level[off, "free"]["output_tokens_per_s"]
+    faster_than_free = median_ratio((on, "json"), (off, "free"))
     verdict = "" if concurrency != 1 else (" (ok)" if faster_than_free >= 1.3 else " (MISS: target >= 1.3)")
     lines.append(
-        f"JSON with speculation / free without at C={concurrency}: output tok/s {faster_than_free:.3f}{verdict}"
+        f"JSON with speculation / free without at C={concurrency}: output tok/s "
+        f"{paired((on, 'json'), (off, 'free'))}{verdict}"
     )
     for kind in KINDS:
         spec = counters[on, kind]
@@ -424,6 +465,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy requests")
     parser.add_argument("--output", type=Path, default=None, help="default: results/bench_serving_<backend>.json")
     args = parser.parse_args(argv)
+    needed = sum(args.rounds * len(KINDS) * max(args.min_requests, args.waves * c) for c in args.concurrency)
+    if needed >= WARM_UP_INDEX:
+        parser.error(
+            f"{needed} requests per scheduler, but only {WARM_UP_INDEX} distinct prompts: fewer rounds or waves"
+        )
     results_dir = REPO / "results"
     results_dir.mkdir(exist_ok=True)
     output = args.output or results_dir / f"bench_serving_{args.backend}.json"
