@@ -2,11 +2,12 @@
 
     python scripts/bench_prefix_cache.py [--rounds 8] [--system-words 300] [--output PATH]
 
-Prints the scheduler's resident memory (RSS, its process and children) once it is ready and idle, and again
-after the run. Then time to first token (TTFT) of chat requests whose long system prompt is cached against
-requests whose system prompt is new (a different first word, so nothing past the template's first tokens
-matches), alternating which goes first each round; the ratio is the median of per-round ratios. Each request
-asks for one token, greedy: TTFT is its whole latency. Writes JSON (default: results/bench_prefix_cache.json).
+Prints the scheduler's memory (its process and children: PSS, which counts the pages they share once, and the RSS
+sum) once it is ready and idle, and again after the run. Then time to first token (TTFT) of chat requests whose
+long system prompt is cached against requests whose system prompt is new (a different first word, so nothing past
+the template's first tokens matches), alternating which goes first each round; the ratio is the median of per-round
+ratios. Each request asks for one token, greedy: TTFT is its whole latency. Writes JSON (default:
+results/bench_prefix_cache.json).
 """
 
 from __future__ import annotations
@@ -17,20 +18,16 @@ import statistics
 import time
 from pathlib import Path
 
-import psutil
-
 from scheduler.client import SchedulerClient
-from scheduler.testing.process import SchedulerProcess
+from scheduler.testing.process import SchedulerProcess, TreeMemory, process_tree_memory
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_prefix_cache.json"
 RSS_TARGET_GIB = 1.5
 TTFT_RATIO_TARGET = 0.5
 
 
-def resident_gib(pid: int) -> float:
-    """RSS of a process and its children (a launcher's ranks), in GiB."""
-    process = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**30
+def memory_gib(memory: TreeMemory) -> str:
+    return f"PSS {memory.pss / 2**10:.2f} GiB (RSS sum {memory.rss / 2**10:.2f} GiB)"
 
 
 def system_prompt(first_word: str, words: int) -> str:
@@ -60,9 +57,9 @@ def main() -> None:
     try:
         server.wait_until_ready()
         time.sleep(2)
-        idle = resident_gib(server.process.pid)
-        verdict = "ok" if idle <= RSS_TARGET_GIB else f"MISS (target <= {RSS_TARGET_GIB})"
-        print(f"scheduler RSS when ready and idle: {idle:.2f} GiB ({verdict})")
+        idle = process_tree_memory(server.process.pid)
+        verdict = "ok" if idle.pss / 2**10 <= RSS_TARGET_GIB else f"MISS (target <= {RSS_TARGET_GIB})"
+        print(f"scheduler memory when ready and idle: {memory_gib(idle)} ({verdict})")
         shared = system_prompt("Hello", args.system_words)
         samples: dict[str, list[float]] = {"cached": [], "uncached": []}
         cached_counts = []
@@ -78,7 +75,7 @@ def main() -> None:
                     if kind == "cached":
                         cached_counts.append(cached)
             status = client.wait_until_ready()
-        after = resident_gib(server.process.pid)
+        after = process_tree_memory(server.process.pid)
     finally:
         server.stop()
 
@@ -89,11 +86,13 @@ def main() -> None:
         f"{statistics.median(samples['uncached']):.0f} ms: ratio {ratio:.3f} ({verdict}); "
         f"cached prompt tokens per request {min(cached_counts)}-{max(cached_counts)}"
     )
-    print(f"scheduler cache hit rate {status.cache_hit_rate:.3f}; RSS after the run {after:.2f} GiB")
+    print(f"scheduler cache hit rate {status.cache_hit_rate:.3f}; memory after the run: {memory_gib(after)}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "rss_idle_gib": idle,
-        "rss_after_gib": after,
+        "pss_idle_gib": idle.pss / 2**10,
+        "rss_idle_gib": idle.rss / 2**10,
+        "pss_after_gib": after.pss / 2**10,
+        "rss_after_gib": after.rss / 2**10,
         "ttft_ms": samples,
         "ttft_ratio_cached_over_uncached": ratio,
         "cached_tokens": cached_counts,

@@ -27,9 +27,8 @@ from typing import Any
 
 import httpx
 import jsonschema
-import psutil
 
-from scheduler.testing.process import SchedulerProcess, free_port
+from scheduler.testing.process import SchedulerProcess, free_port, process_tree_memory
 
 PERSON = {
     "type": "object",
@@ -109,21 +108,18 @@ class Tally:
 
 
 class MemoryWatch:
-    """Samples the resident memory of a process and its descendants on a thread: start, peak, end (MB)."""
+    """Samples the memory (PSS, see ``TreeMemory``) of a process and its descendants on a thread: start, peak, end
+    (MiB)."""
 
     def __init__(self, pid: int, interval_s: float = 0.5) -> None:
-        self.root = psutil.Process(pid)
+        self.pid = pid
         self.start = self.peak = self.end = self.sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._thread.start()
 
     def sample(self) -> float:
-        total = 0
-        for process in [self.root, *self.root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                total += process.memory_info().rss
-        return total / 2**20
+        return process_tree_memory(self.pid).pss
 
     def stop(self) -> None:
         self._stop.set()
@@ -283,7 +279,7 @@ def main() -> None:
     print(
         f"load-and-faults: {tally.answered} answered, {tally.lost} lost, {tally.invalid_outputs} invalid outputs, "
         f"{tally.server_errors} server errors ({tally.refused} refused as meant, {tally.disconnects} disconnects, "
-        f"{tally.slow_compiles_answered} slow compiles answered) in {elapsed:.0f} s; RSS start/peak/end "
+        f"{tally.slow_compiles_answered} slow compiles answered) in {elapsed:.0f} s; PSS start/peak/end "
         f"{memory.start:.0f}/{memory.peak:.0f}/{memory.end:.0f} MB; valid p50/p99 alone "
         f"{percentile(alone, 0.5):.2f}/{percentile(alone, 0.99):.2f} s (n={len(alone)}), beside a slow compile "
         f"{percentile(beside, 0.5):.2f}/{percentile(beside, 0.99):.2f} s (n={len(beside)}); p50 ratio {ratio:.2f} "

@@ -9,7 +9,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from scheduler.client import SchedulerClient
 from scheduler.io_struct import Pong
@@ -22,6 +25,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """Memory of a process and its descendants, in MiB. ``rss`` adds each process's resident pages, so pages they
+    share (a fork server's children share its imports) count once per process; ``pss`` splits each shared page
+    between the processes that map it, so it sums to what the tree really holds."""
+
+    rss: float
+    pss: float
+
+
+def process_tree_memory(pid: int) -> TreeMemory:
+    """``pid``'s and its descendants' memory now (processes that exit meanwhile are left out)."""
+    root = psutil.Process(pid)
+    rss = pss = 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            info = process.memory_full_info()
+        except psutil.Error:
+            continue
+        rss += info.rss
+        pss += info.pss
+    return TreeMemory(rss / 2**20, pss / 2**20)
 
 
 class SchedulerProcess:
