@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.multirank
 
 MAX_POSITIONS = 128
 # SmolLM2's head layout (9 query heads in 3 KV groups), with MLP and vocabulary sizes two ranks split unevenly.
-SHAPE = {
+SHAPE: dict[str, Any] = {
     "vocab_size": 101,
     "hidden_size": 144,
     "intermediate_size": 99,

@@ -7,6 +7,7 @@ groups of 64 dimensions, 1536 MLP columns, 49,152 tokens).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 from transformers import LlamaConfig
@@ -14,7 +15,7 @@ from transformers import LlamaConfig
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup, split_evenly
 from scheduler.server_args import ServerArgs
 
-SMOLLM2 = {
+SMOLLM2: dict[str, Any] = {
     "vocab_size": 49152,
     "hidden_size": 576,
     "intermediate_size": 1536,
