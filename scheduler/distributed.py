@@ -2,7 +2,8 @@
 
 Every rank runs the same loop on the same inputs in the same order. Rank 0 owns the sockets: each turn it
 broadcasts the messages it received (one collective), and after each sampling step it broadcasts the tokens it
-sampled, so every rank's grammars advance with the same token. Objects travel over a gloo (CPU) group.
+sampled, so every rank's grammars advance with the same token. Objects travel over a gloo (CPU) group. With
+``--tp-size N`` the ranks also form a tensor-parallel group, a gloo group of its own, for the model's collectives.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from scheduler.model.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,17 @@ def init_distributed(world_size: int) -> DistributedContext | None:
     context = DistributedContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
     logger.info("rank %d of %d joined the process group", context.rank, context.world_size)
     return context
+
+
+def tensor_parallel_group(context: DistributedContext | None, tp_size: int) -> TensorParallelGroup:
+    """The group whose ranks each hold a shard of the model: every rank, or none (a group of one) when ``tp_size``
+    is 1. Every rank must call this (creating a group is itself collective)."""
+    if tp_size == 1:
+        return TensorParallelGroup()
+    if context is None or context.world_size != tp_size:
+        raise ValueError(f"--tp-size {tp_size} needs {tp_size} ranks")
+    group = dist.new_group(ranks=list(range(tp_size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallelGroup(context.rank, tp_size, group)
 
 
 def destroy_distributed(context: DistributedContext | None) -> None:

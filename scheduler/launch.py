@@ -1,6 +1,6 @@
 """``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
 HTTP with ``--port``) until SIGINT/SIGTERM. Under ``torchrun --nproc-per-node N`` every rank runs the loop and
-rank 0 owns the sockets."""
+rank 0 owns the sockets; with ``--tp-size N`` each rank holds a shard of the model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from scheduler.distributed import DistributedContext, RankFailureError, destroy_distributed, init_distributed
+from scheduler.distributed import (
+    DistributedContext,
+    RankFailureError,
+    destroy_distributed,
+    init_distributed,
+    tensor_parallel_group,
+)
 from scheduler.http.server import start_http_frontend
 from scheduler.ipc import SchedulerIPC
 from scheduler.model.runner import ModelRunner
@@ -24,10 +30,11 @@ logger = logging.getLogger("scheduler.launch")
 
 def main(argv: Sequence[str] | None = None) -> int:
     server_args = ServerArgs.parse(argv)
+    server_args.check_world_size(WORLD_SIZE.get())
     dist = init_distributed(WORLD_SIZE.get())
     _configure_logging(server_args, dist)
     start = time.perf_counter()
-    model_runner = ModelRunner(server_args)
+    model_runner = ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
     scheduler = Scheduler(server_args, model_runner, dist)
     logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
 

@@ -87,6 +87,7 @@ class ServerArgs:
     max_total_tokens: int = 65536
     disable_radix_cache: bool = False
     weight_dtype: str = "float32"
+    tp_size: int = 1
     speculative_algorithm: str = "grammar+ngram"
     speculative_num_draft_tokens: int = 8
     speculative_ngram_capacity: int = 65536
@@ -148,6 +149,7 @@ class ServerArgs:
             "max_total_tokens",
             "grammar_compile_threads",
             "grammar_max_spec_bytes",
+            "tp_size",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -155,6 +157,15 @@ class ServerArgs:
             raise ValueError("--grammar-compile-timeout must be positive")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError unless the ranks launched fit the parallel layout: ``--tp-size N`` needs N ranks (with
+        ``--tp-size 1`` any number of ranks each run the whole model)."""
+        if self.tp_size > 1 and self.tp_size != world_size:
+            raise ValueError(
+                f"--tp-size {self.tp_size} needs {self.tp_size} ranks, but {world_size} were launched: run "
+                f"torchrun --nproc-per-node {self.tp_size} -m scheduler.launch --tp-size {self.tp_size} ..."
+            )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -210,6 +221,13 @@ class ServerArgs:
             choices=WEIGHT_DTYPES,
             help="the decoder layers' matmul weights on CPU (embedding, lm_head, norms, attention and KV stay "
             "float32); bfloat16 decodes faster, but its greedy tokens may differ from float32's and with the batch",
+        )
+        parser.add_argument(
+            "--tp-size",
+            type=int,
+            default=d.tp_size,
+            help="tensor parallel: split the model over this many ranks (torchrun --nproc-per-node N), each holding "
+            "its share of the attention heads, MLP columns and vocabulary; 1 runs the whole model on every rank",
         )
         parser.add_argument(
             "--speculative-algorithm",

@@ -15,6 +15,10 @@ up to ``KEY_WIDTH_MULTIPLE``; with at most ``MAX_QUERY_ROWS`` rows these gave th
 batch size (SDPA's blocked kernel does not). Long prompts take SDPA per sequence instead: a prefill's rounding
 depends on where its cached prefix ended, as in SGLang without deterministic inference. The path is chosen per
 sequence, so a short sequence's logits never depend on a long prompt sharing its forward.
+
+Under tensor parallelism (``scheduler.model.tensor_parallel``) a model holds one rank's shard: its KV groups, its
+slice of the MLP and of the vocabulary. Each shard's matmuls and attention keep the properties above; the forward
+then runs collectives, so every rank of the group must run the same batches.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from scheduler.model.kv_pool import PADDING_ROW, TokenKVPool
+from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 
 MATMUL_ROW_MULTIPLE = 4
 """Matmul inputs are padded with zero rows to a multiple of this: then MKL's float32 rows never change."""
@@ -135,6 +140,10 @@ class _Layer:
 class LlamaModel:
     """Llama-style decoder weights on one device, run by ``forward`` over a ``TokenKVPool``.
 
+    ``weights`` hold the slices ``shard`` names (all of each tensor on a single rank); ``num_heads`` and
+    ``num_kv_heads`` count this rank's heads, the pool it runs over holds only those KV heads. ``tp`` runs the
+    collectives that join the shards (none on a single rank).
+
     Activations, norms, attention, the KV pool, the embedding and the lm_head are in ``dtype``; the decoder
     layers' matmul weights (nine tenths of the bytes a decode step streams) in ``matmul_dtype``. Decode is bound
     by memory bandwidth, so halving those bytes speeds it up; the lm_head stays in ``dtype`` because a matmul's
@@ -149,11 +158,17 @@ class LlamaModel:
         device: torch.device,
         dtype: torch.dtype,
         matmul_dtype: torch.dtype | None = None,
+        shard: ShardPlan | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        self.shard = shard or ShardPlan.build(config)
+        self.tp = tp or TensorParallelGroup()
+        if self.tp.size != self.shard.size:
+            raise ValueError(f"a shard of {self.shard.size} ranks cannot run in a group of {self.tp.size}")
         self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads: int = self.shard.num_heads
+        self.num_kv_heads: int = self.shard.num_kv_heads
+        self.head_dim: int = self.shard.head_dim
         self.vocab_size: int = config.vocab_size
         self.eps: float = config.rms_norm_eps
         self.device = device
@@ -170,6 +185,8 @@ class LlamaModel:
             return torch.cat([weight(name, as_dtype) for name in names])
 
         self.embed = weight("model.embed_tokens.weight")
+        if self.embed.shape[0] != self.shard.vocab[1] - self.shard.vocab[0]:
+            raise ValueError(f"the embedding has {self.embed.shape[0]} rows, not those of the shard {self.shard}")
         self.norm = weight("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else weight("lm_head.weight")
         self.layers = []
@@ -190,6 +207,16 @@ class LlamaModel:
             )
         self.cos, self.sin = _rope_tables(config, self.head_dim, max_positions, device, dtype)
 
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (a tied lm_head counted once)."""
+        tensors = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
+            tensors += [layer.qkv_bias] if layer.qkv_bias is not None else []
+        unique = {id(t): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: TokenKVPool) -> torch.Tensor:
         """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.
@@ -200,7 +227,7 @@ class LlamaModel:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         cos = self.cos[batch.positions][:, None, :]
         sin = self.sin[batch.positions][:, None, :]
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self._embed(batch.input_ids)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self.eps)
             qkv = self._matmul(x, layer.qkv)
@@ -213,12 +240,22 @@ class LlamaModel:
             pool.k[i][batch.new_rows] = k
             pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
             attention = self._attention(q, pool.k[i], pool.v[i], batch)
-            hidden = hidden + self._matmul(attention, layer.o_proj)
+            hidden = hidden + self.tp.all_reduce(self._matmul(attention, layer.o_proj))
             x = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
             gate, up = self._matmul(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + self._matmul(F.silu(gate) * up, layer.down)
+            hidden = hidden + self.tp.all_reduce(self._matmul(F.silu(gate) * up, layer.down))
         selected = F.rms_norm(hidden[batch.logit_indices], hidden.shape[-1:], self.norm, self.eps)
-        return self._matmul(selected, self.lm_head).float()
+        return self.tp.gather_columns(self._matmul(selected, self.lm_head).float(), self.shard.vocab_widths)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids`` ``[T, hidden]``: on several ranks each looks up the ids of its vocabulary
+        slice, zeros for the others, and the sum over ranks (exact: one term is not zero) is every row."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        start, stop = self.shard.vocab
+        is_local = (input_ids >= start) & (input_ids < stop)
+        hidden = F.embedding(torch.where(is_local, input_ids - start, 0), self.embed)
+        return self.tp.all_reduce(hidden.masked_fill_(~is_local[:, None], 0.0))
 
     def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` in the weight's dtype, returned in the activations' dtype; batch-invariant rows."""

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path, load_tokenizer
 
@@ -34,17 +36,20 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """What the model runner needs: ``weights`` are float32 CPU tensors keyed by Hugging Face names."""
+    """What the model runner needs: ``weights`` are float32 CPU tensors keyed by Hugging Face names, each this
+    rank's slice of the checkpoint's tensor (``shard``)."""
 
     config: PretrainedConfig
+    shard: ShardPlan
     weights: dict[str, torch.Tensor]
     tokenizer: Any
     eos_token_ids: list[int]
     source: Path
 
 
-def load_model(server_args: ServerArgs) -> LoadedModel:
-    """Load the model named by ``server_args.model_path``; may write the de-quantised cache (see module doc)."""
+def load_model(server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+    """Load the model named by ``server_args.model_path`` (tensor-parallel rank ``tp_rank`` of ``tp_size``: only its
+    shard of the weights is read); may write the de-quantised cache (see module doc)."""
     source = embedded_model_path() if server_args.model_path is None else Path(server_args.model_path)
     started = time.perf_counter()
     if source.is_dir():
@@ -55,7 +60,8 @@ def load_model(server_args: ServerArgs) -> LoadedModel:
         raise ValueError(f"--model-path {source} is neither a .gguf file nor a Hugging Face model folder")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config, server_args.max_seq_len)
-    weights = _read_weights(folder)
+    shard = ShardPlan.build(config, tp_rank, tp_size)
+    weights = read_weights(folder, shard)
     tokenizer = load_tokenizer(source, server_args.cache_path)
     eos_token_ids = _eos_token_ids(config, _generation_config(folder), tokenizer)
     logger.info(
@@ -66,7 +72,7 @@ def load_model(server_args: ServerArgs) -> LoadedModel:
         time.perf_counter() - started,
         how,
     )
-    return LoadedModel(config, weights, tokenizer, eos_token_ids, source)
+    return LoadedModel(config, shard, weights, tokenizer, eos_token_ids, source)
 
 
 def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
@@ -155,17 +161,41 @@ def _dequantise(gguf_file: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face folder (``*.safetensors``, else ``pytorch_model*.bin``) as float32."""
+def read_weights(folder: Path, shard: ShardPlan) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder (``*.safetensors``, else ``pytorch_model*.bin``), each sliced to
+    ``shard``, as contiguous float32 copies that own their memory (no view keeps the mapped file open).
+
+    From safetensors only the slice is read; ``.bin`` files are memory-mapped, then sliced.
+    """
+    weights: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                where = shard.weight_slice(name)
+                if where is None:
+                    weights[name] = _owned(f.get_tensor(name))
+                else:
+                    dim, (start, stop) = where
+                    part = f.get_slice(name)
+                    weights[name] = _owned(part[start:stop] if dim == 0 else part[:, start:stop])
     if files:
-        parts = [load_file(file) for file in files]
-    else:
-        files = sorted(folder.glob("pytorch_model*.bin"))
-        parts = [torch.load(file, map_location="cpu", weights_only=True) for file in files]
+        return weights
+    files = sorted(folder.glob("pytorch_model*.bin"))
     if not files:
         raise ValueError(f"{folder} holds no *.safetensors or pytorch_model*.bin weights")
-    return {name: tensor.float() for part in parts for name, tensor in part.items()}
+    for file in files:
+        for name, tensor in torch.load(file, map_location="cpu", weights_only=True, mmap=True).items():
+            where = shard.weight_slice(name)
+            if where is not None:
+                dim, (start, stop) = where
+                tensor = tensor.narrow(dim, start, stop - start)
+            weights[name] = _owned(tensor)
+    return weights
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def _generation_config(folder: Path) -> GenerationConfig | None:

@@ -5,6 +5,9 @@ The scheduler owns the batching decisions; this class turns them into forwards. 
 of its prompt, ``decode`` appends one token to each of several sequences, ``extend`` appends several to one
 (jump-forward, verifying drafts), ``truncate`` rolls back. Any mix of sequences may be batched: each attends only
 to its own rows.
+
+With a tensor-parallel group of several ranks each rank's runner loads and runs one shard of the model (see
+``scheduler.model.tensor_parallel``); its KV pool holds only that shard's KV heads, and every forward is a collective.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from scheduler.model.kv_cache import KVCacheManager, KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel
 from scheduler.model.loader import load_model
+from scheduler.model.tensor_parallel import TensorParallelGroup
 from scheduler.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -33,8 +37,9 @@ class ModelRunner:
     ``len(tokenizer)``.
     """
 
-    def __init__(self, server_args: ServerArgs, device: str = "cpu") -> None:
-        loaded = load_model(server_args)
+    def __init__(self, server_args: ServerArgs, device: str = "cpu", tp: TensorParallelGroup | None = None) -> None:
+        tp = tp or TensorParallelGroup()
+        loaded = load_model(server_args, tp.rank, tp.size)
         config = loaded.config
         self.device = torch.device(device)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -43,7 +48,9 @@ class ModelRunner:
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.max_seq_len = server_args.max_seq_len
-        self.model = LlamaModel(config, loaded.weights, self.max_seq_len, self.device, dtype, matmul_dtype)
+        self.model = LlamaModel(
+            config, loaded.weights, self.max_seq_len, self.device, dtype, matmul_dtype, loaded.shard, tp
+        )
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
             capacity=server_args.max_total_tokens,
@@ -54,11 +61,16 @@ class ModelRunner:
         )
         self.kv = KVCacheManager(pool, use_radix_cache=not server_args.disable_radix_cache)
         logger.info(
-            "model runner on %s (%s, %s matmul weights): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, "
-            "taken as used), prefix cache %s",
+            "model runner on %s (%s, %s matmul weights, tensor-parallel rank %d of %d: weight_bytes=%d, %d of %d "
+            "KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as used), prefix cache %s",
             self.device,
             dtype,
             matmul_dtype,
+            tp.rank,
+            tp.size,
+            self.model.num_weight_bytes,
+            self.model.num_kv_heads,
+            config.num_key_value_heads,
             pool.capacity,
             pool.bytes_per_token / 2**10,
             pool.capacity * pool.bytes_per_token / 2**20,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -106,3 +107,25 @@ class SchedulerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def rank_pids(self) -> list[int]:
+        """Each rank's pid, in rank order: the process itself, or under torchrun its workers (by their ``RANK``)."""
+        if self.ranks == 1:
+            return [self.process.pid]
+        workers = {child.environ().get("RANK"): child.pid for child in psutil.Process(self.process.pid).children()}
+        missing = [rank for rank in range(self.ranks) if str(rank) not in workers]
+        if missing:
+            raise RuntimeError(f"no torchrun worker with RANK in {missing} among {sorted(workers.values())}")
+        return [workers[str(rank)] for rank in range(self.ranks)]
+
+    def rank_rss(self) -> list[int]:
+        """Each rank's resident memory in bytes, in rank order (its own process, not its compile processes)."""
+        return [psutil.Process(pid).memory_info().rss for pid in self.rank_pids()]
+
+    def rank_weight_bytes(self) -> list[int]:
+        """The bytes of model weights each rank holds, in rank order, as its model runner logged them."""
+        pattern = r"(?:\[rank (\d+)\] )?scheduler\.model\.runner: .*?weight_bytes=(\d+)"
+        logged = {int(rank or 0): int(size) for rank, size in re.findall(pattern, self.log())}
+        if sorted(logged) != list(range(self.ranks)):
+            raise RuntimeError(f"the model runners logged their weights for ranks {sorted(logged)} of {self.ranks}")
+        return [logged[rank] for rank in range(self.ranks)]

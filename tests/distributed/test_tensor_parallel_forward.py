@@ -1,0 +1,139 @@
+"""The sharded Llama forward over real gloo ranks (torch.multiprocessing), against one rank's forward of the same
+weights: small random-weight models, so no model download and seconds per case.
+
+Each rank reads only its shard from a safetensors folder, as the server does, and runs a prefill (a long prompt
+through SDPA, a short one token by token) and a decode step with several logit rows per sequence.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from scheduler.model.kv_pool import TokenKVPool
+from scheduler.model.llama import ForwardBatch, LlamaModel
+from scheduler.model.loader import read_weights
+from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
+from scheduler.testing.process import free_port
+
+pytestmark = pytest.mark.multirank
+
+MAX_POSITIONS = 128
+# SmolLM2's head layout (9 query heads in 3 KV groups), with MLP and vocabulary sizes two ranks split unevenly.
+SHAPE: dict[str, Any] = {
+    "vocab_size": 101,
+    "hidden_size": 144,
+    "intermediate_size": 99,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": MAX_POSITIONS,
+}
+CONFIGS = {
+    "llama-tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True),
+    "qwen2-biases": lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=False),
+}
+LOGITS_TOLERANCE = 1e-6
+"""Largest difference from one rank's logits, relative to the largest logit: partial sums of o_proj and down reduce
+in another order than one matmul, which moves logits by a few float32 ulps of the largest (measured: up to 3e-7)."""
+
+
+def write_random_model(config: PretrainedConfig, folder: Path) -> None:
+    """A Hugging Face folder with random weights of ``config``'s shapes (q/k/v biases for Qwen2)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = hidden // config.num_attention_heads
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+
+    def random(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    weights = {"model.embed_tokens.weight": random(vocab, hidden, scale=1.0), "model.norm.weight": 1 + random(hidden)}
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = random(vocab, hidden)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            f"{p}input_layernorm.weight": 1 + random(hidden),
+            f"{p}post_attention_layernorm.weight": 1 + random(hidden),
+            f"{p}self_attn.q_proj.weight": random(q_size, hidden),
+            f"{p}self_attn.k_proj.weight": random(kv_size, hidden),
+            f"{p}self_attn.v_proj.weight": random(kv_size, hidden),
+            f"{p}self_attn.o_proj.weight": random(hidden, q_size),
+            f"{p}mlp.gate_proj.weight": random(inter, hidden),
+            f"{p}mlp.up_proj.weight": random(inter, hidden),
+            f"{p}mlp.down_proj.weight": random(hidden, inter),
+        }
+        if config.model_type == "qwen2":
+            for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+                weights[f"{p}self_attn.{name}_proj.bias"] = random(size)
+    config.save_pretrained(folder)
+    save_file(weights, folder / "model.safetensors")
+
+
+def load_shard(folder: Path, rank: int, size: int, tp: TensorParallelGroup) -> LlamaModel:
+    config = AutoConfig.from_pretrained(folder)
+    shard = ShardPlan.build(config, rank, size)
+    weights = read_weights(folder, shard)
+    return LlamaModel(config, weights, MAX_POSITIONS, torch.device("cpu"), torch.float32, shard=shard, tp=tp)
+
+
+def run_batches(model: LlamaModel) -> torch.Tensor:
+    """A prefill of a 40-token prompt (SDPA) and a 5-token one (token by token), then two new tokens for each;
+    the logits after several tokens of each forward, stacked."""
+    pool = TokenKVPool(model.num_layers, 64, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    prompts = [[(7 * j + 3) % 101 for j in range(40)], [100, 0, 50, 51, 99]]
+    rows = [pool.allocate(len(prompt)) for prompt in prompts]
+    prefill = ForwardBatch.build(rows, [0, 0], prompts, torch.device("cpu"), num_logits=[3, 5])
+    prefill_logits = model.forward(prefill, pool)
+    new_tokens = [[1, 2], [60, 49]]
+    for seq_rows, tokens in zip(rows, new_tokens, strict=True):
+        seq_rows += pool.allocate(len(tokens))
+    decode = ForwardBatch.build(rows, [40, 5], new_tokens, torch.device("cpu"), num_logits=[2, 2])
+    return torch.cat([prefill_logits, model.forward(decode, pool)])
+
+
+def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
+    """One rank of the group (a torch.multiprocessing child): its logits and what it holds, saved to ``out``."""
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        model = load_shard(folder, rank, size, TensorParallelGroup(rank, size, dist.group.WORLD))
+        logits = run_batches(model)
+        torch.save({"logits": logits, "bytes": model.num_weight_bytes, "kv_heads": model.num_kv_heads}, out / f"{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("name", "size"), [("llama-tied", 2), ("qwen2-biases", 2), ("llama-tied", 3)])
+def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: int, tmp_path: Path) -> None:
+    config = CONFIGS[name]()
+    write_random_model(config, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        single = load_shard(tmp_path, 0, 1, TensorParallelGroup())
+        expected = run_batches(single)
+    finally:
+        torch.set_num_threads(threads)
+    mp.spawn(run_rank, args=(size, tmp_path, free_port(), tmp_path), nprocs=size)
+    ranks = [torch.load(tmp_path / f"{rank}") for rank in range(size)]
+
+    assert expected.shape == (12, config.vocab_size)
+    for rank in ranks[1:]:
+        assert torch.equal(rank["logits"], ranks[0]["logits"]), "every rank must hold the same logits"
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(ranks[0]["logits"], expected, rtol=0, atol=LOGITS_TOLERANCE * scale)
+    assert (ranks[0]["logits"].argmax(-1) == expected.argmax(-1)).all()
+    assert [rank["kv_heads"] for rank in ranks] == ([2, 1] if size == 2 else [1, 1, 1])
+    replicated_norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
+    assert sum(rank["bytes"] for rank in ranks) == single.num_weight_bytes + (size - 1) * replicated_norms
