@@ -1,6 +1,6 @@
 """``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
 HTTP with ``--port``) until SIGINT/SIGTERM. Under ``torchrun --nproc-per-node N`` every rank runs the loop and
-rank 0 owns the sockets."""
+rank 0 owns the sockets; with ``--dp-size N`` each rank is a replica serving the requests rank 0 routes to it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ logger = logging.getLogger("scheduler.launch")
 
 def main(argv: Sequence[str] | None = None) -> int:
     server_args = ServerArgs.parse(argv)
+    server_args.check_world_size(WORLD_SIZE.get())
     dist = init_distributed(WORLD_SIZE.get())
     _configure_logging(server_args, dist)
     start = time.perf_counter()

@@ -99,6 +99,7 @@ class ServerArgs:
     port: int | None = None
     zmq_port: int = 30010
     seed: int = 0
+    dp_size: int = 1
     log_level: str = "info"
     poll_interval: float | None = None
     cache_dir: str | None = None
@@ -148,6 +149,7 @@ class ServerArgs:
             "max_total_tokens",
             "grammar_compile_threads",
             "grammar_max_spec_bytes",
+            "dp_size",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -155,6 +157,15 @@ class ServerArgs:
             raise ValueError("--grammar-compile-timeout must be positive")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``ValueError`` unless ``--dp-size`` matches the ranks torchrun started (any world with dp 1)."""
+        if self.dp_size > 1 and self.dp_size != world_size:
+            raise ValueError(
+                f"--dp-size {self.dp_size} needs exactly {self.dp_size} ranks (torchrun --nproc-per-node "
+                f"{self.dp_size}), not {world_size}: each rank is one whole-model replica, and data parallelism "
+                "does not combine with other parallelism"
+            )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -270,6 +281,14 @@ class ServerArgs:
             help="import this module first (repeatable), e.g. one that calls register_grammar_backend",
         )
         parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument(
+            "--dp-size",
+            type=int,
+            default=d.dp_size,
+            help="data-parallel replicas, one per rank under torchrun (the world size must equal it): each a whole "
+            "model running its own batches; rank 0 routes each request to the least-loaded replica and compiles "
+            "each grammar once for all. 1: every rank runs the same batch in lockstep",
+        )
         parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
         parser.add_argument(
             "--cache-dir", default=d.cache_dir, help=f"default: ${CACHE_DIR.name} or {CACHE_DIR.default}"
