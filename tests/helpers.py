@@ -205,3 +205,12 @@ def launch_scheduler(
             for rank in range(ranks):
                 assert f"[rank {rank}] scheduler.launch: stopped" in log, f"rank {rank} did not stop:\n{log[-3000:]}"
         launched.log_path.unlink(missing_ok=True)
+
+
+def rank_pid(launched: SchedulerProcess, rank: int) -> int:
+    """The pid of one worker of a multi-rank launch: the child of torchrun whose environment says RANK=rank."""
+    children = psutil.Process(launched.process.pid).children()
+    for child in children:
+        if child.environ().get("RANK") == str(rank):
+            return child.pid
+    raise AssertionError(f"no worker with RANK={rank} among {[child.pid for child in children]}")

@@ -15,14 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
-import psutil
 import pytest
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateReq
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
-from tests.helpers import launch_scheduler
+from tests.helpers import launch_scheduler, rank_pid
 
 pytestmark = [pytest.mark.model, pytest.mark.multirank]
 
@@ -139,7 +138,7 @@ def test_an_abort_sent_to_rank_0_removes_the_request_on_every_rank(two_ranks: Sc
 
 def test_killing_a_rank_stops_the_launcher_with_a_clear_message() -> None:
     with launch_scheduler(ranks=2, check_clean_stop=False) as launched:
-        os.kill(_rank_pid(launched, 1), signal.SIGKILL)
+        os.kill(rank_pid(launched, 1), signal.SIGKILL)
         start = time.monotonic()
         exit_code = launched.process.wait(timeout=60)
         elapsed = time.monotonic() - start
@@ -147,12 +146,3 @@ def test_killing_a_rank_stops_the_launcher_with_a_clear_message() -> None:
     assert exit_code != 0 and elapsed < 30
     assert "[rank 0] scheduler.launch: rank 0: a peer rank stopped answering" in log
     assert "local_rank: 1" in log and "exitcode: -9" in log
-
-
-def _rank_pid(launched: SchedulerProcess, rank: int) -> int:
-    """The pid of one worker: the child of torchrun whose environment says RANK=rank."""
-    children = psutil.Process(launched.process.pid).children()
-    for child in children:
-        if child.environ().get("RANK") == str(rank):
-            return child.pid
-    raise AssertionError(f"no worker with RANK={rank} among {[child.pid for child in children]}")
