@@ -201,6 +201,19 @@ class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_
     """With ``top_logprobs_num``: one per token of ``token_ids``."""
 
 
+class ReplicaStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One data-parallel replica's load and what it has served since the start (``--dp-size``)."""
+
+    rank: int
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_compiling_requests: int = 0
+    num_free_kv_tokens: int = 0
+    num_finished_requests: int = 0
+    num_output_tokens: int = 0
+    num_forwards: int = 0
+
+
 class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True):
     """The scheduler's identity and current load."""
 
@@ -224,6 +237,8 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     draft_runs: dict[str, int] = msgspec.field(default_factory=dict)
     metrics_text: str = ""
     """The scheduler's own Prometheus metrics (grammar compiles), in the text exposition format."""
+    replicas: list[ReplicaStatus] = msgspec.field(default_factory=list)
+    """With ``--dp-size``: each replica's status, in rank order (the counts above are their sums)."""
 
 
 class FlushCacheDone(msgspec.Struct, tag="flush_cache_done", kw_only=True, forbid_unknown_fields=True):

@@ -1,6 +1,7 @@
 """``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
 HTTP with ``--port``) until SIGINT/SIGTERM. Under ``torchrun --nproc-per-node N`` every rank runs the loop and
-rank 0 owns the sockets; with ``--tp-size N`` each rank holds a shard of the model."""
+rank 0 owns the sockets; with ``--tp-size N`` each rank holds a shard of the model, with ``--dp-size N`` each
+rank is a replica serving the requests rank 0 routes to it."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from scheduler.batch_executor import BatchExecutor
+from scheduler.data_parallel import DataParallelReplica
 from scheduler.distributed import DistributedContext
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
@@ -20,6 +21,7 @@ from scheduler.io_struct import (
     GenerateReq,
     PingReq,
     Pong,
+    ReplicaStatus,
     ServerMessage,
     Usage,
     decode_client_message,
@@ -46,6 +48,7 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask for per output token (OpenAI's limit for chat)."""
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 Messages = list[tuple[bytes, bytes]]
 
@@ -54,7 +57,8 @@ class Scheduler:
     """Serves generate requests on one model with continuous batching and grammar-constrained sampling.
 
     With a ``DistributedContext`` it is one rank of several: every rank runs this loop on the messages rank 0
-    received, in the same order, and only rank 0 sends outputs.
+    received, in the same order, and only rank 0 sends outputs. With ``--dp-size`` it is one data-parallel replica
+    instead (``DataParallelReplica``): it runs the requests rank 0 routed to it, and rank 0 sends its outputs.
     """
 
     def __init__(
@@ -74,7 +78,12 @@ class Scheduler:
         )
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
-        rank_sync = RankSync(dist) if dist is not None else None
+        self.data_parallel = (
+            DataParallelReplica(dist, grammar_backend, server_args)
+            if dist is not None and server_args.dp_size > 1
+            else None
+        )
+        rank_sync = RankSync(dist) if dist is not None and self.data_parallel is None else None
         self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
         ngram_cache = None
         if server_args.speculative_ngram_capacity and server_args.speculative_num_draft_tokens:
@@ -105,6 +114,7 @@ class Scheduler:
         self.live: dict[str, Req] = {}
         self.outbox: list[tuple[bytes, ServerMessage]] = []
         self.is_stopping = False
+        self.num_finished_requests = 0
         self.num_turns = 0
         self.turn_sync_seconds = 0.0
 
@@ -126,9 +136,11 @@ class Scheduler:
     def shutdown(self, ipc: SchedulerIPC | None) -> None:
         """Answer every live request with an abort, then release the grammar backend's threads."""
         for req in list(self.live.values()):
-            req.abort("the server is shutting down")
+            req.abort(SHUTDOWN_MESSAGE)
             self._finish(req)
         self._flush_outbox(ipc)
+        if self.data_parallel is not None:
+            self.data_parallel.shutdown(ipc, SHUTDOWN_MESSAGE)
         if self.grammar_manager.grammar_backend is not None:
             self.grammar_manager.grammar_backend.shutdown()
         self.grammar_manager.close()
@@ -176,7 +188,14 @@ class Scheduler:
         self._finish(req)
 
     def _receive(self, ipc: SchedulerIPC | None) -> tuple[Messages, bool]:
-        """This turn's messages (rank 0's, on every rank) and whether any rank was asked to stop."""
+        """This turn's messages (rank 0's, on every rank; with ``--dp-size`` the ones routed to this replica) and
+        whether any rank was asked to stop."""
+        if self.data_parallel is not None:
+            start = time.perf_counter()
+            turn = self.data_parallel.exchange(ipc, self._wait_time(), self._status(), self.is_stopping)
+            self.turn_sync_seconds += time.perf_counter() - start
+            self.num_turns += 1
+            return turn
         messages = ipc.receive(self._wait_time()) if ipc is not None else []
         if self.dist is None:
             return messages, self.is_stopping
@@ -289,6 +308,7 @@ class Scheduler:
                 self._send(req, req.text.stable_text(), finished=False)
 
     def _finish(self, req: Req) -> None:
+        self.num_finished_requests += 1
         if req in self.running:
             self.running.remove(req)
         self.executor.release(req)
@@ -327,8 +347,11 @@ class Scheduler:
         self.outbox.append((req.client_id, output))
 
     def _flush_outbox(self, ipc: SchedulerIPC | None) -> None:
-        """Rank 0 sends; the other ranks computed the same outputs and drop them."""
-        if ipc is not None:
+        """Rank 0 sends; the other ranks computed the same outputs and drop them (data-parallel replicas send theirs
+        through rank 0)."""
+        if self.data_parallel is not None:
+            self.data_parallel.send(ipc, self.outbox)
+        elif ipc is not None:
             for client_id, message in self.outbox:
                 ipc.send(client_id, message)
         self.outbox.clear()
@@ -341,8 +364,20 @@ class Scheduler:
             return self.server_args.poll_interval_s
         return IDLE_WAIT_S
 
+    def _status(self) -> ReplicaStatus:
+        return ReplicaStatus(
+            rank=self.dist.rank if self.dist is not None else 0,
+            num_running_requests=len(self.running),
+            num_waiting_requests=len(self.waiting_queue),
+            num_compiling_requests=len(self.grammar_manager.grammar_queue),
+            num_free_kv_tokens=self.executor.num_free_kv_tokens,
+            num_finished_requests=self.num_finished_requests,
+            num_output_tokens=self.executor.stats.num_output_tokens,
+            num_forwards=self.executor.stats.num_forwards,
+        )
+
     def _pong(self, ping_id: str) -> Pong:
-        return Pong(
+        pong = Pong(
             model=self.server_args.model_name,
             grammar_backend=self.server_args.grammar_backend,
             vocab_size=self.vocab_size,
@@ -360,3 +395,4 @@ class Scheduler:
             draft_runs=dict(self.executor.stats.draft_runs),
             metrics_text=self.grammar_manager.metrics.render(),
         )
+        return pong if self.data_parallel is None else self.data_parallel.group_pong(pong, self._status())

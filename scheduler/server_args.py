@@ -100,6 +100,7 @@ class ServerArgs:
     port: int | None = None
     zmq_port: int = 30010
     seed: int = 0
+    dp_size: int = 1
     log_level: str = "info"
     poll_interval: float | None = None
     cache_dir: str | None = None
@@ -150,6 +151,7 @@ class ServerArgs:
             "grammar_compile_threads",
             "grammar_max_spec_bytes",
             "tp_size",
+            "dp_size",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -159,12 +161,23 @@ class ServerArgs:
             raise ValueError("--port must be in [0, 65535]")
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise ValueError unless the ranks launched fit the parallel layout: ``--tp-size N`` needs N ranks (with
-        ``--tp-size 1`` any number of ranks each run the whole model)."""
+        """Raise ValueError unless the ranks launched fit the parallel layout: ``--tp-size N`` needs N ranks, each
+        holding a shard of the model; ``--dp-size N`` needs N ranks, each a whole-model replica; the two do not combine
+        yet. With both 1, any number of ranks each run the whole model in lockstep."""
+        if self.tp_size > 1 and self.dp_size > 1:
+            raise ValueError(
+                f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: tensor and data parallelism do not combine "
+                "yet; choose one"
+            )
         if self.tp_size > 1 and self.tp_size != world_size:
             raise ValueError(
                 f"--tp-size {self.tp_size} needs {self.tp_size} ranks, but {world_size} were launched: run "
                 f"torchrun --nproc-per-node {self.tp_size} -m scheduler.launch --tp-size {self.tp_size} ..."
+            )
+        if self.dp_size > 1 and self.dp_size != world_size:
+            raise ValueError(
+                f"--dp-size {self.dp_size} needs exactly {self.dp_size} ranks (torchrun --nproc-per-node "
+                f"{self.dp_size}), not {world_size}: each rank is one whole-model replica"
             )
 
     @classmethod
@@ -288,6 +301,14 @@ class ServerArgs:
             help="import this module first (repeatable), e.g. one that calls register_grammar_backend",
         )
         parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument(
+            "--dp-size",
+            type=int,
+            default=d.dp_size,
+            help="data-parallel replicas, one per rank under torchrun (the world size must equal it): each a whole "
+            "model running its own batches; rank 0 routes each request to the least-loaded replica and compiles "
+            "each grammar once for all. 1: every rank runs the same batch in lockstep",
+        )
         parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
         parser.add_argument(
             "--cache-dir", default=d.cache_dir, help=f"default: ${CACHE_DIR.name} or {CACHE_DIR.default}"

@@ -11,12 +11,16 @@ the scheduler sends one chunk per step in which a request gained tokens, and eac
 forward that request took part in. ``--profile`` runs the scheduler under cProfile and prints where its time went.
 ``--peer llamacpp`` (where llama-cpp-python is installed: the ``llamacpp`` extra) also runs the free and JSON
 requests through llama.cpp on the same GGUF file, each round right after ours, and prints ours over it.
+``--ranks`` runs the benchmarks of several ranks instead: data parallel (``scripts/bench_dp.py``: 2 replicas x 1
+thread against 1 rank x 2 threads, JSON at concurrency 16, and grammar compiles per distinct schema) and tensor
+parallel (``scripts/bench_tp.py``: per-token latency and memory per rank, tp=1 against tp=2).
 ``--compare-speculation`` starts two schedulers, ``--speculative-algorithm none`` and the default, runs every
 kind on both back to back, and prints speculation on over off, JSON on over free off, forwards per token and, per
 draft source, the acceptance rate and mean accepted run (from the schedulers' counters).
 
     python scripts/bench_serving.py [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
                                     [--peer llamacpp] [--compare-speculation] [--temperature 0.7]
+    python -m scripts.bench_serving --ranks
 
 Over 300 lines: the requests, their schedule and their summary are shared by the profile and the peer runs.
 """
@@ -463,8 +467,18 @@ def main(argv: list[str] | None = None) -> None:
         "--compare-speculation", action="store_true", help="speculation off and on, two schedulers side by side"
     )
     parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy requests")
+    parser.add_argument("--ranks", action="store_true", help="data- and tensor-parallel ranks against one rank")
     parser.add_argument("--output", type=Path, default=None, help="default: results/bench_serving_<backend>.json")
     args = parser.parse_args(argv)
+    if args.ranks:
+        try:  # here, not on top: bench_dp imports this module's helpers
+            from scripts.bench_dp import run_dp_benchmark
+            from scripts.bench_tp import run_tp_benchmark
+        except ModuleNotFoundError:
+            parser.error("--ranks runs as a module, from the repository: python -m scripts.bench_serving --ranks")
+        for line in [*run_dp_benchmark(backend=args.backend), *run_tp_benchmark()]:
+            print(line)
+        return
     needed = sum(args.rounds * len(KINDS) * max(args.min_requests, args.waves * c) for c in args.concurrency)
     if needed >= WARM_UP_INDEX:
         parser.error(

@@ -27,6 +27,7 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
+    GrammarExport,
     GrammarStats,
     InvalidGrammarObject,
 )
@@ -100,6 +101,23 @@ class AutoGrammarBackend(BaseGrammarBackend):
         )
         self._record(key[0], chosen_name, refusals)
         return result
+
+    @property
+    def can_share_grammars(self) -> bool:
+        return all(backend.can_share_grammars for backend in self.backends.values())
+
+    def export_grammar(self, grammar: BaseGrammarObject) -> GrammarExport:
+        """The chosen backend's export; its stats name the chosen backend, which ``import_grammar`` asks."""
+        if isinstance(grammar, InvalidGrammarObject) or grammar.grammar_stats is None:
+            return super().export_grammar(grammar)
+        chosen = self.backends[str(grammar.grammar_stats.chosen_backend)]
+        return chosen.export_grammar(grammar)
+
+    def import_grammar(self, export: GrammarExport) -> BaseGrammarObject:
+        chosen = export.stats.chosen_backend if export.stats is not None else None
+        if export.payload is None or chosen is None:
+            return super().import_grammar(export)
+        return self.backends[chosen].import_grammar(export)
 
     def choice_counts(self) -> AutoChoiceCounts:
         """A snapshot of the counters (safe to call from any thread)."""

@@ -18,6 +18,7 @@ import importlib
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -72,6 +73,17 @@ class GrammarStats:
     is_cache_hit: bool = False
     chosen_backend: str | None = None
     fallback_reasons: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class GrammarExport:
+    """A compiled grammar as another process imports it into a backend like the one that compiled it (same kind,
+    tokenizer and settings): ``payload`` is the backend's serialised form, None for an invalid grammar, whose
+    ``error_message`` says why. Plain data: it pickles."""
+
+    payload: bytes | str | None
+    error_message: str = ""
+    stats: GrammarStats | None = None
 
 
 class BaseGrammarObject(ABC):
@@ -243,6 +255,40 @@ class BaseGrammarBackend:
         """``(copy, True)`` on a cache hit, else ``(future, False)`` resolving to a grammar object of its own."""
         return self.compile_service.get(key)
 
+    @property
+    def can_share_grammars(self) -> bool:
+        """Whether ``export_grammar`` / ``import_grammar`` work, so that one process compiles for many."""
+        return False
+
+    def export_grammar(self, grammar: BaseGrammarObject) -> GrammarExport:
+        """``grammar`` (valid or invalid, at its start state) as another process's backend imports it."""
+        if isinstance(grammar, InvalidGrammarObject):
+            return GrammarExport(None, grammar.error_message, grammar.grammar_stats)
+        return GrammarExport(self.serialize_grammar(grammar), "", grammar.grammar_stats)
+
+    def import_grammar(self, export: GrammarExport) -> BaseGrammarObject:
+        """A grammar object at its start state from another backend's ``export_grammar``; nothing is compiled."""
+        grammar: BaseGrammarObject
+        if export.payload is None:
+            grammar = InvalidGrammarObject(export.error_message)
+        else:
+            grammar = self.deserialize_grammar(export.payload)
+        grammar.grammar_stats = export.stats
+        return grammar
+
+    def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes | str:
+        """The compiled form of a valid ``grammar`` of this backend (backends with ``can_share_grammars``)."""
+        raise NotImplementedError(f"the {self.name} grammar backend cannot share its compiled grammars")
+
+    def deserialize_grammar(self, payload: bytes | str) -> BaseGrammarObject:
+        """The inverse of ``serialize_grammar``."""
+        raise NotImplementedError(f"the {self.name} grammar backend cannot share its compiled grammars")
+
+    def compile_elsewhere(self, fetch: Callable[[GrammarKey], Future[BaseGrammarObject]]) -> None:
+        """Take each missed key's grammar from ``fetch`` (settled by another process that compiles it, say with
+        ``import_grammar``) instead of compiling it here; this backend's cache, dedup and deadline stay."""
+        self.compile_service.compile_elsewhere(fetch)
+
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
         """Store a compiled (or invalid) grammar for ``key``; its in-flight compile, if any, is done with."""
         self.compile_service.store(key, value)
@@ -319,6 +365,7 @@ __all__ = [
     "BaseGrammarBackend",
     "BaseGrammarObject",
     "GrammarBackendArgs",
+    "GrammarExport",
     "GrammarSpecError",
     "GrammarStats",
     "InvalidGrammarObject",

@@ -8,7 +8,9 @@ compile cannot be interrupted in a thread).
 its own; identical keys asked for while one compiles share that compile. A compile past its deadline fails its
 futures with ``CompileTimeoutError`` and is forgotten (the next request compiles anew; a late result is dropped).
 The caller decides when a value enters the cache (``store``), so that every rank of a multi-rank server makes
-the same hit-or-miss decision for the same request. Generic over keys and values: it knows nothing of grammars.
+the same hit-or-miss decision for the same request. ``compile_elsewhere`` makes misses ask another source (another
+process that compiles once for many) instead of the pool; cache, dedup and deadline stay. Generic over keys and
+values: it knows nothing of grammars.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class CompileService(Generic[K, V]):
         self._deadlines = _DeadlineWatch(f"{name}-deadlines")
         self._in_flight: dict[K, Future[V]] = {}
         self._lock = threading.Lock()
+        self._fetch: Callable[[K], Future[V]] | None = None
         self.num_compilations = 0
 
     def get(self, key: K) -> tuple[V | Future[V], bool]:
@@ -84,12 +87,15 @@ class CompileService(Generic[K, V]):
             shared = self._in_flight.get(key)
             if shared is None:
                 shared = Future()
-                # Raises RuntimeError after shutdown, before anything waits on a compile that would never run.
-                self.executor.submit(self._run, key, shared)
+                self._start(key, shared)
                 self._in_flight[key] = shared
-                self.num_compilations += 1
                 self._deadlines.call_at(time.monotonic() + self.timeout_s, lambda: self._expire(key, shared))
         return map_future(shared, lambda value: self._copy(value, False)), False
+
+    def compile_elsewhere(self, fetch: Callable[[K], Future[V]]) -> None:
+        """From now on a miss takes its value from ``fetch(key)`` (a future settled by whoever compiles it) instead
+        of compiling on the pool; ``fetch`` is called under this service's lock and must not call back into it."""
+        self._fetch = fetch
 
     def store(self, key: K, value: V) -> None:
         """Cache ``value`` for ``key``; its compile in flight, if any, is done with."""
@@ -114,6 +120,14 @@ class CompileService(Generic[K, V]):
         self.reset()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self._deadlines.stop()
+
+    def _start(self, key: K, shared: Future[V]) -> None:
+        if self._fetch is not None:
+            self._fetch(key).add_done_callback(lambda done: _relay(done, shared))
+            return
+        # Raises RuntimeError after shutdown, before anything waits on a compile that would never run.
+        self.executor.submit(self._run, key, shared)
+        self.num_compilations += 1
 
     def _run(self, key: K, shared: Future[V]) -> None:
         if shared.done():  # cancelled or past its deadline while it waited for a worker
@@ -144,6 +158,16 @@ def _settle(future: Future[T], value: T | None = None, error: BaseException | No
             future.set_exception(error)
         else:
             future.set_result(value)  # type: ignore[arg-type]
+
+
+def _relay(source: Future[T], target: Future[T]) -> None:
+    """Settle ``target`` as ``source`` settled (cancelled, failed or with its value)."""
+    if source.cancelled():
+        target.cancel()
+    elif (error := source.exception()) is not None:
+        _settle(target, error=error)
+    else:
+        _settle(target, value=source.result())
 
 
 def map_future(source: Future[T], transform: Callable[[T], T]) -> Future[T]:

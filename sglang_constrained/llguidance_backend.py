@@ -135,6 +135,11 @@ class GuidanceGrammar(BaseGrammarObject):
     def copy(self) -> GuidanceGrammar:
         return GuidanceGrammar(self._ll_tokenizer, self._grammar, self._template)
 
+    @property
+    def grammar_text(self) -> str:
+        """The llguidance grammar this object walks (as validated when it was compiled)."""
+        return self._grammar
+
     def validate_tokens(self, tokens: list[int]) -> int:
         in_range = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab_size), len(tokens))
         return self._matcher.validate_tokens(tokens[:in_range]) if in_range else 0
@@ -253,6 +258,25 @@ class GuidanceBackend(BaseGrammarBackend):
         own = schema.get("x-guidance")
         options = {**self.json_options, **(own if isinstance(own, dict) else {}), **_STRICT_JSON}
         return {**schema, "x-guidance": options}
+
+    @property
+    def can_share_grammars(self) -> bool:
+        return True
+
+    def serialize_grammar(self, grammar: BaseGrammarObject) -> str:
+        """The validated llguidance grammar text. llguidance has no compiled form to ship: its lexer and parser
+        states are built lazily as masks are computed, and a matcher builds from the text in about 1 ms. What the
+        importer skips is the lowering (schema to grammar), the validation and the start probe."""
+        if not isinstance(grammar, GuidanceGrammar):
+            raise TypeError(f"not an llguidance grammar: {type(grammar).__name__}")
+        return grammar.grammar_text
+
+    def deserialize_grammar(self, payload: bytes | str) -> GuidanceGrammar:
+        text = payload.decode() if isinstance(payload, bytes) else payload
+        template = LLMatcher(self.ll_tokenizer, text, log_level=0, limits=_LIMITS)
+        if template.is_error():
+            raise ValueError(f"llguidance cannot build an exported grammar: {_clean_message(template.get_error())}")
+        return GuidanceGrammar(self.ll_tokenizer, text, template)
 
     def _build(self, grammar: str, what: str, hint: str = "") -> GuidanceGrammar:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer, limits=_LIMITS)

@@ -17,7 +17,6 @@ outlines-core 0.2.14 this module is built around, measured on this machine:
 
 from __future__ import annotations
 
-import pickle
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -189,11 +188,28 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
     def dispatch_regex(self, key_string: str) -> OutlinesGrammar:
         return self._compile(key_string)
 
+    @property
+    def can_share_grammars(self) -> bool:
+        return True
+
+    def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes:
+        """The index's binary form (what ``Index.from_binary`` reads)."""
+        if not isinstance(grammar, OutlinesGrammar):
+            raise TypeError(f"not an outlines grammar: {type(grammar).__name__}")
+        return _index_binary(grammar.compiled.index)
+
+    def deserialize_grammar(self, payload: bytes | str) -> OutlinesGrammar:
+        binary = payload.encode() if isinstance(payload, str) else payload
+        return self._grammar(outlines_core.Index.from_binary(binary), len(binary))
+
     def _compile(self, regex: str) -> OutlinesGrammar:
         try:
             index = outlines_core.Index(regex, self.vocabulary)
         except ValueError as e:
             raise GrammarSpecError(_index_error_message(regex, e)) from e
+        return self._grammar(index, len(_index_binary(index)))
+
+    def _grammar(self, index: outlines_core.Index, num_bytes: int) -> OutlinesGrammar:
         return OutlinesGrammar(
             OutlinesCompiledGrammar(
                 index=index,
@@ -201,9 +217,16 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
                 eos_mask_words=token_word_bits(self.eos_token_ids),
                 extra_eos_mask_words=token_word_bits(self.eos_token_ids[1:]),
                 num_mask_words=self.num_mask_words,
-                num_bytes=len(pickle.dumps(index)),
+                num_bytes=num_bytes,
             )
         )
+
+
+def _index_binary(index: outlines_core.Index) -> bytes:
+    """The index's binary form. outlines-core 0.2.14 exposes it only through pickling: ``Index.__reduce__`` gives
+    ``(Index.from_binary, (binary,))``; reading it there avoids pickle's own framing."""
+    _, (binary,) = index.__reduce__()
+    return bytes(binary)
 
 
 def _schema_error_message(error: ValueError) -> str:

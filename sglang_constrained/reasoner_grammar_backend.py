@@ -163,6 +163,21 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
     def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
         return self.grammar_backend.dispatch_structural_tag(key_string)
 
+    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
+        return self.grammar_backend.build_grammar(key)
+
+    @property
+    def can_share_grammars(self) -> bool:
+        return self.grammar_backend.can_share_grammars
+
+    def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes | str:
+        """The inner grammar's form (the cache and the exports hold unwrapped grammars)."""
+        inner = grammar.grammar if isinstance(grammar, ReasonerGrammarObject) else grammar
+        return self.grammar_backend.serialize_grammar(inner)
+
+    def deserialize_grammar(self, payload: bytes | str) -> BaseGrammarObject:
+        return self.grammar_backend.deserialize_grammar(payload)
+
     def wait_until_ready(self) -> None:
         self.grammar_backend.wait_until_ready()
 

@@ -13,7 +13,6 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -25,8 +24,7 @@ from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
-    GrammarStats,
-    InvalidGrammarObject,
+    GrammarExport,
     common_prefix_length,
 )
 from sglang_constrained.compile_service import CompileProcesses
@@ -155,7 +153,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         # xgrammar's default is 8 threads per compile, whatever the machine: one, so that a compile takes one core.
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
-        self.compile_processes: CompileProcesses[GrammarKey, _CompileResult] | None = None
+        self.compile_processes: CompileProcesses[GrammarKey, GrammarExport] | None = None
         if compile_in_processes and type(self) is XGrammarGrammarBackend:
             self.compile_processes = CompileProcesses(
                 functools.partial(_start_compile_process, server_args, self.vocabulary),
@@ -171,14 +169,22 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         ``CompileProcessError`` if xgrammar crashed."""
         if self.compile_processes is None:
             return super().build_grammar(key)
-        result = self.compile_processes.run(key)
-        if result.serialized is None:
-            grammar: BaseGrammarObject = InvalidGrammarObject(result.error_message)
-        else:
-            compiled = xgrammar.CompiledGrammar.deserialize_json(result.serialized, self.tokenizer_info)
-            grammar = XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
-        grammar.grammar_stats = result.stats
-        return grammar
+        return self.import_grammar(self.compile_processes.run(key))
+
+    @property
+    def can_share_grammars(self) -> bool:
+        return True
+
+    def serialize_grammar(self, grammar: BaseGrammarObject) -> str:
+        """xgrammar's ``CompiledGrammar.serialize_json``: the compiled grammar, token masks included."""
+        if not isinstance(grammar, XGrammarGrammar):
+            raise TypeError(f"not an xgrammar grammar: {type(grammar).__name__}")
+        return grammar.compiled_grammar.serialize_json()
+
+    def deserialize_grammar(self, payload: bytes | str) -> XGrammarGrammar:
+        text = payload.decode() if isinstance(payload, bytes) else payload
+        compiled = xgrammar.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
+        return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
 
     def wait_until_ready(self) -> None:
         if self.compile_processes is not None:
@@ -263,19 +269,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return {key: self._prepared_tag(value, f"{pointer}/{key}") for key, value in node.items()}
 
 
-@dataclass(frozen=True)
-class _CompileResult:
-    """What a compile process sends back: the compiled grammar serialised, or why it is invalid."""
-
-    serialized: str | None
-    error_message: str
-    stats: GrammarStats | None
-
-
 def _start_compile_process(
     server_args: GrammarBackendArgs, vocabulary: TokenizerVocabulary
-) -> Callable[[GrammarKey], _CompileResult]:
-    """The compile function of a compile process: the same checks and compile as the server's, on its own thread."""
+) -> Callable[[GrammarKey], GrammarExport]:
+    """The compile function of a compile process: the same checks and compile as the server's, on its own thread;
+    the result comes back exported (serialised)."""
     backend = XGrammarGrammarBackend(
         server_args,
         None,
@@ -285,12 +283,8 @@ def _start_compile_process(
         compile_in_processes=False,
     )
 
-    def compile_key(key: GrammarKey) -> _CompileResult:
-        grammar = backend.build_grammar(key)
-        if isinstance(grammar, InvalidGrammarObject):
-            return _CompileResult(None, grammar.error_message, grammar.grammar_stats)
-        assert isinstance(grammar, XGrammarGrammar)
-        return _CompileResult(grammar.compiled_grammar.serialize_json(), "", grammar.grammar_stats)
+    def compile_key(key: GrammarKey) -> GrammarExport:
+        return backend.export_grammar(backend.build_grammar(key))
 
     return compile_key
 

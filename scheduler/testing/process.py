@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +57,12 @@ class SchedulerProcess:
     """``python -m scheduler.launch`` on a free loopback port, its output in a log file.
 
     With ``ranks > 1`` it runs under ``torch.distributed.run`` (torchrun). ``extra_paths`` go on PYTHONPATH
-    (for ``--import-module`` and entry-point plugins).
+    (for ``--import-module`` and entry-point plugins); ``env`` adds to the environment (``OMP_NUM_THREADS``, say).
     """
 
-    def __init__(self, *flags: str, ranks: int = 1, extra_paths: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self, *flags: str, ranks: int = 1, extra_paths: tuple[Path, ...] = (), env: Mapping[str, str] | None = None
+    ) -> None:
         self.zmq_port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
         self.ranks = ranks
@@ -71,9 +74,11 @@ class SchedulerProcess:
             launcher += ["--master-port", str(free_port()), "-m", "scheduler.launch"]
         command = [*launcher, "--zmq-port", str(self.zmq_port), *flags]
         python_path = [*map(str, extra_paths), os.environ.get("PYTHONPATH", "")]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(python_path))
+        environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(python_path)}
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment
+            )
 
     def client(self, timeout_s: float = 600.0) -> SchedulerClient:
         return SchedulerClient(self.endpoint, timeout_s=timeout_s)
