@@ -123,3 +123,10 @@ def test_the_flag_reaches_the_server_args() -> None:
     assert ServerArgs.parse(["--tp-size", "2"]).tp_size == 2
     with pytest.raises(ValueError, match="tp_size must be positive"):
         ServerArgs.parse(["--tp-size", "0"])
+
+
+def test_tensor_and_data_parallel_together_are_refused_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="tensor and data parallelism do not combine yet"):
+        ServerArgs(tp_size=2, dp_size=2).check_world_size(4)
+    with pytest.raises(ValueError, match="--dp-size 2 needs exactly 2 ranks"):
+        ServerArgs(dp_size=2).check_world_size(3)
