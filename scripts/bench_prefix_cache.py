@@ -22,7 +22,8 @@ from scheduler.client import SchedulerClient
 from scheduler.testing.process import SchedulerProcess, TreeMemory, process_tree_memory
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_prefix_cache.json"
-RSS_TARGET_GIB = 1.5
+MEMORY_TARGET_GIB = 1.5
+"""The issue's idle bound, held against PSS: the RSS sum counts the compile processes' shared pages again each."""
 TTFT_RATIO_TARGET = 0.5
 
 
@@ -58,7 +59,7 @@ def main() -> None:
         server.wait_until_ready()
         time.sleep(2)
         idle = process_tree_memory(server.process.pid)
-        verdict = "ok" if idle.pss / 2**10 <= RSS_TARGET_GIB else f"MISS (target <= {RSS_TARGET_GIB})"
+        verdict = "ok" if idle.pss / 2**10 <= MEMORY_TARGET_GIB else f"MISS (target <= {MEMORY_TARGET_GIB})"
         print(f"scheduler memory when ready and idle: {memory_gib(idle)} ({verdict})")
         shared = system_prompt("Hello", args.system_words)
         samples: dict[str, list[float]] = {"cached": [], "uncached": []}
