@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -75,6 +76,7 @@ class GrammarManager:
         self._wakeup_read, self._wakeup_write = os.pipe()
         os.set_blocking(self._wakeup_read, False)
         os.set_blocking(self._wakeup_write, False)
+        self._wakeup_lock = threading.Lock()
 
     @property
     def wakeup_fd(self) -> int:
@@ -140,8 +142,13 @@ class GrammarManager:
         return aborted
 
     def close(self) -> None:
-        os.close(self._wakeup_read)
-        os.close(self._wakeup_write)
+        """Close the wake-up pipe; compiles that finish afterwards (a killed compile fails late) wake nobody."""
+        with self._wakeup_lock:
+            if self._wakeup_write < 0:
+                return
+            os.close(self._wakeup_read)
+            os.close(self._wakeup_write)
+            self._wakeup_read = self._wakeup_write = -1
 
     def _local_verdicts(self) -> tuple[set[str], dict[str, GrammarFailure]]:
         """This rank's view: compiled and valid, failed (invalid, cancelled, past the deadline), or pending."""
@@ -194,9 +201,11 @@ class GrammarManager:
             self.metrics.compile_time.labels(kind).observe(grammar.grammar_stats.compile_time_s)
 
     def _wake_up(self, _: Future[BaseGrammarObject]) -> None:
-        # A full pipe means the loop will wake anyway; a closed one means the server is shutting down.
-        with contextlib.suppress(OSError):
-            os.write(self._wakeup_write, b"\0")
+        # Under the lock: once closed, the pipe's fd numbers may belong to another file. A full pipe means the loop
+        # wakes anyway.
+        with self._wakeup_lock, contextlib.suppress(BlockingIOError):
+            if self._wakeup_write >= 0:
+                os.write(self._wakeup_write, b"\0")
 
     def _drain_wakeups(self) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -280,6 +280,8 @@ class CompileProcesses(Generic[K, P]):
         once the child has started."""
         child: _CompileChild | None = getattr(self._local, "child", None)
         if child is None or not child.process.is_alive():
+            if child is not None:
+                self._retire(child)
             child = self._local.child = self._spare() or self._new_child()
         try:
             result: P = child.compile(key, self.timeout_s)
@@ -335,8 +337,13 @@ class _CompileChild:
         self.process.start()
         child_end.close()
         self.is_ready = False
+        self._using_pipe = threading.Lock()  # held while a thread talks to the child; ``kill`` waits for it
 
     def wait_until_ready(self, timeout_s: float) -> None:
+        with self._using_pipe:
+            self._wait_until_ready(timeout_s)
+
+    def _wait_until_ready(self, timeout_s: float) -> None:
         if self.is_ready:
             return
         if not self.connection.poll(timeout_s):
@@ -345,11 +352,17 @@ class _CompileChild:
         self.is_ready = True
 
     def compile(self, key: Any, timeout_s: float) -> Any:
-        self.wait_until_ready(START_TIMEOUT_S)
-        self.connection.send(key)
-        if not self.connection.poll(timeout_s):
-            raise CompileTimeoutError(f"Grammar compilation timed out after {timeout_s:g} s")
-        return self._receive("compiling")
+        with self._using_pipe:
+            if self.connection.closed:
+                raise CompileProcessError("the compile process was killed")
+            self._wait_until_ready(START_TIMEOUT_S)
+            try:
+                self.connection.send(key)
+            except BrokenPipeError:
+                raise CompileProcessError("the compile process died before its compile") from None
+            if not self.connection.poll(timeout_s):
+                raise CompileTimeoutError(f"Grammar compilation timed out after {timeout_s:g} s")
+            return self._receive("compiling")
 
     def _receive(self, doing: str) -> Any:
         try:
@@ -364,9 +377,13 @@ class _CompileChild:
         return result
 
     def kill(self) -> None:
+        """Kill the child, then close the pipe once free: a compile in flight sees the child die (end of file) and
+        lets go of it. Safe from several threads at once (shutdown and a failed compile both kill)."""
         self.process.kill()
-        self.process.join()
-        self.connection.close()
+        with self._using_pipe:
+            self.process.join()
+            if not self.connection.closed:
+                self.connection.close()
 
 
 def _compile_process_main(connection: Connection, start: Callable[[], Callable[[Any], Any]], parent: int) -> None:

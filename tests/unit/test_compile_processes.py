@@ -75,3 +75,20 @@ def test_each_thread_has_its_own_child_and_shutdown_kills_them(
     assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids)
     with pytest.raises(CompileProcessError, match="shut down"):
         processes.run("quick")
+
+
+def test_shutdown_during_compiles_fails_them_and_closes_each_pipe_once() -> None:
+    """Shutdown and the compile it fails both retire the child: its pipe must be closed once, or the second close
+    hits a descriptor number the process has handed out again."""
+    for _ in range(4):
+        processes: CompileProcesses[str, tuple[int, int]] = CompileProcesses(
+            start_compiler, name="test", timeout_s=30.0, num_spares=2
+        )
+        processes.wait_until_ready()
+        with ThreadPoolExecutor(2) as pool:
+            compiles = [pool.submit(processes.run, "spin:20") for _ in range(2)]
+            time.sleep(0.2)
+            processes.shutdown()
+            for compiling in compiles:
+                with pytest.raises(CompileProcessError):
+                    compiling.result(timeout=10)
