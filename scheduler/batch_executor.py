@@ -18,7 +18,7 @@ import torch
 from scheduler.io_struct import TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.llama import TOKENWISE_MAX_NEW_TOKENS
-from scheduler.model.runner import ModelRunner
+from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
 from scheduler.sampler import row_logprobs, sample
@@ -53,7 +53,7 @@ class SpeculationStats:
 class BatchExecutor:
     def __init__(
         self,
-        model_runner: ModelRunner,
+        model_runner: BaseModelRunner,
         sampling_info: SamplingBatchInfo,
         proposer: DraftProposer,
         rank_sync: RankSync | None = None,

@@ -22,7 +22,9 @@ from scheduler.distributed import (
 )
 from scheduler.http.server import start_http_frontend
 from scheduler.ipc import SchedulerIPC
+from scheduler.model.llamacpp_runner import LlamaCppModelRunner
 from scheduler.model.runner import ModelRunner
+from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs
 
@@ -35,7 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist = init_distributed(WORLD_SIZE.get())
     _configure_logging(server_args, dist)
     start = time.perf_counter()
-    model_runner = ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
+    model_runner: BaseModelRunner = (
+        LlamaCppModelRunner(server_args)
+        if server_args.model_runner == "llamacpp"
+        else ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
+    )
     scheduler = Scheduler(server_args, model_runner, dist)
     logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
 

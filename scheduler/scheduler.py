@@ -30,7 +30,7 @@ from scheduler.io_struct import (
 )
 from scheduler.ipc import SchedulerIPC
 from scheduler.model.llama import MATMUL_ROW_MULTIPLE
-from scheduler.model.runner import ModelRunner
+from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
 from scheduler.prompt_encoder import PromptEncoder
@@ -62,7 +62,7 @@ class Scheduler:
     """
 
     def __init__(
-        self, server_args: ServerArgs, model_runner: ModelRunner, dist: DistributedContext | None = None
+        self, server_args: ServerArgs, model_runner: BaseModelRunner, dist: DistributedContext | None = None
     ) -> None:
         self.server_args = server_args
         self.tokenizer = model_runner.tokenizer
@@ -91,7 +91,7 @@ class Scheduler:
                 server_args.speculative_ngram_capacity, NGRAM_MAX, server_args.speculative_num_draft_tokens
             )
         proposer = DraftProposer(
-            server_args.speculative_algorithm,
+            server_args.speculation,
             server_args.speculative_num_draft_tokens,
             self.tokenizer,
             model_runner.vocab_size,

@@ -16,11 +16,15 @@ T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_DTYPES = ("float32", "bfloat16")
+MODEL_RUNNERS = ("torch", "llamacpp")
+"""Engines behind the model-runner contract: torch (the default: float32, exact, prefix reuse) or llama.cpp (the
+``llamacpp`` extra: the GGUF's quantised weights, faster on CPU, no prefix reuse, not batch-invariant)."""
 MAX_DRAFT_TOKENS = 16
-SPECULATIVE_ALGORITHMS = ("none", "ngram", "grammar", "grammar+ngram")
+SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "grammar", "grammar+ngram")
 """Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
 n-gram cache of earlier outputs, ``--speculative-ngram-capacity``), the grammar's forced continuation (with
-jump-forward over forced tokens), or both."""
+jump-forward over forced tokens), or both. auto: both on the torch runner, none on llama.cpp's, whose k-token
+forward costs nearly k one-token forwards on this CPU (so verifying drafts loses time there)."""
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -87,8 +91,9 @@ class ServerArgs:
     max_total_tokens: int = 65536
     disable_radix_cache: bool = False
     weight_dtype: str = "float32"
+    model_runner: str = "torch"
     tp_size: int = 1
-    speculative_algorithm: str = "grammar+ngram"
+    speculative_algorithm: str = "auto"
     speculative_num_draft_tokens: int = 8
     speculative_ngram_capacity: int = 65536
     grammar_compile_timeout: float | None = None
@@ -117,6 +122,13 @@ class ServerArgs:
         return Path(self.model_path).name if self.model_path else EMBEDDED_MODEL_NAME
 
     @property
+    def speculation(self) -> str:
+        """The draft sources in use: ``--speculative-algorithm`` with auto resolved for the model runner."""
+        if self.speculative_algorithm != "auto":
+            return self.speculative_algorithm
+        return "none" if self.model_runner == "llamacpp" else "grammar+ngram"
+
+    @property
     def compile_timeout_s(self) -> float:
         return default_compile_timeout() if self.grammar_compile_timeout is None else self.grammar_compile_timeout
 
@@ -138,6 +150,10 @@ class ServerArgs:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--weight-dtype must be one of {WEIGHT_DTYPES}")
+        if self.model_runner not in MODEL_RUNNERS:
+            raise ValueError(f"--model-runner must be one of {MODEL_RUNNERS}")
+        if self.model_runner == "llamacpp" and self.tp_size > 1:
+            raise ValueError("--model-runner llamacpp runs the whole model on each rank: use --tp-size 1")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
         if not 0 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -236,6 +252,14 @@ class ServerArgs:
             "float32); bfloat16 decodes faster, but its greedy tokens may differ from float32's and with the batch",
         )
         parser.add_argument(
+            "--model-runner",
+            default=d.model_runner,
+            choices=MODEL_RUNNERS,
+            help="the engine that computes logits: torch (float32, greedy outputs exact whatever the batch, prefix "
+            "reuse) or llamacpp (needs the llamacpp extra: the GGUF's quantised weights on llama.cpp's CPU kernels, "
+            "several times faster per token; no prefix reuse, and its logits vary slightly with the batch)",
+        )
+        parser.add_argument(
             "--tp-size",
             type=int,
             default=d.tp_size,
@@ -246,8 +270,9 @@ class ServerArgs:
             "--speculative-algorithm",
             default=d.speculative_algorithm,
             choices=SPECULATIVE_ALGORITHMS,
-            help="draft tokens verified in one forward, and jump-forward over tokens the grammar forces; outputs are "
-            "the same as without (greedy and seeded): none decodes one forward per token",
+            help="draft tokens verified in one forward, and jump-forward over tokens the grammar forces; on the torch "
+            "runner outputs are the same as without (greedy and seeded): none decodes one forward per token; auto is "
+            "grammar+ngram on the torch runner and none on llamacpp",
         )
         parser.add_argument(
             "--speculative-num-draft-tokens",

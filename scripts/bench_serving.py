@@ -10,7 +10,8 @@ by the token limit are counted apart, as not valid). Forwards per output token a
 the scheduler sends one chunk per step in which a request gained tokens, and each such step is one model
 forward that request took part in. ``--profile`` runs the scheduler under cProfile and prints where its time went.
 ``--peer llamacpp`` (where llama-cpp-python is installed: the ``llamacpp`` extra) also runs the free and JSON
-requests through llama.cpp on the same GGUF file, each round right after ours, and prints ours over it.
+requests through llama.cpp on the same GGUF file, each round right after ours, and prints ours over it;
+``--model-runner llamacpp`` runs our schedulers on llama.cpp's kernels too (``scheduler.model.llamacpp_runner``).
 ``--ranks`` runs the benchmarks of several ranks instead: data parallel (``scripts/bench_dp.py``: 2 replicas x 1
 thread against 1 rank x 2 threads, JSON at concurrency 16, and grammar compiles per distinct schema) and tensor
 parallel (``scripts/bench_tp.py``: per-token latency and memory per rank, tp=1 against tp=2).
@@ -19,7 +20,8 @@ kind on both back to back, and prints speculation on over off, JSON on over free
 draft source, the acceptance rate and mean accepted run (from the schedulers' counters).
 
     python scripts/bench_serving.py [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
-                                    [--peer llamacpp] [--compare-speculation] [--temperature 0.7]
+                                    [--peer llamacpp] [--model-runner llamacpp] [--compare-speculation]
+                                    [--temperature 0.7]
     python -m scripts.bench_serving --ranks
 
 Over 300 lines: the requests, their schedule and their summary are shared by the profile and the peer runs.
@@ -47,6 +49,7 @@ from typing import Any
 import jsonschema
 
 from scheduler.client import AsyncSchedulerClient
+from scheduler.server_args import MODEL_RUNNERS
 from sglang_constrained.testing import llamacpp_peer
 from sglang_constrained.testing.benchmarking import cpu_pressure
 
@@ -462,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-requests", type=int, default=2, help="at least this many requests per kind and round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds over the three kinds, in rotated order")
     parser.add_argument("--profile", action="store_true", help="run the scheduler under cProfile and print the top")
+    parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="torch", help="the schedulers' engine")
     parser.add_argument("--peer", choices=["llamacpp"], default=None, help="also run the requests through llama.cpp")
     parser.add_argument(
         "--compare-speculation", action="store_true", help="speculation off and on, two schedulers side by side"
@@ -486,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     results_dir = REPO / "results"
     results_dir.mkdir(exist_ok=True)
-    output = args.output or results_dir / f"bench_serving_{args.backend}.json"
+    runner_suffix = "" if args.model_runner == "torch" else f"_{args.model_runner}"
+    output = args.output or results_dir / f"bench_serving_{args.backend}{runner_suffix}.json"
     labels = SPECULATION_LABELS if args.compare_speculation else ("",)
     ports = {label: free_port() for label in labels}
     profile_path = results_dir / f"bench_serving_{args.backend}.prof"
@@ -496,8 +501,9 @@ def main(argv: list[str] | None = None) -> None:
         for label, port in ports.items():
             launch = ["-m", "scheduler.launch", "--zmq-port", str(port), "--grammar-backend", args.backend]
             launch += ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
-            if label == SPECULATION_LABELS[0]:
-                launch += ["--speculative-algorithm", "none"]
+            launch += ["--model-runner", args.model_runner]
+            if label in SPECULATION_LABELS:
+                launch += ["--speculative-algorithm", "none" if label == SPECULATION_LABELS[0] else "grammar+ngram"]
             prefix = ["-m", "cProfile", "-o", str(profile_path)] if args.profile and label == labels[-1] else []
             servers.append(subprocess.Popen([sys.executable, *prefix, *launch], cwd=REPO, stderr=log))
         try:
@@ -507,7 +513,12 @@ def main(argv: list[str] | None = None) -> None:
                 server.send_signal(signal.SIGTERM)
             for server in servers:
                 server.wait(timeout=120)
-    report = {"backend": args.backend, "max_new_tokens": args.max_new_tokens, "profiled": args.profile}
+    report = {
+        "backend": args.backend,
+        "model_runner": args.model_runner,
+        "max_new_tokens": args.max_new_tokens,
+        "profiled": args.profile,
+    }
     report |= {"temperature": args.temperature, "compare_speculation": args.compare_speculation}
     report |= {
         "load_average_1min": os.getloadavg()[0],
