@@ -1,12 +1,14 @@
 """Time the model runner per weight format, side by side: decode steps, k-token extends, a prefill.
 
     python scripts/bench_model_runner.py [--context 100] [--prompt 40] [--batches 1 8 32] [--extends 1 2 4 8 16]
-                                         [--rounds 10] [--output PATH]
+                                         [--rounds 10] [--llamacpp] [--output PATH]
 
-One runner per ``--weight-dtype`` holds the same sequences; each round times every measurement once per runner,
+One runner per ``--weight-dtype`` (and with ``--llamacpp``, where the extra is installed, the llama.cpp runner on the
+GGUF file's quantised weights) holds the same sequences; each round times every measurement once per runner,
 alternating which goes first, so their ratio shares the machine's conditions (the median of per-round ratios is
 printed). Each decode or extend is rolled back after it is timed. The memory-bandwidth bound is the bytes a
-decode step streams (every weight once) over the read bandwidth measured here by summing a 512 MiB tensor.
+decode step streams (every weight once; for llama.cpp, the GGUF file) over the read bandwidth measured here by summing
+a 512 MiB tensor.
 Also prints the greedy tokens the two formats choose after the benchmark's prompts, and where they differ.
 Writes JSON (default: results/bench_model_runner.json).
 """
@@ -22,10 +24,13 @@ from pathlib import Path
 
 import torch
 
+from scheduler.model import llamacpp_runner
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner import ModelRunner
+from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+from sglang_constrained.tokenizer_loading import embedded_model_path
 
 GREEDY_PROMPTS = (
     "Invent a person as JSON.",
@@ -37,6 +42,7 @@ GREEDY_PROMPTS = (
 """The demo's questions (and one more), as chats: greedy and unconstrained, where formats can part ways."""
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_model_runner.json"
 BASELINE = "float32"
+LLAMACPP = "llamacpp"
 
 
 def read_bandwidth_gb_s(rounds: int = 5) -> float:
@@ -50,8 +56,10 @@ def read_bandwidth_gb_s(rounds: int = 5) -> float:
     return data.numel() * data.element_size() / best / 1e9
 
 
-def weight_bytes(runner: ModelRunner) -> int:
-    """What one decode step streams: every decoder matmul weight, the lm_head and the norms."""
+def weight_bytes(runner: BaseModelRunner) -> int:
+    """What one decode step streams: every decoder matmul weight, the lm_head and the norms (llama.cpp: its file)."""
+    if not isinstance(runner, ModelRunner):
+        return embedded_model_path().stat().st_size
     model = runner.model
     tensors = [model.lm_head, model.norm]
     for layer in model.layers:
@@ -62,11 +70,11 @@ def weight_bytes(runner: ModelRunner) -> int:
 class Measurements:
     """Timed calls per (measurement, weight format), gathered round by round."""
 
-    def __init__(self, runners: dict[str, ModelRunner]) -> None:
+    def __init__(self, runners: dict[str, BaseModelRunner]) -> None:
         self.runners = runners
         self.samples: dict[str, dict[str, list[float]]] = {}
 
-    def time(self, name: str, run: Callable[[ModelRunner, str], Callable[[], object]], rounds: int) -> None:
+    def time(self, name: str, run: Callable[[BaseModelRunner, str], Callable[[], object]], rounds: int) -> None:
         calls = {dtype: run(runner, dtype) for dtype, runner in self.runners.items()}
         for call in calls.values():
             call()  # warm-up
@@ -89,13 +97,13 @@ class Measurements:
         return row
 
 
-def admitted(runner: ModelRunner, prompt: list[int], reserve: int) -> KVSequence:
+def admitted(runner: BaseModelRunner, prompt: list[int], reserve: int) -> KVSequence:
     seq = runner.kv.admit(prompt, max_new_tokens=reserve)
     assert seq is not None, "the KV pool is too small for the benchmark"
     return seq
 
 
-def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+def greedy(runner: BaseModelRunner, prompt: list[int], steps: int) -> list[int]:
     seq = admitted(runner, prompt, steps)
     logits = runner.prefill([seq], [prompt])[0]
     tokens = []
@@ -114,11 +122,23 @@ def main() -> None:
     parser.add_argument("--extends", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--greedy-steps", type=int, default=32)
+    parser.add_argument("--llamacpp", action="store_true", help="also the llama.cpp runner (the llamacpp extra)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
     base = ServerArgs(max_running_requests=max(args.batches), max_seq_len=512, disable_radix_cache=True)
-    runners = {dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)}
+    runners: dict[str, BaseModelRunner] = {
+        dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
+    }
+    if args.llamacpp:
+        if not llamacpp_runner.is_available():
+            parser.error("--llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
+        # The benchmark keeps every sequence it admits: one llama.cpp sequence id each.
+        num_sequences = 2 + sum(args.batches) + len(args.extends)
+        llamacpp_args = base.with_overrides(
+            model_runner=LLAMACPP, max_running_requests=num_sequences, max_total_tokens=8192
+        )
+        runners[LLAMACPP] = llamacpp_runner.LlamaCppModelRunner(llamacpp_args)
     bandwidth = read_bandwidth_gb_s()
     print(f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s")
     bounds = {}
@@ -135,7 +155,7 @@ def main() -> None:
     measurements = Measurements(runners)
     prompt = tokens(args.prompt)
 
-    def prefill(runner: ModelRunner, _: str) -> Callable[[], object]:
+    def prefill(runner: BaseModelRunner, _: str) -> Callable[[], object]:
         seq = admitted(runner, prompt, 1)
 
         def call() -> None:
@@ -150,7 +170,7 @@ def main() -> None:
         step = tokens(batch)
 
         def decode(
-            runner: ModelRunner, _: str, contexts: list[list[int]] = contexts, step: list[int] = step
+            runner: BaseModelRunner, _: str, contexts: list[list[int]] = contexts, step: list[int] = step
         ) -> Callable[[], object]:
             seqs = [admitted(runner, context, 16) for context in contexts]
             runner.prefill(seqs, contexts)
@@ -167,7 +187,7 @@ def main() -> None:
     for k in args.extends:
         drafts = tokens(k)
 
-        def extend(runner: ModelRunner, _: str, drafts: list[int] = drafts) -> Callable[[], object]:
+        def extend(runner: BaseModelRunner, _: str, drafts: list[int] = drafts) -> Callable[[], object]:
             seq = admitted(runner, context, 16)
             runner.prefill([seq], [context])
 

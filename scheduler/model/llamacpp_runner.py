@@ -3,15 +3,17 @@ CPU kernels, behind the same contract as the torch runner (``scheduler.model.run
 
 An optional extra (``pip install -e '.[llamacpp]'`` builds llama.cpp from source). The scheduler, grammars, masks,
 sampling and speculation stay ours; llama.cpp only turns tokens into logits. Each running request is one llama.cpp
-sequence id in a unified KV cache of ``--max-total-tokens`` cells, which llama.cpp allocates at start; our
-``KVCacheManager`` keeps the token accounting (admission by budget, rollback) and tells llama.cpp what to drop.
+sequence id with a KV stream of its own (``--max-seq-len`` cells; llama.cpp allocates them all at start, for
+``--max-running-requests`` sequences); our ``KVCacheManager`` keeps the token accounting (admission by the
+``--max-total-tokens`` budget, rollback) and tells llama.cpp what to drop.
 There is no prefix reuse: llama.cpp's cells cannot be shared by our prefix tree.
 
-Greedy decoding one request at a time gives llama-cpp-python's own tokens. But llama.cpp's kernels are not
-batch-invariant: measured here, a token's logits moved by up to 0.9 when seven other requests shared its decode
-forward, and by up to 0.75 when it was verified among draft tokens instead of decoded alone (at some prompt lengths
-only). So greedy outputs on this runner can change with the batch's make-up, and speculation would change them too
-(``--speculative-algorithm auto`` leaves it off here, where it is slower anyway); the torch runner keeps both exact.
+Greedy decoding one request at a time gives llama-cpp-python's own tokens, and with a KV stream per sequence a
+decode step's logits did not change with the other sequences in its forward (measured: up to 16 sequences, prompts
+of 7 to 600 tokens). But a multi-token forward is not one-token steps: logits after a 4-token extend differed from
+stepwise ones by up to 0.75 at some prompt lengths. So speculation and jump-forward would change greedy outputs here
+(``--speculative-algorithm auto`` leaves them off on this runner, where they are slower anyway); the torch runner
+keeps them exact.
 """
 
 from __future__ import annotations
@@ -110,11 +112,13 @@ class LlamaCppModelRunner(BaseModelRunner):
             )
         threads = available_cores()
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = server_args.max_total_tokens
+        # A KV stream of --max-seq-len cells per sequence: in a unified cache every token's attention spans the
+        # cells of every sequence (measured: one decode step 7.1 ms alone, 37.8 ms beside 12,000 other cells).
+        params.n_ctx = server_args.max_running_requests * server_args.max_seq_len
         params.n_batch = params.n_ubatch = BATCH_TOKENS
         params.n_seq_max = server_args.max_running_requests
         params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True
+        params.kv_unified = False
         # Off: this build's flash-attention path changes greedy tokens from the first one on (measured against the
         # torch runner and llama-cpp-python's own generation, which agree), and is no faster here.
         params.flash_attn_type = FLASH_ATTENTION_DISABLED
@@ -122,8 +126,8 @@ class LlamaCppModelRunner(BaseModelRunner):
         self._context = llama_cpp.llama_init_from_model(self._model, params)
         if not self._context:
             raise ValueError(
-                f"llama.cpp could not create a context of {server_args.max_total_tokens} tokens for "
-                f"{server_args.max_running_requests} sequences: lower --max-total-tokens or --max-running-requests"
+                f"llama.cpp could not create a KV cache of {server_args.max_seq_len} tokens for each of "
+                f"{server_args.max_running_requests} sequences: lower --max-seq-len or --max-running-requests"
             )
         self._batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
         self.tokenizer = load_tokenizer(source, server_args.cache_path)
@@ -134,8 +138,8 @@ class LlamaCppModelRunner(BaseModelRunner):
         memory = llama_cpp.llama_get_memory(self._context)
         self.kv = LlamaCppKV(llama_cpp, memory, server_args.max_total_tokens, server_args.max_running_requests)
         logger.info(
-            "model runner on llama.cpp (%s, %d threads): unified KV cache of %d tokens for %d sequences, no prefix "
-            "reuse; end-of-generation tokens %s",
+            "model runner on llama.cpp (%s, %d threads): KV cache of %d tokens, one stream per sequence for %d "
+            "sequences, no prefix reuse; end-of-generation tokens %s",
             source.name,
             threads,
             llama_cpp.llama_n_ctx(self._context),

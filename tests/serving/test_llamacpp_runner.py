@@ -1,6 +1,7 @@
 """The llama.cpp model runner (``--model-runner llamacpp``, the ``llamacpp`` extra): one request at a time it gives
 llama-cpp-python's own greedy tokens; a rollback drops the cells it rolled back; constrained requests through the
-loop validate; every sequence id and KV row comes back; the launcher serves on it. Skipped where llama-cpp-python is
+loop validate and come out the same alone and batched with others; every sequence id and KV row comes back; the
+launcher serves on it. Skipped where llama-cpp-python is
 not installed (the default install, and CI: it builds llama.cpp from source)."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from scheduler.model.llamacpp_runner import LlamaCppModelRunner  # noqa: E402  (
 
 pytestmark = pytest.mark.model
 
-SETTINGS: dict[str, Any] = {"model_runner": "llamacpp", "max_running_requests": 2, "max_seq_len": 640}
+SETTINGS: dict[str, Any] = {"model_runner": "llamacpp", "max_running_requests": 3, "max_seq_len": 640}
 PROMPTS = ["The three best things about summer are", "Count from one to twenty: one, two, three,"]
 
 
@@ -88,7 +89,7 @@ def scheduler(runner: LlamaCppModelRunner) -> Iterator[Scheduler]:
 def test_constrained_requests_validate_and_every_sequence_comes_back(
     runner: LlamaCppModelRunner, scheduler: Scheduler
 ) -> None:
-    """Six requests on two sequence ids: each waits for a freed id, and the constrained ones are valid."""
+    """Six requests on three sequence ids: the last wait for freed ids, and the constrained ones are valid."""
     kinds = ["json_schema", "regex", "choice", "json_schema"]
     requests = []
     for i, kind in enumerate(kinds):
@@ -122,3 +123,18 @@ def test_the_launcher_serves_on_llama_cpp() -> None:
         assert "model runner on llama.cpp" in server.log()
     assert output.finish_reason is not None and output.finish_reason.type == "stop"
     jsonschema.validate(json.loads(output.text), PERSON)
+
+
+def test_greedy_outputs_alone_and_batched_are_the_same(scheduler: Scheduler) -> None:
+    """Each sequence has its own KV stream, so sharing decode steps with other requests leaves its logits alone (the
+    default ``auto`` speculation is off on this runner: a multi-token forward would not)."""
+    field, spec = CONSTRAINTS["json_schema"]
+    requests = [
+        {"messages": [{"role": "user", "content": f"Describe person {i} from Oslo as JSON."}], "sampling_params": {}}
+        for i in range(2)
+    ] + [{"text": prompt, "sampling_params": {}} for prompt in PROMPTS]
+    for i, request in enumerate(requests):
+        request["sampling_params"] = {"max_new_tokens": 40, "temperature": 0} | ({field: spec} if i < 2 else {})
+    alone = [serve(scheduler, [make_request(**request)])[0].token_ids for request in requests]
+    batched = [output.token_ids for output in serve(scheduler, [make_request(**request) for request in requests])]
+    assert batched == alone
