@@ -158,21 +158,6 @@ def test_same_schema_twice_is_a_cache_hit_the_second_time(one_rank_server: Sched
     assert first.text == second.text and json.loads(second.text)["ok"] in (True, False)
 
 
-def test_compile_past_the_deadline_times_out_and_the_loop_keeps_serving() -> None:
-    slow = {"text": "hi", "sampling_params": {"json_schema": SLOW_SCHEMA}}
-    with launch_scheduler("--grammar-compile-timeout", "1") as launched, launched.client() as client:
-        timed_out = client.generate(**slow)
-        served = client.generate(**constrained_request("choice"))
-        again = client.generate(**slow)
-        stopping_at = time.monotonic()
-    assert time.monotonic() - stopping_at < 20, "shutdown waited for the compile threads"
-    assert timed_out.finish_reason is not None
-    assert timed_out.finish_reason.message == "Grammar compilation timed out after 1 s"
-    assert served.text in COLORS
-    assert again.grammar_cache_hit is False  # a timeout is not cached: the schema compiles anew
-    assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
-
-
 def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: SchedulerProcess) -> None:
     free_tokens = one_rank_server.status().num_free_kv_tokens
     request = {
@@ -191,20 +176,34 @@ def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: Sche
     assert status.num_running_requests == 0 and status.num_free_kv_tokens == free_tokens
 
 
-def test_requests_beyond_the_kv_bound_wait_and_one_that_never_fits_is_refused() -> None:
-    """Admission reserves prompt + max_new_tokens, so the bound holds two of these at a time: four run to the end
-    in turn. One larger than the whole bound is refused with a message naming it; the others are served."""
+def test_requests_beyond_the_kv_bound_wait_and_a_compile_past_the_deadline_times_out() -> None:
+    """One server with both bounds. Admission reserves prompt + max_new_tokens, so the KV bound holds two of the
+    first requests at a time: four run to the end in turn. One larger than the whole bound is refused with a message
+    naming it; the others are served. Then a compile past the deadline times out, the loop keeps serving, and the
+    shutdown does not wait for the compile still running."""
     fits = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 60, "temperature": 0}}
     never = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 200}}
-    with launch_scheduler("--max-total-tokens", "160") as launched, launched.client() as client:
+    slow = {"text": "hi", "sampling_params": {"json_schema": SLOW_SCHEMA}}
+    flags = ("--max-total-tokens", "160", "--grammar-compile-timeout", "1")
+    with launch_scheduler(*flags) as launched, launched.client() as client:
         outputs = client.generate_batch([make_request(**fits) for _ in range(4)] + [make_request(**never)])
         status = launched.status()
+        timed_out = client.generate(**slow)
+        served_choice = client.generate(**constrained_request("choice"))
+        again = client.generate(**slow)
+        stopping_at = time.monotonic()
+    assert time.monotonic() - stopping_at < 20, "shutdown waited for the compile threads"
     *served, refused = outputs
     assert all(o.finish_reason is not None and o.finish_reason.type in ("stop", "length") for o in served)
     assert all(o.usage.completion_tokens > 0 for o in served)
     assert refused.finish_reason is not None and refused.finish_reason.type == "abort"
     assert "--max-total-tokens 160" in (refused.finish_reason.message or "")
     assert status.num_running_requests == status.num_waiting_requests == 0
+    assert timed_out.finish_reason is not None
+    assert timed_out.finish_reason.message == "Grammar compilation timed out after 1 s"
+    assert served_choice.text in COLORS
+    assert again.grammar_cache_hit is False  # a timeout is not cached: the schema compiles anew
+    assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
 
 
 def test_streamed_chunks_add_up_to_the_output(one_rank_server: SchedulerProcess) -> None:
