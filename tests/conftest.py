@@ -1,8 +1,10 @@
-"""Shared fixtures: the two real tokenizers every grammar test runs against, and server arguments."""
+"""Shared fixtures: the two real tokenizers every grammar test runs against, server arguments, and the one-rank
+scheduler that the scheduler tests use and the multi-rank tests compare against."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 # The Triton kernels run on the CPU through Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -10,7 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 
 from scheduler.server_args import ServerArgs
+from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
+from tests.helpers import launch_scheduler
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +35,14 @@ def qwen35_tokenizer(server_args: ServerArgs) -> TokenizerSetup:
 @pytest.fixture(scope="session", params=TOKENIZER_SETUPS)
 def tokenizer_case(request: pytest.FixtureRequest) -> TokenizerSetup:
     return request.getfixturevalue(f"{request.param}_tokenizer")
+
+
+@pytest.fixture(scope="session")
+def one_rank_server() -> Iterator[SchedulerProcess]:
+    """A scheduler with the test flags and nothing else, started once for the session.
+
+    A test that compares outputs with it calls ``flush_prefix_cache`` first: the prefixes earlier tests left would
+    change where its prompts' prefills start, and so their rounding.
+    """
+    with launch_scheduler() as launched:
+        yield launched

@@ -3,6 +3,7 @@ that must stop cleanly when the test is done, and a live HTTP server with the co
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -17,6 +18,7 @@ import openai
 import psutil
 from openai.types.chat import ChatCompletionMessageParam
 
+from scheduler.client import AsyncSchedulerClient
 from scheduler.server_args import EMBEDDED_MODEL_NAME
 from scheduler.testing.process import SchedulerProcess, free_port
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
@@ -205,3 +207,17 @@ def launch_scheduler(
             for rank in range(ranks):
                 assert f"[rank {rank}] scheduler.launch: stopped" in log, f"rank {rank} did not stop:\n{log[-3000:]}"
         launched.log_path.unlink(missing_ok=True)
+
+
+def flush_prefix_cache(process: SchedulerProcess) -> None:
+    """Drop the scheduler's prefix cache, so that its next prompts are computed as on a fresh server."""
+
+    async def flush() -> None:
+        client = AsyncSchedulerClient(process.endpoint)
+        try:
+            done = await client.flush_cache()
+        finally:
+            await client.close()
+        assert done.success, done.message
+
+    asyncio.run(flush())

@@ -31,6 +31,7 @@ from tests.helpers import (
     QUESTION,
     YES_NO_EBNF,
     YES_NO_EBNF_LANGUAGE,
+    flush_prefix_cache,
     is_yes_no_json,
     launch_scheduler,
 )
@@ -113,17 +114,14 @@ def replicas(http_port: int) -> Iterator[SchedulerProcess]:
         yield launched
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[SchedulerProcess]:
-    with launch_scheduler() as launched:
-        yield launched
-
-
-def test_replicas_give_one_ranks_outputs_and_both_serve(replicas: SchedulerProcess, one_rank: SchedulerProcess) -> None:
+def test_replicas_give_one_ranks_outputs_and_both_serve(
+    replicas: SchedulerProcess, one_rank_server: SchedulerProcess
+) -> None:
     before = finished_per_replica(replicas)
     with replicas.client() as client:
         two = client.generate_batch(mixed_requests())
-    with one_rank.client() as client:
+    flush_prefix_cache(one_rank_server)
+    with one_rank_server.client() as client:
         one = client.generate_batch(mixed_requests())
     served = [after - earlier for after, earlier in zip(finished_per_replica(replicas), before, strict=True)]
     assert sum(served) == len(two) and min(served) >= 3, f"requests per replica: {served}"
@@ -157,7 +155,7 @@ def test_a_schema_sent_to_both_replicas_is_compiled_once(replicas: SchedulerProc
 
 
 def test_a_bad_schema_fails_alone_with_one_ranks_message(
-    replicas: SchedulerProcess, one_rank: SchedulerProcess
+    replicas: SchedulerProcess, one_rank_server: SchedulerProcess
 ) -> None:
     good = {"sampling_params": {"json_schema": PERSON_SCHEMA, "max_new_tokens": 48}}
     requests = [
@@ -169,7 +167,7 @@ def test_a_bad_schema_fails_alone_with_one_ranks_message(
         repeated = client.generate_batch(
             [make_request(text="JSON:", sampling_params={"json_schema": BAD_SCHEMA}) for _ in range(2)]
         )
-    with one_rank.client() as client:
+    with one_rank_server.client() as client:
         expected = client.generate(text="JSON:", sampling_params={"json_schema": BAD_SCHEMA})
     assert expected.finish_reason is not None and expected.finish_reason.type == "abort"
     for failed in (bad, *repeated):

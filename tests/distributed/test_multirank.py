@@ -21,7 +21,7 @@ from scheduler.client import make_request
 from scheduler.io_struct import GenerateReq
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
-from tests.helpers import launch_scheduler
+from tests.helpers import flush_prefix_cache, launch_scheduler
 
 pytestmark = [pytest.mark.model, pytest.mark.multirank]
 
@@ -71,11 +71,12 @@ def two_ranks(entry_point_path: Path) -> Iterator[SchedulerProcess]:
         yield launched
 
 
-def test_two_ranks_give_the_same_outputs_as_one(two_ranks: SchedulerProcess) -> None:
+def test_two_ranks_give_the_same_outputs_as_one(two_ranks: SchedulerProcess, one_rank_server: SchedulerProcess) -> None:
     """Two ranks (rank 0's drafts and tokens broadcast) give one rank's outputs, which are plain decoding's."""
     with two_ranks.client() as client:
         two = client.generate_batch(seeded_requests())
-    with launch_scheduler() as one_rank, one_rank.client() as client:
+    flush_prefix_cache(one_rank_server)
+    with one_rank_server.client() as client:
         one = client.generate_batch(seeded_requests())
     with launch_scheduler("--speculative-algorithm", "none") as plain, plain.client() as client:
         one_plain = client.generate_batch(seeded_requests())
@@ -103,20 +104,31 @@ def test_a_grammar_slower_on_one_rank_waits_on_every_rank(two_ranks: SchedulerPr
     assert "ranks ran different batches" not in two_ranks.log()
 
 
-def test_a_compile_failure_on_one_rank_fails_the_request_once(entry_point_path: Path) -> None:
+def test_a_compile_failure_on_one_rank_fails_the_request_once_and_a_killed_rank_stops_the_launcher() -> None:
+    """Rank 1 refuses one schema: that request alone fails, with its message; then rank 1 is killed and the launcher
+    stops with a clear message."""
     refused = {"title": "refused-on-rank-1", "type": "object", "properties": {"a": {"type": "integer"}}}
     accepted = {"title": "fine", "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     flags = ("--grammar-backend", "fail-on-rank-1", "--import-module", "rank_skewed_backends")
-    with launch_scheduler(*flags, ranks=2, extra_paths=(PLUGINS,)) as launched, launched.client() as client:
-        failed = client.generate(text="JSON:", sampling_params={"json_schema": refused})
-        served = client.generate(text="JSON:", sampling_params={"json_schema": accepted, "max_new_tokens": 32})
-        free = client.generate(text="Hello", sampling_params={"max_new_tokens": 4})
+    with launch_scheduler(*flags, ranks=2, extra_paths=(PLUGINS,), check_clean_stop=False) as launched:
+        with launched.client() as client:
+            failed = client.generate(text="JSON:", sampling_params={"json_schema": refused})
+            served = client.generate(text="JSON:", sampling_params={"json_schema": accepted, "max_new_tokens": 32})
+            free = client.generate(text="Hello", sampling_params={"max_new_tokens": 4})
+        os.kill(launched.rank_pids()[1], signal.SIGKILL)
+        start = time.monotonic()
+        exit_code = launched.process.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        log = launched.log()
     assert failed.finish_reason is not None and failed.finish_reason.type == "abort"
     assert failed.finish_reason.message == (
         "Failed to compile json grammar: rank 1 refuses schemas titled 'refused-on-rank-1'"
     )
     assert isinstance(json.loads(served.text)["a"], int)
     assert free.finish_reason is not None and free.finish_reason.type == "length"
+    assert exit_code != 0 and elapsed < 30
+    assert "[rank 0] scheduler.launch: rank 0: a peer rank stopped answering" in log
+    assert "local_rank: 1" in log and "exitcode: -9" in log
 
 
 def test_an_abort_sent_to_rank_0_removes_the_request_on_every_rank(two_ranks: SchedulerProcess) -> None:
@@ -134,15 +146,3 @@ def test_an_abort_sent_to_rank_0_removes_the_request_on_every_rank(two_ranks: Sc
     log = two_ranks.log()
     for rank in (0, 1):
         assert f"[rank {rank}] scheduler.scheduler: request to-abort aborted by the client" in log
-
-
-def test_killing_a_rank_stops_the_launcher_with_a_clear_message() -> None:
-    with launch_scheduler(ranks=2, check_clean_stop=False) as launched:
-        os.kill(launched.rank_pids()[1], signal.SIGKILL)
-        start = time.monotonic()
-        exit_code = launched.process.wait(timeout=60)
-        elapsed = time.monotonic() - start
-        log = launched.log()
-    assert exit_code != 0 and elapsed < 30
-    assert "[rank 0] scheduler.launch: rank 0: a peer rank stopped answering" in log
-    assert "local_rank: 1" in log and "exitcode: -9" in log

@@ -1,5 +1,5 @@
-"""What an operator sees: Prometheus metrics that count requests, compiles and refusals, and a launcher that stops
-with the reason when its HTTP frontend dies."""
+"""What an operator sees: Prometheus metrics that count requests, compiles and refusals, a scheduler without a grammar
+backend that refuses constraints, and a launcher that stops with the reason when its HTTP frontend dies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import QUESTION, HttpServer, serving
+from tests.helpers import PHONE_REGEX, QUESTION, HttpServer, serving
 
 SCHEMA = {"type": "object", "properties": {"metric": {"type": "integer"}}, "required": ["metric"]}
 
@@ -67,8 +67,18 @@ def test_metrics_count_generations_compiles_cache_hits_and_refusals(server: Http
 
 @pytest.mark.model
 def test_the_launcher_exits_with_the_reason_when_the_frontend_dies() -> None:
+    """On the ``none`` backend, which first refuses a constrained request and serves a free one over zmq."""
     live = HttpServer("--grammar-backend", "none", "--max-running-requests", "2")
     with serving(live):
+        with live.client() as client:
+            refused = client.generate(
+                messages=[{"role": "user", "content": "What is your phone number?"}],
+                sampling_params={"regex": PHONE_REGEX, "temperature": 0, "max_new_tokens": 96},
+            )
+            served = client.generate(text="Hello", sampling_params={"max_new_tokens": 4})
+        assert refused.finish_reason is not None and refused.finish_reason.message is not None
+        assert "--grammar-backend none" in refused.finish_reason.message
+        assert served.finish_reason is not None and served.finish_reason.type == "length"
         os.kill(live.frontend_pid(), signal.SIGKILL)
         assert live.process.wait(timeout=60) == 1
         assert "the HTTP frontend exited with code -9: stopping" in live.log()

@@ -51,12 +51,6 @@ CASES: dict[str, tuple[str, Any, str]] = {
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[SchedulerProcess]:
-    with launch_scheduler() as launched:
-        yield launched
-
-
-@pytest.fixture(scope="module")
 def grammar_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
     """An xgrammar backend in the test process, to check outputs with the grammar's own acceptance."""
     backend = create_grammar_backend(
@@ -103,23 +97,23 @@ def assert_obeys(output: GenerateOutput, field: str, backend: BaseGrammarBackend
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("field", list(CASES))
 def test_each_constraint_kind_is_obeyed(
-    server: SchedulerProcess,
+    one_rank_server: SchedulerProcess,
     grammar_backend: BaseGrammarBackend,
     smollm2_tokenizer: TokenizerSetup,
     field: str,
     temperature: float,
 ) -> None:
-    with server.client() as client:
+    with one_rank_server.client() as client:
         output = client.generate(**constrained_request(field, temperature, seed=7))
     assert_obeys(output, field, grammar_backend, smollm2_tokenizer)
 
 
 def test_forty_concurrent_requests_mixing_free_and_constrained(
-    server: SchedulerProcess, grammar_backend: BaseGrammarBackend, smollm2_tokenizer: TokenizerSetup
+    one_rank_server: SchedulerProcess, grammar_backend: BaseGrammarBackend, smollm2_tokenizer: TokenizerSetup
 ) -> None:
     free = {"text": "The three best things about summer are", "sampling_params": {"max_new_tokens": 24}}
     requests = [make_request(**(free if i % 4 < 2 else constrained_request("json_schema"))) for i in range(40)]
-    with server.client() as client:
+    with one_rank_server.client() as client:
         outputs = client.generate_batch(requests)
     for i, output in enumerate(outputs):
         if i % 4 < 2:
@@ -130,14 +124,14 @@ def test_forty_concurrent_requests_mixing_free_and_constrained(
             assert_obeys(output, "json_schema", grammar_backend, smollm2_tokenizer)
 
 
-def test_invalid_schema_fails_alone_while_others_succeed(server: SchedulerProcess) -> None:
+def test_invalid_schema_fails_alone_while_others_succeed(one_rank_server: SchedulerProcess) -> None:
     bad = {"text": "hi", "sampling_params": {"json_schema": "INVALID"}}
     requests = [
         make_request(**constrained_request("regex")),
         make_request(**bad),
         make_request(**constrained_request("choice")),
     ]
-    with server.client() as client:
+    with one_rank_server.client() as client:
         good_regex, invalid, good_choice = client.generate_batch(requests)
     assert invalid.finish_reason is not None and invalid.finish_reason.type == "abort"
     assert invalid.finish_reason.message is not None
@@ -146,78 +140,77 @@ def test_invalid_schema_fails_alone_while_others_succeed(server: SchedulerProces
     assert good_choice.text in COLORS
 
 
-def test_unsupported_schema_feature_is_named(server: SchedulerProcess) -> None:
+def test_unsupported_schema_feature_is_named(one_rank_server: SchedulerProcess) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
-    with server.client() as client:
+    with one_rank_server.client() as client:
         output = client.generate(text="hi", sampling_params={"json_schema": schema})
     assert output.finish_reason is not None and output.finish_reason.message is not None
     assert "'not'" in output.finish_reason.message and "/properties/n" in output.finish_reason.message
 
 
-def test_same_schema_twice_is_a_cache_hit_the_second_time(server: SchedulerProcess) -> None:
+def test_same_schema_twice_is_a_cache_hit_the_second_time(one_rank_server: SchedulerProcess) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     request = {"text": "Answer in JSON:", "sampling_params": {"json_schema": schema, "temperature": 0}}
-    with server.client() as client:
+    with one_rank_server.client() as client:
         first = client.generate(**request)
         second = client.generate(**request)
     assert first.grammar_cache_hit is False and second.grammar_cache_hit is True
     assert first.text == second.text and json.loads(second.text)["ok"] in (True, False)
 
 
-def test_compile_past_the_deadline_times_out_and_the_loop_keeps_serving() -> None:
-    slow = {"text": "hi", "sampling_params": {"json_schema": SLOW_SCHEMA}}
-    with launch_scheduler("--grammar-compile-timeout", "1") as launched, launched.client() as client:
-        timed_out = client.generate(**slow)
-        served = client.generate(**constrained_request("choice"))
-        again = client.generate(**slow)
-        stopping_at = time.monotonic()
-    assert time.monotonic() - stopping_at < 20, "shutdown waited for the compile threads"
-    assert timed_out.finish_reason is not None
-    assert timed_out.finish_reason.message == "Grammar compilation timed out after 1 s"
-    assert served.text in COLORS
-    assert again.grammar_cache_hit is False  # a timeout is not cached: the schema compiles anew
-    assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
-
-
-def test_client_abort_mid_generation_returns_its_kv_tokens(server: SchedulerProcess) -> None:
-    free_tokens = server.status().num_free_kv_tokens
+def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: SchedulerProcess) -> None:
+    free_tokens = one_rank_server.status().num_free_kv_tokens
     request = {
         "text": "Once upon a time, there was a dragon who",
         "sampling_params": {"max_new_tokens": 500, "temperature": 0},
     }
-    with server.client() as client:
+    with one_rank_server.client() as client:
         chunks = client.generate_stream(**request)
         first = next(chunks)
-        assert server.status().num_running_requests == 1
+        assert one_rank_server.status().num_running_requests == 1
         client.abort(first.rid)
         rest = list(chunks)
     assert rest[-1].finished and rest[-1].finish_reason is not None and rest[-1].finish_reason.type == "abort"
     assert rest[-1].usage.completion_tokens < 500
-    status = server.status()
+    status = one_rank_server.status()
     assert status.num_running_requests == 0 and status.num_free_kv_tokens == free_tokens
 
 
-def test_requests_beyond_the_kv_bound_wait_and_one_that_never_fits_is_refused() -> None:
-    """Admission reserves prompt + max_new_tokens, so the bound holds two of these at a time: four run to the end
-    in turn. One larger than the whole bound is refused with a message naming it; the others are served."""
+def test_requests_beyond_the_kv_bound_wait_and_a_compile_past_the_deadline_times_out() -> None:
+    """One server with both bounds. Admission reserves prompt + max_new_tokens, so the KV bound holds two of the
+    first requests at a time: four run to the end in turn. One larger than the whole bound is refused with a message
+    naming it; the others are served. Then a compile past the deadline times out, the loop keeps serving, and the
+    shutdown does not wait for the compile still running."""
     fits = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 60, "temperature": 0}}
     never = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 200}}
-    with launch_scheduler("--max-total-tokens", "160") as launched, launched.client() as client:
+    slow = {"text": "hi", "sampling_params": {"json_schema": SLOW_SCHEMA}}
+    flags = ("--max-total-tokens", "160", "--grammar-compile-timeout", "1")
+    with launch_scheduler(*flags) as launched, launched.client() as client:
         outputs = client.generate_batch([make_request(**fits) for _ in range(4)] + [make_request(**never)])
         status = launched.status()
+        timed_out = client.generate(**slow)
+        served_choice = client.generate(**constrained_request("choice"))
+        again = client.generate(**slow)
+        stopping_at = time.monotonic()
+    assert time.monotonic() - stopping_at < 20, "shutdown waited for the compile threads"
     *served, refused = outputs
     assert all(o.finish_reason is not None and o.finish_reason.type in ("stop", "length") for o in served)
     assert all(o.usage.completion_tokens > 0 for o in served)
     assert refused.finish_reason is not None and refused.finish_reason.type == "abort"
     assert "--max-total-tokens 160" in (refused.finish_reason.message or "")
     assert status.num_running_requests == status.num_waiting_requests == 0
+    assert timed_out.finish_reason is not None
+    assert timed_out.finish_reason.message == "Grammar compilation timed out after 1 s"
+    assert served_choice.text in COLORS
+    assert again.grammar_cache_hit is False  # a timeout is not cached: the schema compiles anew
+    assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
 
 
-def test_streamed_chunks_add_up_to_the_output(server: SchedulerProcess) -> None:
+def test_streamed_chunks_add_up_to_the_output(one_rank_server: SchedulerProcess) -> None:
     """One chunk per forward that commits tokens (speculation may commit many at once, so there are fewer chunks
     than tokens), and together they are the whole output."""
     request = constrained_request("json_schema")
-    with server.client() as client:
+    with one_rank_server.client() as client:
         chunks = list(client.generate_stream(**request))
         whole = client.generate(**request)
     assert len(chunks) > 1 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
@@ -225,28 +218,28 @@ def test_streamed_chunks_add_up_to_the_output(server: SchedulerProcess) -> None:
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
 
 
-def test_stop_string_ends_the_output_before_it(server: SchedulerProcess) -> None:
+def test_stop_string_ends_the_output_before_it(one_rank_server: SchedulerProcess) -> None:
     request = {
         "text": "Count: 1, 2, 3, 4,",
         "sampling_params": {"temperature": 0, "stop": [" 7"], "max_new_tokens": 40},
     }
-    with server.client() as client:
+    with one_rank_server.client() as client:
         output = client.generate(**request)
     assert output.finish_reason is not None and output.finish_reason.type == "stop"
     assert output.finish_reason.matched == " 7" and output.text.endswith("6,")
 
 
-def test_a_seed_makes_sampling_reproducible(server: SchedulerProcess) -> None:
+def test_a_seed_makes_sampling_reproducible(one_rank_server: SchedulerProcess) -> None:
     request = {"text": "Once upon a time", "sampling_params": {"temperature": 1.0, "seed": 1234, "max_new_tokens": 16}}
-    with server.client() as client:
+    with one_rank_server.client() as client:
         first, second = client.generate(**request), client.generate(**request)
     assert first.token_ids == second.token_ids
 
 
-def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(server: SchedulerProcess) -> None:
+def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(one_rank_server: SchedulerProcess) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
-    socket.connect(server.endpoint)
+    socket.connect(one_rank_server.endpoint)
     try:
         socket.send(b"\xff not msgpack")
         socket.send(
@@ -264,24 +257,15 @@ def test_malformed_messages_get_an_error_and_the_loop_keeps_serving(server: Sche
     finally:
         socket.close(linger=0)
         context.term()
-    assert "malformed message" in server.log()
+    assert "malformed message" in one_rank_server.log()
 
 
-def test_several_constraints_in_one_request_are_refused(server: SchedulerProcess) -> None:
-    with server.client() as client:
+def test_several_constraints_in_one_request_are_refused(one_rank_server: SchedulerProcess) -> None:
+    with one_rank_server.client() as client:
         output = client.generate(text="hi", sampling_params={"regex": "a+", "choice": ["a"]})
     assert output.finish_reason is not None and output.finish_reason.message == (
         "at most one constraint per request, got regex, choice"
     )
-
-
-def test_grammar_backend_none_refuses_constraints_and_serves_free_requests() -> None:
-    with launch_scheduler("--grammar-backend", "none") as launched, launched.client() as client:
-        refused = client.generate(**constrained_request("regex"))
-        served = client.generate(text="Hello", sampling_params={"max_new_tokens": 4})
-    assert refused.finish_reason is not None and refused.finish_reason.message is not None
-    assert "--grammar-backend none" in refused.finish_reason.message
-    assert served.finish_reason is not None and served.finish_reason.type == "length"
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "outlines"])
