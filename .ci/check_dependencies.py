@@ -3,8 +3,8 @@
 deptry runs twice, because the project has two kinds of code with different promises:
 
 1. the packages a user installs (``sglang_constrained``, ``scheduler``, ``triton_ops``, without their ``testing``
-   subpackages) may import runtime dependencies only: a test-only import there is an error (DEP004), and so is a
-   runtime dependency nothing imports (DEP002);
+   subpackages) may import runtime dependencies only (and the extras in ``OPTIONAL_RUNTIME``): a test-only import
+   there is an error (DEP004), and so is a runtime dependency nothing imports (DEP002);
 2. the tests, the scripts and the ``testing`` subpackages may import anything the project declares, in any group;
    a test or lint dependency nothing imports and no check runs is an error.
 
@@ -34,10 +34,14 @@ NOT_IMPORTED = {
 }
 
 
+OPTIONAL_RUNTIME = {"llamacpp": "the llama.cpp model runner (--model-runner llamacpp) imports it when chosen"}
+"""Extras the installed packages may import: features a user opts into, not tooling."""
+
+
 def main() -> int:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime = [_name(requirement) for requirement in project["dependencies"]]
-    groups = ",".join(project["optional-dependencies"])
+    groups = ",".join(group for group in project["optional-dependencies"] if group not in OPTIONAL_RUNTIME)
     not_imported = "|".join(NOT_IMPORTED)
     library = _deptry(
         *LIBRARY,

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from scheduler.model.kv_cache import KVCacheManager, KVSequence
@@ -181,8 +180,8 @@ class LlamaCppModelRunner(BaseModelRunner):
             raise RuntimeError(f"llama_decode failed with status {status} on a batch of {len(entries)} tokens")
         num_outputs = sum(wants_logits for *_, wants_logits in entries)
         if num_outputs:
-            produced = np.ctypeslib.as_array(
-                self._llama_cpp.llama_get_logits(self._context), shape=(num_outputs, self.vocab_size)
-            )
-            out[:num_outputs].copy_(torch.from_numpy(produced))
+            # llama.cpp's output rows, in batch order, viewed without a copy; they are overwritten by the next decode.
+            rows = ctypes.c_float * (num_outputs * self.vocab_size)
+            produced = rows.from_address(ctypes.addressof(self._llama_cpp.llama_get_logits(self._context).contents))
+            out[:num_outputs].copy_(torch.frombuffer(produced, dtype=torch.float32).view(num_outputs, self.vocab_size))
         return num_outputs
