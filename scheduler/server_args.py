@@ -18,7 +18,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 MODEL_RUNNERS = ("torch", "llamacpp")
 """Engines behind the model-runner contract: torch (the default: float32, exact, prefix reuse) or llama.cpp (the
-``llamacpp`` extra: the GGUF's quantised weights, faster on CPU, no prefix reuse, not batch-invariant)."""
+``llamacpp`` extra: the GGUF's quantised weights, faster on CPU, no prefix reuse, and a multi-token forward's logits
+differ from one-token steps)."""
 MAX_DRAFT_TOKENS = 16
 SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "grammar", "grammar+ngram")
 """Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
@@ -257,7 +258,8 @@ class ServerArgs:
             choices=MODEL_RUNNERS,
             help="the engine that computes logits: torch (float32, greedy outputs exact whatever the batch, prefix "
             "reuse) or llamacpp (needs the llamacpp extra: the GGUF's quantised weights on llama.cpp's CPU kernels, "
-            "several times faster per token; no prefix reuse, and its logits vary slightly with the batch)",
+            "several times faster per token; no prefix reuse, and a multi-token forward's logits differ slightly from "
+            "one-token steps, so speculation is off there by default)",
         )
         parser.add_argument(
             "--tp-size",
