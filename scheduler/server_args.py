@@ -141,6 +141,11 @@ class ServerArgs:
     def cache_path(self) -> Path:
         return CACHE_DIR.get() if self.cache_dir is None else Path(self.cache_dir)
 
+    @property
+    def kernel_build_path(self) -> Path:
+        """Where the model's CPU kernels are compiled, once per machine (``triton_ops.invariant_cpu``)."""
+        return self.cache_path / "kernels"
+
     def __post_init__(self) -> None:
         if self.grammar_backend not in available_grammar_backends():
             raise ValueError(
@@ -249,8 +254,8 @@ class ServerArgs:
             "--weight-dtype",
             default=d.weight_dtype,
             choices=WEIGHT_DTYPES,
-            help="the decoder layers' matmul weights on CPU (embedding, lm_head, norms, attention and KV stay "
-            "float32); bfloat16 decodes faster, but its greedy tokens may differ from float32's and with the batch",
+            help="the decoder layers' matmul weights (embedding, lm_head, norms, attention and KV stay float32); "
+            "bfloat16 decodes faster, but its greedy tokens may differ from float32's",
         )
         parser.add_argument(
             "--model-runner",
