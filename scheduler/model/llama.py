@@ -19,7 +19,8 @@ the ranks' partial sums in rank order; every rank of the group must run the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from scheduler.model.gguf_blocks import BlockQuantized
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
@@ -106,16 +108,17 @@ class LlamaModel:
     ``num_kv_heads`` count this rank's heads, the pool it runs over holds only those KV heads. ``tp`` runs the
     collectives that join the shards (none on a single rank).
 
-    Activations, norms, attention, the KV pool, the embedding and the logits are float32; the matmul weights
-    (decoder layers and lm_head, nearly all the bytes a decode step streams) are packed in ``matmul_dtype``
-    (float32 or bfloat16): decode is bound by memory bandwidth, so fewer bytes make it faster. The kernels
-    (``triton_ops.invariant_cpu.load``) must be loaded first.
+    Activations, norms, attention, the KV pool and the logits are float32. The matmul weights (decoder layers and
+    lm_head, nearly all the bytes a decode step streams) are packed as they come: GGUF blocks as blocks (Q8_0,
+    Q4_1: about 0.6 bytes a weight), float tensors in ``matmul_dtype`` (float32 or bfloat16); decode is bound by
+    memory bandwidth, so fewer bytes make it faster. A block-quantised embedding is looked up from its blocks.
+    The kernels (``triton_ops.invariant_cpu.load``) must be loaded first.
     """
 
     def __init__(
         self,
         config: PretrainedConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor | BlockQuantized],
         max_positions: int,
         matmul_dtype: torch.dtype = torch.float32,
         shard: ShardPlan | None = None,
@@ -133,21 +136,26 @@ class LlamaModel:
         self.eps: float = config.rms_norm_eps
         self.matmul_dtype = matmul_dtype
 
-        def weight(name: str) -> torch.Tensor:
+        def stored(name: str) -> torch.Tensor | BlockQuantized:
             if name not in weights:
                 raise ValueError(f"the checkpoint lacks {name!r}; is it a Llama-style causal LM?")
-            return weights[name].to(torch.float32).contiguous()
+            return weights[name]
 
-        def packed(*names: str) -> PackedWeight:
-            return invariant_cpu.pack_dense(torch.cat([weight(name) for name in names]), matmul_dtype)
+        def weight(name: str) -> torch.Tensor:
+            value = stored(name)
+            return value.dequantize() if isinstance(value, BlockQuantized) else value.to(torch.float32).contiguous()
 
-        self.embed = weight("model.embed_tokens.weight")
+        def packed(*names: str, dtype: torch.dtype = matmul_dtype) -> PackedWeight:
+            return pack_weight([stored(name) for name in names], dtype)
+
+        embed = stored("model.embed_tokens.weight")
+        self.embed = embed if isinstance(embed, BlockQuantized) else weight("model.embed_tokens.weight")
         if self.embed.shape[0] != self.shard.vocab[1] - self.shard.vocab[0]:
             raise ValueError(f"the embedding has {self.embed.shape[0]} rows, not those of the shard {self.shard}")
         self.norm = weight("model.norm.weight")
         lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         # float32 logits from float32 weights: bfloat16's rounding would tie logits that float32 keeps apart
-        self.lm_head = invariant_cpu.pack_dense(weight(lm_head))
+        self.lm_head = packed(lm_head, dtype=torch.float32)
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
@@ -168,8 +176,10 @@ class LlamaModel:
     @property
     def num_weight_bytes(self) -> int:
         """Bytes of the weights this rank holds in their formats (matmul weights, embedding, norms, biases)."""
-        tensors = [self.embed, self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
+        embed = self.embed
+        tensors = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
         tensors += [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None]
+        tensors += [embed.quants, embed.scales] if isinstance(embed, BlockQuantized) else [embed]
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
         return matmuls + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -177,6 +187,12 @@ class LlamaModel:
     def num_streamed_bytes(self) -> int:
         """Bytes one decode step reads: every packed matmul weight once (the embedding only by row)."""
         return sum(w.nbytes for w in self._packed_weights())
+
+    @property
+    def weight_formats(self) -> str:
+        """The packed matmul weights' formats, counted: what the runner logs."""
+        counts = collections.Counter(w.format.name.lower() for w in self._packed_weights())
+        return ", ".join(f"{count} {fmt}" for fmt, count in sorted(counts.items()))
 
     def _packed_weights(self) -> list[PackedWeight]:
         layers = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -219,11 +235,31 @@ class LlamaModel:
         """The embeddings of ``input_ids`` ``[T, hidden]``: on several ranks each looks up the ids of its vocabulary
         slice, zeros for the others, and the sum over ranks (exact: one term is not zero) is every row."""
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.embed)
+            return self._lookup(input_ids)
         start, stop = self.shard.vocab
         is_local = (input_ids >= start) & (input_ids < stop)
-        hidden = F.embedding(torch.where(is_local, input_ids - start, 0), self.embed)
+        hidden = self._lookup(torch.where(is_local, input_ids - start, 0))
         return self.tp.all_reduce(hidden.masked_fill_(~is_local[:, None], 0.0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed.rows(ids) if isinstance(self.embed, BlockQuantized) else F.embedding(ids, self.embed)
+
+
+def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dtype) -> PackedWeight:
+    """Matrices stacked by rows, packed for the kernels: GGUF blocks of one format as those blocks, anything else as
+    float ``dtype`` panels."""
+    formats = {part.format if isinstance(part, BlockQuantized) else None for part in parts}
+    if len(formats) == 1 and None not in formats:
+        blocks = [part for part in parts if isinstance(part, BlockQuantized)]
+        scales = torch.cat([part.scales for part in blocks])
+        quants = torch.cat([part.quants for part in blocks])
+        if blocks[0].format == "q8_0":
+            return invariant_cpu.pack_q8_0(scales, quants)
+        return invariant_cpu.pack_q4_1(
+            scales, torch.cat([part.mins for part in blocks if part.mins is not None]), quants
+        )
+    dense = [part.dequantize() if isinstance(part, BlockQuantized) else part.to(torch.float32) for part in parts]
+    return invariant_cpu.pack_dense(torch.cat(dense), dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class ModelRunner(BaseModelRunner):
         loaded = load_model(server_args, tp.rank, tp.size)
         config = loaded.config
         self.device = torch.device("cpu")
-        matmul_dtype = getattr(torch, server_args.weight_dtype)
+        matmul_dtype = torch.bfloat16 if server_args.weight_dtype == "bfloat16" else torch.float32
         self.tokenizer = loaded.tokenizer
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
@@ -57,11 +57,11 @@ class ModelRunner(BaseModelRunner):
         )
         self.kv = KVCacheManager(pool, use_radix_cache=not server_args.disable_radix_cache)
         logger.info(
-            "model runner on the CPU (batch-invariant %s kernels, %s matmul weights, tensor-parallel rank %d of %d: "
+            "model runner on the CPU (batch-invariant %s kernels, matmul weights: %s; tensor-parallel rank %d of %d: "
             "weight_bytes=%d, %d of %d KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as "
             "used), prefix cache %s",
             invariant_cpu.isa(),
-            matmul_dtype,
+            self.model.weight_formats,
             tp.rank,
             tp.size,
             self.model.num_weight_bytes,
