@@ -8,8 +8,8 @@ bit for bit the same alone, in any batch, beside drafts or a long prompt, on any
 AVX2 and scalar builds agree with each other too.
 
 The source is compiled once per machine with the C++ compiler at hand (``-O3 -march=native``, a few seconds)
-into a build directory keyed by the source, the compiler and the CPU, then loaded with ctypes; it shares torch's
-OpenMP runtime (the same ``libgomp.so.1``), so it adds no thread pool.
+into a build directory keyed by the source, the compiler and the CPU, then loaded with ctypes. Its threads are a
+pool of its own (``torch.get_num_threads()`` per call): see the source's header for why not OpenMP.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from triton_ops.cpu_info import cpu_flags, cpu_model
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
-COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
 """``-ffp-contract=off``: the compiler may not fuse a multiply and an add the source keeps apart (nor split an fma)."""
 LANES = 16
 """Columns per packed panel; also the partial sums of a row reduction."""
@@ -216,8 +216,10 @@ def _check_rows(x: torch.Tensor, width: int, what: str) -> None:
         raise ValueError(f"{what} takes float32 [rows, {width}] with unit column stride, got {x.dtype} {x.shape}")
 
 
-def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """``x @ W.T``: float32 ``[M, in_features]`` -> ``[M, out_features]``, each row independent of the others."""
+def matmul(x: torch.Tensor, weight: PackedWeight, threads: int | None = None) -> torch.Tensor:
+    """``x @ W.T``: float32 ``[M, in_features]`` -> ``[M, out_features]``, each row independent of the others.
+
+    ``threads`` (every kernel takes it): at most this many threads, ``torch.get_num_threads()`` by default."""
     _check_rows(x, weight.in_features, "matmul")
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     if x.shape[0]:
@@ -231,7 +233,7 @@ def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
             weight.out_features,
             out.data_ptr(),
             out.stride(0),
-            torch.get_num_threads(),
+            threads or torch.get_num_threads(),
         )
     return out
 
@@ -244,6 +246,7 @@ def attention(
     row_start: torch.Tensor,
     num_keys: torch.Tensor,
     scale: float,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """Each query token over its own pool rows: ``q`` ``[T, H, D]``, pools ``[R, H_kv, D]``; token ``t`` attends to
     ``rows[row_start[t] : row_start[t] + num_keys[t]]`` (int64). Returns ``[T, H * D]``."""
@@ -271,12 +274,12 @@ def attention(
             num_keys.data_ptr(),
             scale,
             out.data_ptr(),
-            torch.get_num_threads(),
+            threads or torch.get_num_threads(),
         )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int | None = None) -> torch.Tensor:
     """transformers' RMSNorm of each row of float32 ``[T, N]``."""
     width = weight.shape[0]
     _check_rows(x, width, "rms_norm")
@@ -286,12 +289,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0]:
         _loaded().invariant_rms_norm(
             x.data_ptr(), x.shape[0], width, x.stride(0), weight.data_ptr(), eps, out.data_ptr(), width,
-            torch.get_num_threads(),
+            threads or torch.get_num_threads(),
         )  # fmt: skip
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for contiguous float32 ``[T, 2 N]`` holding gate then up."""
     if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul takes contiguous float32 [rows, 2 N]; got {gate_up.dtype} {tuple(gate_up.shape)}")
@@ -299,6 +302,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
     if gate_up.shape[0]:
         _loaded().invariant_silu_mul(
-            gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), torch.get_num_threads()
+            gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), threads or torch.get_num_threads()
         )
     return out

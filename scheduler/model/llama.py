@@ -90,7 +90,7 @@ class ForwardBatch:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer: norms and biases as float32 tensors, the four matmul weights packed for the kernels."""
+    """One decoder layer: norms and biases as float32 tensors, the four matmul weights packed for the invariant_cpu."""
 
     input_norm: torch.Tensor
     qkv: PackedWeight  # q, k and v projections stacked: one matmul instead of three
@@ -202,8 +202,18 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, pool: TokenKVPool) -> torch.Tensor:
         """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.
 
-        Row ``j`` holds the next-token logits after packed token ``batch.logit_indices[j]``.
+        Row ``j`` holds the next-token logits after packed token ``batch.logit_indices[j]``. The kernels run on
+        ``torch.get_num_threads()`` threads; the small torch ops between them on one (a torch op's thread team
+        waits for all its threads, and on a busy machine one of them is often descheduled).
         """
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._forward(batch, pool, threads)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _forward(self, batch: ForwardBatch, pool: TokenKVPool, threads: int) -> torch.Tensor:
         num_tokens = batch.input_ids.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         cos = self.cos[batch.positions][:, None, :]
@@ -211,8 +221,8 @@ class LlamaModel:
         scale = self.head_dim**-0.5
         hidden = self._embed(batch.input_ids)
         for i, layer in enumerate(self.layers):
-            x = invariant_cpu.rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = invariant_cpu.matmul(x, layer.qkv)
+            x = invariant_cpu.rms_norm(hidden, layer.input_norm, self.eps, threads)
+            qkv = invariant_cpu.matmul(x, layer.qkv, threads)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
@@ -222,14 +232,14 @@ class LlamaModel:
             pool.k[i][batch.new_rows] = k
             pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
             attention = invariant_cpu.attention(
-                q.contiguous(), pool.k[i], pool.v[i], batch.key_rows, batch.key_starts, batch.num_keys, scale
+                q.contiguous(), pool.k[i], pool.v[i], batch.key_rows, batch.key_starts, batch.num_keys, scale, threads
             )
-            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(attention, layer.o_proj))
-            x = invariant_cpu.rms_norm(hidden, layer.post_norm, self.eps)
-            mlp = invariant_cpu.silu_mul(invariant_cpu.matmul(x, layer.gate_up))
-            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(mlp, layer.down))
-        selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps)
-        return self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head), self.shard.vocab_widths)
+            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(attention, layer.o_proj, threads))
+            x = invariant_cpu.rms_norm(hidden, layer.post_norm, self.eps, threads)
+            mlp = invariant_cpu.silu_mul(invariant_cpu.matmul(x, layer.gate_up, threads), threads)
+            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(mlp, layer.down, threads))
+        selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
+        return self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids`` ``[T, hidden]``: on several ranks each looks up the ids of its vocabulary

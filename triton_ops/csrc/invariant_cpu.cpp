@@ -11,6 +11,11 @@
 //   taking the indices equal to l modulo 16, which are then added in one fixed tree;
 // - exp is one polynomial evaluated with the same fma sequence in every lane and in the scalar tail;
 // - threads split independent output elements (columns, rows, tokens and heads), never one element's sum.
+//
+// Threads: a pool of its own (not OpenMP), whose caller takes work too and never waits for a worker that has not
+// claimed any. A fork-join team waits at every region's end for all its threads, so on a busy machine (a grammar
+// compile beside the decode, other processes) one descheduled thread stalled each of a forward's ~150 regions
+// for a time slice: measured 2.7 s a decode step instead of 29 ms.
 // So batching, the row-padding a library may or may not do, speculative verification (k rows at once) and the
 // thread count can never change a token's logits, on any x86-64 CPU with AVX2 or AVX-512, and elsewhere through
 // the scalar path.
@@ -20,12 +25,15 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <algorithm>
-#include <vector>
+#include <unistd.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace {
 
@@ -246,8 +254,120 @@ static inline V16 vexp(V16 x) {
   return vmul(p, vexp2i(n));
 }
 
-static inline int num_threads_for(int64_t items, int threads) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, threads)));
+// ---- the thread pool --------------------------------------------------------------------------------------------
+//
+// One job at a time (the callers hold the GIL's order: one forward at a time per process). A job is `total` items
+// claimed `grain` at a time through `state_` = generation << 32 | next item, by compare-and-swap, so a claim made
+// for an old generation fails; the caller claims too and then waits only for claimed items to finish. Workers spin
+// a little after a job (the next region of the forward comes within microseconds), then sleep.
+
+class Pool {
+ public:
+  using Fn = void (*)(const void*, int64_t, int64_t);
+
+  static Pool& instance() {
+    static Pool* pool = nullptr;
+    static pid_t owner = 0;
+    if (pool == nullptr || owner != getpid()) {  // a forked child has none of its parent's threads
+      pool = new Pool();                          // never freed: workers may outlive static destruction
+      owner = getpid();
+    }
+    return *pool;
+  }
+
+  void run(int64_t total, int64_t grain, int threads, Fn fn, const void* ctx) {
+    if (threads <= 1 || total <= grain) {
+      fn(ctx, 0, total);
+      return;
+    }
+    grow(threads - 1);
+    const uint64_t gen = ++generation_;
+    Job& job = jobs_[gen & 1];
+    job.fn.store(fn, std::memory_order_relaxed);
+    job.ctx.store(ctx, std::memory_order_relaxed);
+    job.total.store(total, std::memory_order_relaxed);
+    job.grain.store(grain, std::memory_order_relaxed);
+    job.helpers.store(threads - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    state_.store(gen << 32, std::memory_order_release);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
+    claim_and_run(gen, job);
+    for (int spins = 0; done_.load(std::memory_order_acquire) < total; ++spins)
+      if (spins > 4096) std::this_thread::yield();
+  }
+
+ private:
+  struct Job {
+    std::atomic<Fn> fn{nullptr};
+    std::atomic<const void*> ctx{nullptr};
+    std::atomic<int64_t> total{0}, grain{1};
+    std::atomic<int> helpers{0};
+  };
+
+  void grow(int workers) {
+    while (static_cast<int>(workers_) < workers) {
+      const int id = workers_++;
+      std::thread([this, id] { work(id); }).detach();
+    }
+  }
+
+  void claim_and_run(uint64_t gen, Job& job) {
+    for (;;) {
+      uint64_t state = state_.load(std::memory_order_acquire);
+      if (state >> 32 != (gen & 0xffffffffu)) return;
+      const int64_t first = static_cast<int64_t>(state & 0xffffffffu);
+      const int64_t total = job.total.load(std::memory_order_relaxed);
+      if (first >= total) return;
+      const int64_t last = std::min(total, first + job.grain.load(std::memory_order_relaxed));
+      if (!state_.compare_exchange_weak(state, (state & ~0xffffffffull) | static_cast<uint64_t>(last),
+                                        std::memory_order_acq_rel))
+        continue;
+      job.fn.load(std::memory_order_relaxed)(job.ctx.load(std::memory_order_relaxed), first, last);
+      done_.fetch_add(last - first, std::memory_order_release);
+    }
+  }
+
+  void work(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t gen = state_.load(std::memory_order_acquire) >> 32;
+      const auto started = std::chrono::steady_clock::now();
+      for (int spins = 0; gen == seen; ++spins) {
+        if ((spins & 255) == 255 && std::chrono::steady_clock::now() - started > std::chrono::microseconds(300)) {
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          std::unique_lock<std::mutex> lock(mutex_);
+          wake_.wait(lock, [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        }
+        gen = state_.load(std::memory_order_acquire) >> 32;
+      }
+      seen = gen;
+      Job& job = jobs_[gen & 1];
+      if (id < job.helpers.load(std::memory_order_relaxed)) claim_and_run(gen, job);
+    }
+  }
+
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<int> workers_{0};
+  uint64_t generation_ = 0;
+  Job jobs_[2];
+  std::mutex mutex_;
+  std::condition_variable wake_;
+};
+
+constexpr int64_t kRowsPerClaim = 32;  // rows of a norm or an activation: below this, one thread does them all
+
+// f(first, last) over items [0, total) on up to `threads` threads, `grain` items per claim.
+template <class F>
+static void parallel_for(int64_t total, int64_t grain, int threads, const F& f) {
+  Pool::instance().run(
+      total, std::max<int64_t>(1, grain), threads,
+      [](const void* ctx, int64_t first, int64_t last) { (*static_cast<const F*>(ctx))(first, last); }, &f);
 }
 
 // ---- matmuls over packed weights -------------------------------------------------------------------------------
@@ -399,6 +519,85 @@ static void run_rows(int rows, int panels_here, int32_t format, const float* x, 
   run_tile<MR, NP>(format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
 }
 
+// Block formats over more rows than a tile: each block of a column group is unpacked once (its quants as floats,
+// k in order) into `scratch` [32][NP][16], and every row tile runs over it, keeping its accumulators in `acc`
+// (rows ldacc apart) from block to block. Each output element gets the operations of tile_blocks, in its order.
+template <int MR, int NP>
+static void scratch_tile(const float* x, int64_t ldx, const float* xsums, int64_t ldsum, const float* scratch,
+                         const V16* d, const V16* mins, float* acc, int64_t ldacc) {
+  V16 s[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) s[r][p] = vzero();
+  for (int k = 0; k < kBlock; ++k) {
+    V16 w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = vload(scratch + (k * kNP + p) * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      V16 xv = vset1(x[r * ldx + k]);
+      for (int p = 0; p < NP; ++p) s[r][p] = vfma(xv, w[p], s[r][p]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      float* a = acc + r * ldacc + p * kLanes;
+      V16 value = vfma(d[p], s[r][p], vload(a));
+      if (mins != nullptr) value = vfma(mins[p], vset1(xsums[r * ldsum]), value);
+      vstore(a, value);
+    }
+}
+
+template <int MR = kMR, int NP = kNP>
+static void run_scratch_rows(int rows, int panels_here, const float* x, int64_t ldx, const float* xsums,
+                             int64_t ldsum, const float* scratch, const V16* d, const V16* mins, float* acc,
+                             int64_t ldacc) {
+  if constexpr (MR > 1) {
+    if (rows < MR)
+      return run_scratch_rows<MR - 1, NP>(rows, panels_here, x, ldx, xsums, ldsum, scratch, d, mins, acc, ldacc);
+  }
+  if constexpr (NP > 1) {
+    if (panels_here < NP)
+      return run_scratch_rows<MR, NP - 1>(rows, panels_here, x, ldx, xsums, ldsum, scratch, d, mins, acc, ldacc);
+  }
+  scratch_tile<MR, NP>(x, ldx, xsums, ldsum, scratch, d, mins, acc, ldacc);
+}
+
+// Rows m0..m1 of one column group in a block format, through the scratch of unpacked blocks (see scratch_tile).
+static void block_rows_via_scratch(int32_t format, const float* x, int64_t ldx, int64_t m0, int64_t m1,
+                                   const float* sums, int64_t nblocks, const uint8_t* panels, int64_t pbytes,
+                                   int panels_here, float* y, int64_t ldy, int cols) {
+  constexpr int64_t ldacc = kNP * kLanes;
+  alignas(64) float acc[kRowBlock * ldacc];
+  alignas(64) float scratch[kBlock * kNP * kLanes];
+  const int64_t rows = m1 - m0, block_bytes = pbytes / nblocks;
+  std::fill(acc, acc + rows * ldacc, 0.0f);
+  V16 d[kNP], mins[kNP];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int p = 0; p < panels_here; ++p) {
+      const uint8_t* block = panels + p * pbytes + b * block_bytes;
+      if (format == kQ8_0) {
+        for (int k = 0; k < kBlock; ++k)
+          vstore(scratch + (k * kNP + p) * kLanes, vfrom_i8(reinterpret_cast<const int8_t*>(block) + k * kLanes));
+        d[p] = vfrom_f16(reinterpret_cast<const uint16_t*>(block + kBlock * kLanes));
+      } else {
+        for (int i = 0; i < kBlock / 2; ++i) {
+          V16 lo, hi;
+          vfrom_u4x2(block + i * kLanes, &lo, &hi);
+          vstore(scratch + (2 * i * kNP + p) * kLanes, lo);
+          vstore(scratch + ((2 * i + 1) * kNP + p) * kLanes, hi);
+        }
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + kBlock / 2 * kLanes);
+        d[p] = vfrom_f16(scales);
+        mins[p] = vfrom_f16(scales + kLanes);
+      }
+    }
+    for (int64_t m = m0; m < m1; m += kMR) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+      run_scratch_rows(tile_rows, panels_here, x + m * ldx + b * kBlock, ldx, sums + m * nblocks + b, nblocks,
+                       scratch, d, format == kQ4_1 ? mins : nullptr, acc + (m - m0) * ldacc, ldacc);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) memcpy(y + (m0 + r) * ldy, acc + r * ldacc, cols * sizeof(float));
+}
+
 }  // namespace
 
 extern "C" {
@@ -433,22 +632,28 @@ void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int6
       }
   }
   const float* sums = xsums.data();
-#pragma omp parallel for schedule(static) num_threads(num_threads_for(num_groups, threads))
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const uint8_t* panels = packed + g * kNP * pbytes;
-    const int cols = static_cast<int>(std::min<int64_t>(kNP * kLanes, N - g * kNP * kLanes));
-    const int panels_here = static_cast<int>(std::min<int64_t>(kNP, num_panels - g * kNP));
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t m = m0; m < m1; m += kMR) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
-        const float* xm = x + m * ldx;
-        float* ym = y + m * ldy + g * kNP * kLanes;
-        const float* sm = sums + m * nblocks;
-        run_rows(rows, panels_here, format, xm, ldx, sm, nblocks, panels, pbytes, K, ym, ldy, cols);
+  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const uint8_t* panels = packed + g * kNP * pbytes;
+      const int cols = static_cast<int>(std::min<int64_t>(kNP * kLanes, N - g * kNP * kLanes));
+      const int panels_here = static_cast<int>(std::min<int64_t>(kNP, num_panels - g * kNP));
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t m1 = std::min(M, m0 + kRowBlock);
+        if ((format == kQ8_0 || format == kQ4_1) && m1 - m0 > kMR) {  // unpack each block once for every row tile
+          block_rows_via_scratch(format, x, ldx, m0, m1, sums, nblocks, panels, pbytes, panels_here,
+                                 y + g * kNP * kLanes, ldy, cols);
+          continue;
+        }
+        for (int64_t m = m0; m < m1; m += kMR) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+          const float* xm = x + m * ldx;
+          float* ym = y + m * ldy + g * kNP * kLanes;
+          const float* sm = sums + m * nblocks;
+          run_rows(rows, panels_here, format, xm, ldx, sm, nblocks, panels, pbytes, K, ym, ldy, cols);
+        }
       }
     }
-  }
+  });
 }
 
 // Causal attention of query tokens over their own rows of a token KV pool.
@@ -464,13 +669,12 @@ void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const 
   const int64_t chunks = (D + kLanes - 1) / kLanes;
   int64_t max_keys = 0;
   for (int64_t t = 0; t < T; ++t) max_keys = std::max(max_keys, num_keys[t]);
-  const int nthreads = num_threads_for(T * Hkv, threads);
-#pragma omp parallel num_threads(nthreads)
-  {
-    std::vector<float> scores(group * max_keys);
-    std::vector<V16> acc(group * chunks);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < T * Hkv; ++item) {
+  parallel_for(T * Hkv, 1, threads, [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<V16> acc;
+    scores.resize(group * max_keys);
+    acc.resize(group * chunks);
+    for (int64_t item = first; item < last; ++item) {
       const int64_t t = item / Hkv, g = item % Hkv, L = num_keys[t];
       const int64_t* token_rows = rows + row_start[t];
       const float* qg = q + (t * H + g * group) * D;
@@ -491,9 +695,9 @@ void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const 
         float total = 0.0f;
         for (int64_t i = 0; i < L; ++i) total += s[i];
         for (int64_t c = 0; c < chunks; ++c) acc[h * chunks + c] = vzero();
-        for (int64_t jj = 0; jj < L; ++jj) {  // the values weighted by unnormalised p_j; one division at the end
-          const float* value = v_pool + token_rows[jj] * row_stride + g * D;
-          V16 p = vset1(s[jj]);
+        for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j; one division at the end
+          const float* value = v_pool + token_rows[j] * row_stride + g * D;
+          V16 p = vset1(s[j]);
           for (int64_t c = 0; c < chunks; ++c)
             acc[h * chunks + c] = vfma(p, vload_at(value, c * kLanes, D), acc[h * chunks + c]);
         }
@@ -502,15 +706,15 @@ void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const 
         for (int64_t c = 0; c < chunks; ++c) vstore_at(o, c * kLanes, D, vmul(acc[h * chunks + c], inverse));
       }
     }
-  }
+  });
 }
 
 // out[T, N] = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm orders it.
 // The sum of squares: 16 partial sums (lane n mod 16) then the fixed tree.
 void invariant_rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* weight, float eps, float* out,
                         int64_t ldo, int32_t threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads_for(T * N / 65536 + 1, threads))
-  for (int64_t t = 0; t < T; ++t) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
     const float* row = x + t * ldx;
     V16 partial = vzero();
     for (int64_t n = 0; n < N; n += kLanes) {
@@ -522,12 +726,13 @@ void invariant_rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const
     for (int64_t n = 0; n < N; n += kLanes)
       vstore_at(out + t * ldo, n, N, vmul(vmul(vload_at(row, n, N), r), vload_at(weight, n, N)));
   }
+  });
 }
 
 // out[T, N] = silu(gate) * up = gate / (1 + exp(-gate)) * up, with gate = x[:, :N] and up = x[:, N:2N].
 void invariant_silu_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads_for(T * N / 65536 + 1, threads))
-  for (int64_t t = 0; t < T; ++t) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
     const float* gate = x + t * 2 * N;
     const float* up = gate + N;
     for (int64_t n = 0; n < N; n += kLanes) {
@@ -536,6 +741,7 @@ void invariant_silu_mul(const float* x, int64_t T, int64_t N, float* out, int32_
       vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
     }
   }
+  });
 }
 
 }  // extern "C"
