@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import httpx
 import jsonschema
 import openai
 import psutil
+import torch
 from openai.types.chat import ChatCompletionMessageParam
 
 from scheduler.client import AsyncSchedulerClient
@@ -37,6 +39,27 @@ TEST_SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640")
 """Enough slots for the concurrency tests, a KV cache small enough to start in seconds."""
 
 COMPILE_TIMEOUT_S = 300.0
+
+
+THREAD_COUNTS = sorted({1, os.cpu_count() or 1})
+"""One thread, and every thread this machine has: a kernel's rows must not depend on how many share the work."""
+
+
+def assert_rows_invariant(compute: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor, max_rows: int) -> None:
+    """Every row of ``compute(inputs[:m])``, for m = 1..max_rows and each of ``THREAD_COUNTS``, equals that row
+    computed alone, bit for bit."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([compute(inputs[i : i + 1]) for i in range(max_rows)])
+        for count in THREAD_COUNTS:
+            torch.set_num_threads(count)
+            for rows in range(1, max_rows + 1):
+                together = compute(inputs[:rows])
+                differing = (together != alone[:rows]).any(dim=1).nonzero().flatten().tolist()
+                assert not differing, f"{rows} rows on {count} threads: rows {differing} differ from alone"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def compile_grammar(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGrammarObject:

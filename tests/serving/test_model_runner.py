@@ -18,6 +18,8 @@ from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
+from tests.helpers import assert_rows_invariant
+from triton_ops import invariant_cpu
 
 NUM_STEPS = 16
 NEAR_TIE = 0.05
@@ -228,6 +230,24 @@ def test_extend_and_truncate_agree_with_decode_bit_for_bit(runner: ModelRunner, 
         again = runner.decode([seq], [tokens[j]])[0]
         assert torch.equal(again, logits[j + 1])
     runner.kv.release(seq)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["float32", "gguf blocks"])
+def test_the_runners_matmuls_give_each_row_its_result_alone(
+    request: pytest.FixtureRequest, prompts: list[list[int]], fmt: str
+) -> None:
+    """The model's own weights (first layer's four matmuls and the lm_head, in the runner's formats) on real
+    activations: for 1..64 rows and every thread count, each row bit for bit as alone."""
+    runner = request.getfixturevalue("runner" if fmt == "float32" else "blocks_runner")
+    model = runner.model
+    tokens = torch.tensor((prompts[0] + prompts[1] + prompts[2])[:64])
+    hidden = invariant_cpu.rms_norm(model._lookup(tokens), model.layers[0].input_norm, model.eps)
+    layer = model.layers[0]
+    intermediate = invariant_cpu.silu_mul(invariant_cpu.matmul(hidden, layer.gate_up))
+    for weight, inputs in ((layer.qkv, hidden), (layer.o_proj, hidden), (layer.gate_up, hidden),
+                           (layer.down, intermediate), (model.lm_head, hidden)):  # fmt: skip
+        assert_rows_invariant(lambda rows, weight=weight: invariant_cpu.matmul(rows, weight), inputs, 64)
 
 
 @pytest.mark.model

@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.server_args import ServerArgs
+from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from triton_ops import invariant_cpu
 from triton_ops.cpu_info import cpu_flags
 from triton_ops.invariant_cpu import PackedWeight
 
-THREAD_COUNTS = sorted({1, os.cpu_count() or 1})
 MODEL_SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 """SmolLM2-135M's decoder matmuls, (in_features, out_features)."""
 FORMATS = ("float32", "bfloat16", "q8_0", "q4_1")
@@ -49,22 +49,6 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
     mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
     quants = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
     return invariant_cpu.pack_q4_1(scales, mins, quants), expand(scales) * quants.double() + expand(mins)
-
-
-def assert_rows_invariant(compute, inputs: torch.Tensor, max_rows: int) -> None:  # type: ignore[no-untyped-def]
-    """Every row of ``compute(inputs[:m])``, for m = 1..max_rows and every thread count, equals that row alone."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([compute(inputs[i : i + 1]) for i in range(max_rows)])
-        for count in THREAD_COUNTS:
-            torch.set_num_threads(count)
-            for rows in range(1, max_rows + 1):
-                together = compute(inputs[:rows])
-                differing = (together != alone[:rows]).any(dim=1).nonzero().flatten().tolist()
-                assert not differing, f"{rows} rows on {count} threads: rows {differing} differ from alone"
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
