@@ -32,7 +32,7 @@ from scheduler.model.gguf_blocks import BlockQuantized
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import PackedWeight
+from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight
 
 
 @dataclass(frozen=True)
@@ -86,19 +86,6 @@ class ForwardBatch:
             offsets=offsets,
             starts=list(starts),
         )
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One decoder layer: norms and biases as float32 tensors, the four matmul weights packed for the invariant_cpu."""
-
-    input_norm: torch.Tensor
-    qkv: PackedWeight  # q, k and v projections stacked: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    o_proj: PackedWeight
-    post_norm: torch.Tensor
-    gate_up: PackedWeight  # gate and up projections stacked
-    down: PackedWeight
 
 
 class LlamaModel:
@@ -161,7 +148,7 @@ class LlamaModel:
             p = f"model.layers.{i}."
             bias_names = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
             self.layers.append(
-                _Layer(
+                DecoderLayer(
                     input_norm=weight(f"{p}input_layernorm.weight"),
                     qkv=packed(*(f"{p}self_attn.{x}_proj.weight" for x in "qkv")),
                     qkv_bias=torch.cat([weight(name) for name in bias_names]) if bias_names[0] in weights else None,
@@ -171,7 +158,8 @@ class LlamaModel:
                     down=packed(f"{p}mlp.down_proj.weight"),
                 )
             )
-        self.cos, self.sin = _rope_tables(config, self.head_dim, max_positions)
+        cos, sin = _rope_tables(config, self.head_dim, max_positions)
+        self.decoder = Decoder(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, cos, sin)
 
     @property
     def num_weight_bytes(self) -> int:
@@ -214,30 +202,15 @@ class LlamaModel:
             torch.set_num_threads(threads)
 
     def _forward(self, batch: ForwardBatch, pool: TokenKVPool, threads: int) -> torch.Tensor:
-        num_tokens = batch.input_ids.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        cos = self.cos[batch.positions][:, None, :]
-        sin = self.sin[batch.positions][:, None, :]
-        scale = self.head_dim**-0.5
-        hidden = self._embed(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            x = invariant_cpu.rms_norm(hidden, layer.input_norm, self.eps, threads)
-            qkv = invariant_cpu.matmul(x, layer.qkv, threads)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            # q and k heads are rotated together: one RoPE call per layer.
-            qk = _rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            pool.k[i][batch.new_rows] = k
-            pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
-            attention = invariant_cpu.attention(
-                q.contiguous(), pool.k[i], pool.v[i], batch.key_rows, batch.key_starts, batch.num_keys, scale, threads
-            )
-            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(attention, layer.o_proj, threads))
-            x = invariant_cpu.rms_norm(hidden, layer.post_norm, self.eps, threads)
-            mlp = invariant_cpu.silu_mul(invariant_cpu.matmul(x, layer.gate_up, threads), threads)
-            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(mlp, layer.down, threads))
+        hidden = self._embed(batch.input_ids).contiguous()
+        tokens = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
+        if self.tp.size == 1:
+            self.decoder.run(hidden, tokens, pool.k, pool.v, threads)
+        else:  # the ranks sum each block's output before the residual add
+            for i in range(self.num_layers):
+                attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads)
+                hidden = hidden + self.tp.all_reduce(attention)
+                hidden = hidden + self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads))
         selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
         return self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
 
@@ -270,13 +243,6 @@ def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dty
         )
     dense = [part.dequantize() if isinstance(part, BlockQuantized) else part.to(torch.float32) for part in parts]
     return invariant_cpu.pack_dense(torch.cat(dense), dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in transformers' layout: the two halves of each head are the rotated pairs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

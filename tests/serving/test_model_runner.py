@@ -12,6 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from scheduler.model.kv_cache import KVSequence
+from scheduler.model.kv_pool import TokenKVPool
+from scheduler.model.llama import ForwardBatch
 from scheduler.model.loader import check_supported, read_weights
 from scheduler.model.runner import ModelRunner
 from scheduler.model.tensor_parallel import ShardPlan
@@ -20,6 +22,7 @@ from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
 from tests.helpers import assert_rows_invariant
 from triton_ops import invariant_cpu
+from triton_ops.invariant_cpu import DecoderBatch
 
 NUM_STEPS = 16
 NEAR_TIE = 0.05
@@ -248,6 +251,31 @@ def test_the_runners_matmuls_give_each_row_its_result_alone(
     for weight, inputs in ((layer.qkv, hidden), (layer.o_proj, hidden), (layer.gate_up, hidden),
                            (layer.down, intermediate), (model.lm_head, hidden)):  # fmt: skip
         assert_rows_invariant(lambda rows, weight=weight: invariant_cpu.matmul(rows, weight), inputs, 64)
+
+
+@pytest.mark.model
+def test_one_decoder_call_computes_what_its_blocks_compute(
+    blocks_runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """The single-rank forward (every layer in one C++ call) and the tensor-parallel one (a call per block, residual
+    adds in torch) give the same hidden states and KV bit for bit."""
+    model = blocks_runner.model
+    tokens = prompts[0] + prompts[1]
+    results = []
+    for fused in (True, False):
+        pool = TokenKVPool(model.num_layers, 128, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+        rows = [pool.allocate(len(prompts[0])), pool.allocate(len(prompts[1]))]
+        batch = ForwardBatch.build(rows, [0, 0], [prompts[0], prompts[1]])
+        decoder_batch = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
+        hidden = model._lookup(torch.tensor(tokens)).contiguous()
+        if fused:
+            model.decoder.run(hidden, decoder_batch, pool.k, pool.v, 2)
+        else:
+            for i in range(model.num_layers):
+                hidden = hidden + model.decoder.attention_block(i, hidden, decoder_batch, pool.k[i], pool.v[i], 2)
+                hidden = hidden + model.decoder.mlp_block(i, hidden, 2)
+        results.append((hidden, pool.k[:, batch.new_rows], pool.v[:, batch.new_rows]))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 @pytest.mark.model
