@@ -8,12 +8,13 @@ Prints, per backend and tokenizer and then per folder: schemas compiled / total,
 (compiled, every invalid instance and walk output rejected, every valid instance accepted but for a recorded
 narrowing: the coverage), valid instances fully accepted / total and invalid instances rejected / total (over
 compiled schemas), invalid outputs / finished random walks through each compiled schema's own masks (``--walks``
-per schema; must be 0), and the seconds compiles and walks took; then the refusals grouped by reason, which backend
-``auto`` chose and why, and the cases that cost the backends most (the conformance test keeps those out of its
-default sample). Where the data folder holds known_refusals.json and known_deviations.json (the suite's does),
-every case is judged as the conformance test judges it (``auto`` against what the other backends' records imply):
-each disagreement is printed on a line starting with "!!" and the exit status is 1. Details go to
-results/conformance.json.
+per schema, each output's raw bytes judged as strict UTF-8 before its JSON; must be 0), and the seconds compiles
+and walks took; then the refusals grouped by reason, which backend ``auto`` chose and why, each invalid output (its
+case, walk and reason: for bytes that are not UTF-8, the tokens that spelled them), and the cases that cost the
+backends most (the conformance test keeps those out of its default sample). Where the data folder holds
+known_refusals.json and known_deviations.json (the suite's does), every case is judged as the conformance test
+judges it (``auto`` against what the other backends' records imply): each disagreement is printed on a line
+starting with "!!" and the exit status is 1. Details go to results/conformance.json.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class PairReport:
     refusals: dict[str, str] = field(default_factory=dict)
     wrongly_rejected_cases: list[str] = field(default_factory=list)
     wrongly_accepted_cases: list[str] = field(default_factory=list)
+    invalid_outputs: dict[str, list[str]] = field(default_factory=dict)
     case_seconds: dict[str, float] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=dict)
     choices: dict[str, str | None] = field(default_factory=dict)
@@ -129,6 +131,8 @@ class PairReport:
             self.wrongly_rejected_cases.append(case.name)
         if result.wrongly_accepted:
             self.wrongly_accepted_cases.append(case.name)
+        if result.walks.invalid_outputs:
+            self.invalid_outputs[case.name] = result.walks.invalid_outputs
 
     def refusal_reasons(self, case: str) -> str:
         """The short reason of a refused case: each backend's, for ``auto``."""
@@ -202,6 +206,14 @@ def print_auto_choices(reports: list[PairReport]) -> None:
             print(f"  {count:>4}  {reason}")
 
 
+def print_invalid_outputs(reports: list[PairReport]) -> None:
+    """Every invalid output of the random walks, with its case, walk and what was wrong (the tokens, for bytes)."""
+    for report in reports:
+        for case, outputs in report.invalid_outputs.items():
+            for output in outputs:
+                print(f"invalid output: {report.backend} {report.tokenizer} {case} {output}")
+
+
 def print_costliest(reports: list[PairReport], slow_s: float) -> None:
     """Cases whose cost summed over the backends and tokenizers run exceeds ``slow_s``, costliest first."""
     costs: Counter[str] = Counter()
@@ -270,6 +282,7 @@ def main() -> int:
 
     print_refusals(reports)
     print_auto_choices(reports)
+    print_invalid_outputs(reports)
     print_costliest(reports, options.slow)
     if options.write_known_refusals:
         messages: dict[str, dict[str, dict[str, str]]] = {}

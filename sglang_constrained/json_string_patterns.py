@@ -93,6 +93,9 @@ class Charset:
     def intersect(self, other: Charset) -> Charset:
         return self.complement().union(other.complement()).complement()
 
+    def contains(self, codepoint: int) -> bool:
+        return any(low <= codepoint <= high for low, high in self.ranges)
+
 
 SAFE = Charset.of(_UNSAFE).complement()
 """What a pattern may produce: every character a JSON string holds as it is."""
@@ -151,7 +154,7 @@ def _sequence(items: Iterable[tuple[object, object]]) -> str:
 def _node(op: object, argument: object) -> str:
     if op is sre_constants.LITERAL:
         assert isinstance(argument, int)
-        if not _contains(SAFE, argument):
+        if not SAFE.contains(argument):
             raise GrammarSpecError(
                 f"the pattern requires the character {chr(argument)!r}, which a JSON string can only hold escaped; "
                 "patterns here never produce quotes, backslashes or control characters"
@@ -241,10 +244,6 @@ def _literal(codepoint: int) -> str:
 
 def _escape(codepoint: int) -> str:
     return f"\\u{codepoint:04x}" if codepoint <= 0xFFFF else chr(codepoint)
-
-
-def _contains(chars: Charset, codepoint: int) -> bool:
-    return any(low <= codepoint <= high for low, high in chars.ranges)
 
 
 def _quantifier(low: int, high: int) -> str:

@@ -2,6 +2,7 @@
 
 xgrammar builds its token masks over our ``TokenizerVocabulary``, whose special and padding entries are blank,
 so no special token is ever allowed; the model's EOS ids are the stop tokens, allowed where the grammar can end.
+Every grammar's terminals are limited to well-formed UTF-8 before it is compiled (``xgrammar_utf8``).
 Masks are int32 bitmasks in the contract's layout; applying them is left to ``triton_ops`` (xgrammar's own CPU
 apply kernel is several times slower on this machine).
 """
@@ -33,6 +34,7 @@ from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, boun
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
 from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
+from sglang_constrained.xgrammar_utf8 import check_grammar_format, well_formed_utf8_grammar
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
 
@@ -145,6 +147,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "(--constrained-json-whitespace-pattern); use --constrained-json-disable-any-whitespace for "
                 "compact JSON instead, or leave both unset to allow any whitespace"
             )
+        check_grammar_format()
         super().__init__(server_args, vocab_size)
         self.vocabulary = vocabulary or tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
         self.tokenizer_info = xgrammar.TokenizerInfo.from_vocab_and_metadata(
@@ -208,19 +211,20 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return _length_bounds_as_patterns(super().prepare_json_schema(schema, originals))
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:
-        """xgrammar's strict mode, as SGLang: objects hold only the properties the schema lists.
+        return self._compile("JSON schema", lambda: self.json_schema_grammar(key_string))
 
-        Every output still validates against the schema; the model just cannot invent keys (which would also
-        make it likelier to run out of tokens before closing the object). Non-strict mode would accept the
-        18 valid Github_trivial instances that have unlisted properties, but makes compiles up to 250x slower
-        at 248k tokens (a GeoJSON schema: 0.1 s strict, 25 s not; measured).
+    def json_schema_grammar(self, key_string: str) -> xgrammar.Grammar:
+        """xgrammar's grammar for a prepared schema, as xgrammar makes it (``_compile`` then limits it to UTF-8).
+
+        xgrammar's strict mode, as SGLang: objects hold only the properties the schema lists. Every output still
+        validates against the schema; the model just cannot invent keys (which would also make it likelier to run
+        out of tokens before closing the object). Non-strict mode would accept the 18 valid Github_trivial instances
+        that have unlisted properties, but makes compiles up to 250x slower at 248k tokens (a GeoJSON schema: 0.1 s
+        strict, 25 s not; measured).
         """
         compact = None if self.any_whitespace else (",", ":")
-        return self._compile(
-            "JSON schema",
-            lambda: xgrammar.Grammar.from_json_schema(
-                key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=True
-            ),
+        return xgrammar.Grammar.from_json_schema(
+            key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=True
         )
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
@@ -242,8 +246,9 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return self._compile("structural tag", lambda: xgrammar.Grammar.from_structural_tag(prepared))
 
     def _compile(self, what: str, build: Callable[[], xgrammar.Grammar]) -> XGrammarGrammar:
+        """Build the grammar, limit its terminals to well-formed UTF-8 (``xgrammar_utf8``), compile it."""
         try:
-            compiled = self.compiler.compile_grammar(build())
+            compiled = self.compiler.compile_grammar(well_formed_utf8_grammar(build()))
         except RuntimeError as e:
             raise GrammarSpecError(f"xgrammar cannot compile the {what}: {_xgrammar_message(e)}") from e
         return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)

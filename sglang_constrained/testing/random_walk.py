@@ -1,12 +1,14 @@
 """Random walks through a grammar's own masks: soundness proven by what the mask allows, not by guessed instances.
 
 A walk fills the mask, samples one of the tokens it allows (biased toward tokens that hold control characters,
-quotes, backslashes and non-ASCII bytes, where escaping holes hide), accepts it, and repeats; after a while it is
+quotes, backslashes and non-ASCII bytes, where escaping holes hide, and most of all toward byte-fallback tokens,
+which are not UTF-8 on their own and so can spell malformed UTF-8), accepts it, and repeats; after a while it is
 biased toward closing (a stop token when allowed, else tokens made of closing characters, else the shortest
-tokens). A finished walk's text is then judged by an independent oracle: ``json.loads`` (strict) and jsonschema for
-JSON, ``re.fullmatch`` for regexes, membership for choices. Any text the mask let through that the oracle refuses
-is a hole in the grammar. Every step also checks that no special token (other than a stop token) and no padding
-id is ever allowed.
+tokens). A finished walk's raw bytes are then judged: first strictly as UTF-8 (RFC 3629: no surrogates, overlong
+forms or code points above U+10FFFF), then by an independent oracle on the text: ``json.loads`` (strict) and
+jsonschema for JSON, ``re.fullmatch`` for regexes, membership for choices. Any output the mask let through that
+either refuses is a hole in the grammar. Every step also checks that no special token (other than a stop token)
+and no padding id is ever allowed.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ CONTROL_WEIGHT = 50.0
 QUOTE_WEIGHT = 20.0
 BACKSLASH_WEIGHT = 20.0
 NON_ASCII_WEIGHT = 5.0
+BYTE_FALLBACK_WEIGHT = 40.0
 CLOSING_BYTES = frozenset(b'"}]')
 
 Judge = Callable[[str], str | None]
-"""Returns why a finished walk's text is not a valid output, or None when it is."""
+"""Returns why a finished walk's text is not a valid output, or None when it is. A text may hold lone surrogates
+(U+DC80-U+DCFF) standing for bytes that are not UTF-8, where the output is free text (``judge_walk``)."""
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,28 @@ class TokenTraits:
 
 @dataclass(frozen=True)
 class WalkResult:
-    """``problem`` says what broke (the oracle's reason, or an invariant); ``finished`` means a stop token was taken.
+    """``problem`` says what broke (the judges' reason, or an invariant); ``finished`` means a stop token was taken.
 
-    ``text`` is the output decoded as UTF-8, with U+FFFD for bytes that are not (``is_utf8`` tells).
+    ``steps`` are the tokens taken before the stop token, each with the bytes it stands for.
     """
 
     finished: bool
-    text: str | None
-    num_tokens: int
+    steps: tuple[tuple[int, bytes], ...]
     problem: str | None = None
-    is_utf8: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.steps)
+
+    @property
+    def output(self) -> bytes:
+        """The raw bytes of the output, as a client receives them."""
+        return b"".join(token_bytes for _, token_bytes in self.steps)
+
+    @property
+    def text(self) -> str:
+        """The output for reading: bytes that are not UTF-8 shown as ``\\xNN``."""
+        return self.output.decode("utf-8", errors="backslashreplace")
 
 
 _TRAITS: dict[tuple[str, int], TokenTraits] = {}
@@ -84,6 +100,8 @@ def _traits(setup: TokenizerSetup) -> TokenTraits:
             weight *= BACKSLASH_WEIGHT
         if any(byte >= 0x80 for byte in token_bytes):
             weight *= NON_ASCII_WEIGHT
+        if not is_utf8(token_bytes):
+            weight *= BYTE_FALLBACK_WEIGHT
         weights.append(weight)
         closing.append(bool(token_bytes) and set(token_bytes) <= CLOSING_BYTES)
         lengths.append(len(token_bytes) or 1_000)
@@ -109,24 +127,24 @@ def random_walk(
     forbidden = torch.zeros(vocab_size, dtype=torch.bool)
     forbidden[list(setup.forbidden_token_ids)] = True
     mask = allocate_bitmask(1, vocab_size)
-    output = bytearray()
+    steps: list[tuple[int, bytes]] = []
     for step in range(max_tokens):
         mask.fill_(0)
         grammar.fill_vocab_mask(mask, 0)
         allowed = unpack_bitmask(mask[0], vocab_size)
         if bool((allowed & forbidden).any()):
             leaked = (allowed & forbidden).nonzero().flatten()[:5].tolist()
-            return WalkResult(False, None, step, f"the mask allows special or padding ids {leaked}")
+            return WalkResult(False, tuple(steps), f"the mask allows special or padding ids {leaked}")
         if not bool(allowed.any()):
-            return WalkResult(False, None, step, "the mask allows no token: the walk cannot go on")
+            return WalkResult(False, tuple(steps), "the mask allows no token: the walk cannot go on")
         token = _choose(allowed, traits, stops, step >= explore_tokens, generator)
         grammar.accept_token(token)
         if token in setup.eos_token_ids:
-            return _finished(bytes(output), step)
-        output += traits.decoded[token]
+            return WalkResult(True, tuple(steps))
+        steps.append((token, traits.decoded[token]))
         if grammar.is_terminated():
-            return _finished(bytes(output), step + 1)
-    return WalkResult(False, None, max_tokens)
+            return WalkResult(True, tuple(steps))
+    return WalkResult(False, tuple(steps))
 
 
 def _choose(
@@ -152,27 +170,45 @@ def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.searchsorted(cdf, target, right=True))
 
 
-def _finished(output: bytes, num_tokens: int) -> WalkResult:
+def is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is well-formed UTF-8 (RFC 3629), as Python's strict decoder holds."""
     try:
-        return WalkResult(True, output.decode("utf-8"), num_tokens)
+        data.decode("utf-8")
     except UnicodeDecodeError:
-        return WalkResult(True, output.decode("utf-8", errors="replace"), num_tokens, is_utf8=False)
+        return False
+    return True
+
+
+def utf8_problem(steps: tuple[tuple[int, bytes], ...]) -> str | None:
+    """Why the bytes of ``steps`` are not well-formed UTF-8 (where, and the tokens that spelled it), or None."""
+    output = b"".join(token_bytes for _, token_bytes in steps)
+    try:
+        output.decode("utf-8")
+    except UnicodeDecodeError as e:
+        first, last = max(e.start - 3, 0), e.end + 2
+        spelled_by, position = [], 0
+        for token, token_bytes in steps:
+            if position < last and position + len(token_bytes) > first:
+                spelled_by.append(f"{token} {token_bytes!r}")
+            position += len(token_bytes)
+        return f"not UTF-8: {e.reason} at byte {e.start} ({output[first:last]!r}, tokens {', '.join(spelled_by)})"
+    return None
 
 
 def judge_walk(result: WalkResult, judge: Judge, free_text: bool = False) -> WalkResult:
-    """The walk with the oracle's verdict on its text (unfinished or already broken walks are left as they are).
+    """The walk with the verdicts on its raw bytes (unfinished or already broken walks are left as they are).
 
-    The whole output must be UTF-8 unless ``free_text`` (a structural tag's text outside its tags is free, as
-    unconstrained decoding is; the judge still checks the tags' bodies).
+    The bytes must be well-formed UTF-8 before the judge sees their text, unless ``free_text`` (a structural tag's
+    text outside its tags is free, as unconstrained decoding is): then bytes that are not UTF-8 reach the judge as
+    lone surrogates (``surrogateescape``), which it must refuse inside the tags' bodies (``json_judge`` does).
     """
-    if not result.finished or result.problem is not None or result.text is None:
+    if not result.finished or result.problem is not None:
         return result
-    problem = judge(result.text)
-    if problem is None and not (result.is_utf8 or free_text):
-        problem = "the output is not UTF-8"
-    if problem is None:
-        return result
-    return WalkResult(True, result.text, result.num_tokens, problem, result.is_utf8)
+    if free_text:
+        problem = judge(result.output.decode("utf-8", errors="surrogateescape"))
+    else:
+        problem = utf8_problem(result.steps) or judge(result.output.decode("utf-8"))
+    return result if problem is None else WalkResult(True, result.steps, problem)
 
 
 @dataclass
@@ -192,14 +228,15 @@ def walk_and_judge(
     seed: int,
     free_text: bool = False,
 ) -> WalkTally:
-    """``num_walks`` seeded walks from fresh copies of ``grammar``, each judged (``judge_walk``)."""
+    """``num_walks`` seeded walks from fresh copies of ``grammar``, each judged (``judge_walk``); an invalid output is
+    named by its walk's index and seed."""
     generator = torch.Generator().manual_seed(seed)
     tally = WalkTally(num_walks=num_walks)
-    for _ in range(num_walks):
+    for index in range(num_walks):
         result = judge_walk(random_walk(grammar.copy(), setup, generator), judge, free_text)
         tally.num_finished += result.finished
         if result.problem is not None:
-            tally.invalid_outputs.append(f"{result.text!r:.200}: {result.problem}")
+            tally.invalid_outputs.append(f"walk {index} (seed {seed}): {result.text!r:.200}: {result.problem}")
     return tally
 
 
@@ -216,6 +253,8 @@ def json_judge(schema: Any) -> Judge:
     validator = validator_class(schema, format_checker=base.FORMAT_CHECKER)
 
     def judge(text: str) -> str | None:
+        if not is_utf8(text.encode("utf-8", errors="surrogateescape")):
+            return "not UTF-8: the JSON text holds bytes that are not well-formed UTF-8"
         try:
             instance = json.loads(text, parse_constant=_refuse_constant)
         except ValueError as e:

@@ -7,6 +7,7 @@ fails: remove the workaround the test names (and this test), then check that the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import outlines_core
@@ -70,6 +71,36 @@ def test_xgrammar_still_accepts(
     xgrammar_compiler: xgrammar.GrammarCompiler, schema: dict[str, Any], invalid_json: str, workaround: str
 ) -> None:
     assert xgrammar_accepts(xgrammar_compiler, schema, invalid_json), f"xgrammar fixed this: remove {workaround}"
+
+
+XGRAMMAR_GRAMMARS: dict[str, Callable[[str], xgrammar.Grammar]] = {
+    "json": xgrammar.Grammar.from_json_schema,
+    "regex": xgrammar.Grammar.from_regex,
+    "ebnf": xgrammar.Grammar.from_ebnf,
+}
+XGRAMMAR_UTF8_FAULTS = [
+    pytest.param("json", '{"type": "string"}', b'"\xed\xa0\x80"', id="JSON string takes a UTF-16 surrogate"),
+    pytest.param("json", "{}", b'{"\xed\xbf\xbf": 1}', id="property name takes a UTF-16 surrogate"),
+    pytest.param(
+        "json", '{"type": "string", "pattern": "^.*$"}', b'"\xe0\x80\x80"', id="pattern takes an overlong form"
+    ),
+    pytest.param("regex", "[^,]*", b"\xed\xba\xb7", id="regex class takes a UTF-16 surrogate"),
+    pytest.param("ebnf", "root ::= [\\u0080-\\uffff]", b"\xed\xa0\x80", id="EBNF class spanning surrogates"),
+    pytest.param("ebnf", 'root ::= Regex("[^,]")', b"\xf0\x80\x80\x80", id="EBNF Regex takes a 4-byte overlong"),
+    pytest.param("ebnf", 'root ::= "\\ud800"', b"\xed\xa0\x80", id="literal spells a UTF-16 surrogate"),
+]  # fmt: skip
+"""Bytes that are not UTF-8 (RFC 3629) which xgrammar takes (``ED A0..BF xx`` spells a lone surrogate; ``E0 80..9F``
+and ``F0 80..8F`` start overlong forms), as token masks do: the byte-fallback tokens ``\\xed``, ``\\xba``, ``\\xb7``
+of SmolLM2 made ``\\xed\\xba\\xb7`` inside JSON strings of the held-out MaskBench schemas JME_56 and JME_79."""
+
+
+@pytest.mark.parametrize(("kind", "spec", "malformed"), XGRAMMAR_UTF8_FAULTS)
+def test_xgrammar_still_takes_malformed_utf8(
+    xgrammar_compiler: xgrammar.GrammarCompiler, kind: str, spec: str, malformed: bytes
+) -> None:
+    matcher = xgrammar.GrammarMatcher(xgrammar_compiler.compile_grammar(XGRAMMAR_GRAMMARS[kind](spec)))
+    taken = matcher.accept_string(malformed) and matcher.is_completed()
+    assert taken, "xgrammar fixed this: remove xgrammar_utf8.well_formed_utf8_grammar"
 
 
 LLGUIDANCE_FAULTS = [
