@@ -265,3 +265,30 @@ def test_structural_tag_requiring_a_special_token_is_refused(backend, tokenizer_
         grammar = backend.get_cached_or_future_value(make_grammar_key("structural_tag", tag))[0].result()
         assert isinstance(grammar, InvalidGrammarObject)
         assert f"token {token}" in grammar.error_message and "not a regular token" in grammar.error_message
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "what"),
+    [
+        ("json", {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 5000} for i in range(4)}},
+         "the schema's 4 length bounds (up to 5,000 characters)"),
+        ("regex", "[a-z]{0,20000}", "the regex's 1 length bound (up to 20,000 characters)"),
+    ],
+    ids=["length-bounded-strings", "long-repetition"],
+)  # fmt: skip
+def test_a_compile_its_length_bounds_predict_beyond_the_deadline_is_refused_at_once(
+    backend: XGrammarGrammarBackend, kind: str, spec: Any, what: str
+) -> None:
+    """Refused before xgrammar sees it (measured: four such strings take it 30-40 s at 49k tokens)."""
+    grammar = compile_grammar(backend, kind, spec)
+    assert isinstance(grammar, InvalidGrammarObject)
+    assert what in grammar.error_message
+    assert "beyond the compile deadline of 50 s (--grammar-compile-timeout)" in grammar.error_message
+
+
+def test_strict_mode_narrowing_is_named_in_the_stats(backend: XGrammarGrammarBackend) -> None:
+    grammar = compile_grammar(backend, "json", PERSON_SCHEMA)
+    assert grammar.grammar_stats is not None and grammar.grammar_stats.narrowing is not None
+    assert grammar.grammar_stats.narrowing.startswith("narrows 'unlisted properties' (at /)")
+    closed = compile_grammar(backend, "json", {**PERSON_SCHEMA, "additionalProperties": False})
+    assert closed.grammar_stats is not None and closed.grammar_stats.narrowing is None
