@@ -270,19 +270,24 @@ class Answer:
     seconds: float
     message: str = ""
     is_valid: bool | None = None
+    request_id: str = ""
 
-    def describe(self) -> str:
+    def describe(self, server_log: str = "") -> str:
+        """The outcome; with the server's log, also how long its grammar took to be ready there (compile and wait
+        for a slot, without the generation's share of a busy machine)."""
         validity = {None: "", True: ", valid", False: ", INVALID"}[self.is_valid]
         if self.status != 200 or self.message:
             return f"{self.status}{validity} in {self.seconds:.2f} s ({self.message[:150]})"
-        return f"200{validity}, first token in {self.first_token_s:.2f} s, answered in {self.seconds:.2f} s"
+        ready = re.search(rf"rid={re.escape(self.request_id)}-0 \S+ grammar_ready_after_s=([\d.]+)", server_log)
+        grammar = f"grammar ready in {ready.group(1)} s, " if ready else ""
+        return f"200{validity}, {grammar}first token in {self.first_token_s:.2f} s, answered in {self.seconds:.2f} s"
 
 
 async def ask_schema(http: httpx.AsyncClient, schema: dict[str, Any], max_tokens: int) -> Answer:
     """Ask for a streamed JSON answer to ``schema``; checks the answer when it finished."""
     body = {"messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, "stream": True, **_json_format(schema)}
     started = time.perf_counter()
-    first_token_s, text, finish_reason = None, "", None
+    first_token_s, text, finish_reason, request_id = None, "", None, ""
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -292,6 +297,7 @@ async def ask_schema(http: httpx.AsyncClient, schema: dict[str, Any], max_tokens
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line.removeprefix("data: "))
+            request_id = chunk.get("id", request_id)
             if "error" in chunk:
                 elapsed = time.perf_counter() - started
                 return Answer(200, math.nan, elapsed, f"streamed error: {chunk['error'].get('message', '')}")
@@ -301,7 +307,8 @@ async def ask_schema(http: httpx.AsyncClient, schema: dict[str, Any], max_tokens
                     text += choice["delta"]["content"]
                 finish_reason = choice.get("finish_reason") or finish_reason
     is_valid = _is_json_for(schema)(text) if finish_reason == "stop" else None
-    return Answer(200, first_token_s or math.nan, time.perf_counter() - started, is_valid=is_valid)
+    seconds = time.perf_counter() - started
+    return Answer(200, first_token_s or math.nan, seconds, is_valid=is_valid, request_id=request_id)
 
 
 async def new_schema_beside_slow_compiles(
@@ -314,23 +321,23 @@ async def new_schema_beside_slow_compiles(
     return small, list(await asyncio.gather(*slow))
 
 
-async def run_compile_cases(url: str, args: argparse.Namespace) -> list[str]:
+async def run_compile_cases(url: str, args: argparse.Namespace, server_log: Callable[[], str]) -> list[str]:
     """The compile cases' lines (see the module's docstring)."""
     lines = []
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.max_seconds)) as http:
         await ask_schema(http, small_schema(), args.max_tokens)  # warm-up: the first compile of the server
         alone = await ask_schema(http, small_schema(), 32)
-        lines.append(f"new small schema alone: {alone.describe()}")
+        lines.append(f"new small schema alone: {alone.describe(server_log())}")
         for num_slow in args.slow_counts:
             small, slow = await new_schema_beside_slow_compiles(http, num_slow, args.compile_head_start, 32)
             lines.append(
-                f"new small schema beside {num_slow} slow compile{'s' * (num_slow > 1)}: {small.describe()}; "
-                f"the slow: {'; '.join(answer.describe() for answer in slow)}"
+                f"new small schema beside {num_slow} slow compile{'s' * (num_slow > 1)}: "
+                f"{small.describe(server_log())}; the slow: {'; '.join(answer.describe() for answer in slow)}"
             )
         slow_alone = await ask_schema(http, slow_schema(), 4)
-        lines.append(f"a schema xgrammar compiles slowly, alone: {slow_alone.describe()}")
+        lines.append(f"a schema xgrammar compiles slowly, alone: {slow_alone.describe(server_log())}")
         predicted = await ask_schema(http, slow_schema(5000), 4)
-        lines.append(f"a schema predicted beyond xgrammar's deadline: {predicted.describe()}")
+        lines.append(f"a schema predicted beyond xgrammar's deadline: {predicted.describe(server_log())}")
     return lines
 
 
@@ -366,7 +373,7 @@ def main() -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_until_healthy(server, url)
-        for line in asyncio.run(run_compile_cases(url, args)):
+        for line in asyncio.run(run_compile_cases(url, args, server.log)):
             print(line, flush=True)
         if args.skip_load:
             return

@@ -11,10 +11,10 @@ process can be started safely (``why_processes_cannot_start``: a daemonic proces
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import multiprocessing
 import os
-import queue
 import signal
 import sys
 import threading
@@ -102,7 +102,7 @@ class CompileProcesses(Generic[K, P]):
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["__main__", *preload])
         self._children: set[_CompileChild] = set()
-        self._idle: queue.SimpleQueue[_CompileChild] = queue.SimpleQueue()
+        self._idle: collections.deque[_CompileChild] = collections.deque()  # the most recently used first
         self._lock = threading.Lock()
         self._closed = False
         self._num_starting = 0
@@ -121,17 +121,21 @@ class CompileProcesses(Generic[K, P]):
         stopped (see the class)."""
         control = control or CompileControl(self.timeout_s)
         child = self._take_idle() or self._new_child()
-        self._top_up_spares()  # the next compile's child starts now, not within that compile's deadline
+        self._top_up_spares(1)  # the last spare taken: the next one starts now, not within the next compile
         control.on_slow(child.drop_priority)
         try:
             result: P = child.compile(key, control, self.max_memory_mib)
         except BaseException:
             self._retire(child)
+            self._top_up_spares(self.num_spares)  # the replacement starts now, not within the next compile
             raise
-        if child.is_dropped or self._idle.qsize() >= max(1, self.num_spares):
+        with self._lock:
+            keep = not child.is_dropped and len(self._idle) < max(1, self.num_spares)
+            if keep:
+                self._idle.appendleft(child)
+        if not keep:
             self._retire(child)  # its priority cannot be raised back, or enough children are idle
-        else:
-            self._idle.put(child)
+            self._top_up_spares(self.num_spares)
         return result
 
     def shutdown(self) -> None:
@@ -142,9 +146,12 @@ class CompileProcesses(Generic[K, P]):
         for child in children:
             child.kill("the compile processes were shut down")
 
-    def _top_up_spares(self) -> None:
+    def _top_up_spares(self, target: int) -> None:
+        """Start as many children as bring the idle and starting ones up to ``target`` (at most ``num_spares``).
+
+        Only when the pool runs low: a child's start takes CPU from the compiles running beside it."""
         with self._lock:
-            missing = self.num_spares - self._idle.qsize() - self._num_starting
+            missing = min(target, self.num_spares) - len(self._idle) - self._num_starting
         if missing > 0:
             self._starting = self._start_spares(missing)
 
@@ -162,19 +169,21 @@ class CompileProcesses(Generic[K, P]):
                 child = self._new_child()
                 with self._lock:
                     self._num_starting -= 1
-                self._idle.put(child)
+                    self._idle.append(child)
         except (CompileProcessError, OSError):  # shut down meanwhile, or the fork server is gone
             return
 
     def _take_idle(self) -> _CompileChild | None:
-        while True:
-            try:
-                child = self._idle.get_nowait()
-            except queue.Empty:
-                return None
-            if child.process.is_alive():
-                return child
+        """An idle child, a started one first (a spare may still be starting); dead ones are retired."""
+        with self._lock:
+            alive = [child for child in self._idle if child.process.is_alive()]
+            dead = [child for child in self._idle if child not in alive]
+            ready = [child for child in alive if child.has_started()]
+            chosen = next(iter(ready or alive), None)
+            self._idle = collections.deque(child for child in alive if child is not chosen)
+        for child in dead:
             self._retire(child)
+        return chosen
 
     def _new_child(self) -> _CompileChild:
         with self._lock:
@@ -208,6 +217,19 @@ class _CompileChild:
     def wait_until_ready(self, timeout_s: float) -> None:
         with self._using_pipe:
             self._wait_until_ready(timeout_s)
+
+    def has_started(self) -> bool:
+        """Whether the child has said it started (never blocks; the message is read if it is there)."""
+        if not self.is_ready and self._using_pipe.acquire(blocking=False):
+            try:
+                if not self.connection.closed and self.connection.poll(0):
+                    self._receive("starting")
+                    self.is_ready = True
+            except CompileProcessError:
+                return False
+            finally:
+                self._using_pipe.release()
+        return self.is_ready
 
     def drop_priority(self) -> None:
         """Run at the lowest CPU priority from now on (its compile left its slot as slow)."""

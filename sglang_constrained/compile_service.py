@@ -351,12 +351,12 @@ class CompileService(Generic[K, V]):
                 del self._in_flight[job.key]
             busy = len(self._running)
         waited = time.monotonic() - job.queued_at
+        slots = "the compile slot" if self.threads == 1 else f"one of the {self.threads} compile slots"
         _settle(
             job.shared,
             error=CompileNotStartedError(
-                f"{COMPILE_NOT_STARTED_PREFIX}: it waited {waited:.1f} s for one of the {self.threads} compile "
-                f"slot{'s' * (self.threads > 1)}, busy with {busy} other compile{'s' * (busy != 1)} "
-                "(--grammar-compile-threads); retry later"
+                f"{COMPILE_NOT_STARTED_PREFIX}: it waited {waited:.1f} s for {slots}, busy with {busy} other "
+                f"compile{'s' * (busy != 1)} (--grammar-compile-threads); retry later"
             ),
         )
 

@@ -38,6 +38,7 @@ from sglang_constrained.xgrammar_schema_rules import (
     XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
     allow_unlisted_properties,
     refuse_predicted_beyond_deadline,
+    schema_object_sizes,
     schema_patterns,
     strict_mode_narrowing,
 )
@@ -231,9 +232,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
 
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
         prepared = _length_bounds_as_patterns(super().prepare_json_schema(schema, originals))
-        refuse_predicted_beyond_deadline(
-            schema_patterns(prepared), self.vocab_size, self.server_args.compile_timeout_s, "schema"
-        )
+        deadline_s, object_sizes = self.server_args.compile_timeout_s, schema_object_sizes(prepared)
+        refuse_predicted_beyond_deadline(schema_patterns(prepared), object_sizes, self.vocab_size, deadline_s, "schema")
         return allow_unlisted_properties(prepared) if self.require_exact else prepared
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:
@@ -253,7 +253,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         )
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
-        refuse_predicted_beyond_deadline([key_string], self.vocab_size, self.server_args.compile_timeout_s, "regex")
+        deadline_s = self.server_args.compile_timeout_s
+        refuse_predicted_beyond_deadline([key_string], [], self.vocab_size, deadline_s, "regex")
         return self._compile("regex", lambda: xgrammar.Grammar.from_regex(key_string))
 
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:

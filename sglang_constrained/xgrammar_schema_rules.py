@@ -209,42 +209,63 @@ SECONDS_PER_THOUSAND_SQUARED = 0.3
 ``{0,8000}`` 145 s on a busy machine, ``{0,9000}`` over 60 s."""
 SECONDS_PER_LARGE_REPETITION = 1.0
 """At 49,152 tokens, measured alike: ``{0,10000}`` 4.9 s, ``{0,32767}`` 5.9 s, ``{0,131072}`` 4.9 s (busy)."""
+SECONDS_PER_THOUSAND_PROPERTIES_CUBED = 0.01
+"""Per (properties of one object / 1,000)³ at 49,152 tokens, measured alike: 1,000 integer properties 0.09 s,
+5,000 1.35 s; 10,000 74 s and 20,000 428 s on a busy machine."""
 COST_VOCABULARY = 49_152
 """The vocabulary the costs above were measured at; they scale with the vocabulary's size (the measured growth to
 248k was 2.7-12x: scaling by 5x keeps the prediction at or below what was measured)."""
+_NAMED_OBJECT_FROM = 1_000
+"""Objects this large are named in a refusal; smaller ones add next to nothing."""
 
 
-def predicted_compile_seconds(patterns: list[str], vocab_size: int) -> tuple[float, int, int]:
-    """What xgrammar's compile of ``patterns``' bounded repetitions (length-bounded strings are written as such)
-    is predicted to cost at ``vocab_size`` tokens: ``(seconds, number of bounds, largest bound)``. A low estimate:
-    it leaves out everything else a grammar costs."""
-    seconds, bounds = 0.0, []
-    for pattern in patterns:
-        for low, high in _REPETITION.findall(pattern):
-            bound = int(high) if high else int(low)
-            bounds.append(bound)
-            if bound < SMALL_REPETITION_BELOW:
-                seconds += SECONDS_PER_SMALL_REPETITION * bound
-            elif bound < LARGE_REPETITION_FROM:
-                seconds += SECONDS_PER_THOUSAND_SQUARED * (bound / 1000) ** 2
-            else:
-                seconds += SECONDS_PER_LARGE_REPETITION
-    return seconds * vocab_size / COST_VOCABULARY, len(bounds), max(bounds, default=0)
+def predicted_compile_seconds(patterns: list[str], object_sizes: list[int], vocab_size: int) -> float:
+    """What xgrammar's compile is predicted to cost at ``vocab_size`` tokens for ``patterns``' bounded repetitions
+    (length-bounded strings are written as such) and objects of ``object_sizes`` properties. A low estimate: it
+    leaves out everything else a grammar costs."""
+    seconds = 0.0
+    for bound in _repetition_bounds(patterns):
+        if bound < SMALL_REPETITION_BELOW:
+            seconds += SECONDS_PER_SMALL_REPETITION * bound
+        elif bound < LARGE_REPETITION_FROM:
+            seconds += SECONDS_PER_THOUSAND_SQUARED * (bound / 1000) ** 2
+        else:
+            seconds += SECONDS_PER_LARGE_REPETITION
+    seconds += sum(SECONDS_PER_THOUSAND_PROPERTIES_CUBED * (size / 1000) ** 3 for size in object_sizes)
+    return seconds * vocab_size / COST_VOCABULARY
 
 
-def refuse_predicted_beyond_deadline(patterns: list[str], vocab_size: int, deadline_s: float, what: str) -> None:
-    """Raise ``GrammarSpecError`` when the bounded repetitions of ``patterns`` alone predict a compile beyond
-    ``deadline_s``, naming the measure and the bound, before any compile time is spent."""
-    seconds, count, largest = predicted_compile_seconds(patterns, vocab_size)
-    if seconds > deadline_s:
-        raise GrammarSpecError(
-            f"the {what}'s {count} length bound{'s' * (count > 1)} (up to {largest:,} characters) predict an "
-            f"xgrammar compile of about {seconds:.0f} s at this vocabulary of {vocab_size:,} tokens, beyond the "
-            f"compile deadline of {deadline_s:g} s (--grammar-compile-timeout); llguidance compiles such bounds in "
-            "milliseconds (--grammar-backend llguidance or auto)"
-        )
+def refuse_predicted_beyond_deadline(
+    patterns: list[str], object_sizes: list[int], vocab_size: int, deadline_s: float, what: str
+) -> None:
+    """Raise ``GrammarSpecError`` when the bounded repetitions of ``patterns`` and the objects' sizes alone predict a
+    compile beyond ``deadline_s``, naming the measures and the bound, before any compile time is spent."""
+    seconds = predicted_compile_seconds(patterns, object_sizes, vocab_size)
+    if seconds <= deadline_s:
+        return
+    bounds = _repetition_bounds(patterns)
+    measures = []
+    if bounds:
+        measures.append(f"{len(bounds)} length bound{'s' * (len(bounds) > 1)} (up to {max(bounds):,} characters)")
+    if max(object_sizes, default=0) >= _NAMED_OBJECT_FROM:
+        measures.append(f"an object of {max(object_sizes):,} properties")
+    raise GrammarSpecError(
+        f"the {what}'s {' and '.join(measures)} predict an xgrammar compile of about {seconds:.0f} s at this "
+        f"vocabulary of {vocab_size:,} tokens, beyond the compile deadline of {deadline_s:g} s "
+        "(--grammar-compile-timeout); llguidance compiles such schemas in milliseconds (--grammar-backend "
+        "llguidance or auto)"
+    )
+
+
+def _repetition_bounds(patterns: list[str]) -> list[int]:
+    return [int(high) if high else int(low) for pattern in patterns for low, high in _REPETITION.findall(pattern)]
 
 
 def schema_patterns(schema: Any) -> list[str]:
     """Every ``pattern`` of ``schema``'s subschemas."""
     return [s["pattern"] for _, s in iter_subschemas(schema) if isinstance(s.get("pattern"), str)]
+
+
+def schema_object_sizes(schema: Any) -> list[int]:
+    """How many properties each object of ``schema`` lists."""
+    return [len(s["properties"]) for _, s in iter_subschemas(schema) if isinstance(s.get("properties"), dict)]

@@ -210,7 +210,8 @@ def test_a_compile_that_cannot_start_in_time_says_it_waited() -> None:
     waited = service.get("new")[0]
     assert isinstance(waited, Future)
     with pytest.raises(
-        CompileNotStartedError, match=r"did not start: it waited 0\.\d s for one of the 1 compile slot, busy"
+        CompileNotStartedError,
+        match=r"did not start: it waited 0\.\d s for the compile slot, busy with 1 other compile",
     ):
         waited.result(timeout=10)
     compiler.open("slow")
