@@ -118,12 +118,14 @@ class CompileProcesses(Generic[K, P]):
 
     def run(self, key: K, control: CompileControl | None = None) -> P:
         """Compile ``key`` in an idle child and return its result; blocks until then, or until the compile is
-        stopped (see the class)."""
-        control = control or CompileControl(self.timeout_s)
+        stopped (see the class). Without ``control`` the deadline is ``timeout_s`` from the child's start-up."""
         child = self._take_idle() or self._new_child()
         self._top_up_spares(1)  # the last spare taken: the next one starts now, not within the next compile
-        control.on_slow(child.drop_priority)
         try:
+            if control is None:
+                child.wait_until_ready(START_TIMEOUT_S)
+                control = CompileControl(self.timeout_s)
+            control.on_slow(child.drop_priority)
             result: P = child.compile(key, control, self.max_memory_mib)
         except BaseException:
             self._retire(child)

@@ -250,7 +250,7 @@ def refuse_predicted_beyond_deadline(
     if max(object_sizes, default=0) >= _NAMED_OBJECT_FROM:
         measures.append(f"an object of {max(object_sizes):,} properties")
     raise GrammarSpecError(
-        f"the {what}'s {' and '.join(measures)} predict an xgrammar compile of about {seconds:.0f} s at this "
+        f"the {what} has {' and '.join(measures)}, which predict an xgrammar compile of about {seconds:.0f} s at this "
         f"vocabulary of {vocab_size:,} tokens, beyond the compile deadline of {deadline_s:g} s "
         "(--grammar-compile-timeout); llguidance compiles such schemas in milliseconds (--grammar-backend "
         "llguidance or auto)"

@@ -377,8 +377,8 @@ def test_a_slow_first_choice_hands_over_and_its_compile_is_stopped(smollm2_token
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 3000} for i in range(4)}}
     grammar = auto.build_grammar(make_grammar_key("json", schema))
     assert isinstance(grammar, GuidanceGrammar) and grammar.grammar_stats is not None
-    [(passed, reason)] = grammar.grammar_stats.fallback_reasons
-    assert passed == "xgrammar" and reason.startswith(STILL_COMPILING)
+    reasons = dict(grammar.grammar_stats.fallback_reasons)  # outlines too, if llguidance took over a second
+    assert reasons["xgrammar"].startswith(STILL_COMPILING)
     xgrammar_service = auto.backends["xgrammar"].compile_service
     for _ in range(100):
         if xgrammar_service.num_running == 0:
