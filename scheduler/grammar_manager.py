@@ -22,11 +22,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
-from sglang_constrained.errors import CompileTimeoutError
+from sglang_constrained.errors import COMPILE_NOT_STARTED_PREFIX, COMPILE_TIMEOUT_PREFIX, CompileTimeoutError
 
 logger = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_PREFIX = "Grammar compilation timed out"
 GRAMMAR_BACKEND_NONE_MESSAGE = (
     "constrained generation (json_schema, regex, ebnf, structural_tag, choice, json_object) is not available: "
     "the server was launched with --grammar-backend none"
@@ -56,7 +55,8 @@ class GrammarMetrics:
         )
         self.failures = Counter(
             "sglang:grammar_failures",
-            "Constrained requests refused: invalid constraint, compile timeout, or engine failure",
+            "Constrained requests refused: invalid constraint, compile timeout, compile not started (it waited for a "
+            "slot until its deadline), or engine failure",
             ["constraint", "reason"],
             registry=self.registry,
         )
@@ -189,7 +189,7 @@ class GrammarManager:
             reason = "invalid"
         else:
             self.grammar_backend.discard_pending(req.grammar_key)
-            reason = "timeout" if failure.message.startswith(COMPILE_TIMEOUT_PREFIX) else "engine_failure"
+            reason = _failure_reason(failure.message)
         kind = req.grammar_key[0]
         self.metrics.failures.labels(kind, reason).inc()
         logger.info("rid=%s constraint=%s grammar_failed=%s message=%s", req.rid, kind, reason, failure.message)
@@ -211,6 +211,15 @@ class GrammarManager:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wakeup_read, 4096):
                 pass
+
+
+def _failure_reason(message: str) -> str:
+    """The metric label of a compile that failed without a verdict on the constraint."""
+    if message.startswith(COMPILE_TIMEOUT_PREFIX):
+        return "timeout"
+    if message.startswith(COMPILE_NOT_STARTED_PREFIX):
+        return "not_started"
+    return "engine_failure"
 
 
 def _compiling(req: Req) -> Future[BaseGrammarObject]:

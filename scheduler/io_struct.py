@@ -63,8 +63,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("top_k must be >= 1 (or null for no limit)")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if self.max_new_tokens >= 2**63 or (self.top_k is not None and self.top_k >= 2**63):
-            raise ValueError("max_new_tokens and top_k must be below 2**63")
+        if self.max_new_tokens >= 2**63:
+            raise ValueError(f"max_new_tokens must be below 2**63, got {self.max_new_tokens}")
+        if self.top_k is not None and self.top_k >= 2**63:
+            raise ValueError(f"top_k must be below 2**63, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):

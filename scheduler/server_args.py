@@ -99,6 +99,10 @@ class ServerArgs:
     speculative_ngram_capacity: int = 65536
     grammar_compile_timeout: float | None = None
     grammar_compile_threads: int = max(1, available_cores() - 1)
+    grammar_compile_slow_after: float = 1.0
+    grammar_max_slow_compiles: int = 2 * max(1, available_cores() - 1)
+    grammar_compile_max_memory: int | None = 4096
+    grammar_auto_allow_narrowing: bool = False
     grammar_cache_max_entries: int = 1024
     grammar_cache_max_bytes: int = 512 * 1024 * 1024
     grammar_max_spec_bytes: int = 1024 * 1024
@@ -179,6 +183,12 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive")
         if self.grammar_compile_timeout is not None and self.grammar_compile_timeout <= 0:
             raise ValueError("--grammar-compile-timeout must be positive")
+        if self.grammar_compile_slow_after <= 0:
+            raise ValueError("--grammar-compile-slow-after must be positive")
+        if self.grammar_max_slow_compiles < 0:
+            raise ValueError("--grammar-max-slow-compiles must be 0 (compiles keep their slot) or more")
+        if self.grammar_compile_max_memory is not None and self.grammar_compile_max_memory <= 0:
+            raise ValueError("--grammar-compile-max-memory must be positive (MiB)")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
 
@@ -307,6 +317,33 @@ class ServerArgs:
             default=d.grammar_compile_threads,
             help="grammars compiled at once, each on one core at low CPU priority (xgrammar's in a compile process "
             "each); default: the cores less one, left to the loop",
+        )
+        parser.add_argument(
+            "--grammar-compile-slow-after",
+            type=float,
+            default=d.grammar_compile_slow_after,
+            help="seconds after which a running compile is slow: it leaves its compile thread's slot to the next "
+            "compile (an xgrammar compile process drops to the lowest CPU priority), and auto starts the next "
+            "backend of its order beside it",
+        )
+        parser.add_argument(
+            "--grammar-max-slow-compiles",
+            type=int,
+            default=d.grammar_max_slow_compiles,
+            help="slow compiles that may run beside the compile threads at once (default: twice the threads; each "
+            "xgrammar one holds a compile process); 0: a slow compile keeps its slot",
+        )
+        parser.add_argument(
+            "--grammar-compile-max-memory",
+            type=int,
+            default=d.grammar_compile_max_memory,
+            help="MiB an xgrammar compile process may hold: past it the compile is killed and its request told so",
+        )
+        parser.add_argument(
+            "--grammar-auto-allow-narrowing",
+            action="store_true",
+            help="let auto choose a backend that would narrow a JSON schema (xgrammar's strict mode: objects admit "
+            "only the listed properties) when it compiles it first; the grammar's stats name the narrowing",
         )
         parser.add_argument("--grammar-cache-max-entries", type=int, default=d.grammar_cache_max_entries)
         parser.add_argument("--grammar-cache-max-bytes", type=int, default=d.grammar_cache_max_bytes)

@@ -1,6 +1,6 @@
 """Grammars compiled once for every data-parallel replica (``--dp-size``).
 
-Rank 0's ``GrammarStore`` compiles each constraint key on a compile service of its own (pool, deadline, in-flight
+Rank 0's ``GrammarStore`` compiles each constraint key on a compile service of its own (slots, deadline, in-flight
 dedup, a bounded cache of exports) as soon as a request for it is routed, whichever replica gets the request, and
 publishes each result in the next turn's exchange: the export (the backend's serialised compiled grammar, or its
 compile error), or a timeout or engine failure (not cached: the next request compiles anew). Each replica's
@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarExport
-from sglang_constrained.compile_service import CompileService
+from sglang_constrained.compile_service import CompileControl, CompileService
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import CompileTimeoutError
 
@@ -62,6 +62,8 @@ class GrammarStore:
             cache_max_bytes=server_args.grammar_cache_max_bytes,
             size_of=lambda export: len(export.payload or export.error_message),
             copy=lambda export, _: export,
+            slow_after_s=server_args.grammar_compile_slow_after,
+            max_slow=server_args.grammar_max_slow_compiles,
         )
         self._lock = threading.Lock()
         self._pending: set[GrammarKey] = set()
@@ -118,7 +120,7 @@ class GrammarStore:
         elif publish_cached:
             self._publish(SharedGrammar(key, value))
 
-    def _compile(self, key: GrammarKey) -> GrammarExport:
+    def _compile(self, key: GrammarKey, control: CompileControl) -> GrammarExport:
         with self._lock:
             digest = hash(key)
             self._compiles_by_key[digest] += 1
@@ -127,7 +129,7 @@ class GrammarStore:
         if num_compiles == 1:
             self._num_constraints.labels(key[0]).inc()
         logger.info("compiling a %s constraint for every replica (compile %d of it)", key[0], num_compiles)
-        return self.backend.export_grammar(self.backend.build_grammar(key))
+        return self.backend.export_grammar(self.backend.build_grammar(key, control))
 
     def _compiled(self, key: GrammarKey, done: Future[GrammarExport]) -> None:
         with self._lock:

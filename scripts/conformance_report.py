@@ -6,15 +6,17 @@
 
 Prints, per backend and tokenizer and then per folder: schemas compiled / total, schemas fully right / total
 (compiled, every invalid instance and walk output rejected, every valid instance accepted but for a recorded
-narrowing: the coverage), valid instances fully accepted / total and invalid instances rejected / total (over
-compiled schemas), invalid outputs / finished random walks through each compiled schema's own masks (``--walks``
-per schema, each output's raw bytes judged as strict UTF-8 before its JSON; must be 0), and the seconds compiles
-and walks took; then the refusals grouped by reason, which backend ``auto`` chose and why, each invalid output (its
-case, walk and reason: for bytes that are not UTF-8, the tokens that spelled them), and the cases that cost the
-backends most (the conformance test keeps those out of its default sample). Where the data folder holds
-known_refusals.json and known_deviations.json (the suite's does), every case is judged as the conformance test
-judges it (``auto`` against what the other backends' records imply): each disagreement is printed on a line
-starting with "!!" and the exit status is 1. Details go to results/conformance.json.
+narrowing), schemas exact / total (the same, no narrowing excused: the coverage), valid instances fully accepted
+/ total and invalid instances rejected / total (over compiled schemas), invalid outputs / finished random walks
+through each compiled schema's own masks (``--walks`` per schema, each output's raw bytes judged as strict UTF-8
+before its JSON; must be 0), and the seconds compiles and walks took; then, per tokenizer and folder, ``auto``'s
+coverage against each backend's and the best single backend's; then the refusals grouped by reason, which backend
+``auto`` chose and why, each invalid output (its case, walk and reason: for bytes that are not UTF-8, the tokens
+that spelled them), and the cases that cost the backends most (the conformance test keeps those out of its default
+sample). Where the data folder holds known_refusals.json and known_deviations.json (the suite's does), every case is
+judged as the conformance test judges it (``auto`` against what the other backends' records and its backends'
+narrowings imply): each disagreement is printed on a line starting with "!!" and the exit status is 1. Details go to
+results/conformance.json.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.auto_grammar_backend import describe_refusals
+from sglang_constrained.auto_grammar_backend import AutoGrammarBackend, describe_refusals
 from sglang_constrained.errors import refusal_reason
 from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND, create_grammar_backend
 from sglang_constrained.testing.conformance import (
@@ -37,6 +39,7 @@ from sglang_constrained.testing.conformance import (
     ConformanceResult,
     KnownOutcomes,
     MaskBenchSweep,
+    exact_mode_narrowings,
     known_refusals_from,
 )
 from sglang_constrained.testing.maskbench import MaskBenchCase, iter_case_paths, load_case
@@ -46,7 +49,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RECORDED_BACKENDS = ("xgrammar", "llguidance", "outlines")
 """The backends whose refusals known_refusals.json records; ``auto``'s outcomes follow from theirs."""
 BACKENDS = (*RECORDED_BACKENDS, AUTO_GRAMMAR_BACKEND)
-ROW = "{:<11} {:<9} {:<15} {:>13} {:>13} {:>16} {:>18} {:>16} {:>7}"
+ROW = "{:<11} {:<9} {:<15} {:>13} {:>13} {:>13} {:>16} {:>18} {:>16} {:>7}"
+VERSUS_ROW = "{:<9} {:<15} {:>13} {:>13} {:>13} {:>13} {:>24} {:>9}"
 _POINTER = re.compile(r" \(at [^)]*\)")
 
 
@@ -55,6 +59,7 @@ class Tally:
     num_schemas: int = 0
     num_compiled: int = 0
     num_fully_right: int = 0
+    num_exact: int = 0
     num_valid: int = 0
     num_valid_accepted: int = 0
     num_invalid: int = 0
@@ -70,6 +75,7 @@ class Tally:
             return
         self.num_compiled += 1
         self.num_fully_right += is_fully_right
+        self.num_exact += result.is_fully_right(is_known_narrowing=False)
         self.num_valid += result.num_valid
         self.num_valid_accepted += result.num_valid_accepted
         self.num_invalid += result.num_invalid
@@ -87,6 +93,7 @@ class Tally:
             folder,
             f"{self.num_compiled}/{self.num_schemas}",
             f"{self.num_fully_right}/{self.num_schemas}",
+            f"{self.num_exact}/{self.num_schemas}",
             f"{self.num_valid_accepted}/{self.num_valid}",
             f"{self.num_invalid_rejected}/{self.num_invalid}",
             f"{self.num_invalid_outputs}/{self.num_walks_finished}",
@@ -142,16 +149,21 @@ class PairReport:
 
 
 def run(
-    backend_name: str,
+    server_args: ServerArgs,
     setup: TokenizerSetup,
     cases: list[MaskBenchCase],
     num_walks: int,
-    known: KnownOutcomes | None,
+    recorded: KnownOutcomes | None,
 ) -> PairReport:
-    backend = create_grammar_backend(
-        ServerArgs(grammar_backend=backend_name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
-    )
+    """``server_args.grammar_backend`` over ``cases``, judged against ``recorded`` (``auto``: against what it
+    implies)."""
+    backend_name = server_args.grammar_backend
+    backend = create_grammar_backend(server_args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     assert backend is not None
+    backend.wait_until_ready()
+    known = recorded
+    if recorded is not None and isinstance(backend, AutoGrammarBackend):
+        known = recorded.with_auto(tuple(backend.backends), exact_mode_narrowings(backend, cases))
     sweep = MaskBenchSweep(backend, setup, cases, num_walks=num_walks)
     report = PairReport(backend_name, setup.name)
     start = time.perf_counter()
@@ -167,6 +179,33 @@ def print_table(report: PairReport) -> None:
     print(total.row(report.backend, report.tokenizer, "(all)"))
     for folder, tally in sorted(report.folders.items()):
         print(tally.row("", "", folder))
+
+
+def print_auto_versus_best(reports: list[PairReport]) -> None:
+    """Per tokenizer and folder: each backend's coverage (schemas exact), ``auto``'s, and ``auto`` less the best
+    single backend's (never below 0 is the aim)."""
+    by_pair = {(report.backend, report.tokenizer): report for report in reports}
+    singles = [name for name in RECORDED_BACKENDS if any(name == backend for backend, _ in by_pair)]
+    tokenizers = [tokenizer for backend, tokenizer in by_pair if backend == AUTO_GRAMMAR_BACKEND]
+    if not tokenizers or not singles:
+        return
+    print("coverage (schemas exact / total): auto against each backend alone and the best of them")
+    print(VERSUS_ROW.format("tokenizer", "folder", *(f"{name:.13}" for name in singles), "auto", "best", "auto-best"))
+    for tokenizer in tokenizers:
+        auto = by_pair[AUTO_GRAMMAR_BACKEND, tokenizer]
+        for folder in [*sorted(auto.folders), "(all)"]:
+            tallies = {name: _folder_tally(by_pair[name, tokenizer], folder) for name in singles}
+            auto_tally = _folder_tally(auto, folder)
+            best = max(tallies, key=lambda name: tallies[name].num_exact)
+            cells = [f"{tally.num_exact}/{tally.num_schemas}" for tally in tallies.values()]
+            versus = auto_tally.num_exact - tallies[best].num_exact
+            best_cell = f"{best} {tallies[best].num_exact}/{tallies[best].num_schemas}"
+            print(VERSUS_ROW.format(tokenizer, folder, *cells, f"{auto_tally.num_exact}/{auto_tally.num_schemas}",
+                                    best_cell, f"{versus:+d}"))  # fmt: skip
+
+
+def _folder_tally(report: PairReport, folder: str) -> Tally:
+    return sum(report.folders.values(), Tally()) if folder == "(all)" else report.folders.get(folder, Tally())
 
 
 def print_refusals(reports: list[PairReport]) -> None:
@@ -238,6 +277,12 @@ def main() -> int:
         "--walks", type=int, default=3, help="random walks per compiled schema, each output judged (0: none)"
     )
     parser.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=None,
+        help="seconds a compile may take (default: the server's); a compile past it counts as a refusal",
+    )
+    parser.add_argument(
         "--write-known-refusals",
         action="store_true",
         help=f"record this run's refusals in DATA/{KNOWN_REFUSALS_FILE} (needs every backend, tokenizer and case)",
@@ -252,9 +297,9 @@ def main() -> int:
         parser.error(
             f"--write-known-refusals needs the whole sweep: {', '.join(RECORDED_BACKENDS)}, every tokenizer, no --limit"
         )
-    known = None
+    recorded = None
     if (options.data / KNOWN_REFUSALS_FILE).exists() and (options.data / KNOWN_DEVIATIONS_FILE).exists():
-        known = KnownOutcomes.load(options.data).with_auto(ServerArgs().grammar_backend_order)
+        recorded = KnownOutcomes.load(options.data)
 
     folders = sorted(p.name for p in options.data.iterdir() if p.is_dir())
     cases = [load_case(p) for folder in folders for p in iter_case_paths(options.data, folder, options.limit)]
@@ -266,6 +311,7 @@ def main() -> int:
             "folder",
             "compiled",
             "fully right",
+            "exact",
             "valid accepted",
             "invalid rejected",
             "invalid outputs",
@@ -276,10 +322,12 @@ def main() -> int:
     for tokenizer_name in options.tokenizers:
         setup = load_tokenizer_setup(tokenizer_name, ServerArgs().cache_path)
         for backend_name in options.backends:
-            report = run(backend_name, setup, cases, options.walks, known)
+            server_args = ServerArgs(grammar_backend=backend_name, grammar_compile_timeout=options.compile_timeout)
+            report = run(server_args, setup, cases, options.walks, recorded)
             reports.append(report)
             print_table(report)
 
+    print_auto_versus_best(reports)
     print_refusals(reports)
     print_auto_choices(reports)
     print_invalid_outputs(reports)
@@ -289,12 +337,12 @@ def main() -> int:
         for report in reports:
             if report.backend in RECORDED_BACKENDS:
                 messages.setdefault(report.backend, {})[report.tokenizer] = report.refusals
-        recorded = known_refusals_from(messages)
-        (options.data / KNOWN_REFUSALS_FILE).write_text(json.dumps(recorded, indent=2, ensure_ascii=False) + "\n")
-        print(f"wrote {options.data / KNOWN_REFUSALS_FILE}: {', '.join(f'{b} {len(c)}' for b, c in recorded.items())}")
+        refusals = known_refusals_from(messages)
+        (options.data / KNOWN_REFUSALS_FILE).write_text(json.dumps(refusals, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {options.data / KNOWN_REFUSALS_FILE}: {', '.join(f'{b} {len(c)}' for b, c in refusals.items())}")
 
     num_problems = 0
-    if known is not None:
+    if recorded is not None:
         for report in reports:
             for name, problems in report.problems.items():
                 for problem in problems:

@@ -1,12 +1,22 @@
 """Load and faults on a real server: mixed requests at a concurrency, a share of them invalid, clients that
-disconnect, and grammar compiles that take xgrammar minutes, all at once on loopback.
+disconnect, and grammar compiles that take xgrammar tens of seconds, all at once on loopback.
 
-``python -m scripts.load_and_faults [--requests 400] [--concurrency 32]`` starts ``python -m scheduler.launch`` on a
-free loopback port, runs the requests in rounds that alternate between "alone" and "beside a slow compile" (one
-slow compile always in flight during the latter), and prints one line: requests answered and lost, invalid outputs
-(a constrained answer its constraint refuses), server errors, the resident memory of the server's processes at
-start, peak and end, and the p50/p99 latency of valid requests alone and beside a slow compile (target: a p50
-ratio of at most 1.5). Bounded: the request count, and ``--max-seconds`` for the whole run.
+``python -m scripts.load_and_faults [--requests 400] [--concurrency 32] [-- SERVER FLAGS]`` starts ``python -m
+scheduler.launch`` on a free loopback port, then:
+
+- the compile cases, one line each, every request streamed: a new small schema (a two-field object, compiled in
+  milliseconds alone) sent alone, then while 1 and 2 slow compiles run (``--slow-counts``): its status, validity,
+  time to first token and to its answer (target beside slow compiles: 200, valid, first token within 5 s), and how
+  the slow compiles ended; a schema xgrammar compiles slowly (llguidance in milliseconds) sent alone: its status
+  and time to first token; a schema whose length bounds alone predict an xgrammar compile beyond the deadline: its
+  status, time and message;
+- the load (skipped with ``--skip-load``): the requests in rounds that alternate between "alone" and "beside a slow
+  compile" (one slow compile always in flight during the latter), and one line: requests answered and lost,
+  invalid outputs (a constrained answer its constraint refuses), server errors, the resident memory of the server's
+  processes at start, peak and end, and the p50/p99 latency of valid requests alone and beside a slow compile
+  (target: a p50 ratio of at most 1.5).
+
+Bounded: the request count, and ``--max-seconds`` for the whole run. Prints the CPU model first.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
+import os
 import random
 import re
 import threading
@@ -28,7 +40,7 @@ from typing import Any
 import httpx
 import jsonschema
 
-from scheduler.testing.process import SchedulerProcess, free_port, process_tree_memory
+from scheduler.testing.process import SchedulerProcess, cpu_model, free_port, process_tree_memory
 
 PERSON = {
     "type": "object",
@@ -88,10 +100,24 @@ INVALID_BODIES: tuple[dict[str, Any], ...] = (
 )
 
 
-def slow_schema() -> dict[str, Any]:
-    """A schema xgrammar takes tens of seconds to compile (long length-bounded strings), new each time."""
+def slow_schema(max_length: int = 3000) -> dict[str, Any]:
+    """A schema xgrammar takes tens of seconds to compile on 2 cores (long length-bounded strings; llguidance takes
+    milliseconds), new each time. At the default length its predicted cost stays under the script's deadline, so
+    it is compiled; at 5,000 it is predicted beyond it."""
     tag = uuid.uuid4().hex[:8]
-    return {"type": "object", "properties": {f"f{i}_{tag}": {"type": "string", "maxLength": 5000} for i in range(4)}}
+    properties = {f"f{i}_{tag}": {"type": "string", "maxLength": max_length} for i in range(4)}
+    return {"type": "object", "properties": properties}
+
+
+def small_schema() -> dict[str, Any]:
+    """A new two-field object each time (never cached), which every backend compiles in milliseconds."""
+    tag = uuid.uuid4().hex[:8]
+    return {
+        "type": "object",
+        "properties": {f"name_{tag}": {"type": "string"}, f"age_{tag}": {"type": "integer"}},
+        "required": [f"name_{tag}", f"age_{tag}"],
+        "additionalProperties": False,
+    }
 
 
 @dataclass
@@ -234,6 +260,87 @@ async def run_load(url: str, args: argparse.Namespace, tally: Tally) -> None:
                 await compiler
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One streamed request's outcome: HTTP status, seconds to its first token (or to the error) and to its end,
+    the error message if any, and whether a finished answer satisfied its schema (None: not checked)."""
+
+    status: int
+    first_token_s: float
+    seconds: float
+    message: str = ""
+    is_valid: bool | None = None
+    request_id: str = ""
+
+    def describe(self, server_log: str = "") -> str:
+        """The outcome; with the server's log, also how long its grammar took to be ready there (compile and wait
+        for a slot, without the generation's share of a busy machine)."""
+        validity = {None: "", True: ", valid", False: ", INVALID"}[self.is_valid]
+        if self.status != 200 or self.message:
+            return f"{self.status}{validity} in {self.seconds:.2f} s ({self.message[:150]})"
+        ready = re.search(rf"rid={re.escape(self.request_id)}-0 \S+ grammar_ready_after_s=([\d.]+)", server_log)
+        grammar = f"grammar ready in {ready.group(1)} s, " if ready else ""
+        return f"200{validity}, {grammar}first token in {self.first_token_s:.2f} s, answered in {self.seconds:.2f} s"
+
+
+async def ask_schema(http: httpx.AsyncClient, schema: dict[str, Any], max_tokens: int) -> Answer:
+    """Ask for a streamed JSON answer to ``schema``; checks the answer when it finished."""
+    body = {"messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, "stream": True, **_json_format(schema)}
+    started = time.perf_counter()
+    first_token_s, text, finish_reason, request_id = None, "", None, ""
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            message = response.json().get("error", {}).get("message", "")
+            return Answer(response.status_code, math.nan, time.perf_counter() - started, message)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            request_id = chunk.get("id", request_id)
+            if "error" in chunk:
+                elapsed = time.perf_counter() - started
+                return Answer(200, math.nan, elapsed, f"streamed error: {chunk['error'].get('message', '')}")
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    first_token_s = first_token_s or time.perf_counter() - started
+                    text += choice["delta"]["content"]
+                finish_reason = choice.get("finish_reason") or finish_reason
+    is_valid = _is_json_for(schema)(text) if finish_reason == "stop" else None
+    seconds = time.perf_counter() - started
+    return Answer(200, first_token_s or math.nan, seconds, is_valid=is_valid, request_id=request_id)
+
+
+async def new_schema_beside_slow_compiles(
+    http: httpx.AsyncClient, num_slow: int, head_start_s: float, max_tokens: int
+) -> tuple[Answer, list[Answer]]:
+    """A new small schema sent ``head_start_s`` after ``num_slow`` slow compiles started; all their answers."""
+    slow = [asyncio.create_task(ask_schema(http, slow_schema(), 4)) for _ in range(num_slow)]
+    await asyncio.sleep(head_start_s)
+    small = await ask_schema(http, small_schema(), max_tokens)
+    return small, list(await asyncio.gather(*slow))
+
+
+async def run_compile_cases(url: str, args: argparse.Namespace, server_log: Callable[[], str]) -> list[str]:
+    """The compile cases' lines (see the module's docstring)."""
+    lines = []
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.max_seconds)) as http:
+        await ask_schema(http, small_schema(), args.max_tokens)  # warm-up: the first compile of the server
+        alone = await ask_schema(http, small_schema(), 32)
+        lines.append(f"new small schema alone: {alone.describe(server_log())}")
+        for num_slow in args.slow_counts:
+            small, slow = await new_schema_beside_slow_compiles(http, num_slow, args.compile_head_start, 32)
+            lines.append(
+                f"new small schema beside {num_slow} slow compile{'s' * (num_slow > 1)}: "
+                f"{small.describe(server_log())}; the slow: {'; '.join(answer.describe() for answer in slow)}"
+            )
+        slow_alone = await ask_schema(http, slow_schema(), 4)
+        lines.append(f"a schema xgrammar compiles slowly, alone: {slow_alone.describe(server_log())}")
+        predicted = await ask_schema(http, slow_schema(5000), 4)
+        lines.append(f"a schema predicted beyond xgrammar's deadline: {predicted.describe(server_log())}")
+    return lines
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -250,6 +357,10 @@ def main() -> None:
     parser.add_argument("--compile-head-start", type=float, default=1.0, help="seconds a slow compile runs first")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="the whole run's bound")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--slow-counts", type=int, nargs="+", default=[1, 2], help="slow compiles beside the new small schema"
+    )
+    parser.add_argument("--skip-load", action="store_true", help="run the compile cases only")
     parser.add_argument("server_flags", nargs="*", help="extra flags for scheduler.launch (after --)")
     args = parser.parse_args()
     port = free_port()
@@ -258,9 +369,14 @@ def main() -> None:
         "20", *args.server_flags,
     )  # fmt: skip
     tally = Tally()
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores (shared with other work: compare runs side by side)")
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_until_healthy(server, url)
+        for line in asyncio.run(run_compile_cases(url, args, server.log)):
+            print(line, flush=True)
+        if args.skip_load:
+            return
         memory = MemoryWatch(server.process.pid)
         started = time.perf_counter()
         try:

@@ -1,16 +1,23 @@
 """``--grammar-backend auto``: each constraint is compiled by the first backend of ``--grammar-backend-order`` that
-enforces it exactly.
+enforces it exactly, or by whichever exact one compiles it first once the first choice turns out slow.
 
-Every backend refuses up front, naming it, what it would otherwise ignore (``*_schema_rules.py``); such a refusal,
-or any other failure to compile, sends the constraint on to the next backend. The choice is made once, at compile
-time: the grammar object cached and handed to requests is the chosen backend's own, so its masks and token steps
-cost what that backend's cost, and one batch mixes backends because they all fill the contract's int32 bitmask
-(``triton_ops.bitmask_format``). Each grammar's ``GrammarStats`` records the choice and the refusals before it,
-the log says why at INFO, and ``choice_counts()`` feeds metrics.
+Every backend refuses up front, naming it, what it would otherwise ignore (``*_schema_rules.py``), and here also
+what it would narrow (``require_exact``: xgrammar writes an open object's default out and refuses arrays its
+strict mode would close, outlines refuses objects it would close; ``--grammar-auto-allow-narrowing`` lets them
+narrow, named in the grammar's stats). Such a refusal, or any other failure to compile, sends the constraint on to
+the next backend; so does slowness: a backend still compiling after ``--grammar-compile-slow-after`` seconds has
+the next one start beside it, and the first exact grammar to arrive wins (earlier backends first when both are
+in), the others being cancelled (an xgrammar compile process is killed). So ``auto`` never fails a constraint that
+one of its backends compiles within the deadline.
+
+The choice is made once, at compile time: the grammar object cached and handed to requests is the chosen backend's
+own, so its masks and token steps cost what that backend's cost, and one batch mixes backends because they all
+fill the contract's int32 bitmask (``triton_ops.bitmask_format``). Each grammar's ``GrammarStats`` records the
+choice and the backends passed over with why, the log says why at INFO, and ``choice_counts()`` feeds metrics.
 
 The backends of the order are built at start-up with the server's settings, so their start-up costs add up (each
-decodes the vocabulary). They compile on this backend's compile service, under its deadline and into its one
-cache keyed by ``(type, spec)``; their own compile services stay idle.
+decodes the vocabulary). Each compiles in its own compile service's slots (``submit``: outside their caches),
+under this backend's deadline; the grammar goes into this backend's one cache keyed by ``(type, spec)``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +40,15 @@ from sglang_constrained.base_grammar_backend import (
     GrammarStats,
     InvalidGrammarObject,
 )
+from sglang_constrained.compile_service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey
-from sglang_constrained.errors import refusal_reason
+from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileTimeoutError, refusal_reason
 from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND, check_grammar_backend_order, grammar_backend_factory
 
 logger = logging.getLogger(__name__)
+
+STILL_COMPILING = "still compiling"
+"""How the reason of a backend passed over for slowness starts (``GrammarStats.fallback_reasons``)."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +62,11 @@ class AutoChoiceCounts:
 
 
 class AutoGrammarBackend(BaseGrammarBackend):
-    """Asks the backends of ``server_args.grammar_backend_order`` in turn; the first that compiles a key wins.
+    """Asks the backends of ``server_args.grammar_backend_order`` in turn, the next one beside a slow one; the first
+    exact grammar wins.
 
-    ``backends`` maps each name of the order to its backend, in order.
+    ``backends`` maps each name of the order to its backend, in order; ``handover_s``: how long a backend compiles
+    alone before the next one starts beside it.
     """
 
     name = AUTO_GRAMMAR_BACKEND
@@ -73,34 +88,72 @@ class AutoGrammarBackend(BaseGrammarBackend):
         except Exception:
             self.shutdown()
             raise
+        for backend in self.backends.values():
+            backend.require_exact = not server_args.grammar_auto_allow_narrowing
+        self.handover_s = server_args.grammar_compile_slow_after
         self._counts_lock = threading.Lock()
         self._num_chosen: Counter[str] = Counter()
         self._num_refused: Counter[str] = Counter()
         self._num_refused_by_all = 0
 
-    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
-        """The own grammar object of the first backend that compiles ``key``, the choice in its stats; when every
-        backend refuses, an ``InvalidGrammarObject`` naming each one's reason. A backend that raises (past its
-        deadline, or crashed) did not refuse: the compile fails as it would on that backend alone."""
+    def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
+        """The own grammar object of the backend that wins ``key`` (see the class), the choice in its stats; when
+        every backend refuses or fails, an ``InvalidGrammarObject`` naming each one's reason. ``control``: this
+        compile's deadline and cancellation, which the backends' compiles share (a deadline from now without)."""
         start = time.perf_counter()
-        refusals: list[tuple[str, str]] = []
-        chosen: BaseGrammarObject | None = None
-        chosen_name: str | None = None
-        for name, backend in self.backends.items():
-            grammar = backend.build_grammar(key)
-            if not isinstance(grammar, InvalidGrammarObject):
-                chosen, chosen_name = grammar, name
-                break
-            refusals.append((name, grammar.error_message))
-        result = chosen if chosen is not None else InvalidGrammarObject(refused_by_all_message(key[0], refusals))
+        control = control or CompileControl(self.compile_service.timeout_s)
+        chosen_name, chosen, passed_over = self._race(key, control)
+        result = chosen if chosen is not None else InvalidGrammarObject(refused_by_all_message(key[0], passed_over))
         result.grammar_stats = GrammarStats(
             dispatch_type=key[0],
             compile_time_s=time.perf_counter() - start,
             chosen_backend=chosen_name,
-            fallback_reasons=tuple(refusals),
+            fallback_reasons=tuple(passed_over),
+            narrowing=chosen.grammar_stats.narrowing if chosen is not None and chosen.grammar_stats else None,
         )
-        self._record(key[0], chosen_name, refusals)
+        self._record(key[0], chosen_name, passed_over)
         return result
+
+    def _race(
+        self, key: GrammarKey, control: CompileControl
+    ) -> tuple[str | None, BaseGrammarObject | None, list[tuple[str, str]]]:
+        """``(winner, its grammar, [(backend, why passed over)])``; no winner when every backend refused or failed.
+
+        The backends start in order, each when the ones before have refused or have compiled ``handover_s``
+        alone; the compiles still running when one wins (or at the deadline: ``CompileTimeoutError``) are cancelled.
+        """
+        waiting = list(self.backends.items())
+        running: dict[str, Future[BaseGrammarObject]] = {}
+        started_at: dict[str, float] = {}
+        passed_over: list[tuple[str, str]] = []
+        next_start = time.monotonic()
+        try:
+            while waiting or running:
+                now = time.monotonic()
+                if waiting and (not running or now >= next_start):
+                    name, backend = waiting.pop(0)
+                    running[name] = backend.compile_service.submit(key, control)
+                    started_at[name] = next_start = now
+                    next_start += self.handover_s
+                until = min(next_start, control.deadline) if waiting else control.deadline
+                futures.wait(running.values(), timeout=max(0.0, until - now), return_when=futures.FIRST_COMPLETED)
+                if control.remaining_s() <= 0 and not any(future.done() for future in running.values()):
+                    raise CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {control.timeout_s:g} s")
+                for name, future in list(running.items()):  # in the order's order: earlier backends win ties
+                    if not future.done():
+                        continue
+                    del running[name]
+                    grammar, failure = _outcome(future)
+                    if grammar is not None:
+                        for other in running:
+                            elapsed = time.monotonic() - started_at[other]
+                            passed_over.append((other, f"{STILL_COMPILING} after {elapsed:.1f} s when {name} was done"))
+                        return name, grammar, passed_over
+                    passed_over.append((name, failure))
+        finally:
+            for future in running.values():
+                future.cancel()
+        return None, None, passed_over
 
     @property
     def can_share_grammars(self) -> bool:
@@ -148,6 +201,19 @@ class AutoGrammarBackend(BaseGrammarBackend):
             )
         else:
             logger.debug("auto chose %s for a %s constraint", chosen_name, key_type)
+
+
+def _outcome(future: Future[BaseGrammarObject]) -> tuple[BaseGrammarObject | None, str]:
+    """A settled attempt as ``(valid grammar, "")`` or ``(None, why not)``."""
+    if future.cancelled():
+        return None, "its compile was cancelled"
+    error = future.exception()
+    if error is not None:
+        return None, f"failed: {error}"
+    grammar = future.result()
+    if isinstance(grammar, InvalidGrammarObject):
+        return None, grammar.error_message
+    return grammar, ""
 
 
 def describe_refusals(refusals: Sequence[tuple[str, str]]) -> str:

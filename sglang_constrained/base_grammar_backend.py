@@ -3,7 +3,7 @@
 
 A backend turns a constraint key ``(key_type, spec)`` into a ``BaseGrammarObject``. The scheduler fills one
 int32 bitmask row per constrained request from that object before sampling and feeds it every accepted token.
-Compiles run on the backend's ``CompileService`` (pool, deadline, cache, in-flight dedup). Bad input never
+Compiles run on the backend's ``CompileService`` (slots, deadline, cache, in-flight dedup). Bad input never
 raises: it becomes an ``InvalidGrammarObject`` whose message says what is wrong. Backends are named and built by
 ``sglang_constrained.registry``, whose names stay importable from here.
 
@@ -13,7 +13,6 @@ JSON-schema preparation every backend runs before its engine sees a schema.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import time
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sglang_constrained.compile_service import CompileService
+from sglang_constrained.compile_service import CompileControl, CompileService
 from sglang_constrained.constraint_spec import GrammarKey, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema_soundness import sound_json_schema, user_patterns_in
@@ -58,6 +57,14 @@ class GrammarBackendArgs(Protocol):
     def compile_timeout_s(self) -> float: ...
     @property
     def grammar_backend_order(self) -> tuple[str, ...]: ...
+    @property
+    def grammar_compile_slow_after(self) -> float: ...
+    @property
+    def grammar_max_slow_compiles(self) -> int: ...
+    @property
+    def grammar_compile_max_memory(self) -> int | None: ...
+    @property
+    def grammar_auto_allow_narrowing(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,9 @@ class GrammarStats:
     """What it took to obtain a grammar object: which dispatch built it, how long, and whether it was cached.
 
     ``chosen_backend`` and ``fallback_reasons`` are set by ``auto``: the backend that compiled the grammar (None when
-    every backend refused), and ``(backend, message)`` for each backend of the order that refused it before.
+    every backend refused), and ``(backend, message)`` for each backend of the order it passed over (refused, failed,
+    or still compiling when another finished). ``narrowing``: how the grammar admits less than the JSON schema
+    allows (``json_schema_narrowing``), None when it enforces the schema exactly.
     """
 
     dispatch_type: str
@@ -73,6 +82,7 @@ class GrammarStats:
     is_cache_hit: bool = False
     chosen_backend: str | None = None
     fallback_reasons: tuple[tuple[str, str], ...] = ()
+    narrowing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +215,9 @@ class BaseGrammarBackend:
     """
 
     name: str = "base"
+    require_exact: bool = False
+    """Compile each JSON schema exactly, or refuse it (``GrammarSpecError``) where this backend would narrow it
+    (``json_schema_narrowing``). ``auto`` sets it on its backends unless narrowing is allowed."""
 
     def __init__(
         self,
@@ -226,6 +239,8 @@ class BaseGrammarBackend:
             cache_max_bytes=server_args.grammar_cache_max_bytes,
             size_of=lambda grammar: grammar.memory_size_bytes(),
             copy=_copy_with_stats,
+            slow_after_s=server_args.grammar_compile_slow_after,
+            max_slow=server_args.grammar_max_slow_compiles,
         )
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
@@ -243,10 +258,21 @@ class BaseGrammarBackend:
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         """Refuse schema features this backend would otherwise ignore; raises ``GrammarSpecError``."""
 
+    def json_schema_narrowing(self, schema: Any) -> str | None:
+        """How this backend's grammar for ``schema`` would admit less than the schema allows, naming the feature
+        and where (``"narrows 'unlisted properties' (at /a): ..."``); None when it enforces it exactly. Pure: looks
+        at the schema only."""
+        return None
+
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
-        """The schema to compile for a request's ``schema``: checked, then its formats and patterns made sound
-        (``originals`` receives the user's text of each rewritten pattern, for messages)."""
+        """The schema to compile for a request's ``schema``: checked (and, with ``require_exact``, refused where
+        this backend would narrow it), then its formats and patterns made sound (``originals`` receives the user's
+        text of each rewritten pattern, for messages)."""
         self.check_json_schema(schema)
+        if self.require_exact and (narrowing := self.json_schema_narrowing(schema)) is not None:
+            raise GrammarSpecError(
+                f"the {self.name} grammar backend would not enforce this schema exactly: {narrowing}"
+            )
         return sound_json_schema(schema, originals)
 
     def get_cached_or_future_value(
@@ -314,16 +340,23 @@ class BaseGrammarBackend:
         """An all-allowed mask buffer for ``batch_size`` rows in this backend's layout."""
         return self.mask_layout.allocate(batch_size, device)
 
-    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
-        """Compile ``key`` on the caller's thread, outside the compile service (no cache, no deadline).
+    def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
+        """Compile ``key`` on the caller's thread, outside the compile service's cache.
 
-        What the compile service runs; never raises for a bad spec: a refusal is an ``InvalidGrammarObject``.
+        What the compile service runs, with the compile's ``control`` (its deadline and cancellation: a backend
+        that compiles elsewhere stops there when asked; here a thread's compile runs to its end). Never raises for
+        a bad spec: a refusal is an ``InvalidGrammarObject``.
         """
         key_type = key[0]
         start = time.perf_counter()
         originals: dict[str, str] = {}
+        schemas: list[Any] = []
+
+        def prepare(schema: Any) -> Any:
+            schemas.append(schema)
+            return self.prepare_json_schema(schema, originals)
+
         try:
-            prepare = functools.partial(self.prepare_json_schema, originals=originals)
             dispatch_type, spec = lower_constraint(key, self.max_spec_bytes, prepare)
             grammar = getattr(self, f"dispatch_{dispatch_type}")(spec)
         except GrammarSpecError as e:
@@ -332,7 +365,12 @@ class BaseGrammarBackend:
             logger.debug("%s backend failed to compile a %s grammar", self.name, key_type, exc_info=True)
             message = bounded_message(user_patterns_in(str(e), originals)) if str(e).strip() else type(e).__name__
             grammar = InvalidGrammarObject(message)
-        grammar.grammar_stats = GrammarStats(dispatch_type=key_type, compile_time_s=time.perf_counter() - start)
+        narrowing = None
+        if schemas and not isinstance(grammar, InvalidGrammarObject):
+            narrowing = self.json_schema_narrowing(schemas[0])
+        grammar.grammar_stats = GrammarStats(
+            dispatch_type=key_type, compile_time_s=time.perf_counter() - start, narrowing=narrowing
+        )
         return grammar
 
     def _unsupported(self, key_type: str) -> InvalidGrammarObject:

@@ -1,60 +1,158 @@
-"""Compiling off the caller's thread: a bounded pool, a deadline per compile, a bounded cache, one compile per key.
-
-Compiles never take the loop's CPU first: the pool's threads run at a lower CPU priority, and ``CompileProcesses``
-moves an engine's compiles into low-priority child processes, where a compile past its deadline is killed (a native
-compile cannot be interrupted in a thread).
+"""Compiling off the caller's thread: slots for compiles, a deadline per compile, a bounded cache, one compile per key.
 
 ``CompileService.get`` answers a cached key with a copy at once and any other key with a ``Future`` of a copy of
-its own; identical keys asked for while one compiles share that compile. A compile past its deadline fails its
-futures with ``CompileTimeoutError`` and is forgotten (the next request compiles anew; a late result is dropped).
+its own; identical keys asked for while one compiles share that compile. A compile waits for one of ``threads``
+slots and runs on a thread of its own at a lower CPU priority; its deadline counts from its start, so that a
+compile queued behind others is not failed for their slowness. A compile still running after ``slow_after_s``
+leaves its slot for the slow lane (at most ``max_slow`` at once; a compile process drops to the lowest CPU
+priority), so that one slow constraint never holds up the new ones behind it. A compile past its deadline fails
+its futures with ``CompileTimeoutError``; one that could not start within the deadline fails with
+``CompileNotStartedError`` (it waited; it was not slow). Either is forgotten: the next request compiles anew, a
+late result is dropped.
+
 The caller decides when a value enters the cache (``store``), so that every rank of a multi-rank server makes
 the same hit-or-miss decision for the same request. ``compile_elsewhere`` makes misses ask another source (another
-process that compiles once for many) instead of the pool; cache, dedup and deadline stay. Generic over keys and
-values: it knows nothing of grammars.
+process that compiles once for many) instead of the slots; cache, dedup and deadline stay. ``submit`` compiles
+once outside the cache for another compile (``auto`` asks its backends so). Generic over keys and values: it
+knows nothing of grammars. ``CompileControl`` carries a compile's deadline, cancellation and slowness to whatever
+works on it (``compile_processes`` kills a child process on cancellation).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import itertools
-import multiprocessing
+import logging
 import os
-import queue
+import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
+from sglang_constrained.errors import (
+    COMPILE_NOT_STARTED_PREFIX,
+    COMPILE_TIMEOUT_PREFIX,
+    CompileNotStartedError,
+    CompileTimeoutError,
+)
 from sglang_constrained.grammar_cache import GrammarCache
+
+logger = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 T = TypeVar("T")
-P = TypeVar("P")
 
 COMPILE_NICENESS = 10
 """How far below the server's CPU priority compiles run: a busy compile gets the cycles the loop leaves, and the
 loop loses about a tenth of a core to it at worst (Linux CFS weights 1024 against 110)."""
-ORPHAN_CHECK_INTERVAL_S = 1.0
-START_TIMEOUT_S = 120.0
-"""Longest a compile process may take to start (import its engine, build its compiler)."""
+SLOW_COMPILE_NICENESS = 19
+"""The lowest priority, where compile processes run once their compile leaves its slot (CFS weight 15: a new
+compile at ``COMPILE_NICENESS`` gets seven times their share of a core). Threads keep theirs: a thread's priority
+cannot be raised back without privileges, and the threads it would start inherit it."""
+
+
+class CompileControl:
+    """The terms of one compile, shared with whatever works on it (its thread, a compile process, ``auto``'s
+    attempts): its deadline, whether its result is still wanted, and whether it has left its slot as slow.
+
+    Callbacks run once, on the thread that cancels or marks slow, outside any lock of this object; a callback
+    registered after the fact runs at once.
+    """
+
+    def __init__(self, timeout_s: float, deadline: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + timeout_s if deadline is None else deadline
+        self._lock = threading.Lock()
+        self._cancel_reason: str | None = None
+        self._is_slow = False
+        self._on_cancel: list[Callable[[str], None]] = []
+        self._on_slow: list[Callable[[], None]] = []
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the result is no longer wanted (None while it is)."""
+        return self._cancel_reason
+
+    @property
+    def is_slow(self) -> bool:
+        return self._is_slow
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def cancel(self, reason: str) -> None:
+        """Nobody wants the result any more (deadline, reset, another backend won): stop what can be stopped."""
+        with self._lock:
+            if self._cancel_reason is not None:
+                return
+            self._cancel_reason = reason
+            callbacks, self._on_cancel = self._on_cancel, []
+        for callback in callbacks:
+            callback(reason)
+
+    def mark_slow(self) -> None:
+        """The compile left its slot: whatever works on it lowers its CPU priority."""
+        with self._lock:
+            if self._is_slow:
+                return
+            self._is_slow = True
+            callbacks, self._on_slow = self._on_slow, []
+        for callback in callbacks:
+            callback()
+
+    def on_cancel(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            if self._cancel_reason is None:
+                self._on_cancel.append(callback)
+                return
+        callback(self._cancel_reason)
+
+    def on_slow(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._is_slow:
+                self._on_slow.append(callback)
+                return
+        callback()
+
+    def child(self) -> CompileControl:
+        """A control for work done for this compile: the same deadline, cancelled when this one is (slowness is
+        each one's own: work started after this one turned slow is not slow yet)."""
+        child = CompileControl(self.timeout_s, self.deadline)
+        self.on_cancel(child.cancel)
+        return child
+
+
+@dataclass(eq=False)
+class _Job(Generic[K, V]):
+    """One compile: queued, then running on its own thread with its own control."""
+
+    key: K
+    shared: Future[V]
+    queued_at: float
+    parent: CompileControl | None = None
+    control: CompileControl | None = None
+    is_slow: bool = False
 
 
 class CompileService(Generic[K, V]):
-    """``compile(key)`` on ``threads`` worker threads; results cached under ``cache_max_entries``/``_bytes``.
+    """``compile_value(key, control)`` in ``threads`` slots, each compile on a thread of its own; results cached
+    under ``cache_max_entries``/``_bytes``.
 
     ``size_of(value)`` is what a value counts towards the byte bound; ``copy(value, is_cache_hit)`` makes the
-    private copy each caller receives.
+    private copy each caller receives. ``slow_after_s``: how long a compile may hold its slot before it moves to
+    the slow lane (None: never); ``max_slow``: compiles the slow lane holds at once.
     """
 
     def __init__(
         self,
-        compile_value: Callable[[K], V],
+        compile_value: Callable[[K, CompileControl], V],
         *,
         name: str,
         threads: int,
@@ -63,38 +161,68 @@ class CompileService(Generic[K, V]):
         cache_max_bytes: int,
         size_of: Callable[[V], int],
         copy: Callable[[V, bool], V],
+        slow_after_s: float | None = None,
+        max_slow: int = 0,
     ) -> None:
         self._compile = compile_value
         self._size_of = size_of
         self._copy = copy
+        self.name = name
+        self.threads = threads
         self.timeout_s = timeout_s
+        self.slow_after_s = slow_after_s
+        self.max_slow = max_slow
         self.cache: GrammarCache[K, V] = GrammarCache(cache_max_entries, cache_max_bytes)
-        self.executor = ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix=f"{name}-compile", initializer=lower_cpu_priority
-        )
-        self._deadlines = _DeadlineWatch(f"{name}-deadlines")
         self._in_flight: dict[K, Future[V]] = {}
+        self._queue: collections.deque[_Job[K, V]] = collections.deque()
+        self._running: list[_Job[K, V]] = []
         self._lock = threading.Lock()
         self._fetch: Callable[[K], Future[V]] | None = None
+        self._is_shut_down = False
+        self._nice = _thread_nice()
+        self._timers = _Timers(f"{name}-compile-timers")
         self.num_compilations = 0
+
+    @property
+    def num_running(self) -> int:
+        """Compiles running now, in their slots and in the slow lane."""
+        with self._lock:
+            return len(self._running)
 
     def get(self, key: K) -> tuple[V | Future[V], bool]:
         """``(copy, True)`` for a cached key, else ``(future of a copy, False)``, starting a compile if none runs."""
         with self._lock:
+            self._refuse_after_shutdown()
             cached = self.cache.get(key)
             if cached is not None:
                 return self._copy(cached, True), True
             shared = self._in_flight.get(key)
             if shared is None:
                 shared = Future()
-                self._start(key, shared)
                 self._in_flight[key] = shared
-                self._deadlines.call_at(time.monotonic() + self.timeout_s, lambda: self._expire(key, shared))
+                if self._fetch is not None:
+                    self._fetch(key).add_done_callback(lambda done: _relay(done, shared))
+                    self._timers.call_at(time.monotonic() + self.timeout_s, lambda: self._expire_fetch(key, shared))
+                else:
+                    self._enqueue(_Job(key, shared, time.monotonic()))
+        self._dispatch()
         return map_future(shared, lambda value: self._copy(value, False)), False
+
+    def submit(self, key: K, parent: CompileControl) -> Future[V]:
+        """Compile ``key`` once for the compile ``parent`` controls, outside the cache and the in-flight sharing:
+        queued for a slot like any compile, under ``parent``'s deadline, cancelled when ``parent`` is. The future
+        holds the value itself (no copy); cancelling it stops the compile where that can be done."""
+        shared: Future[V] = Future()
+        with self._lock:
+            self._refuse_after_shutdown()
+            self._enqueue(_Job(key, shared, time.monotonic(), parent=parent))
+        parent.on_cancel(lambda _: _cancel(shared))
+        self._dispatch()
+        return shared
 
     def compile_elsewhere(self, fetch: Callable[[K], Future[V]]) -> None:
         """From now on a miss takes its value from ``fetch(key)`` (a future settled by whoever compiles it) instead
-        of compiling on the pool; ``fetch`` is called under this service's lock and must not call back into it."""
+        of compiling in a slot; ``fetch`` is called under this service's lock and must not call back into it."""
         self._fetch = fetch
 
     def store(self, key: K, value: V) -> None:
@@ -109,43 +237,144 @@ class CompileService(Generic[K, V]):
             self._in_flight.pop(key, None)
 
     def reset(self) -> None:
-        """Cancel every compile in flight (their futures are cancelled) and empty the cache."""
+        """Cancel every compile in flight (their futures are cancelled, compile processes killed) and empty the
+        cache."""
         with self._lock:
-            for shared in self._in_flight.values():
-                shared.cancel()
+            cancelled = list(self._in_flight.values())
             self._in_flight.clear()
             self.cache.clear()
+        for shared in cancelled:
+            shared.cancel()
 
     def shutdown(self) -> None:
+        """Cancel everything and refuse new compiles."""
+        with self._lock:
+            self._is_shut_down = True
+            waiting = [job.shared for job in self._queue]
+            self._queue.clear()
         self.reset()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self._deadlines.stop()
+        for shared in waiting:
+            shared.cancel()
+        self._timers.stop()
 
-    def _start(self, key: K, shared: Future[V]) -> None:
-        if self._fetch is not None:
-            self._fetch(key).add_done_callback(lambda done: _relay(done, shared))
-            return
-        # Raises RuntimeError after shutdown, before anything waits on a compile that would never run.
-        self.executor.submit(self._run, key, shared)
+    def _refuse_after_shutdown(self) -> None:
+        if self._is_shut_down:
+            raise RuntimeError(f"the {self.name} compile service cannot compile after shutdown")
+
+    def _enqueue(self, job: _Job[K, V]) -> None:
+        """Queue ``job`` (under the lock); it fails if it cannot start before the deadline."""
+        self._queue.append(job)
         self.num_compilations += 1
+        job.shared.add_done_callback(lambda done: self._on_settled(job, done))
+        start_by = job.parent.deadline if job.parent is not None else job.queued_at + self.timeout_s
+        self._timers.call_at(start_by, lambda: self._expire_waiting(job))
 
-    def _run(self, key: K, shared: Future[V]) -> None:
-        if shared.done():  # cancelled or past its deadline while it waited for a worker
-            return
+    def _dispatch(self) -> None:
+        """Start queued compiles while a slot is free (a compile in the slow lane holds none)."""
+        starting = []
+        with self._lock:
+            while self._queue and sum(not job.is_slow for job in self._running) < self.threads:
+                job = self._queue.popleft()
+                if job.shared.done():
+                    continue
+                job.control = job.parent.child() if job.parent is not None else CompileControl(self.timeout_s)
+                self._running.append(job)
+                starting.append(job)
+        for job in starting:
+            self._start(job)
+
+    def _start(self, job: _Job[K, V]) -> None:
+        assert job.control is not None
+        if job.parent is None:
+            self._timers.call_at(job.control.deadline, lambda: self._expire_running(job))
+        if self.slow_after_s is not None:
+            self._timers.call_at(job.control.started_at + self.slow_after_s, lambda: self._move_to_slow_lane(job))
+        thread = threading.Thread(target=self._run, args=(job,), name=f"{self.name}-compile", daemon=True)
         try:
-            value = self._compile(key)
-        except Exception as e:
-            _settle(shared, error=e)
-        else:
-            _settle(shared, value=value)
+            thread.start()
+        except RuntimeError:  # no thread can start any more (the interpreter is exiting): compile right here
+            logger.warning("%s: compiling on the caller's thread, as no thread can start now", self.name)
+            self._run(job)
 
-    def _expire(self, key: K, shared: Future[V]) -> None:
+    def _run(self, job: _Job[K, V]) -> None:
+        control = job.control
+        assert control is not None
+        if sys.platform == "linux":  # elsewhere a native thread id is no process id
+            set_nice(threading.get_native_id(), self._nice + COMPILE_NICENESS)
+        try:
+            if not job.shared.done():
+                value = self._compile(job.key, control)
+                _settle(job.shared, value=value)
+        except Exception as e:
+            _settle(job.shared, error=e)
+        finally:
+            with self._lock:
+                self._running.remove(job)
+                self._fill_slow_lane()
+            self._dispatch()
+
+    def _move_to_slow_lane(self, job: _Job[K, V]) -> None:
+        with self._lock:
+            if job not in self._running or job.is_slow:
+                return
+            if sum(other.is_slow for other in self._running) >= self.max_slow:
+                return  # the lane is full: the job holds its slot until a place frees (``_fill_slow_lane``)
+            job.is_slow = True
+        assert job.control is not None
+        logger.info("%s: a compile running %.1f s moves to the slow lane", self.name, self.slow_after_s)
+        job.control.mark_slow()
+        self._dispatch()
+
+    def _fill_slow_lane(self) -> None:
+        """Under the lock: move the oldest compile holding a slot past ``slow_after_s`` into a freed lane place."""
+        if self.slow_after_s is None or sum(job.is_slow for job in self._running) >= self.max_slow:
+            return
+        now = time.monotonic()
+        for job in self._running:
+            if not job.is_slow and job.control is not None and now - job.control.started_at >= self.slow_after_s:
+                job.is_slow = True
+                self._timers.call_at(now, job.control.mark_slow)
+                return
+
+    def _on_settled(self, job: _Job[K, V], done: Future[V]) -> None:
+        """A compile's future settled (value, error, deadline, cancellation): stop its work if still running."""
+        if job.control is not None and (done.cancelled() or isinstance(done.exception(), CompileTimeoutError)):
+            job.control.cancel("cancelled" if done.cancelled() else "deadline")
+
+    def _expire_waiting(self, job: _Job[K, V]) -> None:
+        with self._lock:
+            if job.control is not None or job.shared.done():
+                return
+            with contextlib.suppress(ValueError):
+                self._queue.remove(job)
+            if self._in_flight.get(job.key) is job.shared:
+                del self._in_flight[job.key]
+            busy = len(self._running)
+        waited = time.monotonic() - job.queued_at
+        slots = "the compile slot" if self.threads == 1 else f"one of the {self.threads} compile slots"
+        _settle(
+            job.shared,
+            error=CompileNotStartedError(
+                f"{COMPILE_NOT_STARTED_PREFIX}: it waited {waited:.1f} s for {slots}, busy with {busy} other "
+                f"compile{'s' * (busy != 1)} (--grammar-compile-threads); retry later"
+            ),
+        )
+
+    def _expire_running(self, job: _Job[K, V]) -> None:
+        with self._lock:
+            if job.shared.done():
+                return
+            if self._in_flight.get(job.key) is job.shared:
+                del self._in_flight[job.key]
+        _settle(job.shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))
+
+    def _expire_fetch(self, key: K, shared: Future[V]) -> None:
         with self._lock:
             if shared.done():
                 return
             if self._in_flight.get(key) is shared:
                 del self._in_flight[key]
-        _settle(shared, error=CompileTimeoutError(f"Grammar compilation timed out after {self.timeout_s:g} s"))
+        _settle(shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))
 
 
 def _settle(future: Future[T], value: T | None = None, error: BaseException | None = None) -> None:
@@ -158,6 +387,10 @@ def _settle(future: Future[T], value: T | None = None, error: BaseException | No
             future.set_exception(error)
         else:
             future.set_result(value)  # type: ignore[arg-type]
+
+
+def _cancel(future: Future[T]) -> None:
+    future.cancel()
 
 
 def _relay(source: Future[T], target: Future[T]) -> None:
@@ -187,8 +420,9 @@ def map_future(source: Future[T], transform: Callable[[T], T]) -> Future[T]:
     return derived
 
 
-class _DeadlineWatch:
-    """One thread that runs callbacks at their deadlines (one thread for every compile, not one each)."""
+class _Timers:
+    """One thread that runs callbacks at their times (one thread for every compile, not one each). Started on the
+    first call; where no thread can start (the interpreter is exiting), nothing is timed."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -199,12 +433,15 @@ class _DeadlineWatch:
         self._stopped = False
 
     def call_at(self, when: float, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the watch's thread once ``time.monotonic()`` reaches ``when``."""
+        """Run ``callback`` on the timer thread once ``time.monotonic()`` reaches ``when``."""
         with self._condition:
+            if self._stopped:
+                return
             heapq.heappush(self._heap, (when, next(self._order), callback))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
+                with contextlib.suppress(RuntimeError):
+                    self._thread.start()
             self._condition.notify()
 
     def stop(self) -> None:
@@ -221,194 +458,20 @@ class _DeadlineWatch:
                 if self._stopped:
                     return
                 _, _, callback = heapq.heappop(self._heap)
-            callback()
+            try:
+                callback()
+            except Exception:  # a bug in a callback must not stop every later deadline
+                logger.exception("%s: a timed callback failed", self._name)
 
 
-def lower_cpu_priority() -> None:
-    """Lower the calling thread's CPU priority by ``COMPILE_NICENESS`` (Linux: a thread has its own nice value; the
-    threads it starts, such as an engine's compile threads, inherit it). Elsewhere it does nothing."""
+def _thread_nice() -> int:
+    """The calling thread's nice value (0 where there is none)."""
+    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+
+
+def set_nice(pid: int, nice: int) -> None:
+    """Set a process's nice value (on Linux also a thread's, by its native id: a thread has its own there), if it
+    is allowed (raising it always is); the threads it starts inherit it. Without ``setpriority`` it does nothing."""
     if hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):
-            thread = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + COMPILE_NICENESS)
-
-
-class CompileProcesses(Generic[K, P]):
-    """Runs compiles in child processes at lower CPU priority: one child per calling thread (so the compile
-    service's thread count bounds them), kept for its next compile.
-
-    ``start()`` runs once in each child and returns the child's compile function; ``start``, the keys and the
-    results must pickle. A compile running past ``timeout_s`` has its child killed and raises
-    ``CompileTimeoutError``; a child that dies (a crash in a native engine) raises ``CompileProcessError``. Either
-    way a spare replaces it at once. ``num_spares`` children start at once, in the background, for the first
-    compiles (a child's start-up is not a compile's: it does not count towards ``timeout_s``);
-    ``preload``: modules the fork server imports once, so that children start in a fraction of a second.
-    """
-
-    def __init__(
-        self,
-        start: Callable[[], Callable[[K], P]],
-        *,
-        name: str,
-        timeout_s: float,
-        num_spares: int = 0,
-        preload: Sequence[str] = (),
-    ) -> None:
-        self._start = start
-        self._name = name
-        self.timeout_s = timeout_s
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["__main__", *preload])
-        self._local = threading.local()
-        self._children: set[_CompileChild] = set()
-        self._spares: queue.SimpleQueue[_CompileChild] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._prestart = threading.Thread(target=self._start_spares, args=(num_spares,), daemon=True)
-        self._prestart.start()
-
-    def wait_until_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Block until the spare children have started (raises ``CompileProcessError`` if one fails to)."""
-        self._prestart.join(timeout_s)
-        with self._lock:
-            children = list(self._children)
-        for child in children:
-            child.wait_until_ready(timeout_s)
-
-    def run(self, key: K) -> P:
-        """Compile ``key`` in this thread's child and return its result; blocks until then, at most ``timeout_s``
-        once the child has started."""
-        child: _CompileChild | None = getattr(self._local, "child", None)
-        if child is None or not child.process.is_alive():
-            if child is not None:
-                self._retire(child)
-            child = self._local.child = self._spare() or self._new_child()
-        try:
-            result: P = child.compile(key, self.timeout_s)
-        except BaseException:
-            self._local.child = None
-            self._retire(child)
-            self._prestart = threading.Thread(target=self._start_spares, args=(1,), daemon=True)
-            self._prestart.start()  # the replacement starts now, not within the next compile's deadline
-            raise
-        return result
-
-    def shutdown(self) -> None:
-        """Kill every child, compiling or not; compiles in flight raise ``CompileProcessError``."""
-        with self._lock:
-            self._closed = True
-            children, self._children = self._children, set()
-        for child in children:
-            child.kill()
-
-    def _start_spares(self, num_spares: int) -> None:
-        with contextlib.suppress(CompileProcessError):  # shut down meanwhile
-            for _ in range(num_spares):
-                self._spares.put(self._new_child())
-
-    def _spare(self) -> _CompileChild | None:
-        try:
-            return self._spares.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _new_child(self) -> _CompileChild:
-        with self._lock:
-            if self._closed:
-                raise CompileProcessError("the compile processes are shut down")
-            child = _CompileChild(self._context, self._start, f"{self._name}-compile-process")
-            self._children.add(child)
-        return child
-
-    def _retire(self, child: _CompileChild) -> None:
-        with self._lock:
-            self._children.discard(child)
-        child.kill()
-
-
-class _CompileChild:
-    """One child process and the pipe to it; compiles one key at a time. Its first message says it has started."""
-
-    def __init__(self, context: Any, start: Callable[[], Callable[[Any], Any]], name: str) -> None:
-        self.connection, child_end = context.Pipe()
-        self.process: BaseProcess = context.Process(
-            target=_compile_process_main, args=(child_end, start, os.getpid()), name=name, daemon=True
-        )
-        self.process.start()
-        child_end.close()
-        self.is_ready = False
-        self._using_pipe = threading.Lock()  # held while a thread talks to the child; ``kill`` waits for it
-
-    def wait_until_ready(self, timeout_s: float) -> None:
-        with self._using_pipe:
-            self._wait_until_ready(timeout_s)
-
-    def _wait_until_ready(self, timeout_s: float) -> None:
-        if self.is_ready:
-            return
-        if not self.connection.poll(timeout_s):
-            raise CompileProcessError(f"the compile process did not start within {timeout_s:g} s")
-        self._receive("starting")
-        self.is_ready = True
-
-    def compile(self, key: Any, timeout_s: float) -> Any:
-        with self._using_pipe:
-            if self.connection.closed:
-                raise CompileProcessError("the compile process was killed")
-            self._wait_until_ready(START_TIMEOUT_S)
-            try:
-                self.connection.send(key)
-            except BrokenPipeError:
-                raise CompileProcessError("the compile process died before its compile") from None
-            if not self.connection.poll(timeout_s):
-                raise CompileTimeoutError(f"Grammar compilation timed out after {timeout_s:g} s")
-            return self._receive("compiling")
-
-    def _receive(self, doing: str) -> Any:
-        try:
-            is_ok, result = self.connection.recv()
-        except EOFError:
-            self.process.join(1.0)
-            raise CompileProcessError(
-                f"the compile process died while {doing} (exit code {self.process.exitcode})"
-            ) from None
-        if not is_ok:
-            raise CompileProcessError(f"the compile process failed: {result}")
-        return result
-
-    def kill(self) -> None:
-        """Kill the child, then close the pipe once free: a compile in flight sees the child die (end of file) and
-        lets go of it. Safe from several threads at once (shutdown and a failed compile both kill)."""
-        self.process.kill()
-        with self._using_pipe:
-            self.process.join()
-            if not self.connection.closed:
-                self.connection.close()
-
-
-def _compile_process_main(connection: Connection, start: Callable[[], Callable[[Any], Any]], parent: int) -> None:
-    """A compile process: lower its priority, build its compiler, then compile what the parent sends until the pipe
-    closes; exits by itself if the parent dies mid-compile."""
-    os.nice(COMPILE_NICENESS)
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
-    compile_key = start()
-    connection.send((True, None))
-    while True:
-        try:
-            key = connection.recv()
-        except EOFError:
-            return
-        try:
-            reply = (True, compile_key(key))
-        except Exception as e:  # a bug, not bad input (compile functions report bad input in their result)
-            reply = (False, f"{type(e).__name__}: {e}")
-        connection.send(reply)
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    """The fork server, not the server, is a compile process's parent: watch the server's pid itself."""
-    with contextlib.suppress(ProcessLookupError):
-        while True:
-            os.kill(parent, 0)  # raises ProcessLookupError once the server is gone
-            time.sleep(ORPHAN_CHECK_INTERVAL_S)
-    os._exit(0)
+            os.setpriority(os.PRIO_PROCESS, pid, min(nice, SLOW_COMPILE_NICENESS))

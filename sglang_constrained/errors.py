@@ -10,7 +10,7 @@ import re
 MAX_MESSAGE_CHARS = 300
 """Longest engine message quoted to a user; engines echo whole grammars and schemas in theirs."""
 
-_FEATURE_REFUSAL = re.compile(r"((?:feature|refuses) .+? \(at .*?\))(?:[;:]|$)")
+_FEATURE_REFUSAL = re.compile(r"((?:feature|refuses|narrows) .+? \(at .*?\))(?:[;:]|$)")
 _MAX_REASON_CHARS = 80
 
 
@@ -27,12 +27,23 @@ class TokenRejectedError(ValueError):
         super().__init__(f"{message}: {reason}" if reason else message)
 
 
+COMPILE_TIMEOUT_PREFIX = "Grammar compilation timed out"
+"""How a compile past its deadline's message starts."""
+COMPILE_NOT_STARTED_PREFIX = "Grammar compilation did not start"
+"""How the message of a compile that waited for a slot until its deadline starts."""
+
+
 class CompileTimeoutError(TimeoutError):
     """A grammar compile ran past its deadline; it is not cached, so the next request compiles anew."""
 
 
+class CompileNotStartedError(CompileTimeoutError):
+    """A grammar compile waited for a free slot until its deadline, behind other compiles: it never ran."""
+
+
 class CompileProcessError(RuntimeError):
-    """A compile process died (a crash inside a native engine), failed, or was shut down mid-compile."""
+    """A compile process died (a crash inside a native engine: its signal), failed, was killed (past its memory
+    bound, or its compile no longer wanted), or was shut down mid-compile; the message says which."""
 
 
 def bounded_message(text: str, first_line_only: bool = True, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -45,7 +56,7 @@ def bounded_message(text: str, first_line_only: bool = True, limit: int = MAX_ME
 def refusal_reason(message: str) -> str:
     """The short, stable part of a refusal message (what ``known_refusals.json`` records, what ``auto`` quotes).
 
-    The refused feature and where it is (``feature 'not' (at /properties/a)``) for the backends' own
+    The refused (or narrowed) feature and where it is (``feature 'not' (at /properties/a)``) for the backends' own
     refusals; otherwise the message's first sentence, cut at a word boundary near 80 characters.
     """
     feature = _FEATURE_REFUSAL.search(message)

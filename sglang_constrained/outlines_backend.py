@@ -28,7 +28,7 @@ from outlines_core.json_schema import build_regex_from_schema
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarBackendArgs
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
-from sglang_constrained.outlines_schema_rules import refuse_outlines_unsupported
+from sglang_constrained.outlines_schema_rules import outlines_narrowing, refuse_outlines_unsupported
 from sglang_constrained.vocabulary import tokenizer_vocabulary
 from triton_ops.bitmask_format import allocate_bitmask, set_token_bits, token_word_bits, words_per_row
 
@@ -177,6 +177,9 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         refuse_outlines_unsupported(schema, self.name)
+
+    def json_schema_narrowing(self, schema: Any) -> str | None:
+        return outlines_narrowing(schema)
 
     def dispatch_json(self, key_string: str) -> OutlinesGrammar:
         try:

@@ -186,3 +186,40 @@ _ANNOTATION_KEYWORDS = frozenset(
 def _is_schema(value: Any) -> bool:
     """A subschema that constrains something (not absent, ``true`` or ``{}``)."""
     return (isinstance(value, dict) and bool(value)) or value is False
+
+
+def outlines_narrowing(schema: Any) -> str | None:
+    """The first place where outlines-core's regex admits less than ``schema`` allows (measured: it closes every
+    object to its listed properties, even with ``additionalProperties``; admits no items after ``prefixItems``;
+    and a number at the top level takes no fraction or exponent), or None."""
+    for pointer, subschema in iter_subschemas(schema):
+        if "properties" in subschema and subschema.get("additionalProperties") is not False:
+            return (
+                f"narrows 'unlisted properties' (at {pointer or '/'}): outlines-core admits only the properties an "
+                "object lists, whatever additionalProperties says"
+            )
+        if "prefixItems" in subschema and subschema.get("items") is not False:
+            return (
+                f"narrows 'items after prefixItems' (at {pointer or '/'}): outlines-core admits no items beyond "
+                "prefixItems"
+            )
+    if _may_be_number(schema, schema, depth=0):
+        return (
+            "narrows 'a number at the top level' (at /): outlines-core ends the match after its integer part, so a "
+            "fraction or an exponent cannot follow"
+        )
+    return None
+
+
+def _may_be_number(root: Any, schema: Any, depth: int) -> bool:
+    """Whether ``schema`` (at the top level, through references and composition) admits a non-integer number."""
+    if not isinstance(schema, dict) or depth > 8:
+        return False
+    if "enum" in schema or "const" in schema:
+        return False
+    if isinstance(schema.get("$ref"), str):
+        return _may_be_number(root, resolve_local_ref(root, schema["$ref"]), depth + 1)
+    branches = [b for keyword in ("anyOf", "oneOf") for b in schema.get(keyword) or ()]
+    if branches:
+        return any(_may_be_number(root, branch, depth + 1) for branch in branches)
+    return "number" in _types(schema) if "type" in schema else set(schema) <= _ANNOTATION_KEYWORDS

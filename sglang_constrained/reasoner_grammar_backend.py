@@ -18,7 +18,7 @@ from sglang_constrained.base_grammar_backend import (
     InvalidGrammarObject,
     common_prefix_length,
 )
-from sglang_constrained.compile_service import map_future
+from sglang_constrained.compile_service import CompileControl, map_future
 from sglang_constrained.constraint_spec import GrammarKey
 
 THINKING = -1
@@ -163,8 +163,8 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
     def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
         return self.grammar_backend.dispatch_structural_tag(key_string)
 
-    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
-        return self.grammar_backend.build_grammar(key)
+    def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
+        return self.grammar_backend.build_grammar(key, control)
 
     @property
     def can_share_grammars(self) -> bool:

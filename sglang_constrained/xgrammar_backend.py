@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -28,14 +29,24 @@ from sglang_constrained.base_grammar_backend import (
     GrammarExport,
     common_prefix_length,
 )
-from sglang_constrained.compile_service import CompileProcesses
+from sglang_constrained.compile_processes import CompileProcesses, why_processes_cannot_start
+from sglang_constrained.compile_service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
-from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
+from sglang_constrained.xgrammar_schema_rules import (
+    XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
+    allow_unlisted_properties,
+    refuse_predicted_beyond_deadline,
+    schema_object_sizes,
+    schema_patterns,
+    strict_mode_narrowing,
+)
 from sglang_constrained.xgrammar_utf8 import check_grammar_format, well_formed_utf8_grammar
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
+
+logger = logging.getLogger(__name__)
 
 
 class XGrammarGrammar(BaseGrammarObject):
@@ -122,8 +133,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
 
     Building the vocabulary decodes every token: about 0.5 s for 49k tokens and 5 s for 248k. Compiles run in
     ``CompileProcesses`` (a compile can take xgrammar seconds to minutes): at low priority, on one thread each, so
-    ``--grammar-compile-threads`` bounds the cores they take, and killed at the compile deadline. The compiled
-    grammar comes back serialised. xgrammar's own compile cache is off; the base class caches with a bound.
+    the compile service's slots bound the cores they take, and killed at the compile deadline, past the memory
+    bound or when cancelled. The compiled grammar comes back serialised. Where no process can be started
+    (``why_processes_cannot_start``) compiles run in threads, with a warning. xgrammar's own compile cache is
+    off; the base class caches with a bound. With ``require_exact`` objects are compiled with JSON Schema's
+    default (unlisted properties allowed) written out, and arrays strict mode would close are refused.
     """
 
     name = "xgrammar"
@@ -156,23 +170,32 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         # xgrammar's default is 8 threads per compile, whatever the machine: one, so that a compile takes one core.
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
-        self.compile_processes: CompileProcesses[GrammarKey, GrammarExport] | None = None
+        self.compile_processes: CompileProcesses[tuple[GrammarKey, bool], GrammarExport] | None = None
         if compile_in_processes and type(self) is XGrammarGrammarBackend:
-            self.compile_processes = CompileProcesses(
-                functools.partial(_start_compile_process, server_args, self.vocabulary),
-                name=self.name,
-                timeout_s=server_args.compile_timeout_s,
-                # one more than the threads: when a compile is killed, its thread's next child has already started
-                num_spares=server_args.grammar_compile_threads + 1,
-                preload=[__name__],
-            )
+            reason = why_processes_cannot_start()
+            if reason is not None:
+                logger.warning(
+                    "xgrammar compiles in threads, not in compile processes, because %s: a compile past its "
+                    "deadline then runs on to its end",
+                    reason,
+                )
+            else:
+                self.compile_processes = CompileProcesses(
+                    functools.partial(_start_compile_process, server_args, self.vocabulary),
+                    name=self.name,
+                    timeout_s=server_args.compile_timeout_s,
+                    # one more than the slots: when a compile is killed, the next one's child has already started
+                    num_spares=server_args.grammar_compile_threads + 1,
+                    max_memory_mib=server_args.grammar_compile_max_memory,
+                    preload=[__name__],
+                )
 
-    def build_grammar(self, key: GrammarKey) -> BaseGrammarObject:
+    def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
         """Compile ``key`` in a compile process (here, in one); raises ``CompileTimeoutError`` past the deadline and
-        ``CompileProcessError`` if xgrammar crashed."""
+        ``CompileProcessError`` if xgrammar crashed, the process grew past its memory bound or was stopped."""
         if self.compile_processes is None:
-            return super().build_grammar(key)
-        return self.import_grammar(self.compile_processes.run(key))
+            return super().build_grammar(key, control)
+        return self.import_grammar(self.compile_processes.run((key, self.require_exact), control))
 
     @property
     def can_share_grammars(self) -> bool:
@@ -207,8 +230,14 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         rules = (*XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES, one_of_overlap_rule(schema))
         refuse_unsupported_features(schema, rules, self.name)
 
+    def json_schema_narrowing(self, schema: Any) -> str | None:
+        return strict_mode_narrowing(schema, objects=not self.require_exact)
+
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
-        return _length_bounds_as_patterns(super().prepare_json_schema(schema, originals))
+        prepared = _length_bounds_as_patterns(super().prepare_json_schema(schema, originals))
+        deadline_s, object_sizes = self.server_args.compile_timeout_s, schema_object_sizes(prepared)
+        refuse_predicted_beyond_deadline(schema_patterns(prepared), object_sizes, self.vocab_size, deadline_s, "schema")
+        return allow_unlisted_properties(prepared) if self.require_exact else prepared
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:
         return self._compile("JSON schema", lambda: self.json_schema_grammar(key_string))
@@ -228,6 +257,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         )
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
+        deadline_s = self.server_args.compile_timeout_s
+        refuse_predicted_beyond_deadline([key_string], [], self.vocab_size, deadline_s, "regex")
         return self._compile("regex", lambda: xgrammar.Grammar.from_regex(key_string))
 
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:
@@ -276,9 +307,9 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
 
 def _start_compile_process(
     server_args: GrammarBackendArgs, vocabulary: TokenizerVocabulary
-) -> Callable[[GrammarKey], GrammarExport]:
-    """The compile function of a compile process: the same checks and compile as the server's, on its own thread;
-    the result comes back exported (serialised)."""
+) -> Callable[[tuple[GrammarKey, bool]], GrammarExport]:
+    """The compile function of a compile process: the same checks and compile as the server's (asked for with the
+    server backend's ``require_exact``), on its own thread; the result comes back exported (serialised)."""
     backend = XGrammarGrammarBackend(
         server_args,
         None,
@@ -288,7 +319,8 @@ def _start_compile_process(
         compile_in_processes=False,
     )
 
-    def compile_key(key: GrammarKey) -> GrammarExport:
+    def compile_key(request: tuple[GrammarKey, bool]) -> GrammarExport:
+        key, backend.require_exact = request
         return backend.export_grammar(backend.build_grammar(key))
 
     return compile_key

@@ -1,4 +1,5 @@
-"""The JSON-schema features xgrammar 0.2.8 compiles but does not enforce, refused up front with their names.
+"""The JSON-schema features xgrammar 0.2.8 compiles but does not enforce, refused up front with their names; where
+its strict mode narrows a schema; and what a schema's length bounds predict its compile costs.
 
 Each rule was measured against the engine (the xgrammar tests re-check each against jsonschema): an instance that
 breaks only that feature passes xgrammar's grammar. A ``oneOf`` whose branches may overlap (xgrammar falls back to
@@ -9,11 +10,14 @@ unanchored patterns (xgrammar anchors every pattern: a narrowing).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
+from sglang_constrained.errors import GrammarSpecError
 from sglang_constrained.schema_features import (
     SchemaRule,
     enum_outside_type_rule,
+    iter_subschemas,
     keyword_rule,
     keywords_together_rule,
     unknown_format_rule,
@@ -123,3 +127,145 @@ XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
     _untyped_rule("maxProperties", _OBJECT_INFERRED_FROM),  # any object, likewise
     _untyped_rule("propertyNames", _OBJECT_INFERRED_FROM),  # any object, likewise
 )
+
+
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "$id", "$schema", "deprecated", "readOnly", "writeOnly"}
+)
+_OBJECT_KEYWORDS = ("properties", "required", "minProperties", "maxProperties", "propertyNames")
+_ARRAY_KEYWORDS = ("prefixItems", "minItems", "maxItems")
+
+
+def _is_plain(schema: dict[str, Any]) -> bool:
+    """Only a type and annotations: xgrammar's strict mode leaves such an object or array open."""
+    return set(schema) - {"type"} <= _ANNOTATIONS
+
+
+def _may_be(schema: dict[str, Any], kind: str, keywords: tuple[str, ...]) -> bool:
+    types = _types(schema)
+    return kind in types if "type" in schema else any(keyword in schema for keyword in keywords)
+
+
+def closes_properties(schema: dict[str, Any]) -> bool:
+    """Whether xgrammar's strict mode admits only the listed properties of this object where JSON Schema allows
+    any others (measured: ``{"type": "object", "required": []}`` admits only ``{}``)."""
+    return (
+        _may_be(schema, "object", _OBJECT_KEYWORDS)
+        and not _is_plain(schema)
+        and "additionalProperties" not in schema
+        and "unevaluatedProperties" not in schema
+    )
+
+
+def closes_items(schema: dict[str, Any]) -> bool:
+    """Whether xgrammar's strict mode admits no items (or none after ``prefixItems``) where JSON Schema allows any
+    (measured: ``{"type": "array", "maxItems": 3}`` admits only ``[]``)."""
+    return (
+        _may_be(schema, "array", _ARRAY_KEYWORDS)
+        and not _is_plain(schema)
+        and not isinstance(schema.get("items"), dict | bool)
+        and "unevaluatedItems" not in schema
+    )
+
+
+def strict_mode_narrowing(schema: Any, objects: bool = True) -> str | None:
+    """The first place where xgrammar's strict mode (SGLang's default) admits less than ``schema`` allows, as
+    ``"narrows '<what>' (at <pointer>): <why>"``; None where it admits exactly the schema's instances (property
+    order aside, which every backend fixes). ``objects=False`` leaves objects out (``allow_unlisted_properties``
+    opens them)."""
+    for pointer, subschema in iter_subschemas(schema):
+        if objects and closes_properties(subschema):
+            return (
+                f"narrows 'unlisted properties' (at {pointer or '/'}): xgrammar's strict mode admits only the "
+                "properties an object lists, where the schema allows others"
+            )
+        if closes_items(subschema):
+            return (
+                f"narrows 'array items' (at {pointer or '/'}): xgrammar's strict mode admits no items the schema "
+                "does not describe with 'items', where the schema allows any"
+            )
+    return None
+
+
+def allow_unlisted_properties(schema: Any) -> Any:
+    """``schema`` (a private copy) with JSON Schema's default written out where xgrammar's strict mode would close
+    an object: ``"additionalProperties": true``, which strict mode honours. Changed in place."""
+    for _, subschema in iter_subschemas(schema):
+        if closes_properties(subschema):
+            subschema["additionalProperties"] = True
+    return schema
+
+
+_REPETITION = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+SMALL_REPETITION_BELOW = 128
+"""xgrammar unrolls a repetition bound below this into states (cost grows with the bound and the vocabulary),
+compiles larger ones another way (cost grows with the bound's square), and from ``LARGE_REPETITION_FROM`` on yet
+another (a few seconds, whatever the bound)."""
+LARGE_REPETITION_FROM = 10_000
+SECONDS_PER_SMALL_REPETITION = 0.005
+"""Per repeated character at 49,152 tokens, measured on 2 cores (AMD EPYC): ``[^"]{0,100}`` 0.56 s (6.8 s at 248k)."""
+SECONDS_PER_THOUSAND_SQUARED = 0.3
+"""Per (bound / 1,000)² at 49,152 tokens, measured alike: ``{0,1000}`` 0.31 s, ``{0,5000}`` 8.5 s (40 s at 248k),
+``{0,8000}`` 145 s on a busy machine, ``{0,9000}`` over 60 s."""
+SECONDS_PER_LARGE_REPETITION = 1.0
+"""At 49,152 tokens, measured alike: ``{0,10000}`` 4.9 s, ``{0,32767}`` 5.9 s, ``{0,131072}`` 4.9 s (busy)."""
+SECONDS_PER_THOUSAND_PROPERTIES_CUBED = 0.01
+"""Per (properties of one object / 1,000)³ at 49,152 tokens, measured alike: 1,000 integer properties 0.09 s,
+5,000 1.35 s; 10,000 74 s and 20,000 428 s on a busy machine."""
+COST_VOCABULARY = 49_152
+"""The vocabulary the costs above were measured at; they scale with the vocabulary's size (the measured growth to
+248k was 2.7-12x: scaling by 5x keeps the prediction at or below what was measured)."""
+_NAMED_OBJECT_FROM = 1_000
+"""Objects this large are named in a refusal; smaller ones add next to nothing."""
+
+
+def predicted_compile_seconds(patterns: list[str], object_sizes: list[int], vocab_size: int) -> float:
+    """What xgrammar's compile is predicted to cost at ``vocab_size`` tokens for ``patterns``' bounded repetitions
+    (length-bounded strings are written as such) and objects of ``object_sizes`` properties. A low estimate: it
+    leaves out everything else a grammar costs."""
+    seconds = 0.0
+    for bound in _repetition_bounds(patterns):
+        if bound < SMALL_REPETITION_BELOW:
+            seconds += SECONDS_PER_SMALL_REPETITION * bound
+        elif bound < LARGE_REPETITION_FROM:
+            seconds += SECONDS_PER_THOUSAND_SQUARED * (bound / 1000) ** 2
+        else:
+            seconds += SECONDS_PER_LARGE_REPETITION
+    seconds += sum(SECONDS_PER_THOUSAND_PROPERTIES_CUBED * (size / 1000) ** 3 for size in object_sizes)
+    return seconds * vocab_size / COST_VOCABULARY
+
+
+def refuse_predicted_beyond_deadline(
+    patterns: list[str], object_sizes: list[int], vocab_size: int, deadline_s: float, what: str
+) -> None:
+    """Raise ``GrammarSpecError`` when the bounded repetitions of ``patterns`` and the objects' sizes alone predict a
+    compile beyond ``deadline_s``, naming the measures and the bound, before any compile time is spent."""
+    seconds = predicted_compile_seconds(patterns, object_sizes, vocab_size)
+    if seconds <= deadline_s:
+        return
+    bounds = _repetition_bounds(patterns)
+    measures = []
+    if bounds:
+        measures.append(f"{len(bounds)} length bound{'s' * (len(bounds) > 1)} (up to {max(bounds):,} characters)")
+    if max(object_sizes, default=0) >= _NAMED_OBJECT_FROM:
+        measures.append(f"an object of {max(object_sizes):,} properties")
+    raise GrammarSpecError(
+        f"the {what} has {' and '.join(measures)}, which predict an xgrammar compile of about {seconds:.0f} s at this "
+        f"vocabulary of {vocab_size:,} tokens, beyond the compile deadline of {deadline_s:g} s "
+        "(--grammar-compile-timeout); llguidance compiles such schemas in milliseconds (--grammar-backend "
+        "llguidance or auto)"
+    )
+
+
+def _repetition_bounds(patterns: list[str]) -> list[int]:
+    return [int(high) if high else int(low) for pattern in patterns for low, high in _REPETITION.findall(pattern)]
+
+
+def schema_patterns(schema: Any) -> list[str]:
+    """Every ``pattern`` of ``schema``'s subschemas."""
+    return [s["pattern"] for _, s in iter_subschemas(schema) if isinstance(s.get("pattern"), str)]
+
+
+def schema_object_sizes(schema: Any) -> list[int]:
+    """How many properties each object of ``schema`` lists."""
+    return [len(s["properties"]) for _, s in iter_subschemas(schema) if isinstance(s.get("properties"), dict)]

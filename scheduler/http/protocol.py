@@ -21,6 +21,8 @@ MAX_SCHEDULER_REQUESTS = 128
 """Most scheduler requests one HTTP request may become (prompts x ``n``)."""
 SEED_MODULUS = 2**64
 """torch seeds are 64-bit: a request's seed (and seed + choice index) is taken modulo this."""
+MAX_TOKEN_BOUND = 2**63
+"""Token counts (``max_tokens``, ``max_completion_tokens``, ``top_k``) are below this: the scheduler's are int64."""
 
 
 class ProtocolError(ValueError):
@@ -168,10 +170,10 @@ class CommonRequest(Body):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=MAX_TOKEN_BOUND)
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="SGLang/vLLM; -1 or 0 means no limit")
+    top_k: int | None = Field(None, ge=-1, lt=MAX_TOKEN_BOUND, description="SGLang/vLLM; -1 or 0 means no limit")
     seed: int | None = Field(None, ge=-(2**63), lt=SEED_MODULUS)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -259,7 +261,7 @@ class NamedToolChoice(Body):
 
 class ChatCompletionRequest(CommonRequest):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=MAX_TOKEN_BOUND)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None

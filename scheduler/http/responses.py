@@ -24,9 +24,11 @@ _ABORT_STATUS: tuple[tuple[re.Pattern[str], int], ...] = (
     (re.compile(r"the \S+ grammar failed on token"), 500),
     (re.compile(r"the server is shutting down"), 503),
     (re.compile(r"the grammar backend was reset"), 503),
+    (re.compile(r"Grammar compilation did not start"), 503),
     (re.compile(r"aborted by the client"), CLIENT_CLOSED_REQUEST),
 )
-"""Aborts caused by the server, by the scheduler's messages; every other abort is about the request itself (400):
+"""Aborts caused by the server, by the scheduler's messages (a compile that waited for a slot until its deadline is the
+server's: busy); every other abort is about the request itself (400):
 an invalid or unsupported constraint, a bad prompt, a compile past its deadline, a constraint that cannot finish."""
 
 

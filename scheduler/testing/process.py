@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import signal
 import socket
@@ -37,6 +38,17 @@ class TreeMemory:
 
     rss: float
     pss: float
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def process_tree_memory(pid: int) -> TreeMemory:

@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sglang_constrained.auto_grammar_backend import describe_refusals
+from sglang_constrained.auto_grammar_backend import STILL_COMPILING, AutoGrammarBackend, describe_refusals
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
-from sglang_constrained.errors import refusal_reason
+from sglang_constrained.errors import CompileProcessError, CompileTimeoutError, refusal_reason
 from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.testing.maskbench import MaskBenchCase
 from sglang_constrained.testing.random_walk import Judge, WalkTally, json_judge, walk_and_judge
@@ -68,9 +68,15 @@ class ConformanceResult:
 
 
 def compile_grammar(backend: BaseGrammarBackend, key: GrammarKey) -> BaseGrammarObject:
-    """The grammar for ``key``, waiting for its compile (a fresh object each call)."""
+    """The grammar for ``key``, waiting for its compile (a fresh object each call); a compile past its deadline or
+    whose process failed is an invalid grammar saying so, as a request would be told."""
     value, _ = backend.get_cached_or_future_value(key)
-    return value if isinstance(value, BaseGrammarObject) else value.result()
+    if isinstance(value, BaseGrammarObject):
+        return value
+    try:
+        return value.result()
+    except (CompileTimeoutError, CompileProcessError) as e:
+        return InvalidGrammarObject(str(e))
 
 
 def check_constraint(
@@ -117,9 +123,9 @@ def check_constraint(
 class MaskBenchSweep:
     """Checks MaskBench cases on one backend in a planned order, with the next compiles already queued.
 
-    The backend's compile threads then work while this thread walks. Only ``ahead`` compiles are queued
-    at a time, because each compile's deadline starts when it is queued: queuing a whole sweep at once would
-    let the later ones time out before a thread takes them up.
+    The backend's compile threads then work while this thread walks. Only ``ahead`` compiles are queued at a
+    time: a compile that waits for a slot until its deadline fails, so queuing a whole sweep at once would fail
+    the later ones before a thread takes them up.
     """
 
     def __init__(
@@ -161,6 +167,18 @@ class MaskBenchSweep:
         return result
 
 
+def exact_mode_narrowings(auto: AutoGrammarBackend, cases: Sequence[MaskBenchCase]) -> dict[str, dict[str, str]]:
+    """Backend -> case -> the short reason (``refusal_reason``) why ``auto``'s backend would narrow the case's
+    schema, so that ``auto`` refuses it there (``KnownOutcomes.with_auto``). Looks at the schemas only."""
+    narrowed: dict[str, dict[str, str]] = {}
+    for name, backend in auto.backends.items():
+        for case in cases:
+            narrowing = backend.json_schema_narrowing(case.schema) if backend.require_exact else None
+            if narrowing is not None:
+                narrowed.setdefault(name, {})[case.name] = refusal_reason(narrowing)
+    return narrowed
+
+
 def known_refusals_from(messages: Mapping[str, Mapping[str, Mapping[str, str]]]) -> dict[str, dict[str, str]]:
     """``known_refusals.json``'s content from a whole sweep's refusal messages, backend -> tokenizer -> case.
 
@@ -190,14 +208,15 @@ class KnownOutcomes:
     """What the data files record a backend does with a MaskBench case, and the judgement of a result against it.
 
     ``refusals``: backend -> case -> the reason the refusal message must contain. ``deviations``: backend ->
-    tokenizer -> case -> a key of ``deviation_reasons``. ``auto_order``: the order ``auto``'s outcomes were derived
-    for (``with_auto``), empty until then.
+    tokenizer -> case -> a key of ``deviation_reasons``. ``auto_order`` and ``auto_narrowed``: the order ``auto``'s
+    outcomes were derived for, and the cases each backend of it would narrow (``with_auto``), empty until then.
     """
 
     refusals: dict[str, dict[str, str]]
     deviations: dict[str, dict[str, dict[str, str]]]
     deviation_reasons: dict[str, str]
     auto_order: tuple[str, ...] = ()
+    auto_narrowed: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, root: Path) -> KnownOutcomes:
@@ -217,32 +236,34 @@ class KnownOutcomes:
                         )
         return known
 
-    def with_auto(self, order: Sequence[str]) -> KnownOutcomes:
+    def with_auto(self, order: Sequence[str], narrowed: Mapping[str, Mapping[str, str]] | None = None) -> KnownOutcomes:
         """These outcomes plus what ``auto`` over ``order`` must do, derived from the backends' own records.
 
-        ``auto`` compiles a case with the first backend of ``order`` that does not refuse it, and then deviates as
-        that backend does; a case every backend refuses is refused with each one's reason (``describe_refusals``).
+        ``auto`` compiles a case with the first backend of ``order`` that neither refuses it nor would narrow it
+        (``narrowed``: backend -> case -> the reason, from ``exact_mode_narrowings``), and enforces it exactly (no
+        deviations); a case every backend refuses or would narrow is refused with each one's reason
+        (``describe_refusals``).
         """
-        refused_by_all = set.intersection(*(set(self.refusals.get(backend, {})) for backend in order))
+        known = replace(self, auto_order=tuple(order), auto_narrowed=dict(narrowed or {}))
+        candidates = set.union(*(set(self.refusals.get(backend, {})) for backend in order))
+        candidates |= {case for cases in known.auto_narrowed.values() for case in cases}
         auto_refusals = {
-            case: describe_refusals([(backend, self.refusals[backend][case]) for backend in order])
-            for case in sorted(refused_by_all)
+            case: describe_refusals([(backend, str(known._passes_over(backend, case))) for backend in order])
+            for case in sorted(candidates)
+            if known._first_compiling(order, case) is None
         }
-        auto_deviations: dict[str, dict[str, str]] = {}
-        for backend in order:
-            for tokenizer, cases in self.deviations.get(backend, {}).items():
-                for case, reason in cases.items():
-                    if self._first_compiling(order, case) == backend:
-                        auto_deviations.setdefault(tokenizer, {})[case] = reason
         return replace(
-            self,
+            known,
             refusals={**self.refusals, AUTO_GRAMMAR_BACKEND: auto_refusals},
-            deviations={**self.deviations, AUTO_GRAMMAR_BACKEND: auto_deviations},
-            auto_order=tuple(order),
+            deviations={**self.deviations, AUTO_GRAMMAR_BACKEND: {}},
         )
 
+    def _passes_over(self, backend: str, case: str) -> str | None:
+        """Why ``auto`` passes ``case`` over on ``backend`` (its refusal, or its narrowing), or None."""
+        return self.refusal(backend, case) or self.auto_narrowed.get(backend, {}).get(case)
+
     def _first_compiling(self, order: Sequence[str], case: str) -> str | None:
-        return next((backend for backend in order if self.refusal(backend, case) is None), None)
+        return next((backend for backend in order if self._passes_over(backend, case) is None), None)
 
     def refusal(self, backend: str, case: str) -> str | None:
         return self.refusals.get(backend, {}).get(case)
@@ -255,13 +276,15 @@ class KnownOutcomes:
 
         A refusal must be listed with a reason its (bounded) message contains, and a listed refusal must still
         happen; a deviation must be listed, and a listed one must still happen; no invalid text may be accepted;
-        ``auto`` must choose the first backend of its order that the record has compile the case.
+        ``auto`` must choose the first backend of its order that the record has compile the case (after those it
+        passed over as still compiling when another was done).
         """
         expected_refusal = self.refusal(backend, result.name)
         deviation = self.deviation(backend, tokenizer, result.name)
         problems = []
         if backend == AUTO_GRAMMAR_BACKEND and self.auto_order:
-            expected = self._first_compiling(self.auto_order, result.name)
+            slow = {name for name, reason in result.fallback_reasons if reason.startswith(STILL_COMPILING)}
+            expected = self._first_compiling([b for b in self.auto_order if b not in slow], result.name)
             if result.chosen_backend != expected:
                 problems.append(f"auto chose {result.chosen_backend}, but the records have {expected} compile it")
         if result.compile_error is not None:

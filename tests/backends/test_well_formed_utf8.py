@@ -1,11 +1,11 @@
-"""Inside JSON strings, regexes and EBNF terminals every backend's mask admits only well-formed UTF-8 (RFC 3629),
-and every valid code point stays reachable.
+"""Inside JSON strings, regexes and EBNF terminals every backend's mask admits only well-formed UTF-8 (RFC 3629), and
+every valid code point stays reachable.
 
-One way, byte by byte: inside a string, after each proper prefix of a multi-byte character spelled with
-byte-fallback tokens (lead bytes at the edges of each length and those whose second byte is restricted, then the
-edges of that second byte), the mask must allow no token that spells malformed UTF-8 from there (a surrogate ``ED A0..BF``, an overlong ``E0 80..9F`` or
-``F0 80..8F``, ``F4 90..`` past U+10FFFF, a byte that is no continuation) and must allow every single-byte token
-that continues the character well. The other way, texts of every kind of code point (the edges of each UTF-8
+One way, byte by byte: inside a string, after each proper prefix of a multi-byte character spelled with byte-fallback
+tokens (lead bytes at the edges of each length and those whose second byte is restricted, then the edges of that second
+byte), the mask must allow no token that spells malformed UTF-8 from there (a surrogate ``ED A0..BF``, an overlong ``E0
+80..9F`` or ``F0 80..8F``, ``F4 90..`` past U+10FFFF, a byte that is no continuation) and must allow every single-byte
+token that continues the character well. The other way, texts of every kind of code point (the edges of each UTF-8
 length, emoji as four bytes, escapes, surrogate pairs written as escapes), as the tokenizer writes them, are taken.
 """
 

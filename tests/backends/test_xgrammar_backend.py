@@ -265,3 +265,34 @@ def test_structural_tag_requiring_a_special_token_is_refused(backend, tokenizer_
         grammar = backend.get_cached_or_future_value(make_grammar_key("structural_tag", tag))[0].result()
         assert isinstance(grammar, InvalidGrammarObject)
         assert f"token {token}" in grammar.error_message and "not a regular token" in grammar.error_message
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "what"),
+    [
+        ("json", {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 6000} for i in range(8)}},
+         "the schema has 8 length bounds (up to 6,000 characters), which predict"),
+        ("regex", "[a-z]{0,9000}[0-9]{0,9000}[A-Z]{0,9000}",
+         "the regex has 3 length bounds (up to 9,000 characters), which predict"),
+        ("json", {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}},
+         "the schema has an object of 20,000 properties, which predict"),
+    ],
+    ids=["length-bounded-strings", "long-repetitions", "many-properties"],
+)  # fmt: skip
+def test_a_compile_its_length_bounds_predict_beyond_the_deadline_is_refused_at_once(
+    backend: XGrammarGrammarBackend, kind: str, spec: Any, what: str
+) -> None:
+    """Refused before xgrammar sees it (measured at 49k tokens: one 6,000-character string takes it over 10 s, one
+    9,000-character repetition over a minute, and 20,000 properties several minutes)."""
+    grammar = compile_grammar(backend, kind, spec)
+    assert isinstance(grammar, InvalidGrammarObject)
+    assert what in grammar.error_message
+    assert "beyond the compile deadline of 50 s (--grammar-compile-timeout)" in grammar.error_message
+
+
+def test_strict_mode_narrowing_is_named_in_the_stats(backend: XGrammarGrammarBackend) -> None:
+    grammar = backend.build_grammar(make_grammar_key("json", PERSON_SCHEMA))
+    assert grammar.grammar_stats is not None and grammar.grammar_stats.narrowing is not None
+    assert grammar.grammar_stats.narrowing.startswith("narrows 'unlisted properties' (at /)")
+    closed = backend.build_grammar(make_grammar_key("json", {**PERSON_SCHEMA, "additionalProperties": False}))
+    assert closed.grammar_stats is not None and closed.grammar_stats.narrowing is None

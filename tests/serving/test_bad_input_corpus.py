@@ -282,6 +282,10 @@ HTTP_CASES: list[Case] = [
     Case(GENERATE, {"text": ["Hi"] * 129}, 400, ("129 prompts", "at most 128")),
     completion(400, "maximum context length", "in the completion", max_tokens=MAX_SEQ_LEN),
     chat(400, "maximum context length", max_tokens=10**12),
+    # token counts beyond int64: the field the client sent, with its bound
+    chat(400, "max_tokens: Input should be less than 9223372036854775808", max_tokens=2**64),
+    chat(400, "max_completion_tokens: Input should be less than 9223372036854775808", max_completion_tokens=10**30),
+    completion(400, "max_tokens: Input should be less than 9223372036854775808", max_tokens=10**20),
     chat(400, "maximum context length", max_completion_tokens=MAX_SEQ_LEN),
     generate(400, "maximum context length", sampling_params={"max_new_tokens": MAX_SEQ_LEN}),
     completion(400, "maximum context length", prompt=list(range(100, 100 + MAX_SEQ_LEN))),
@@ -314,8 +318,8 @@ HTTP_CASES: list[Case] = [
     generate(400, "send {} for any JSON value", sampling_params={"json_schema": True}),
     generate(400, "allows no value at all", sampling_params={"json_schema": False}),
     # numbers too large for any engine or the wire
-    generate(400, "below 2**63", sampling_params={"max_new_tokens": 2**70}),
-    generate(400, "below 2**63", sampling_params={"top_k": 2**64}),
+    generate(400, "max_new_tokens must be below 2**63", sampling_params={"max_new_tokens": 2**70}),
+    generate(400, "top_k must be below 2**63", sampling_params={"top_k": 2**64}),
     generate(400, "seed", sampling_params={"seed": 2**70}),
     chat(400, "Integer exceeds maximum limit", guided_json={"type": "integer", "maximum": 2**80}),
     # SGLang's /generate

@@ -12,19 +12,41 @@ RECORDED = KnownOutcomes(
     },
     deviation_reasons={"strict": "...", "closed": "..."},
 )
-AUTO = RECORDED.with_auto(["first", "second"])
+NARROWED = {
+    "first": {"narrowed-by-first": "narrows 'array items' (at /a)"},
+    "second": {"narrowed-by-first": "narrows 'unlisted properties' (at /)"},
+}
+AUTO = RECORDED.with_auto(["first", "second"], NARROWED)
 
 
-def test_a_case_every_backend_refuses_is_refused_with_each_reason() -> None:
-    assert AUTO.refusals["auto"] == {"both": "first refused: feature 'not' (at /); second refused: x"}
+def test_a_case_every_backend_refuses_or_would_narrow_is_refused_with_each_reason() -> None:
+    assert AUTO.refusals["auto"] == {
+        "both": "first refused: feature 'not' (at /); second refused: x",
+        "narrowed-by-first": "first refused: narrows 'array items' (at /a); second refused: narrows 'unlisted "
+        "properties' (at /)",
+    }
 
 
-def test_a_case_deviates_as_the_backend_that_compiles_it() -> None:
-    assert AUTO.deviations["auto"] == {"tok": {"narrowed-by-first": "strict", "only-first": "closed"}}
+def test_auto_enforces_what_it_compiles_exactly() -> None:
+    assert AUTO.deviations["auto"] == {}
+    narrowing = ConformanceResult("only-first", chosen_backend="second", wrongly_rejected=["{}"])
+    assert AUTO.problems("auto", "tok", narrowing) == ["valid instances rejected (not listed in "
+                                                      "known_deviations.json): ['{}']"]  # fmt: skip
 
 
 def test_auto_must_choose_the_first_backend_the_records_have_compile_it() -> None:
-    chosen_right = ConformanceResult("only-first", chosen_backend="second", wrongly_rejected=["{}"])
-    chosen_wrong = ConformanceResult("only-first", chosen_backend="first", wrongly_rejected=["{}"])
+    chosen_right = ConformanceResult("only-first", chosen_backend="second")
+    chosen_wrong = ConformanceResult("only-first", chosen_backend="first")
     assert AUTO.problems("auto", "tok", chosen_right) == []
     assert AUTO.problems("auto", "tok", chosen_wrong) == ["auto chose first, but the records have second compile it"]
+
+
+def test_a_backend_passed_over_as_still_compiling_lets_the_next_one_win() -> None:
+    handed_over = ConformanceResult(
+        "compiled-by-both",
+        chosen_backend="second",
+        fallback_reasons=(("first", "still compiling after 1.0 s when second was done"),),
+    )
+    not_handed_over = ConformanceResult("compiled-by-both", chosen_backend="second")
+    assert AUTO.problems("auto", "tok", handed_over) == []
+    assert AUTO.problems("auto", "tok", not_handed_over) == ["auto chose second, but the records have first compile it"]

@@ -1,9 +1,12 @@
-"""Compile processes: a compile runs in a child at lower CPU priority, a compile past its deadline is killed (the
-CPU it took comes back), a crashing compile is reported, and the next compile gets a fresh child."""
+"""Compile processes: a compile runs in a child at lower CPU priority, a compile past its deadline, over the memory
+bound or cancelled is killed (the CPU it took comes back) and says why, a crashing compile is reported with its
+signal, a slow one drops to the lowest priority, and the next compile gets a fresh child."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,17 +14,23 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from sglang_constrained.compile_service import COMPILE_NICENESS, CompileProcesses
+from sglang_constrained.compile_processes import CompileProcesses
+from sglang_constrained.compile_service import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, CompileControl
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
 
 
 def start_compiler() -> Callable[[str], tuple[int, int]]:
-    """The children's compile function: ``"spin:S"`` burns S seconds of CPU, ``"crash"`` dies; answers
-    ``(pid, nice value)``."""
+    """The children's compile function: ``"spin:S"`` burns S seconds of CPU, ``"grow:M"`` takes M MiB and spins,
+    ``"crash"`` exits, ``"segv"`` crashes; answers ``(pid, nice value)``."""
 
     def compile_key(key: str) -> tuple[int, int]:
         if key == "crash":
             os._exit(3)
+        if key == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if key.startswith("grow:"):
+            _held = b"x" * (int(key.split(":")[1]) * 2**20)  # resident: every page written
+            key = "spin:30"
         if key.startswith("spin:"):
             deadline = time.monotonic() + float(key.split(":")[1])
             while time.monotonic() < deadline:
@@ -92,3 +101,38 @@ def test_shutdown_during_compiles_fails_them_and_closes_each_pipe_once() -> None
             for compiling in compiles:
                 with pytest.raises(CompileProcessError):
                     compiling.result(timeout=10)
+
+
+def test_a_crash_is_reported_with_its_signal(processes: CompileProcesses[str, tuple[int, int]]) -> None:
+    with pytest.raises(CompileProcessError, match=r"died while compiling \(crashed with SIGSEGV\)"):
+        processes.run("segv")
+
+
+def test_a_compile_over_the_memory_bound_is_killed_and_says_so() -> None:
+    processes: CompileProcesses[str, tuple[int, int]] = CompileProcesses(
+        start_compiler, name="test", timeout_s=30.0, max_memory_mib=400
+    )
+    started = time.monotonic()
+    with pytest.raises(CompileProcessError, match=r"killed at [\d,]+ MiB, over the memory bound of 400 MiB"):
+        processes.run("grow:800")
+    assert time.monotonic() - started < 20
+    processes.shutdown()
+
+
+def test_a_cancelled_compile_is_killed_and_says_why(processes: CompileProcesses[str, tuple[int, int]]) -> None:
+    control = CompileControl(30.0)
+    threading.Timer(0.5, control.cancel, args=("another backend was done first",)).start()
+    started = time.monotonic()
+    with pytest.raises(CompileProcessError, match="the compile was stopped: another backend was done first"):
+        processes.run("spin:30", control)
+    assert time.monotonic() - started < 10
+
+
+def test_a_slow_compile_drops_to_the_lowest_priority_and_its_child_retires(
+    processes: CompileProcesses[str, tuple[int, int]],
+) -> None:
+    control = CompileControl(30.0)
+    threading.Timer(0.3, control.mark_slow).start()
+    pid, nice = processes.run("spin:1.5", control)
+    assert nice == SLOW_COMPILE_NICENESS
+    assert processes.run("quick")[0] != pid, "a child at the lowest priority is not used again"

@@ -1,16 +1,18 @@
 """The compile service on its own: one compile per key in flight, cache hits as copies, deadlines that fail the
-waiters and are never cached, and resets that cancel."""
+waiters and are never cached, resets that cancel, and no compile held up by a slow one: slow compiles leave their
+slot, deadlines count from the start, and a compile that could not start says it waited."""
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
 
-from sglang_constrained.compile_service import CompileService
-from sglang_constrained.errors import CompileTimeoutError
+from sglang_constrained.compile_service import CompileControl, CompileService
+from sglang_constrained.errors import CompileNotStartedError, CompileTimeoutError
 
 
 @dataclass
@@ -28,7 +30,7 @@ class Compiler:
     gates: dict[str, threading.Event] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
-    def __call__(self, key: str) -> Compiled:
+    def __call__(self, key: str, control: CompileControl) -> Compiled:
         self.counts[key] = self.counts.get(key, 0) + 1
         if key in self.closed:
             self.gates.setdefault(key, threading.Event()).wait(10)
@@ -146,3 +148,118 @@ def test_after_shutdown_every_request_is_refused_at_once() -> None:
     for _ in range(2):  # the second call must not find a compile in flight that will never run
         with pytest.raises(RuntimeError, match="after shutdown"):
             service.get("a")
+
+
+def make_lanes(compiler: Compiler, timeout_s: float, slow_after_s: float | None, max_slow: int) -> CompileService:
+    """One compile slot, and a slow lane of ``max_slow`` places for compiles past ``slow_after_s``."""
+    return CompileService(
+        compiler,
+        name="test",
+        threads=1,
+        timeout_s=timeout_s,
+        cache_max_entries=8,
+        cache_max_bytes=1000,
+        size_of=lambda value: 10,
+        copy=lambda value, hit: value,
+        slow_after_s=slow_after_s,
+        max_slow=max_slow,
+    )
+
+
+def test_a_slow_compile_leaves_its_slot_so_a_new_one_compiles_beside_it() -> None:
+    compiler = Compiler(closed={"slow"})
+    service = make_lanes(compiler, timeout_s=30.0, slow_after_s=0.2, max_slow=1)
+    slow = service.get("slow")[0]
+    assert result(service.get("new")[0]).key == "new"
+    assert isinstance(slow, Future) and not slow.done(), "the slow compile runs on in the slow lane"
+    compiler.open("slow")
+    assert result(slow).key == "slow"
+    service.shutdown()
+
+
+def test_with_the_slow_lane_full_a_slow_compile_keeps_its_slot_until_a_place_frees() -> None:
+    compiler = Compiler(closed={"slow-1", "slow-2"})
+    service = make_lanes(compiler, timeout_s=30.0, slow_after_s=0.1, max_slow=1)
+    first, second = service.get("slow-1")[0], service.get("slow-2")[0]
+    waiting = service.get("new")[0]
+    time.sleep(0.5)
+    assert isinstance(waiting, Future) and not waiting.done(), "slow-2 holds the only slot"
+    compiler.open("slow-1")
+    assert result(waiting).key == "new", "slow-2 took slow-1's place in the lane, freeing the slot"
+    compiler.open("slow-2")
+    assert result(second).key == "slow-2" and result(first).key == "slow-1"
+    service.shutdown()
+
+
+def test_a_deadline_counts_from_the_compile_start_not_from_the_queue() -> None:
+    """Queued 1.5 s behind a slow compile, a 2 s compile still has its whole 3 s deadline once it starts."""
+    compiler = Compiler(closed={"slow", "queued"})
+    service = make_lanes(compiler, timeout_s=3.0, slow_after_s=1.5, max_slow=1)
+    service.get("slow")
+    queued = service.get("queued")[0]
+    threading.Timer(3.5, compiler.open, args=("queued",)).start()
+    assert result(queued).key == "queued"
+    compiler.open("slow")
+    service.shutdown()
+
+
+def test_a_compile_that_cannot_start_in_time_says_it_waited() -> None:
+    compiler = Compiler(closed={"slow"})
+    service = make_lanes(compiler, timeout_s=0.5, slow_after_s=None, max_slow=0)
+    service.get("slow")
+    waited = service.get("new")[0]
+    assert isinstance(waited, Future)
+    with pytest.raises(
+        CompileNotStartedError,
+        match=r"did not start: it waited 0\.\d s for the compile slot, busy with 1 other compile",
+    ):
+        waited.result(timeout=10)
+    compiler.open("slow")
+    service.shutdown()
+
+
+def test_a_compile_past_its_deadline_or_reset_is_cancelled_for_whoever_works_on_it() -> None:
+    controls: dict[str, CompileControl] = {}
+    gate = threading.Event()
+
+    def compile_value(key: str, control: CompileControl) -> Compiled:
+        controls[key] = control
+        gate.wait(10)
+        return Compiled(key)
+
+    service = CompileService(
+        compile_value,
+        name="test",
+        threads=2,
+        timeout_s=0.3,
+        cache_max_entries=8,
+        cache_max_bytes=1000,
+        size_of=lambda value: 10,
+        copy=lambda value, hit: value,
+    )
+    late = service.get("late")[0]
+    assert isinstance(late, Future)
+    with pytest.raises(CompileTimeoutError):
+        late.result(timeout=10)
+    assert controls["late"].cancel_reason == "deadline"
+    service.timeout_s = 30.0
+    service.get("reset")
+    while "reset" not in controls:
+        time.sleep(0.01)
+    service.reset()
+    assert controls["reset"].cancel_reason == "cancelled"
+    gate.set()
+    service.shutdown()
+
+
+def test_a_submitted_compile_is_cancelled_with_the_compile_it_works_for() -> None:
+    compiler = Compiler(closed={"a", "b"})
+    service = make_lanes(compiler, timeout_s=30.0, slow_after_s=None, max_slow=0)
+    parent = CompileControl(30.0)
+    running, queued = service.submit("a", parent), service.submit("b", parent)
+    parent.cancel("another backend won")
+    assert running.cancelled() and queued.cancelled()
+    compiler.open("a")
+    assert result(service.get("c")[0]).key == "c", "the slot freed once the cancelled compile returned"
+    assert compiler.counts.get("b") is None, "the queued one never ran"
+    service.shutdown()
