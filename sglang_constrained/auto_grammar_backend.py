@@ -86,7 +86,7 @@ class AutoGrammarBackend(BaseGrammarBackend):
         refusals: list[tuple[str, str]] = []
         chosen: BaseGrammarObject | None = None
         chosen_name: str | None = None
-        for name, backend in self.backends.items():
+        for name, backend in self._in_preferred_order(key):
             grammar = backend.build_grammar(key)
             if not isinstance(grammar, InvalidGrammarObject):
                 chosen, chosen_name = grammar, name
@@ -101,6 +101,10 @@ class AutoGrammarBackend(BaseGrammarBackend):
         )
         self._record(key[0], chosen_name, refusals)
         return result
+
+    def _in_preferred_order(self, key: GrammarKey) -> list[tuple[str, BaseGrammarBackend]]:
+        """The backends of the order, those that take ``key`` as written first (``takes_as_written``)."""
+        return sorted(self.backends.items(), key=lambda item: not item[1].takes_as_written(key))
 
     @property
     def can_share_grammars(self) -> bool:

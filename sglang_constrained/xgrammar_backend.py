@@ -30,6 +30,7 @@ from sglang_constrained.base_grammar_backend import (
 from sglang_constrained.compile_service import CompileProcesses
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
 from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
@@ -227,7 +228,15 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return self._compile("regex", lambda: xgrammar.Grammar.from_regex(key_string))
 
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:
-        return self._compile("EBNF grammar", lambda: xgrammar.Grammar.from_ebnf(key_string, root_rule_name="root"))
+        """GBNF (root rule ``root``), or Lark (rule ``start``) written as GBNF first (``lark_grammar``)."""
+        gbnf = self._gbnf(key_string)
+        return self._compile("EBNF grammar", lambda: xgrammar.Grammar.from_ebnf(gbnf, root_rule_name="root"))
+
+    def takes_as_written(self, key: GrammarKey) -> bool:
+        return key[0] == "structural_tag" or (key[0] == "ebnf" and not is_lark_grammar(key[1]))
+
+    def _gbnf(self, grammar: str) -> str:
+        return lark_to_gbnf(grammar, self.name) if is_lark_grammar(grammar) else grammar
 
     def dispatch_structural_tag(self, key_string: str) -> XGrammarGrammar:
         """Accepts xgrammar's ``{"type": "structural_tag", "format": ...}`` and the legacy ``structures`` form."""
@@ -254,6 +263,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             return [self._prepared_tag(item, f"{pointer}/{index}") for index, item in enumerate(node)]
         if not isinstance(node, dict):
             return node
+        if node.get("type") == "grammar" and isinstance(node.get("grammar"), str):
+            return {**node, "grammar": self._gbnf(node["grammar"])}
         if node.get("type") == "json_schema":
             try:
                 check_schema_is_valid(node.get("json_schema"))
