@@ -132,9 +132,9 @@ class _GbnfWriter:
         low, high = bounds[0], bounds[-1]
         return f"{inner}{{{low},{high}}}"
 
-    def _literal(self, token: Token) -> str:
+    def _literal(self, token: object) -> str:
         text = str(token)
-        if token.type == "REGEXP":
+        if isinstance(token, Token) and token.type == "REGEXP":
             pattern, flags = text[1:].rsplit("/", 1)
             if flags:
                 self.refuse(f"regex flags ({text})")

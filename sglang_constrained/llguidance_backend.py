@@ -33,6 +33,7 @@ from sglang_constrained.base_grammar_backend import (
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.json_whitespace import json_whitespace_pattern
 from sglang_constrained.lark_grammar import is_lark_grammar
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
 from sglang_constrained.structural_tag_lark import structural_tag_to_lark
@@ -202,8 +203,9 @@ class GuidanceGrammar(BaseGrammarObject):
 class GuidanceBackend(BaseGrammarBackend):
     """Compiles constraints with llguidance over one ``LLTokenizer`` shared by every grammar.
 
-    JSON whitespace: flexible by default, none with ``constrained_json_disable_any_whitespace``, or
-    ``constrained_json_whitespace_pattern``; a schema's own ``x-guidance`` options override these.
+    JSON whitespace (``json_whitespace``): what a reader would write by default, none with
+    ``constrained_json_disable_any_whitespace``, or ``constrained_json_whitespace_pattern``; a schema's own
+    ``x-guidance`` options override these.
     """
 
     name = "llguidance"
@@ -345,17 +347,11 @@ def _check_gbnf_rules(grammar: str) -> None:
 
 
 def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:
-    """llguidance JSON options for the server's whitespace flags; raises ValueError for a conflict or a bad regex."""
-    pattern = server_args.constrained_json_whitespace_pattern
-    if server_args.constrained_json_disable_any_whitespace:
-        if pattern is not None:
-            raise ValueError(
-                "--constrained-json-whitespace-pattern and --constrained-json-disable-any-whitespace conflict; "
-                "set at most one"
-            )
+    """llguidance JSON options for the server's whitespace flags (``json_whitespace``); raises ValueError for a
+    conflict or a bad regex."""
+    pattern = json_whitespace_pattern(server_args)
+    if not pattern:
         return _COMPACT_JSON.copy()
-    if pattern is None:
-        return {"whitespace_flexible": True}
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({}, defaults={"whitespace_pattern": pattern}))
     if error:
         raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regex: {_clean_message(error)}")

@@ -33,6 +33,7 @@ from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, boun
 from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
+from sglang_constrained.xgrammar_json_whitespace import json_schema_ebnf
 from sglang_constrained.xgrammar_schema_rules import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
@@ -216,11 +217,12 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         18 valid Github_trivial instances that have unlisted properties, but makes compiles up to 250x slower
         at 248k tokens (a GeoJSON schema: 0.1 s strict, 25 s not; measured).
         """
-        compact = None if self.any_whitespace else (",", ":")
+        if self.any_whitespace:  # the default whitespace (``xgrammar_json_whitespace``)
+            return self._compile("JSON schema", lambda: _from_ebnf(json_schema_ebnf(key_string)))
         return self._compile(
             "JSON schema",
             lambda: xgrammar.Grammar.from_json_schema(
-                key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=True
+                key_string, any_whitespace=False, separators=(",", ":"), strict_mode=True
             ),
         )
 
@@ -230,7 +232,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:
         """GBNF (root rule ``root``), or Lark (rule ``start``) written as GBNF first (``lark_grammar``)."""
         gbnf = self._gbnf(key_string)
-        return self._compile("EBNF grammar", lambda: xgrammar.Grammar.from_ebnf(gbnf, root_rule_name="root"))
+        return self._compile("EBNF grammar", lambda: _from_ebnf(gbnf))
 
     def takes_as_written(self, key: GrammarKey) -> bool:
         return key[0] == "structural_tag" or (key[0] == "ebnf" and not is_lark_grammar(key[1]))
@@ -268,9 +270,13 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         if node.get("type") == "json_schema":
             try:
                 check_schema_is_valid(node.get("json_schema"))
-                return {**node, "json_schema": self.prepare_json_schema(node["json_schema"])}
+                schema = self.prepare_json_schema(node["json_schema"])
             except GrammarSpecError as e:
                 raise GrammarSpecError(f"in the structural tag's JSON schema at {pointer}: {e}") from e
+            is_plain_json = set(node) <= {"type", "json_schema", "style"} and node.get("style") in (None, "json")
+            if self.any_whitespace and is_plain_json:  # the default whitespace, as a grammar of its own
+                return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(schema))}
+            return {**node, "json_schema": schema}
         token, decoded = node.get("token") if node.get("type") == "token" else None, self.vocabulary.decoded_vocab
         if isinstance(token, int) and (not 0 <= token < len(decoded) or decoded[token] == b""):  # blank: special
             raise GrammarSpecError(
@@ -278,6 +284,10 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "(special, padding or out of range) and so is never allowed"
             )
         return {key: self._prepared_tag(value, f"{pointer}/{key}") for key, value in node.items()}
+
+
+def _from_ebnf(ebnf: str) -> xgrammar.Grammar:
+    return xgrammar.Grammar.from_ebnf(ebnf, root_rule_name="root")
 
 
 def _start_compile_process(
