@@ -48,8 +48,9 @@ def parse_output(text: str, shape: OutputShape, is_final: bool, named: str | Non
         start = _skip_whitespace(text, 0)
         end = json_value_end(text, start, is_final)
         return ParsedOutput("", (ParsedCall(str(named), text[start:end], end is not None),))
-    if shape == "array":
-        return ParsedOutput("", tuple(_array_calls(text, is_final)))
+    if shape == "array":  # an output cut short before any call is complete stays text
+        calls = tuple(_array_calls(text, is_final))
+        return ParsedOutput(_certain(text) if is_final and not calls else "", calls)
     if shape == "tagged_or_answer":
         head = text.lstrip(_WHITESPACE)
         if not head.startswith(CALL_BEGIN):

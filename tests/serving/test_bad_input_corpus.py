@@ -241,7 +241,7 @@ HTTP_CASES: list[Case] = [
         tool_choice={"type": "function", "function": {"name": "g"}},
     ),
     chat(400, "distinct function names", tools=[TOOL, TOOL]),
-    chat(400, "no other constraint", tools=[TOOL], tool_choice="required", regex="a"),
+    chat(400, "form", tools=[TOOL], response_format={"type": "structural_tag", "structures": [], "triggers": []}),
     chat(400, "tools.0.function.name", tools=[{"type": "function", "function": {"name": "a b"}}]),
     chat(400, "top_logprobs", top_logprobs=21, logprobs=True),
     chat(400, "top_logprobs needs logprobs", top_logprobs=2),
