@@ -92,7 +92,9 @@ class ChatStreamChunks(StreamChunks):
         chunks = []
         if index not in self.started:
             self.started.add(index)
-            chunks.append(self._choice(index, {"role": "assistant", "content": ""}, None))
+            # with tools the message may be calls only, whose content is null (as OpenAI streams it)
+            role = {"role": "assistant", "content": "" if self.plan is None else None}
+            chunks.append(self._choice(index, role, None))
         logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
         if self.plan is not None:
             deltas = self._tool_deltas(index, output, self.plan)
