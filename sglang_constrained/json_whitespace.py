@@ -15,10 +15,14 @@ MAX_INDENT = 20
 DEFAULT_JSON_WHITESPACE_PATTERN = rf"(\r?\n)?[ \t]{{0,{MAX_INDENT}}}"
 DEFAULT_JSON_WHITESPACE_EBNF = f'("\\n" | "\\r\\n")? [ \\t]{{0,{MAX_INDENT}}}'
 """``DEFAULT_JSON_WHITESPACE_PATTERN`` in xgrammar's EBNF."""
+OUTLINES_JSON_WHITESPACE_PATTERN = r"(\r?\n)?[ \t]*"
+"""outlines' default: no blank lines, indentation unbounded. Its automaton grows with the bound: with
+``DEFAULT_JSON_WHITESPACE_PATTERN`` the any-object schema (``json_object``) compiled past the 50 s deadline."""
 
 
-def json_whitespace_pattern(server_args: GrammarBackendArgs) -> str:
-    """The whitespace regex allowed between JSON tokens; raises ``ValueError`` for contradictory settings."""
+def json_whitespace_pattern(server_args: GrammarBackendArgs, default: str = DEFAULT_JSON_WHITESPACE_PATTERN) -> str:
+    """The whitespace regex allowed between JSON tokens (``default`` when no flag is set); raises ``ValueError`` for
+    contradictory settings."""
     pattern = server_args.constrained_json_whitespace_pattern
     if pattern is not None and server_args.constrained_json_disable_any_whitespace:
         raise ValueError(
@@ -27,4 +31,4 @@ def json_whitespace_pattern(server_args: GrammarBackendArgs) -> str:
         )
     if pattern is not None:
         return pattern
-    return "" if server_args.constrained_json_disable_any_whitespace else DEFAULT_JSON_WHITESPACE_PATTERN
+    return "" if server_args.constrained_json_disable_any_whitespace else default
