@@ -17,7 +17,6 @@ import torch
 
 from scheduler.io_struct import TokenLogprob
 from scheduler.model.kv_cache import KVSequence
-from scheduler.model.llama import TOKENWISE_MAX_NEW_TOKENS
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.rank_sync import RankSync
 from scheduler.request import Req
@@ -162,9 +161,9 @@ class BatchExecutor:
         self._run(batch, drafts, lambda: self.model_runner.forward(seqs, token_lists, num_logits))
 
     def _room(self, req: Req) -> int:
-        """Tokens ``req``'s KV may still take in one forward (its reservation, the context, token-wise attention)."""
+        """Tokens ``req``'s KV may still take in one forward (its reservation and the context)."""
         seq = _kv(req)
-        return min(seq.reserved, self.model_runner.max_seq_len - len(seq), TOKENWISE_MAX_NEW_TOKENS)
+        return min(seq.reserved, self.model_runner.max_seq_len - len(seq))
 
     def _run(self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]) -> None:
         """Forward, sample every row, then walk each request's rows; a failure aborts its request only (on every

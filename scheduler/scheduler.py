@@ -29,7 +29,6 @@ from scheduler.io_struct import (
     read_rid,
 )
 from scheduler.ipc import SchedulerIPC
-from scheduler.model.llama import MATMUL_ROW_MULTIPLE
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
@@ -95,7 +94,7 @@ class Scheduler:
             server_args.speculative_num_draft_tokens,
             self.tokenizer,
             model_runner.vocab_size,
-            row_multiple=MATMUL_ROW_MULTIPLE,
+            row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
         )
         sampling_info = SamplingBatchInfo(

@@ -15,7 +15,7 @@ from sglang_constrained.registry import available_grammar_backends, check_gramma
 T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-WEIGHT_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 MODEL_RUNNERS = ("torch", "llamacpp")
 """Engines behind the model-runner contract: torch (the default: float32, exact, prefix reuse) or llama.cpp (the
 ``llamacpp`` extra: the GGUF's quantised weights, faster on CPU, no prefix reuse, and a multi-token forward's logits
@@ -91,7 +91,7 @@ class ServerArgs:
     max_seq_len: int = 2048
     max_total_tokens: int = 65536
     disable_radix_cache: bool = False
-    weight_dtype: str = "float32"
+    weight_dtype: str = "auto"
     model_runner: str = "torch"
     tp_size: int = 1
     speculative_algorithm: str = "auto"
@@ -140,6 +140,11 @@ class ServerArgs:
     @property
     def cache_path(self) -> Path:
         return CACHE_DIR.get() if self.cache_dir is None else Path(self.cache_dir)
+
+    @property
+    def kernel_build_path(self) -> Path:
+        """Where the model's CPU kernels are compiled, once per machine (``triton_ops.invariant_cpu``)."""
+        return self.cache_path / "kernels"
 
     def __post_init__(self) -> None:
         if self.grammar_backend not in available_grammar_backends():
@@ -249,8 +254,9 @@ class ServerArgs:
             "--weight-dtype",
             default=d.weight_dtype,
             choices=WEIGHT_DTYPES,
-            help="the decoder layers' matmul weights on CPU (embedding, lm_head, norms, attention and KV stay "
-            "float32); bfloat16 decodes faster, but its greedy tokens may differ from float32's and with the batch",
+            help="the matmul weights: auto keeps a GGUF file's own Q8_0/Q4_1 blocks (a model folder's weights stay "
+            "float32); float32 de-quantises them once, to exactly the weights transformers computes with; bfloat16 "
+            "halves float32's bytes but rounds the weights",
         )
         parser.add_argument(
             "--model-runner",

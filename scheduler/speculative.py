@@ -22,8 +22,8 @@ Two things make a constrained answer cheaper than one forward per token:
 k adapts: each request's lookup length (prompt lookup and the cache share it) doubles after a fully accepted run and
 halves after a rejected first draft (pausing at 0, then probing again), and a batch's drafts share a token budget that
 shrinks as the batch grows (a full batch is already compute-bound: drafts would slow it). Lookup drafts (prompt lookup,
-right about half the time, and the cache) stop at ``NGRAM_MAX_BATCH`` requests; below it, the rows the forward pads its
-matmuls to anyway (``free_rows``) always take lookup drafts, paused or not, since they cost no more weight reads.
+right about half the time, and the cache) stop at ``NGRAM_MAX_BATCH`` requests; below it, the rows that fill the model
+runner's row multiple (``free_rows``) always take lookup drafts, paused or not, since they cost no more weight reads.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ class DraftProposer:
         row_multiple: int = 1,
         ngram_cache: NgramCache | None = None,
     ) -> None:
-        """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the forward
-        pads its matmul rows to a multiple of this (the rows up to it cost no more weight reads); ``ngram_cache``:
+        """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the model
+        runner's (rows up to a multiple of it cost no more weight reads); ``ngram_cache``:
         outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none)."""
         self.row_multiple = row_multiple
         self.use_grammar = algorithm in ("grammar", "grammar+ngram")

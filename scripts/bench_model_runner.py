@@ -31,6 +31,7 @@ from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
 from sglang_constrained.tokenizer_loading import embedded_model_path
+from triton_ops.cpu_info import describe_cpu
 
 GREEDY_PROMPTS = (
     "Invent a person as JSON.",
@@ -57,14 +58,10 @@ def read_bandwidth_gb_s(rounds: int = 5) -> float:
 
 
 def weight_bytes(runner: BaseModelRunner) -> int:
-    """What one decode step streams: every decoder matmul weight, the lm_head and the norms (llama.cpp: its file)."""
+    """What one decode step streams: every matmul weight and the lm_head (llama.cpp: its file)."""
     if not isinstance(runner, ModelRunner):
         return embedded_model_path().stat().st_size
-    model = runner.model
-    tensors = [model.lm_head, model.norm]
-    for layer in model.layers:
-        tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return runner.model.num_streamed_bytes
 
 
 class Measurements:
@@ -140,7 +137,7 @@ def main() -> None:
         )
         runners[LLAMACPP] = llamacpp_runner.LlamaCppModelRunner(llamacpp_args)
     bandwidth = read_bandwidth_gb_s()
-    print(f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s")
+    print(f"CPU {describe_cpu()}; torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s")
     bounds = {}
     for dtype, runner in runners.items():
         streamed = weight_bytes(runner)

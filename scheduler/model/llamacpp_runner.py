@@ -32,6 +32,7 @@ from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.server_args import ServerArgs, available_cores
 from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
+from triton_ops.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,18 @@ class LlamaCppKV(KVCacheManager):
         self._free_seq_ids.append(seq_id)
 
 
+def _model_params(llama_cpp: Any) -> Any:
+    """llama.cpp's defaults, but on a CPU with AMX without the extra weight buffers (AMX tiles, repacked Q4
+    blocks, what llama.cpp's ``--no-repack`` turns off): with them the first forward crashed (SIGSEGV) on an Intel
+    Xeon with AMX-INT8 in llama.cpp 0.3.36 builds; without them the same build ran."""
+    params = llama_cpp.llama_model_default_params()
+    amx = sorted(flag for flag in cpu_flags() if flag.startswith("amx"))
+    if amx:
+        params.use_extra_bufts = False
+        logger.info("llama.cpp: extra weight buffers (AMX, repacking) off on this CPU (%s)", " ".join(amx))
+    return params
+
+
 class LlamaCppModelRunner(BaseModelRunner):
     """The embedded GGUF (or ``--model-path`` to another ``.gguf``) in llama.cpp on this machine's cores."""
 
@@ -99,7 +112,7 @@ class LlamaCppModelRunner(BaseModelRunner):
         self._log_callback = llama_cpp.llama_log_callback(_log_llama_cpp)  # kept: llama.cpp holds a raw pointer
         llama_cpp.llama_log_set(self._log_callback, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        self._model = llama_cpp.llama_model_load_from_file(str(source).encode(), llama_cpp.llama_model_default_params())
+        self._model = llama_cpp.llama_model_load_from_file(str(source).encode(), _model_params(llama_cpp))
         if not self._model:
             raise ValueError(f"llama.cpp could not load {source}")
         vocab = llama_cpp.llama_model_get_vocab(self._model)

@@ -1,9 +1,10 @@
 """Load a Llama-style causal LM's weights, config and tokenizer for serving.
 
 Sources: ``ServerArgs.model_path`` is ``None`` (the embedded SmolLM2-135M-Instruct GGUF), another ``.gguf``
-file, or a local Hugging Face model folder. A GGUF file is de-quantised once (tens of seconds on 2 cores) and
-the float32 result is cached as a Hugging Face folder (``config.json``, ``generation_config.json``,
-``model.safetensors``) under ``ServerArgs.cache_path``, so later starts read it in about a second.
+file, or a local Hugging Face model folder. A GGUF file is converted once (tens of seconds on 2 cores) into a Hugging
+Face folder (``config.json``, ``generation_config.json``, ``model.safetensors``) under ``ServerArgs.cache_path``,
+so later starts read it in about a second: with ``--weight-dtype auto`` its Q8_0 and Q4_1 blocks as they are
+(``scheduler.model.gguf_blocks``), otherwise de-quantised to float32 by transformers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from scheduler.model.gguf_blocks import BlockQuantized, from_parts, read_gguf_weights, split_part_name
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path, load_tokenizer
@@ -36,12 +38,12 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """What the model runner needs: ``weights`` are float32 CPU tensors keyed by Hugging Face names, each this
-    rank's slice of the checkpoint's tensor (``shard``)."""
+    """What the model runner needs: ``weights`` are float32 CPU tensors or GGUF blocks keyed by Hugging Face names,
+    each this rank's slice of the checkpoint's tensor (``shard``)."""
 
     config: PretrainedConfig
     shard: ShardPlan
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | BlockQuantized]
     tokenizer: Any
     eos_token_ids: list[int]
     source: Path
@@ -55,7 +57,8 @@ def load_model(server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1) -> L
     if source.is_dir():
         folder, how = source, "read the model folder"
     elif source.is_file() and source.suffix == ".gguf":
-        folder, how = _dequantised_folder(source, server_args.cache_path)
+        keep_blocks = server_args.weight_dtype == "auto"
+        folder, how = _converted_folder(source, server_args.cache_path, keep_blocks)
     else:
         raise ValueError(f"--model-path {source} is neither a .gguf file nor a Hugging Face model folder")
     config = AutoConfig.from_pretrained(folder)
@@ -101,45 +104,64 @@ def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
         )
 
 
-def _dequantised_folder(gguf_file: Path, cache_dir: Path) -> tuple[Path, str]:
-    """The cached float32 folder for ``gguf_file``, de-quantising it first if no process has yet.
+def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tuple[Path, str]:
+    """The cached folder for ``gguf_file`` (its blocks, or de-quantised), converting it first if no process has yet.
 
     A lock file makes concurrent processes (ranks under torchrun) wait for one conversion instead of
     repeating it; the folder appears by an atomic rename, so a killed process never leaves a partial cache.
     """
-    target = conversion_cache_dir(gguf_file, cache_dir, "weights")
+    target = conversion_cache_dir(gguf_file, cache_dir, "blocks" if keep_blocks else "weights")
     if _is_complete(target):
-        return target, f"read the cached de-quantised weights in {target}"
+        return target, f"read the cached converted weights in {target}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(f"{target.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(target):
-            return target, f"another process de-quantised into {target}"
+            return target, f"another process converted into {target}"
         for leftover in target.parent.glob(f"{target.name}.tmp-*"):  # from killed processes; we hold the lock
             shutil.rmtree(leftover, ignore_errors=True)
         started = time.perf_counter()
-        _dequantise(gguf_file, target)
-        return target, f"de-quantised {gguf_file} in {time.perf_counter() - started:.1f} s, cached in {target}"
+        reader = _supported_gguf(gguf_file)
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
+        try:
+            if keep_blocks:
+                _write_blocks(gguf_file, reader, staging)
+            else:
+                _dequantise(gguf_file, staging)
+            staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the folder it sits in
+            (staging / "model.safetensors").chmod(0o644)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        what = "kept the blocks of" if keep_blocks else "de-quantised"
+        return target, f"{what} {gguf_file} in {time.perf_counter() - started:.1f} s, cached in {target}"
 
 
 def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
-def _dequantise(gguf_file: Path, target: Path) -> None:
-    """Convert ``gguf_file`` with transformers and write a Hugging Face folder at ``target`` atomically."""
+def _supported_gguf(gguf_file: Path) -> Any:
+    """A ``GGUFReader`` of ``gguf_file``, after refusing an architecture the runner cannot serve (from the header,
+    before tens of seconds of conversion)."""
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
 
-    # Refuse before spending tens of seconds: the architecture is in the GGUF header.
-    field = GGUFReader(gguf_file).get_field("general.architecture")
+    reader = GGUFReader(gguf_file)
+    field = reader.get_field("general.architecture")
     architecture = field.contents() if field is not None else None
     if architecture not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {architecture!r} in {gguf_file.name}; "
             f"the model runner serves Llama-style causal LMs: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    logger.info("first start: de-quantising %s (cached afterwards in %s)", gguf_file.name, target)
+    return reader
+
+
+def _dequantise(gguf_file: Path, staging: Path) -> None:
+    """Convert ``gguf_file`` with transformers into a float32 Hugging Face folder at ``staging``."""
+    from transformers import AutoModelForCausalLM
+
+    logger.info("first start: de-quantising %s (cached afterwards)", gguf_file.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     config_dict = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
     config = type(model.config).from_dict(config_dict)
@@ -149,36 +171,51 @@ def _dequantise(gguf_file: Path, target: Path) -> None:
         for name, tensor in model.state_dict().items()
         if not (name == "lm_head.weight" and config.tie_word_embeddings)
     }
-    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
-    try:
-        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
-        config.save_pretrained(staging)
-        model.generation_config.save_pretrained(staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the folder it sits in
-        (staging / "model.safetensors").chmod(0o644)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
 
 
-def read_weights(folder: Path, shard: ShardPlan) -> dict[str, torch.Tensor]:
+def _write_blocks(gguf_file: Path, reader: Any, staging: Path) -> None:
+    """``gguf_file``'s tensors (read by ``reader``) under Hugging Face names, blocks kept as blocks, and its config,
+    at ``staging``."""
+    logger.info("first start: reading the blocks of %s (cached afterwards)", gguf_file.name)
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in read_gguf_weights(reader).items():
+        tensors |= value.tensors(name) if isinstance(value, BlockQuantized) else {name: value.contiguous()}
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(staging)
+    GenerationConfig.from_model_config(config).save_pretrained(staging)
+
+
+def read_weights(folder: Path, shard: ShardPlan) -> dict[str, torch.Tensor | BlockQuantized]:
     """The tensors of a Hugging Face folder (``*.safetensors``, else ``pytorch_model*.bin``), each sliced to
-    ``shard``, as contiguous float32 copies that own their memory (no view keeps the mapped file open).
+    ``shard``, as contiguous copies that own their memory (no view keeps the mapped file open): float32, or GGUF
+    blocks where the folder holds them (``BlockQuantized.tensors``).
 
-    From safetensors only the slice is read; ``.bin`` files are memory-mapped, then sliced.
+    From safetensors only the slice of a float tensor is read; ``.bin`` files are memory-mapped, then sliced.
     """
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | BlockQuantized] = {}
+    block_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     files = sorted(folder.glob("*.safetensors"))
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                part = split_part_name(name)
+                if part is not None:
+                    block_parts.setdefault(part[:2], {})[part[2]] = f.get_tensor(name)
+                    continue
                 where = shard.weight_slice(name)
                 if where is None:
                     weights[name] = _owned(f.get_tensor(name))
                 else:
                     dim, (start, stop) = where
-                    part = f.get_slice(name)
-                    weights[name] = _owned(part[start:stop] if dim == 0 else part[:, start:stop])
+                    sliced = f.get_slice(name)
+                    weights[name] = _owned(sliced[start:stop] if dim == 0 else sliced[:, start:stop])
+    for (name, fmt), parts in block_parts.items():
+        weights[name] = _owned_blocks(from_parts(fmt, parts), shard.weight_slice(name), name)
     if files:
         return weights
     files = sorted(folder.glob("pytorch_model*.bin"))
@@ -192,6 +229,23 @@ def read_weights(folder: Path, shard: ShardPlan) -> dict[str, torch.Tensor]:
                 tensor = tensor.narrow(dim, start, stop - start)
             weights[name] = _owned(tensor)
     return weights
+
+
+def _owned_blocks(blocks: BlockQuantized, where: tuple[int, tuple[int, int]] | None, name: str) -> BlockQuantized:
+    if where is not None:
+        dim, (start, stop) = where
+        try:
+            blocks = blocks.narrow(dim, start, stop)
+        except ValueError as e:
+            raise ValueError(
+                f"this rank's slice of {name} {e}: run these tensor-parallel ranks with --weight-dtype float32"
+            ) from e
+    return BlockQuantized(
+        blocks.format,
+        blocks.scales.contiguous().clone(),
+        blocks.quants.contiguous().clone(),
+        None if blocks.mins is None else blocks.mins.contiguous().clone(),
+    )
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

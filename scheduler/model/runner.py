@@ -19,49 +19,49 @@ from scheduler.model.loader import load_model
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.model.tensor_parallel import TensorParallelGroup
 from scheduler.server_args import ServerArgs
+from triton_ops import invariant_cpu
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner(BaseModelRunner):
-    """Loads the model named by ``server_args`` onto ``device`` (float32 on CPU with ``--weight-dtype`` matmul
-    weights, bfloat16 elsewhere) with a KV pool of ``--max-total-tokens`` rows and, unless
-    ``--disable-radix-cache``, prefix reuse.
+    """Loads the model named by ``server_args`` onto the CPU (float32 activations, ``--weight-dtype`` matmul
+    weights, on the batch-invariant kernels of ``triton_ops.invariant_cpu``) with a KV pool of
+    ``--max-total-tokens`` rows and, unless ``--disable-radix-cache``, prefix reuse.
 
     Sequences (``KVSequence``) come from ``kv.admit``; each forward appends tokens to them. Logits are float32
     ``[rows, vocab_size]`` on ``device``; ``vocab_size`` is the model's embedding width, which may exceed
     ``len(tokenizer)``.
     """
 
-    def __init__(self, server_args: ServerArgs, device: str = "cpu", tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, server_args: ServerArgs, tp: TensorParallelGroup | None = None) -> None:
         tp = tp or TensorParallelGroup()
+        invariant_cpu.load(server_args.kernel_build_path)
         loaded = load_model(server_args, tp.rank, tp.size)
         config = loaded.config
-        self.device = torch.device(device)
-        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        matmul_dtype = getattr(torch, server_args.weight_dtype) if self.device.type == "cpu" else dtype
+        self.device = torch.device("cpu")
+        matmul_dtype = torch.bfloat16 if server_args.weight_dtype == "bfloat16" else torch.float32
         self.tokenizer = loaded.tokenizer
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.max_seq_len = server_args.max_seq_len
-        self.model = LlamaModel(
-            config, loaded.weights, self.max_seq_len, self.device, dtype, matmul_dtype, loaded.shard, tp
-        )
+        self.row_multiple = invariant_cpu.row_tile()
+        self.model = LlamaModel(config, loaded.weights, self.max_seq_len, matmul_dtype, loaded.shard, tp)
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
             capacity=server_args.max_total_tokens,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
-            dtype=dtype,
+            dtype=torch.float32,
             device=self.device,
         )
         self.kv = KVCacheManager(pool, use_radix_cache=not server_args.disable_radix_cache)
         logger.info(
-            "model runner on %s (%s, %s matmul weights, tensor-parallel rank %d of %d: weight_bytes=%d, %d of %d "
-            "KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as used), prefix cache %s",
-            self.device,
-            dtype,
-            matmul_dtype,
+            "model runner on the CPU (batch-invariant %s kernels, matmul weights: %s; tensor-parallel rank %d of %d: "
+            "weight_bytes=%d, %d of %d KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as "
+            "used), prefix cache %s",
+            invariant_cpu.isa(),
+            self.model.weight_formats,
             tp.rank,
             tp.size,
             self.model.num_weight_bytes,
@@ -80,5 +80,5 @@ class ModelRunner(BaseModelRunner):
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int],
     ) -> torch.Tensor:
-        batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, self.device, num_logits)
+        batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, num_logits)
         return self.model.forward(batch, self.kv.pool)

@@ -21,7 +21,8 @@ from scheduler.model.kv_cache import KVCacheManager, KVSequence
 class BaseModelRunner(ABC):
     """The contract: ``tokenizer``, ``vocab_size`` (the logits' width, which may exceed ``len(tokenizer)``),
     ``eos_token_ids``, ``max_seq_len``, ``device`` and ``kv`` (the KV bookkeeping, prefix cache included), set by
-    the engine's constructor. Logits are float32 ``[rows, vocab_size]`` on ``device``."""
+    the engine's constructor, and ``row_multiple``: a forward of up to that many more tokens costs about as much
+    (what draft budgets may fill for free). Logits are float32 ``[rows, vocab_size]`` on ``device``."""
 
     tokenizer: Any
     vocab_size: int
@@ -29,6 +30,7 @@ class BaseModelRunner(ABC):
     max_seq_len: int
     device: torch.device
     kv: KVCacheManager
+    row_multiple: int = 1
 
     def prefill(self, seqs: list[KVSequence], prompts: list[list[int]]) -> torch.Tensor:
         """Run each prompt past its cached prefix; logits ``[len(seqs), vocab_size]`` after each prompt."""

@@ -126,10 +126,19 @@ class TensorParallelGroup:
         self.group = group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x`` (same shape on each), in place."""
-        if self.size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
-        return x
+        """The sum of every rank's ``x`` (same shape on each), added in rank order.
+
+        Not ``dist.all_reduce``: its ring splits a tensor into chunks by its size, so with three ranks or more an
+        element's order of addition (and its rounding) would depend on how many tokens share the forward.
+        """
+        if self.size == 1:
+            return x
+        pieces = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(pieces, x.contiguous(), group=self.group)
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total += piece
+        return total
 
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """Every rank's ``x`` ``[rows, widths[rank]]`` side by side in rank order: ``[rows, sum(widths)]``."""

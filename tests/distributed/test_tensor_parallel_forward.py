@@ -1,8 +1,8 @@
 """The sharded Llama forward over real gloo ranks (torch.multiprocessing), against one rank's forward of the same
 weights: small random-weight models, so no model download and seconds per case.
 
-Each rank reads only its shard from a safetensors folder, as the server does, and runs a prefill (a long prompt
-through SDPA, a short one token by token) and a decode step with several logit rows per sequence.
+Each rank reads only its shard from a safetensors folder, as the server does, and runs a prefill (a long prompt and a
+short one) and a decode step with several logit rows per sequence.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel
 from scheduler.model.loader import read_weights
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
+from scheduler.server_args import ServerArgs
 from scheduler.testing.process import free_port
+from triton_ops import invariant_cpu
 
 pytestmark = pytest.mark.multirank
 
@@ -83,21 +85,21 @@ def load_shard(folder: Path, rank: int, size: int, tp: TensorParallelGroup) -> L
     config = AutoConfig.from_pretrained(folder)
     shard = ShardPlan.build(config, rank, size)
     weights = read_weights(folder, shard)
-    return LlamaModel(config, weights, MAX_POSITIONS, torch.device("cpu"), torch.float32, shard=shard, tp=tp)
+    return LlamaModel(config, weights, MAX_POSITIONS, shard=shard, tp=tp)
 
 
 def run_batches(model: LlamaModel) -> torch.Tensor:
-    """A prefill of a 40-token prompt (SDPA) and a 5-token one (token by token), then two new tokens for each;
+    """A prefill of a 40-token prompt and a 5-token one, then two new tokens for each;
     the logits after several tokens of each forward, stacked."""
     pool = TokenKVPool(model.num_layers, 64, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
     prompts = [[(7 * j + 3) % 101 for j in range(40)], [100, 0, 50, 51, 99]]
     rows = [pool.allocate(len(prompt)) for prompt in prompts]
-    prefill = ForwardBatch.build(rows, [0, 0], prompts, torch.device("cpu"), num_logits=[3, 5])
+    prefill = ForwardBatch.build(rows, [0, 0], prompts, num_logits=[3, 5])
     prefill_logits = model.forward(prefill, pool)
     new_tokens = [[1, 2], [60, 49]]
     for seq_rows, tokens in zip(rows, new_tokens, strict=True):
         seq_rows += pool.allocate(len(tokens))
-    decode = ForwardBatch.build(rows, [40, 5], new_tokens, torch.device("cpu"), num_logits=[2, 2])
+    decode = ForwardBatch.build(rows, [40, 5], new_tokens, num_logits=[2, 2])
     return torch.cat([prefill_logits, model.forward(decode, pool)])
 
 
@@ -105,6 +107,7 @@ def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
     """One rank of the group (a torch.multiprocessing child): its logits and what it holds, saved to ``out``."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     torch.set_num_threads(1)
+    invariant_cpu.load(ServerArgs().kernel_build_path)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
         model = load_shard(folder, rank, size, TensorParallelGroup(rank, size, dist.group.WORLD))
@@ -118,6 +121,7 @@ def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
 def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: int, tmp_path: Path) -> None:
     config = CONFIGS[name]()
     write_random_model(config, tmp_path)
+    invariant_cpu.load(ServerArgs().kernel_build_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
     try:

@@ -1,4 +1,4 @@
-"""The model runner against transformers on the embedded SmolLM2-135M-Instruct, in both weight formats, and its
+"""The model runner against transformers on the embedded SmolLM2-135M-Instruct, in every weight format, and its
 KV-cache bookkeeping. Over 300 lines: one module, so that the loaded runners and transformers' reference are
 shared by every test."""
 
@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from scheduler.model.kv_cache import KVSequence
-from scheduler.model.loader import check_supported
+from scheduler.model.loader import check_supported, read_weights
 from scheduler.model.runner import ModelRunner
+from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
@@ -33,6 +34,12 @@ PROMPTS: list[dict[str, Any]] = [
 def runner(server_args: ServerArgs) -> ModelRunner:
     """float32 weights: the format that matches transformers to float rounding."""
     return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def blocks_runner(server_args: ServerArgs) -> ModelRunner:
+    """The default, ``--weight-dtype auto``: the GGUF file's own Q4_1 and Q8_0 blocks."""
+    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="auto"))
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +97,32 @@ def test_model_facts(runner: ModelRunner) -> None:
 
 
 @pytest.mark.model
+def test_gguf_blocks_are_the_weights_transformers_computes_with(
+    server_args: ServerArgs, runner: ModelRunner, blocks_runner: ModelRunner
+) -> None:
+    """The blocks the default runner multiplies stand for exactly the float32 weights transformers de-quantises
+    (both runners have written their conversions of the GGUF file)."""
+    folders = {
+        kind: conversion_cache_dir(embedded_model_path(), server_args.cache_path, kind)
+        for kind in ("blocks", "weights")
+    }
+    shard = ShardPlan.build(AutoConfig.from_pretrained(folders["weights"]))
+    blocks, float32 = (read_weights(folders[kind], shard) for kind in ("blocks", "weights"))
+    assert blocks.keys() == float32.keys()
+    formats = {type(value).__name__ if isinstance(value, torch.Tensor) else value.format for value in blocks.values()}
+    assert formats == {"Tensor", "q4_1", "q8_0"}
+    for name, value in blocks.items():
+        weights = value if isinstance(value, torch.Tensor) else value.dequantize()
+        assert torch.equal(weights, float32[name]), name
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("fmt", ["float32", "gguf blocks"])
 @pytest.mark.parametrize("index", range(3))
 def test_logits_and_greedy_tokens_match_transformers(
-    runner: ModelRunner, hf_model: Any, prompts: list[list[int]], index: int
+    request: pytest.FixtureRequest, hf_model: Any, prompts: list[list[int]], index: int, fmt: str
 ) -> None:
+    runner = request.getfixturevalue("runner" if fmt == "float32" else "blocks_runner")
     prompt = prompts[index]
     runner.kv.flush()
     tokens, logits = greedy_alone(runner, prompt, 20)
@@ -112,7 +141,7 @@ def test_a_cached_prefix_gives_the_same_logits(runner: ModelRunner, prompts: lis
     seq = admitted(runner, prompt + first_tokens[:3])
     assert seq.num_cached == len(prompt) + 2  # the prompt and the first outputs came from the cache
     logits = runner.prefill([seq], [prompt + first_tokens[:3]])[0]
-    assert torch.allclose(logits, first[3], atol=1e-4) and int(logits.argmax()) == first_tokens[3]
+    assert torch.equal(logits, first[3])  # resuming after a cached prefix computes what one piece computes
     runner.kv.release(seq)
     shared_system = [*prompts[1][:-4], 100, 101, 102, 103]  # same chat prefix, another user turn
     other = admitted(runner, shared_system)

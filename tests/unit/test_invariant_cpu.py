@@ -1,0 +1,214 @@
+"""The model's CPU kernels are batch-invariant by construction: a row's result is bit for bit its result alone, for
+every row count (across the tile and row-block sizes where the kernel changes its loops, and where BLAS libraries
+change kernels: 2, 4, 16, 96), every thread count this machine has, every weight format, and every instruction set
+the kernel builds for. And they compute what they should: float64 references within float32 rounding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.server_args import ServerArgs
+from triton_ops import invariant_cpu
+from triton_ops.cpu_info import cpu_flags
+from triton_ops.invariant_cpu import PackedWeight
+
+THREAD_COUNTS = sorted({1, os.cpu_count() or 1})
+MODEL_SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+"""SmolLM2-135M's decoder matmuls, (in_features, out_features)."""
+FORMATS = ("float32", "bfloat16", "q8_0", "q4_1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    invariant_cpu.load(ServerArgs().kernel_build_path)
+
+
+def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
+    """A packed weight and the float64 matrix it stands for."""
+    generator = torch.Generator().manual_seed(seed)
+    if fmt in ("float32", "bfloat16"):
+        dense = torch.randn(out_features, in_features, generator=generator) * 0.05
+        dtype = getattr(torch, fmt)
+        return invariant_cpu.pack_dense(dense, dtype), dense.to(dtype).double()
+    blocks = in_features // invariant_cpu.BLOCK
+    scales = (torch.rand(out_features, blocks, generator=generator) * 0.01).half()
+    expand = lambda t: t.double().repeat_interleave(invariant_cpu.BLOCK, dim=1)  # noqa: E731
+    if fmt == "q8_0":
+        quants = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        return invariant_cpu.pack_q8_0(scales, quants), expand(scales) * quants.double()
+    mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
+    quants = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    return invariant_cpu.pack_q4_1(scales, mins, quants), expand(scales) * quants.double() + expand(mins)
+
+
+def assert_rows_invariant(compute, inputs: torch.Tensor, max_rows: int) -> None:  # type: ignore[no-untyped-def]
+    """Every row of ``compute(inputs[:m])``, for m = 1..max_rows and every thread count, equals that row alone."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([compute(inputs[i : i + 1]) for i in range(max_rows)])
+        for count in THREAD_COUNTS:
+            torch.set_num_threads(count)
+            for rows in range(1, max_rows + 1):
+                together = compute(inputs[:rows])
+                differing = (together != alone[:rows]).any(dim=1).nonzero().flatten().tolist()
+                assert not differing, f"{rows} rows on {count} threads: rows {differing} differ from alone"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", MODEL_SHAPES)
+def test_matmul_rows_do_not_depend_on_the_batch(fmt: str, name: str) -> None:
+    in_features, out_features = MODEL_SHAPES[name]
+    weight, exact = random_weight(fmt, out_features, in_features)
+    x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(1))
+    assert_rows_invariant(lambda rows: invariant_cpu.matmul(rows, weight), x, 64)
+    expected = x.double() @ exact.T
+    assert torch.allclose(invariant_cpu.matmul(x, weight).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_rows_cross_the_row_block() -> None:
+    """Past 96 rows the kernel streams the weights again for the next block of rows: nothing changes for a row."""
+    weight, _ = random_weight("q4_1", 100, 64)
+    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(2))
+    assert_rows_invariant(lambda rows: invariant_cpu.matmul(rows, weight), x, 100)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    out_features=st.integers(1, 70),
+    blocks=st.integers(1, 4),
+    rows=st.integers(1, 20),
+    fmt=st.sampled_from(FORMATS),
+    seed=st.integers(0, 2**16),
+)
+def test_matmul_computes_the_product_for_any_shape(
+    out_features: int, blocks: int, rows: int, fmt: str, seed: int
+) -> None:
+    """Widths that leave part of a 16-column panel empty, and any row count, give the product of the weights the
+    format stands for, and each row as it is alone."""
+    in_features = blocks * invariant_cpu.BLOCK
+    weight, exact = random_weight(fmt, out_features, in_features, seed)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
+    out = invariant_cpu.matmul(x, weight)
+    assert out.shape == (rows, out_features)
+    assert torch.allclose(out.double(), x.double() @ exact.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[-1:], invariant_cpu.matmul(x[-1:], weight))
+
+
+def attention_case(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A pool of 300 rows with SmolLM2's heads (9 query heads over 3 KV heads of 64), and 64 query tokens of four
+    sequences at various positions: token t attends to the first ``num_keys[t]`` rows of its sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = torch.randn(2, 300, 3, 64, generator=generator)
+    sequences = [torch.randperm(299, generator=generator)[:length] + 1 for length in (250, 37, 120, 5)]
+    key_rows = torch.cat(sequences)
+    starts = torch.tensor([0, 250, 287, 407])
+    owner = torch.arange(64) % 4
+    num_keys = torch.tensor([1 + (7 * t) % len(sequences[owner[t]]) for t in range(64)])
+    q = torch.randn(64, 9, 64, generator=generator)
+    return {"q": q, "k": k_pool, "v": v_pool, "rows": key_rows, "starts": starts[owner], "keys": num_keys}
+
+
+def run_attention(case: dict[str, torch.Tensor], tokens: slice) -> torch.Tensor:
+    return invariant_cpu.attention(
+        case["q"][tokens].contiguous(),
+        case["k"],
+        case["v"],
+        case["rows"],
+        case["starts"][tokens].contiguous(),
+        case["keys"][tokens].contiguous(),
+        64**-0.5,
+    )
+
+
+def test_attention_of_a_token_does_not_depend_on_the_batch() -> None:
+    case = attention_case()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([run_attention(case, slice(t, t + 1)) for t in range(64)])
+        for count in THREAD_COUNTS:
+            torch.set_num_threads(count)
+            for first in (0, 5):
+                for tokens in range(1, 64 - first + 1):
+                    together = run_attention(case, slice(first, first + tokens))
+                    assert torch.equal(together, alone[first : first + tokens]), f"{tokens} tokens on {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_attention_computes_softmax_attention() -> None:
+    case = attention_case(seed=3)
+    out = run_attention(case, slice(0, 64)).view(64, 9, 64).double()
+    for t in range(64):
+        rows = case["rows"][case["starts"][t] : case["starts"][t] + case["keys"][t]]
+        keys = case["k"][rows].double().transpose(0, 1).repeat_interleave(3, dim=0)  # [9, L, 64]
+        values = case["v"][rows].double().transpose(0, 1).repeat_interleave(3, dim=0)
+        scores = case["q"][t].double()[:, None, :] @ keys.transpose(1, 2) * 64**-0.5
+        expected = (torch.softmax(scores, dim=-1) @ values)[:, 0]
+        assert torch.allclose(out[t], expected, atol=2e-6), t
+
+
+@pytest.mark.parametrize("width", [576, 99])
+def test_rms_norm_and_silu_rows_do_not_depend_on_the_batch(width: int) -> None:
+    """Also at a width that is not a multiple of 16 (a tensor-parallel shard's MLP slice)."""
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(64, width, generator=generator) * 3
+    weight = torch.randn(width, generator=generator)
+    assert_rows_invariant(lambda rows: invariant_cpu.rms_norm(rows, weight, 1e-5), hidden, 64)
+    expected = hidden.double() * torch.rsqrt(hidden.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    assert torch.allclose(invariant_cpu.rms_norm(hidden, weight, 1e-5).double(), expected, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(64, 2 * width, generator=generator) * 8
+    assert_rows_invariant(lambda rows: invariant_cpu.silu_mul(rows.contiguous()), gate_up, 64)
+    gate, up = gate_up.double().chunk(2, dim=1)
+    assert torch.allclose(invariant_cpu.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+CROSS_ISA_SCRIPT = """
+import json, sys, torch
+from pathlib import Path
+from triton_ops import invariant_cpu
+from tests.unit.test_invariant_cpu import FORMATS, attention_case, random_weight, run_attention
+invariant_cpu.load(Path(sys.argv[1]), sys.argv[2])
+x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
+outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 96)[0]) for fmt in FORMATS]
+outs.append(run_attention(attention_case(), slice(0, 64)))
+outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 96), 1e-6))
+outs.append(invariant_cpu.silu_mul(x * 10))
+print(json.dumps({"isa": invariant_cpu.isa(), "bits": [o.view(torch.int32).flatten().tolist() for o in outs]}))
+"""
+
+
+def test_every_instruction_set_computes_the_same_bits() -> None:
+    """The AVX-512, AVX2 and scalar builds (as many as this CPU runs) give identical results: lanes hold different
+    outputs, never parts of one sum, and the fixed reduction trees and exp polynomial are the same in every build.
+    So a model's outputs are the same on every CPU, not only on each."""
+    flags = cpu_flags()
+    targets = ["scalar"] + (["avx2"] if "avx2" in flags else []) + (["native"] if "avx512f" in flags else [])
+    results = {}
+    for target in targets:
+        run = subprocess.run(
+            [sys.executable, "-c", CROSS_ISA_SCRIPT, str(ServerArgs().kernel_build_path), target],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        results[result["isa"]] = result["bits"]
+    assert len(results) == len(targets)
+    reference = results.pop("scalar")
+    for isa, bits in results.items():
+        assert bits == reference, f"the {isa} build differs from the scalar build"

@@ -1,0 +1,541 @@
+// Batch-invariant CPU kernels for the model forward: matmuls over packed weights (float32, bfloat16, and the
+// GGUF block formats Q8_0 and Q4_1), attention over a token KV pool, RMSNorm and SiLU-and-multiply.
+//
+// Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
+// depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
+// hidden size), never on the number of rows, the other rows, the tiling or the thread count:
+// - a matmul output y[m][n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 (per 32-block for the
+//   block formats, then one fma per block). SIMD lanes hold different columns n, never parts of one sum, so an
+//   AVX-512 lane, an AVX2 lane and the scalar fallback run the same chain and give the same bits;
+// - reductions along a row (a dot product of q and k, a sum of squares) accumulate into 16 partial sums, lane l
+//   taking the indices equal to l modulo 16, which are then added in one fixed tree;
+// - exp is one polynomial evaluated with the same fma sequence in every lane and in the scalar tail;
+// - threads split independent output elements (columns, rows, tokens and heads), never one element's sum.
+// So batching, the row-padding a library may or may not do, speculative verification (k rows at once) and the
+// thread count can never change a token's logits, on any x86-64 CPU with AVX2 or AVX-512, and elsewhere through
+// the scalar path.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;  // one "vector" is 16 float32 lanes on every ISA
+constexpr int kBlock = 32;  // the GGUF block formats' group of k values sharing a scale
+
+// ---- a 16-lane float vector: one zmm, two ymm, or an array -------------------------------------------------
+
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 r;
+};
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline V16 vset1(float x) { return {_mm512_set1_ps(x)}; }
+static inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.r); }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.r, b.r)}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.r, b.r)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.r, b.r)}; }
+static inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.r, b.r)}; }
+static inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.r, b.r)}; }
+static inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.r, b.r)}; }
+static inline V16 vround(V16 a) { return {_mm512_roundscale_ps(a.r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// 2^n for integral float n in the normal range
+static inline V16 vexp2i(V16 n) {
+  __m512i i = _mm512_cvtps_epi32(n.r);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23))};
+}
+static inline V16 vfrom_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+// 16 bytes, each holding two 4-bit values: low nibbles to lo, high nibbles to hi
+static inline void vfrom_u4x2(const uint8_t* p, V16* lo, V16* hi) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo->r = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi->r = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+static inline V16 vfrom_f16(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+static inline V16 vfrom_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct V16 {
+  __m256 lo, hi;
+};
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline void vstore(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+static inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+static inline V16 vround(V16 a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+static inline __m256 exp2i8(__m256 n) {
+  __m256i i = _mm256_cvtps_epi32(n);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23));
+}
+static inline V16 vexp2i(V16 n) { return {exp2i8(n.lo), exp2i8(n.hi)}; }
+static inline V16 vfrom_i8(const int8_t* p) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+static inline void vfrom_u4x2(const uint8_t* p, V16* lo, V16* hi) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  __m256i m = _mm256_set1_epi32(15);
+  lo->lo = _mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
+  lo->hi = _mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
+  hi->lo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+  hi->hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+}
+static inline V16 vfrom_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+static inline V16 vfrom_bf16(const uint16_t* p) {
+  __m256i w0 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i w1 = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16))};
+}
+#else
+// The scalar path: the same operations lane by lane (fmaf is a fused multiply-add wherever it is available).
+struct V16 {
+  float v[kLanes];
+};
+#define LANEWISE(expr)                             \
+  V16 out;                                         \
+  for (int l = 0; l < kLanes; ++l) out.v[l] = (expr); \
+  return out
+static inline V16 vzero() { LANEWISE(0.0f); }
+static inline V16 vload(const float* p) { LANEWISE(p[l]); }
+static inline V16 vset1(float x) { LANEWISE(x); }
+static inline void vstore(float* p, V16 a) { memcpy(p, a.v, sizeof a.v); }
+static inline V16 vfma(V16 a, V16 b, V16 c) { LANEWISE(fmaf(a.v[l], b.v[l], c.v[l])); }
+static inline V16 vmul(V16 a, V16 b) { LANEWISE(a.v[l] * b.v[l]); }
+static inline V16 vadd(V16 a, V16 b) { LANEWISE(a.v[l] + b.v[l]); }
+static inline V16 vsub(V16 a, V16 b) { LANEWISE(a.v[l] - b.v[l]); }
+static inline V16 vdiv(V16 a, V16 b) { LANEWISE(a.v[l] / b.v[l]); }
+static inline V16 vmax(V16 a, V16 b) { LANEWISE(a.v[l] > b.v[l] ? a.v[l] : b.v[l]); }
+static inline V16 vmin(V16 a, V16 b) { LANEWISE(a.v[l] < b.v[l] ? a.v[l] : b.v[l]); }
+static inline V16 vround(V16 a) { LANEWISE(nearbyintf(a.v[l])); }
+static inline float exp2i1(float n) {
+  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+static inline V16 vexp2i(V16 n) { LANEWISE(exp2i1(n.v[l])); }
+static inline V16 vfrom_i8(const int8_t* p) { LANEWISE(static_cast<float>(p[l])); }
+static inline void vfrom_u4x2(const uint8_t* p, V16* lo, V16* hi) {
+  for (int l = 0; l < kLanes; ++l) {
+    lo->v[l] = static_cast<float>(p[l] & 15);
+    hi->v[l] = static_cast<float>(p[l] >> 4);
+  }
+}
+static inline float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int shift = 0;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+static inline V16 vfrom_f16(const uint16_t* p) { LANEWISE(half_to_float(p[l])); }
+static inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+static inline V16 vfrom_bf16(const uint16_t* p) { LANEWISE(bf16_to_float(p[l])); }
+#undef LANEWISE
+#endif
+
+// The first n < 16 floats of p, zeros after: a tail goes through the same vector code as the full chunks.
+static inline V16 vload_head(const float* p, int64_t n) {
+  alignas(64) float padded[kLanes] = {};
+  memcpy(padded, p, n * sizeof(float));
+  return vload(padded);
+}
+
+static inline void vstore_head(float* p, V16 a, int64_t n) {
+  alignas(64) float padded[kLanes];
+  vstore(padded, a);
+  memcpy(p, padded, n * sizeof(float));
+}
+
+// a chunk of 16 floats at p + i, or the tail of a row of n
+static inline V16 vload_at(const float* p, int64_t i, int64_t n) {
+  return i + kLanes <= n ? vload(p + i) : vload_head(p + i, n - i);
+}
+
+static inline void vstore_at(float* p, int64_t i, int64_t n, V16 a) {
+  if (i + kLanes <= n)
+    vstore(p + i, a);
+  else
+    vstore_head(p + i, a, n - i);
+}
+
+// The fixed tree that adds 16 partial sums: ((0+8) + (4+12)) + ((2+10) + (6+14)) and so on, pairwise by halves.
+static inline float tree_sum(V16 a) {
+  alignas(64) float s[kLanes];
+  vstore(s, a);
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
+  return s[0];
+}
+
+static inline float tree_max(V16 a) {
+  alignas(64) float s[kLanes];
+  vstore(s, a);
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) s[l] = s[l] > s[l + width] ? s[l] : s[l + width];
+  return s[0];
+}
+
+// exp(x) for x <= 0 (softmax) and any x (SiLU): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6
+// polynomial by Horner's rule with fma; below -87 it underflows to 0, above 88 it saturates (never met: callers
+// pass x <= 0 or exp(-x) of a SiLU input, whose overflow only sends silu to 0 as it should).
+static inline V16 vexp(V16 x) {
+  x = vmax(vmin(x, vset1(88.0f)), vset1(-87.0f));
+  V16 n = vround(vmul(x, vset1(1.44269504088896341f)));
+  V16 r = vfma(n, vset1(-0.693359375f), x);  // ln2 split in two: the first part's product is exact
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  V16 p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vmul(p, vexp2i(n));
+}
+
+static inline int num_threads_for(int64_t items, int threads) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, threads)));
+}
+
+// ---- matmuls over packed weights -------------------------------------------------------------------------------
+//
+// Weights [N, K] are packed in panels of 16 columns: panel p holds columns 16p..16p+15 (zero past N), k-major, so
+// one vector load gives one k of 16 columns. Formats (per panel; K a multiple of 32 for the block formats):
+// - F32: float [K][16];  BF16: bfloat16 [K][16]
+// - Q8_0: per 32-block: int8 q[32][16], then float16 d[16]:                       w = d * q
+// - Q4_1: per 32-block: uint8 qq[16][16] (k = 2i in the low nibble, 2i+1 in the high), float16 d[16], m[16]:
+//   w = d * q + m
+// A y[m][n] of the block formats is, per block, s = fma chain of x * q over the block's k in order, then
+// acc = fma(d, s, acc) (Q4_1: then acc = fma(m, sum of the block's x in order, acc)).
+
+enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3 };
+
+static inline int64_t panel_bytes(int32_t format, int64_t K) {
+  switch (format) {
+    case kF32:
+      return K * kLanes * 4;
+    case kBF16:
+      return K * kLanes * 2;
+    case kQ8_0:
+      return K / kBlock * (kBlock * kLanes + kLanes * 2);
+    default:
+      return K / kBlock * (kBlock / 2 * kLanes + 2 * kLanes * 2);
+  }
+}
+
+// One tile: MR rows of x times NP panels, every k. acc[r][p] is y[row r][panel p's 16 columns].
+template <int MR, int NP>
+static void tile_dense(int32_t format, const float* x, int64_t ldx, const uint8_t* panels, int64_t pbytes, int64_t K,
+                       float* y, int64_t ldy, int cols) {
+  V16 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    V16 w[NP];
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* base = panels + p * pbytes;
+      w[p] = format == kF32 ? vload(reinterpret_cast<const float*>(base) + k * kLanes)
+                            : vfrom_bf16(reinterpret_cast<const uint16_t*>(base) + k * kLanes);
+    }
+    for (int r = 0; r < MR; ++r) {
+      V16 xv = vset1(x[r * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = vfma(xv, w[p], acc[r][p]);
+    }
+  }
+  alignas(64) float out[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      int n = std::min(kLanes, cols - p * kLanes);
+      if (n <= 0) break;
+      vstore(out, acc[r][p]);
+      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+    }
+}
+
+template <int MR, int NP>
+static void tile_blocks(int32_t format, const float* x, int64_t ldx, const float* xsums, int64_t ldsum,
+                        const uint8_t* panels, int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
+  const int64_t block_bytes = pbytes / (K / kBlock);
+  V16 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    V16 s[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NP; ++p) s[r][p] = vzero();
+    const float* xb = x + b * kBlock;
+    if (format == kQ8_0) {
+      for (int k = 0; k < kBlock; ++k) {
+        V16 w[NP];
+        for (int p = 0; p < NP; ++p)
+          w[p] = vfrom_i8(reinterpret_cast<const int8_t*>(panels + p * pbytes + b * block_bytes) + k * kLanes);
+        for (int r = 0; r < MR; ++r) {
+          V16 xv = vset1(xb[r * ldx + k]);
+          for (int p = 0; p < NP; ++p) s[r][p] = vfma(xv, w[p], s[r][p]);
+        }
+      }
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* block = panels + p * pbytes + b * block_bytes;
+        V16 d = vfrom_f16(reinterpret_cast<const uint16_t*>(block + kBlock * kLanes));
+        for (int r = 0; r < MR; ++r) acc[r][p] = vfma(d, s[r][p], acc[r][p]);
+      }
+    } else {
+      for (int i = 0; i < kBlock / 2; ++i) {
+        V16 lo[NP], hi[NP];
+        for (int p = 0; p < NP; ++p) vfrom_u4x2(panels + p * pbytes + b * block_bytes + i * kLanes, &lo[p], &hi[p]);
+        for (int r = 0; r < MR; ++r) {
+          V16 x0 = vset1(xb[r * ldx + 2 * i]);
+          for (int p = 0; p < NP; ++p) s[r][p] = vfma(x0, lo[p], s[r][p]);
+          V16 x1 = vset1(xb[r * ldx + 2 * i + 1]);
+          for (int p = 0; p < NP; ++p) s[r][p] = vfma(x1, hi[p], s[r][p]);
+        }
+      }
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* block = panels + p * pbytes + b * block_bytes;
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + kBlock / 2 * kLanes);
+        V16 d = vfrom_f16(scales), m = vfrom_f16(scales + kLanes);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][p] = vfma(d, s[r][p], acc[r][p]);
+          acc[r][p] = vfma(m, vset1(xsums[r * ldsum + b]), acc[r][p]);
+        }
+      }
+    }
+  }
+  alignas(64) float out[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      int n = std::min(kLanes, cols - p * kLanes);
+      if (n <= 0) break;
+      vstore(out, acc[r][p]);
+      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+    }
+}
+
+// Tile shapes: accumulators MR x NP vectors must fit the register file with the weights (32 zmm or 16 ymm).
+#if defined(__AVX512F__)
+constexpr int kMR = 6, kNP = 2;
+#elif defined(__AVX2__)
+constexpr int kMR = 4, kNP = 1;
+#else
+constexpr int kMR = 4, kNP = 1;
+#endif
+constexpr int kRowBlock = 96;  // rows of x per pass over a column group: they stay in cache while it streams
+
+template <int MR, int NP>
+static void run_tile(int32_t format, const float* x, int64_t ldx, const float* xsums, int64_t ldsum,
+                     const uint8_t* panels, int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
+  if (format == kF32 || format == kBF16)
+    tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
+  else
+    tile_blocks<MR, NP>(format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+}
+
+// A tile of 1..kMR rows and 1..kNP panels, each with the code compiled for exactly that many (a tile never reads
+// past the last panel).
+template <int MR = kMR, int NP = kNP>
+static void run_rows(int rows, int panels_here, int32_t format, const float* x, int64_t ldx, const float* xsums,
+                     int64_t ldsum, const uint8_t* panels, int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
+  if constexpr (MR > 1) {
+    if (rows < MR)
+      return run_rows<MR - 1, NP>(rows, panels_here, format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+  }
+  if constexpr (NP > 1) {
+    if (panels_here < NP)
+      return run_rows<MR, NP - 1>(rows, panels_here, format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+  }
+  run_tile<MR, NP>(format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t invariant_row_tile() { return kMR; }
+
+const char* invariant_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// y[M, N] = x[M, K] @ W.T with W packed (see above); x rows ldx apart, y rows ldy apart.
+void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+                      int64_t N, float* y, int64_t ldy, int32_t threads) {
+  const int64_t pbytes = panel_bytes(format, K);
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t num_groups = (num_panels + kNP - 1) / kNP;
+  std::vector<float> xsums;
+  const int64_t nblocks = K / kBlock;
+  if (format == kQ4_1) {  // each row's per-block sums of x, in order: shared by every column
+    xsums.resize(M * nblocks);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nblocks; ++b) {
+        float s = 0.0f;
+        for (int k = 0; k < kBlock; ++k) s += x[m * ldx + b * kBlock + k];
+        xsums[m * nblocks + b] = s;
+      }
+  }
+  const float* sums = xsums.data();
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(num_groups, threads))
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const uint8_t* panels = packed + g * kNP * pbytes;
+    const int cols = static_cast<int>(std::min<int64_t>(kNP * kLanes, N - g * kNP * kLanes));
+    const int panels_here = static_cast<int>(std::min<int64_t>(kNP, num_panels - g * kNP));
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t m1 = std::min(M, m0 + kRowBlock);
+      for (int64_t m = m0; m < m1; m += kMR) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
+        const float* xm = x + m * ldx;
+        float* ym = y + m * ldy + g * kNP * kLanes;
+        const float* sm = sums + m * nblocks;
+        run_rows(rows, panels_here, format, xm, ldx, sm, nblocks, panels, pbytes, K, ym, ldy, cols);
+      }
+    }
+  }
+}
+
+// Causal attention of query tokens over their own rows of a token KV pool.
+// q [T, H, D]; k_pool, v_pool [R, Hkv, D]; token t attends to the pool rows rows[row_start[t] + j],
+// j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing one KV head.
+// Per token and head: s_j = (q . k_j) * scale (16 partial sums of q[d] k[d], lane d mod 16, then the fixed
+// tree), then p_j = exp(s_j - max s), then out = (sum over j in order of p_j v_j) / (sum over j in order of p_j).
+void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
+                         int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys,
+                         float scale, float* out, int32_t threads) {
+  const int64_t group = H / Hkv;
+  const int64_t row_stride = Hkv * D;
+  const int64_t chunks = (D + kLanes - 1) / kLanes;
+  int64_t max_keys = 0;
+  for (int64_t t = 0; t < T; ++t) max_keys = std::max(max_keys, num_keys[t]);
+  const int nthreads = num_threads_for(T * Hkv, threads);
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scores(group * max_keys);
+    std::vector<V16> acc(group * chunks);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < T * Hkv; ++item) {
+      const int64_t t = item / Hkv, g = item % Hkv, L = num_keys[t];
+      const int64_t* token_rows = rows + row_start[t];
+      const float* qg = q + (t * H + g * group) * D;
+      for (int64_t j = 0; j < L; ++j) {
+        const float* key = k_pool + token_rows[j] * row_stride + g * D;
+        for (int64_t h = 0; h < group; ++h) {
+          V16 partial = vzero();
+          for (int64_t c = 0; c < chunks; ++c)
+            partial = vfma(vload_at(qg + h * D, c * kLanes, D), vload_at(key, c * kLanes, D), partial);
+          scores[h * L + j] = tree_sum(partial) * scale;
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * L;
+        float peak = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) peak = s[j] > peak ? s[j] : peak;
+        for (int64_t j = 0; j < L; j += kLanes) vstore_at(s, j, L, vexp(vsub(vload_at(s, j, L), vset1(peak))));
+        float total = 0.0f;
+        for (int64_t i = 0; i < L; ++i) total += s[i];
+        for (int64_t c = 0; c < chunks; ++c) acc[h * chunks + c] = vzero();
+        for (int64_t jj = 0; jj < L; ++jj) {  // the values weighted by unnormalised p_j; one division at the end
+          const float* value = v_pool + token_rows[jj] * row_stride + g * D;
+          V16 p = vset1(s[jj]);
+          for (int64_t c = 0; c < chunks; ++c)
+            acc[h * chunks + c] = vfma(p, vload_at(value, c * kLanes, D), acc[h * chunks + c]);
+        }
+        V16 inverse = vset1(1.0f / total);
+        float* o = out + (t * H + g * group + h) * D;
+        for (int64_t c = 0; c < chunks; ++c) vstore_at(o, c * kLanes, D, vmul(acc[h * chunks + c], inverse));
+      }
+    }
+  }
+}
+
+// out[T, N] = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm orders it.
+// The sum of squares: 16 partial sums (lane n mod 16) then the fixed tree.
+void invariant_rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* weight, float eps, float* out,
+                        int64_t ldo, int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(T * N / 65536 + 1, threads))
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * ldx;
+    V16 partial = vzero();
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 v = vload_at(row, n, N);
+      partial = vfma(v, v, partial);
+    }
+    const float inverse = 1.0f / sqrtf(tree_sum(partial) / static_cast<float>(N) + eps);
+    V16 r = vset1(inverse);
+    for (int64_t n = 0; n < N; n += kLanes)
+      vstore_at(out + t * ldo, n, N, vmul(vmul(vload_at(row, n, N), r), vload_at(weight, n, N)));
+  }
+}
+
+// out[T, N] = silu(gate) * up = gate / (1 + exp(-gate)) * up, with gate = x[:, :N] and up = x[:, N:2N].
+void invariant_silu_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(T * N / 65536 + 1, threads))
+  for (int64_t t = 0; t < T; ++t) {
+    const float* gate = x + t * 2 * N;
+    const float* up = gate + N;
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 g = vload_at(gate, n, N);
+      V16 e = vexp(vsub(vzero(), g));
+      vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
+    }
+  }
+}
+
+}  // extern "C"

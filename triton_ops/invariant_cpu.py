@@ -1,0 +1,304 @@
+"""Batch-invariant CPU kernels for the model forward: matmuls over packed weights, attention over a token KV pool,
+RMSNorm and SiLU-and-multiply (``csrc/invariant_cpu.cpp``, whose header states the mechanism).
+
+Why our own kernels: a BLAS picks its kernel per shape, CPU and thread count, and a float32 row's rounding changes
+with it (MKL on an Intel Xeon takes another kernel from 16 rows on; on an AMD EPYC rows 1 and 2-3 differ). Here
+every output element is one fixed chain of fused multiply-adds whatever shares the call, so a token's logits are
+bit for bit the same alone, in any batch, beside drafts or a long prompt, on any thread count, and the AVX-512,
+AVX2 and scalar builds agree with each other too.
+
+The source is compiled once per machine with the C++ compiler at hand (``-O3 -march=native``, a few seconds)
+into a build directory keyed by the source, the compiler and the CPU, then loaded with ctypes; it shares torch's
+OpenMP runtime (the same ``libgomp.so.1``), so it adds no thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from triton_ops.cpu_info import cpu_flags, cpu_model
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
+COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+"""``-ffp-contract=off``: the compiler may not fuse a multiply and an add the source keeps apart (nor split an fma)."""
+LANES = 16
+"""Columns per packed panel; also the partial sums of a row reduction."""
+BLOCK = 32
+"""The GGUF block formats' k values per scale."""
+
+
+class WeightFormat(enum.IntEnum):
+    """Packed weight formats (values shared with the C++ source)."""
+
+    F32 = 0
+    BF16 = 1
+    Q8_0 = 2
+    Q4_1 = 3
+
+
+BYTES_PER_BLOCK = {WeightFormat.F32: 128, WeightFormat.BF16: 64, WeightFormat.Q8_0: 34, WeightFormat.Q4_1: 20}
+"""Bytes of 32 weights in each format (the block formats with their float16 scale and minimum)."""
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A ``[out_features, in_features]`` weight in panels of 16 output columns (layout: the C++ source)."""
+
+    format: WeightFormat
+    data: torch.Tensor  # uint8, [panels, panel_bytes]
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """The packed bytes, padding to whole panels included: what a pass over the weight reads."""
+        return self.data.numel()
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """The bytes of the ``out_features x in_features`` weights themselves in this format (no padding)."""
+        return self.out_features * self.in_features * BYTES_PER_BLOCK[self.format] // BLOCK
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError(
+        "the batch-invariant CPU kernels need a C++ compiler (g++ or clang++, or $CXX) to build once per machine; "
+        "install one (Debian: apt-get install g++)"
+    )
+
+
+TARGETS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c")}
+"""Builds: the CPU at hand, or a narrower instruction set (to show that every build computes the same bits)."""
+
+
+def _build(build_dir: Path, target: str) -> Path:
+    """The compiled library for this source, compiler, CPU and target, building it first if no process has yet."""
+    compiler = _compiler()
+    flags = (*COMPILE_FLAGS, *TARGETS[target])
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            x.encode() for x in (SOURCE.read_text(), version, " ".join(flags), cpu_model(), *sorted(cpu_flags()))
+        )
+    ).hexdigest()[:16]
+    library = build_dir / f"invariant_cpu-{target}-{key}.so"
+    if library.is_file():
+        return library
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / f"{library.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together build once
+        if library.is_file():
+            return library
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=build_dir) as staging:
+            staged = Path(staging) / library.name
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(staged)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{result.stderr[-4000:]}")
+            staged.rename(library)  # atomic: no process ever loads half a library
+        logger.info("built the batch-invariant CPU kernels in %.1f s: %s", time.perf_counter() - started, library)
+    return library
+
+
+_library: ctypes.CDLL | None = None
+
+
+def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
+    """The kernels, built into ``build_dir`` on first use on this machine for ``target`` (one of ``TARGETS``); a
+    process loads one build, and later calls return it."""
+    global _library
+    if target not in TARGETS:
+        raise ValueError(f"unknown kernel target {target!r}; one of {sorted(TARGETS)}")
+    if _library is None:
+        library = ctypes.CDLL(str(_build(build_dir, target)))
+        i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+        library.invariant_isa.restype = ctypes.c_char_p
+        library.invariant_row_tile.restype = i32
+        library.invariant_matmul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
+        library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
+        library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
+        library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
+        for name in ("invariant_matmul", "invariant_attention", "invariant_rms_norm", "invariant_silu_mul"):
+            getattr(library, name).restype = None
+        logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
+        _library = library
+    return _library
+
+
+def _loaded() -> ctypes.CDLL:
+    if _library is None:
+        raise RuntimeError("triton_ops.invariant_cpu.load(build_dir) must be called before the kernels")
+    return _library
+
+
+def isa() -> str:
+    """The instruction set the loaded build uses: ``avx512``, ``avx2`` or ``scalar``."""
+    return str(_loaded().invariant_isa().decode())
+
+
+def row_tile() -> int:
+    """Rows of ``x`` one pass over a weight tile multiplies together: a matmul of up to this many rows streams its
+    weights as often as a one-row matmul does (decode is bound by those reads, so such rows come nearly free)."""
+    return int(_loaded().invariant_row_tile())
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K, ...]`` -> ``[ceil(N / 16), K, 16, ...]``: columns grouped by 16 (zero past N), k-major in a panel."""
+    out_features = weight.shape[0]
+    padded = -(-out_features // LANES) * LANES
+    if padded != out_features:
+        weight = torch.cat([weight, weight.new_zeros(padded - out_features, *weight.shape[1:])])
+    return weight.reshape(padded // LANES, LANES, *weight.shape[1:]).transpose(1, 2)
+
+
+def pack_dense(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeight:
+    """Pack a float ``[out_features, in_features]`` weight as float32 or bfloat16 panels."""
+    formats = {torch.float32: WeightFormat.F32, torch.bfloat16: WeightFormat.BF16}
+    if dtype not in formats:
+        raise ValueError(f"dense weights are packed as float32 or bfloat16, not {dtype}")
+    out_features, in_features = weight.shape
+    panels = _panels(weight.detach().to("cpu", dtype)).contiguous()
+    data = panels.view(torch.uint8).reshape(panels.shape[0], -1)
+    return PackedWeight(formats[dtype], data, out_features, in_features)
+
+
+def pack_q8_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
+    """Pack GGUF Q8_0 blocks, ``w[n, 32 b + i] = scales[n, b] * quants[n, 32 b + i]``.
+
+    ``scales``: float16 ``[N, K / 32]``; ``quants``: int8 ``[N, K]``.
+    """
+    out_features, in_features = quants.shape
+    blocks = in_features // BLOCK
+    q = _panels(quants.reshape(out_features, blocks, BLOCK))  # [P, blocks, 16, 32]
+    q = q.permute(0, 1, 3, 2).contiguous().view(torch.uint8).reshape(q.shape[0], blocks, -1)  # [P, blocks, 32 x 16]
+    d = _panels(scales.to(torch.float16)).contiguous().view(torch.uint8)  # [P, blocks, 16 x 2 bytes]
+    d = d.reshape(q.shape[0], blocks, -1)
+    data = torch.cat([q, d], dim=2).reshape(q.shape[0], -1)
+    return PackedWeight(WeightFormat.Q8_0, data, out_features, in_features)
+
+
+def pack_q4_1(scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
+    """Pack GGUF Q4_1 blocks, ``w[n, 32 b + i] = scales[n, b] * quants[n, 32 b + i] + mins[n, b]``.
+
+    ``scales``, ``mins``: float16 ``[N, K / 32]``; ``quants``: uint8 ``[N, K]`` holding 0..15.
+    """
+    out_features, in_features = quants.shape
+    blocks = in_features // BLOCK
+    q = _panels(quants.reshape(out_features, blocks, BLOCK // 2, 2))  # [P, blocks, 16 lanes, 16 pairs, 2]
+    nibbles = (q[..., 0] | (q[..., 1] << 4)).permute(0, 1, 3, 2).contiguous()  # [P, blocks, 16 pairs, 16 lanes]
+    nibbles = nibbles.reshape(nibbles.shape[0], blocks, -1)
+    d = _panels(scales.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)
+    m = _panels(mins.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)
+    data = torch.cat([nibbles, d, m], dim=2).reshape(nibbles.shape[0], -1)
+    return PackedWeight(WeightFormat.Q4_1, data, out_features, in_features)
+
+
+def _check_rows(x: torch.Tensor, width: int, what: str) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"{what} takes float32 [rows, {width}] with unit column stride, got {x.dtype} {x.shape}")
+
+
+def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """``x @ W.T``: float32 ``[M, in_features]`` -> ``[M, out_features]``, each row independent of the others."""
+    _check_rows(x, weight.in_features, "matmul")
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    if x.shape[0]:
+        _loaded().invariant_matmul(
+            int(weight.format),
+            x.data_ptr(),
+            x.shape[0],
+            weight.in_features,
+            x.stride(0),
+            weight.data.data_ptr(),
+            weight.out_features,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: torch.Tensor,
+    row_start: torch.Tensor,
+    num_keys: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Each query token over its own pool rows: ``q`` ``[T, H, D]``, pools ``[R, H_kv, D]``; token ``t`` attends to
+    ``rows[row_start[t] : row_start[t] + num_keys[t]]`` (int64). Returns ``[T, H * D]``."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if heads % kv_heads or not (q.is_contiguous() and k_pool.is_contiguous()):
+        raise ValueError(f"attention takes contiguous q {tuple(q.shape)} and pools, H a multiple of H_kv")
+    if not (v_pool.is_contiguous() and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
+        raise ValueError("attention takes contiguous float32 q, k and v")
+    for index in (rows, row_start, num_keys):
+        if index.dtype != torch.int64 or not index.is_contiguous():
+            raise ValueError("attention's row tables are contiguous int64")
+    out = torch.empty(tokens, heads * head_dim, dtype=torch.float32)
+    if tokens:
+        _loaded().invariant_attention(
+            q.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            kv_heads,
+            rows.data_ptr(),
+            row_start.data_ptr(),
+            num_keys.data_ptr(),
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of each row of float32 ``[T, N]``."""
+    width = weight.shape[0]
+    _check_rows(x, width, "rms_norm")
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"rms_norm takes a contiguous float32 weight, not {weight.dtype}")
+    out = torch.empty(x.shape[0], width, dtype=torch.float32)
+    if x.shape[0]:
+        _loaded().invariant_rms_norm(
+            x.data_ptr(), x.shape[0], width, x.stride(0), weight.data_ptr(), eps, out.data_ptr(), width,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for contiguous float32 ``[T, 2 N]`` holding gate then up."""
+    if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul takes contiguous float32 [rows, 2 N]; got {gate_up.dtype} {tuple(gate_up.shape)}")
+    width = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
+    if gate_up.shape[0]:
+        _loaded().invariant_silu_mul(
+            gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), torch.get_num_threads()
+        )
+    return out
