@@ -30,6 +30,7 @@ _LLGUIDANCE_EXTENSIONS = (
     (re.compile(r"<\|[^|>]*\|>|<\[\d+\]>"), "special tokens (<|...|>)"),
 )
 _CLASS_SPECIALS = frozenset("]\\-^[")
+_INVALID_LARK = "invalid Lark grammar (read as Lark because no line defines a GBNF rule with '::=')"
 
 
 def is_lark_grammar(grammar: str) -> bool:
@@ -50,14 +51,14 @@ def lark_to_gbnf(grammar: str, backend_name: str) -> str:
     try:
         parsed, _ = load_grammar(grammar, "<grammar>", [], False)
     except (GrammarError, LarkError) as e:
-        raise GrammarSpecError(f"invalid Lark grammar: {bounded_message(str(e))}") from e
+        raise GrammarSpecError(f"{_INVALID_LARK}: {bounded_message(str(e))}") from e
     refuse = _Refusal(backend_name)
     if parsed.ignore:
         refuse("%ignore (terminals allowed between any two tokens)")
     writer = _GbnfWriter(refuse)
     names = [name for name, *_ in parsed.rule_defs] + [name for name, _ in parsed.term_defs]
     if "start" not in names:
-        raise GrammarSpecError("invalid Lark grammar: it has no 'start' rule, where generation begins")
+        raise GrammarSpecError(f"{_INVALID_LARK}: it has no 'start' rule, where generation begins")
     lines = []
     for name, params, tree, _ in parsed.rule_defs:
         if params:

@@ -69,7 +69,7 @@ INVALID_EBNF = {
     "root ::=": "Expect element",
     'root ::= "a"\nroot ::= "b"': 'Rule "root" is defined multiple times',
     "root ::= (": "Expect element",
-    "start": 'root rule with name "root" is not found',
+    "start": "read as Lark because no line defines a GBNF rule with '::='",
     'x ::= "a"': 'root rule with name "root" is not found',
     'root ::= "a" b': 'Rule "b" is not defined',
     "root ::= [a-": "Unterminated character class",
