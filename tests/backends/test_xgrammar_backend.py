@@ -24,6 +24,13 @@ PERSON_SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name", "age"],
 }
+LATIN1_SCHEMA = {
+    "type": "object",
+    "properties": {"é9": {"type": "integer"}, "ÿa": {"enum": ["éb"]}},
+    "required": ["é9", "ÿa"],
+    "additionalProperties": False,
+}
+"""Characters U+0080..U+00FF before hex digits: xgrammar prints them as ``\\xHH``, which its parser reads on."""
 NOTE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 TAG_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 LEGACY_TAG = {"structures": [{"begin": "<f=weather>", "schema": TAG_SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
@@ -105,6 +112,7 @@ def json_can_end(schema: Any) -> Callable[[str], bool]:
 WALK_CASES = [
     ("json", PERSON_SCHEMA, '{"name": "Ada", "age": 36}', '{"name": "Ada"}', json_can_end(PERSON_SCHEMA)),
     ("json", {"type": "integer"}, "-120", "12a", json_can_end({"type": "integer"})),
+    ("json", LATIN1_SCHEMA, '{"é9": 1, "ÿa": "éb"}', '{"\u0e99": 1, "ÿa": "éb"}', json_can_end(LATIN1_SCHEMA)),
     ("json_object", None, '{"a": [1, {"b": null}]}', "[1]", json_can_end({"type": "object"})),
     (
         "regex",
