@@ -55,20 +55,18 @@ def lark_to_gbnf(grammar: str, backend_name: str) -> str:
     refuse = _Refusal(backend_name)
     if parsed.ignore:
         refuse("%ignore (terminals allowed between any two tokens)")
-    writer = _GbnfWriter(refuse)
-    names = [name for name, *_ in parsed.rule_defs] + [name for name, _ in parsed.term_defs]
-    if "start" not in names:
+    definitions = [(name, tree) for name, _, tree, _ in parsed.rule_defs]
+    definitions += [(name, tree) for name, (tree, _) in parsed.term_defs]
+    if "start" not in (name for name, _ in definitions):
         raise GrammarSpecError(f"{_INVALID_LARK}: it has no 'start' rule, where generation begins")
-    lines = []
-    for name, params, tree, _ in parsed.rule_defs:
+    declared = [name for name, tree in definitions if tree is None]  # Lark itself refuses undefined names
+    if declared:
+        refuse(f"%declare ({', '.join(declared)}: names no rule defines)")
+    for name, params, _, _ in parsed.rule_defs:
         if params:
-            refuse(f"the template rule {name}{{{', '.join(params)}}}")
-        lines.append(f"{writer.rule_name(name)} ::= {writer.expansions(tree)}")
-    for name, (tree, _) in parsed.term_defs:
-        lines.append(f"{writer.rule_name(name)} ::= {writer.expansions(tree)}")
-    undefined = sorted(writer.referenced - {writer.rule_name(name) for name in names})
-    if undefined:
-        refuse(f"%declare or undefined terminals ({', '.join(undefined)})")
+            refuse(f"template rule {name}{{{', '.join(params)}}}")
+    writer = _GbnfWriter(refuse)
+    lines = [f"{writer.rule_name(name)} ::= {writer.expansions(tree)}" for name, tree in definitions]
     return "\n".join(lines) + "\n"
 
 
@@ -81,11 +79,10 @@ class _Refusal:
 
 
 class _GbnfWriter:
-    """Writes the trees of ``lark.load_grammar`` as GBNF expressions; ``referenced``: the rule names used."""
+    """Writes the trees of ``lark.load_grammar`` as GBNF expressions."""
 
     def __init__(self, refuse: _Refusal) -> None:
         self.refuse = refuse
-        self.referenced: set[str] = set()
 
     @staticmethod
     def rule_name(name: str) -> str:
@@ -98,7 +95,6 @@ class _GbnfWriter:
 
     def expression(self, node: object) -> str:
         if isinstance(node, NonTerminal | Terminal):
-            self.referenced.add(self.rule_name(node.name))
             return self.rule_name(node.name)
         if not isinstance(node, Tree):
             raise GrammarSpecError(f"invalid Lark grammar: unexpected {node!r}")

@@ -224,6 +224,13 @@ MALFORMED_CASES = [
     ("ebnf", 'root ::= item\nitem ::= "a" | missing', ["EBNF", 'Rule "missing" is not defined']),
     ("ebnf", 'start ::= "a"', ["EBNF", 'root rule with name "root" is not found']),
     ("ebnf", 'root ::= "a', ["EBNF", "string literal"]),
+    ("ebnf", 'start: "a" WS\n%import common.WS\n%ignore WS', ["cannot take the Lark grammar's %ignore"]),
+    ("ebnf", 'start: "a"i', ["cannot take the Lark grammar's case-insensitive literal"]),
+    ("ebnf", "start: /a/i", ["cannot take the Lark grammar's regex flags"]),
+    ("ebnf", 'start: "a" X\n%declare X', ["cannot take the Lark grammar's %declare (X"]),
+    ("ebnf", 'start: x{"a"}\nx{p}: p', ["cannot take the Lark grammar's template rule x{p}"]),
+    ("ebnf", 'start: %json {"type": "integer"}', ["llguidance's extension %json", "--grammar-backend llguidance"]),
+    ("ebnf", 'a: "x"', ["invalid Lark grammar", "no 'start' rule"]),
     (
         "json",
         {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"}]},
