@@ -145,7 +145,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             raise ValueError(
                 "the xgrammar grammar backend cannot restrict JSON whitespace to a regex "
                 "(--constrained-json-whitespace-pattern); use --constrained-json-disable-any-whitespace for "
-                "compact JSON instead, or leave both unset to allow any whitespace"
+                "compact JSON instead, or leave both unset for the default (a line break, then up to 20 spaces or tabs)"
             )
         super().__init__(server_args, vocab_size)
         self.vocabulary = vocabulary or tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
@@ -154,7 +154,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         )
         # xgrammar's default is 8 threads per compile, whatever the machine: one, so that a compile takes one core.
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
-        self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
+        self.is_compact_json = server_args.constrained_json_disable_any_whitespace
         self.compile_processes: CompileProcesses[GrammarKey, GrammarExport] | None = None
         if compile_in_processes and type(self) is XGrammarGrammarBackend:
             self.compile_processes = CompileProcesses(
@@ -217,7 +217,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         18 valid Github_trivial instances that have unlisted properties, but makes compiles up to 250x slower
         at 248k tokens (a GeoJSON schema: 0.1 s strict, 25 s not; measured).
         """
-        if self.any_whitespace:  # the default whitespace (``xgrammar_json_whitespace``)
+        if not self.is_compact_json:  # the default whitespace (``xgrammar_json_whitespace``)
             return self._compile("JSON schema", lambda: _from_ebnf(json_schema_ebnf(key_string)))
         return self._compile(
             "JSON schema",
@@ -274,7 +274,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             except GrammarSpecError as e:
                 raise GrammarSpecError(f"in the structural tag's JSON schema at {pointer}: {e}") from e
             is_plain_json = set(node) <= {"type", "json_schema", "style"} and node.get("style") in (None, "json")
-            if self.any_whitespace and is_plain_json:  # the default whitespace, as a grammar of its own
+            if not self.is_compact_json and is_plain_json:  # the default whitespace, as a grammar of its own
                 return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(schema))}
             return {**node, "json_schema": schema}
         token, decoded = node.get("token") if node.get("type") == "token" else None, self.vocabulary.decoded_vocab
