@@ -62,8 +62,8 @@ class AutoChoiceCounts:
 
 
 class AutoGrammarBackend(BaseGrammarBackend):
-    """Asks the backends of ``server_args.grammar_backend_order`` in turn, the next one beside a slow one; the first
-    exact grammar wins.
+    """Asks the backends of ``server_args.grammar_backend_order`` in turn (those that take a constraint as written
+    first: llguidance for Lark), the next one beside a slow one; the first exact grammar wins.
 
     ``backends`` maps each name of the order to its backend, in order; ``handover_s``: how long a backend compiles
     alone before the next one starts beside it.
@@ -122,7 +122,7 @@ class AutoGrammarBackend(BaseGrammarBackend):
         The backends start in order, each when the ones before have refused or have compiled ``handover_s``
         alone; the compiles still running when one wins (or at the deadline: ``CompileTimeoutError``) are cancelled.
         """
-        waiting = list(self.backends.items())
+        waiting = self._in_preferred_order(key)
         running: dict[str, Future[BaseGrammarObject]] = {}
         started_at: dict[str, float] = {}
         passed_over: list[tuple[str, str]] = []
@@ -154,6 +154,10 @@ class AutoGrammarBackend(BaseGrammarBackend):
             for future in running.values():
                 future.cancel()
         return None, None, passed_over
+
+    def _in_preferred_order(self, key: GrammarKey) -> list[tuple[str, BaseGrammarBackend]]:
+        """The backends of the order, those that take ``key`` as written first (``takes_as_written``)."""
+        return sorted(self.backends.items(), key=lambda item: not item[1].takes_as_written(key))
 
     @property
     def can_share_grammars(self) -> bool:

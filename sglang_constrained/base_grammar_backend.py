@@ -255,6 +255,11 @@ class BaseGrammarBackend:
     def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
         return self._unsupported("structural_tag")
 
+    def takes_as_written(self, key: GrammarKey) -> bool:
+        """Whether this backend compiles ``key``'s spec in its own syntax, with no conversion first (a Lark grammar
+        for llguidance, GBNF for xgrammar); ``--grammar-backend auto`` asks such backends first."""
+        return False
+
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         """Refuse schema features this backend would otherwise ignore; raises ``GrammarSpecError``."""
 

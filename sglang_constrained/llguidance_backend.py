@@ -31,9 +31,12 @@ from sglang_constrained.base_grammar_backend import (
     common_prefix_length,
 )
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
-from sglang_constrained.constraint_spec import check_schema_is_valid
+from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.json_whitespace import json_whitespace_pattern
+from sglang_constrained.lark_grammar import is_lark_grammar
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
+from sglang_constrained.structural_tag_lark import structural_tag_to_lark
 from triton_ops.bitmask_format import allowed_token_ids, words_per_row
 
 if TYPE_CHECKING:
@@ -200,8 +203,9 @@ class GuidanceGrammar(BaseGrammarObject):
 class GuidanceBackend(BaseGrammarBackend):
     """Compiles constraints with llguidance over one ``LLTokenizer`` shared by every grammar.
 
-    JSON whitespace: flexible by default, none with ``constrained_json_disable_any_whitespace``, or
-    ``constrained_json_whitespace_pattern``; a schema's own ``x-guidance`` options override these.
+    JSON whitespace (``json_whitespace``): what a reader would write by default, none with
+    ``constrained_json_disable_any_whitespace``, or ``constrained_json_whitespace_pattern``; a schema's own
+    ``x-guidance`` options override these.
     """
 
     name = "llguidance"
@@ -230,24 +234,34 @@ class GuidanceBackend(BaseGrammarBackend):
         return self._build(LLMatcher.grammar_from_regex(key_string), "regex")
 
     def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
-        """GBNF (xgrammar / llama.cpp syntax, root rule ``root``) if any line defines a rule with ``::=``, else Lark."""
-        lark = key_string
-        if _GBNF_RULE.search(key_string):
-            _check_gbnf_rules(key_string)
-            try:
-                lark = gbnf_to_lark(key_string)
-            except Exception as e:  # the converter raises bare Exceptions for grammar errors
-                raise GrammarSpecError(f"cannot convert the GBNF grammar: {_clean_message(str(e))}") from e
-        return self._build(LLMatcher.grammar_from_lark(lark), "ebnf grammar", hint=_EBNF_HINT)
+        """Lark (rule ``start``) as written, or GBNF (root rule ``root``) converted, told apart as vLLM does."""
+        return self._build(LLMatcher.grammar_from_lark(self._lark(key_string)), "ebnf grammar", hint=_EBNF_HINT)
 
     def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
-        """The ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`` form only.
+        """xgrammar's ``format`` form (``structural_tag_lark``) or the ``{"structures": [{"begin", "schema", "end"}],
+        "triggers": [...]}`` form, where each structure takes the longest trigger its ``begin`` starts with.
+        Triggers are matched as text, so a trigger spelled like a special token (``<tool_call>``) is produced from
+        ordinary tokens, never the special one."""
+        spec = json.loads(key_string)
+        if "format" in spec:
+            lark = structural_tag_to_lark(spec, self._tag_schema, self._lark)
+        else:
+            lark = StructTag.to_grammar(_struct_tags(spec, self._tag_schema), assume_special=False)
+        grammar = lark if lark.startswith("{") else LLMatcher.grammar_from_lark(lark)  # JSON: nested grammars
+        return self._build(grammar, "structural tag")
 
-        Each structure takes the longest trigger its ``begin`` starts with. Triggers are matched as text, so a
-        trigger spelled like a special token (``<tool_call>``) is produced from ordinary tokens, never the special one.
-        """
-        lark = StructTag.to_grammar(_struct_tags(json.loads(key_string), self._tag_schema), assume_special=False)
-        return self._build(LLMatcher.grammar_from_lark(lark), "structural tag")
+    def takes_as_written(self, key: GrammarKey) -> bool:
+        return key[0] == "ebnf" and is_lark_grammar(key[1])
+
+    def _lark(self, grammar: str) -> str:
+        """A grammar's Lark: itself, or its GBNF converted."""
+        if is_lark_grammar(grammar):
+            return grammar
+        _check_gbnf_rules(grammar)
+        try:
+            return gbnf_to_lark(grammar)
+        except Exception as e:  # the converter raises bare Exceptions for grammar errors
+            raise GrammarSpecError(f"cannot convert the GBNF grammar: {_clean_message(str(e))}") from e
 
     def _tag_schema(self, schema: Any) -> dict[str, Any]:
         """A structure's schema, checked like a JSON constraint, carrying this backend's JSON options."""
@@ -333,17 +347,11 @@ def _check_gbnf_rules(grammar: str) -> None:
 
 
 def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:
-    """llguidance JSON options for the server's whitespace flags; raises ValueError for a conflict or a bad regex."""
-    pattern = server_args.constrained_json_whitespace_pattern
-    if server_args.constrained_json_disable_any_whitespace:
-        if pattern is not None:
-            raise ValueError(
-                "--constrained-json-whitespace-pattern and --constrained-json-disable-any-whitespace conflict; "
-                "set at most one"
-            )
+    """llguidance JSON options for the server's whitespace flags (``json_whitespace``); raises ValueError for a
+    conflict or a bad regex."""
+    pattern = json_whitespace_pattern(server_args)
+    if not pattern:
         return _COMPACT_JSON.copy()
-    if pattern is None:
-        return {"whitespace_flexible": True}
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({}, defaults={"whitespace_pattern": pattern}))
     if error:
         raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regex: {_clean_message(error)}")
@@ -352,11 +360,6 @@ def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:
 
 def _struct_tags(spec: dict[str, Any], tag_schema: Callable[[Any], dict[str, Any]]) -> list[StructTag]:
     """StructTags for a structures/triggers spec (``tag_schema`` checks each schema); raises GrammarSpecError."""
-    if "format" in spec:
-        raise GrammarSpecError(
-            "the llguidance grammar backend supports only the structures/triggers form of structural tags "
-            '({"structures": [{"begin", "schema", "end"}], "triggers": [...]}), not the "format" form'
-        )
     if spec.get("type", "structural_tag") != "structural_tag":
         raise GrammarSpecError(f"a structural tag's type must be 'structural_tag', not {str(spec['type'])[:40]!r}")
     structures, triggers = spec.get("structures"), spec.get("triggers")

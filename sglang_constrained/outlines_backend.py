@@ -28,26 +28,12 @@ from outlines_core.json_schema import build_regex_from_schema
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarBackendArgs
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.json_whitespace import OUTLINES_JSON_WHITESPACE_PATTERN, json_whitespace_pattern
 from sglang_constrained.outlines_schema_rules import outlines_narrowing, refuse_outlines_unsupported
 from sglang_constrained.vocabulary import tokenizer_vocabulary
 from triton_ops.bitmask_format import allocate_bitmask, set_token_bits, token_word_bits, words_per_row
 
-DEFAULT_JSON_WHITESPACE_PATTERN = r"[ \t\n\r]*"
-"""JSON's own whitespace (RFC 8259 ``ws``): compact, ``json.dumps`` and indented texts all pass."""
-
 MAX_ROLLBACK_TOKENS = 200
-
-
-def json_whitespace_pattern(server_args: GrammarBackendArgs) -> str:
-    """The whitespace regex allowed between JSON tokens; raises ``ValueError`` for contradictory settings."""
-    pattern = server_args.constrained_json_whitespace_pattern
-    if pattern is not None and server_args.constrained_json_disable_any_whitespace:
-        raise ValueError(
-            "set either --constrained-json-whitespace-pattern or --constrained-json-disable-any-whitespace, not both"
-        )
-    if pattern is not None:
-        return pattern
-    return "" if server_args.constrained_json_disable_any_whitespace else DEFAULT_JSON_WHITESPACE_PATTERN
 
 
 @dataclass(frozen=True)
@@ -161,7 +147,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         self, server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
     ) -> None:
         super().__init__(server_args, vocab_size)
-        self.whitespace_pattern = json_whitespace_pattern(server_args)
+        self.whitespace_pattern = json_whitespace_pattern(server_args, OUTLINES_JSON_WHITESPACE_PATTERN)
         if any(not 0 <= token < vocab_size for token in eos_token_ids):
             raise ValueError(f"stop token ids {eos_token_ids} must lie in the model's vocabulary [0, {vocab_size})")
         vocab = tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)

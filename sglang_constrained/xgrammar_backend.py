@@ -33,8 +33,10 @@ from sglang_constrained.compile_processes import CompileProcesses, why_processes
 from sglang_constrained.compile_service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
+from sglang_constrained.xgrammar_json_whitespace import json_schema_ebnf
 from sglang_constrained.xgrammar_schema_rules import (
     XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
     allow_unlisted_properties,
@@ -159,7 +161,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             raise ValueError(
                 "the xgrammar grammar backend cannot restrict JSON whitespace to a regex "
                 "(--constrained-json-whitespace-pattern); use --constrained-json-disable-any-whitespace for "
-                "compact JSON instead, or leave both unset to allow any whitespace"
+                "compact JSON instead, or leave both unset for the default (a line break, then up to 20 spaces or tabs)"
             )
         check_grammar_format()
         super().__init__(server_args, vocab_size)
@@ -169,7 +171,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         )
         # xgrammar's default is 8 threads per compile, whatever the machine: one, so that a compile takes one core.
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
-        self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
+        self.is_compact_json = server_args.constrained_json_disable_any_whitespace
         self.compile_processes: CompileProcesses[tuple[GrammarKey, bool], GrammarExport] | None = None
         if compile_in_processes and type(self) is XGrammarGrammarBackend:
             reason = why_processes_cannot_start()
@@ -251,9 +253,10 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         that have unlisted properties, but makes compiles up to 250x slower at 248k tokens (a GeoJSON schema: 0.1 s
         strict, 25 s not; measured).
         """
-        compact = None if self.any_whitespace else (",", ":")
+        if not self.is_compact_json:  # the default whitespace (``xgrammar_json_whitespace``)
+            return _from_ebnf(json_schema_ebnf(key_string))
         return xgrammar.Grammar.from_json_schema(
-            key_string, any_whitespace=self.any_whitespace, separators=compact, strict_mode=True
+            key_string, any_whitespace=False, separators=(",", ":"), strict_mode=True
         )
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
@@ -262,7 +265,15 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return self._compile("regex", lambda: xgrammar.Grammar.from_regex(key_string))
 
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:
-        return self._compile("EBNF grammar", lambda: xgrammar.Grammar.from_ebnf(key_string, root_rule_name="root"))
+        """GBNF (root rule ``root``), or Lark (rule ``start``) written as GBNF first (``lark_grammar``)."""
+        gbnf = self._gbnf(key_string)
+        return self._compile("EBNF grammar", lambda: _from_ebnf(gbnf))
+
+    def takes_as_written(self, key: GrammarKey) -> bool:
+        return key[0] == "structural_tag" or (key[0] == "ebnf" and not is_lark_grammar(key[1]))
+
+    def _gbnf(self, grammar: str) -> str:
+        return lark_to_gbnf(grammar, self.name) if is_lark_grammar(grammar) else grammar
 
     def dispatch_structural_tag(self, key_string: str) -> XGrammarGrammar:
         """Accepts xgrammar's ``{"type": "structural_tag", "format": ...}`` and the legacy ``structures`` form."""
@@ -290,12 +301,18 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             return [self._prepared_tag(item, f"{pointer}/{index}") for index, item in enumerate(node)]
         if not isinstance(node, dict):
             return node
+        if node.get("type") == "grammar" and isinstance(node.get("grammar"), str):
+            return {**node, "grammar": self._gbnf(node["grammar"])}
         if node.get("type") == "json_schema":
             try:
                 check_schema_is_valid(node.get("json_schema"))
-                return {**node, "json_schema": self.prepare_json_schema(node["json_schema"])}
+                schema = self.prepare_json_schema(node["json_schema"])
             except GrammarSpecError as e:
                 raise GrammarSpecError(f"in the structural tag's JSON schema at {pointer}: {e}") from e
+            is_plain_json = set(node) <= {"type", "json_schema", "style"} and node.get("style") in (None, "json")
+            if not self.is_compact_json and is_plain_json:  # the default whitespace, as a grammar of its own
+                return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(schema))}
+            return {**node, "json_schema": schema}
         token, decoded = node.get("token") if node.get("type") == "token" else None, self.vocabulary.decoded_vocab
         if isinstance(token, int) and (not 0 <= token < len(decoded) or decoded[token] == b""):  # blank: special
             raise GrammarSpecError(
@@ -303,6 +320,10 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "(special, padding or out of range) and so is never allowed"
             )
         return {key: self._prepared_tag(value, f"{pointer}/{key}") for key, value in node.items()}
+
+
+def _from_ebnf(ebnf: str) -> xgrammar.Grammar:
+    return xgrammar.Grammar.from_ebnf(ebnf, root_rule_name="root")
 
 
 def _start_compile_process(

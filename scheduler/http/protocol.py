@@ -162,6 +162,7 @@ class StructuredOutputs(Body):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
 class CommonRequest(Body):
@@ -179,6 +180,14 @@ class CommonRequest(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's bookkeeping (``openai_fields.BOOKKEEPING_FIELDS``): accepted, and cannot change the answer
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -269,6 +278,14 @@ class ChatCompletionRequest(CommonRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    # refused unless neutral (``openai_fields.REFUSED_FIELDS``)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(CommonRequest):

@@ -12,7 +12,8 @@ from typing import Any, cast
 
 import msgspec
 
-from scheduler.http.constraint_fields import WHITESPACE_PATTERN_REFUSAL, requested_constraint
+from scheduler.http.constraint_fields import requested_constraint
+from scheduler.http.openai_fields import is_neutral, refuse_unimplemented
 from scheduler.http.protocol import (
     MAX_SCHEDULER_REQUESTS,
     SEED_MODULUS,
@@ -23,25 +24,6 @@ from scheduler.http.protocol import (
 )
 from scheduler.http.tool_calls import ToolPlan, template_messages, with_tools_offered
 from scheduler.io_struct import SamplingParams
-
-UNIMPLEMENTED_FIELDS = (
-    "functions",
-    "function_call",
-    "echo",
-    "suffix",
-    "best_of",
-    "guided_whitespace_pattern",
-)
-"""Fields refused when set to anything but their neutral value (README: "What is refused")."""
-_REFUSAL_REASONS = {
-    "guided_whitespace_pattern": WHITESPACE_PATTERN_REFUSAL,
-    "echo": "prompt logprobs and echoing the prompt are not implemented",
-    "suffix": "inserting text before a suffix is not implemented",
-    "best_of": "use n",
-    "functions": "the deprecated form of tools: send tools",
-    "function_call": "the deprecated form of tool_choice: send tools and tool_choice",
-}
-
 
 BOOLEAN_SCHEMAS = {
     "true": "the JSON schema `true` (any JSON value) is not supported: send {} for any JSON value, or "
@@ -111,10 +93,10 @@ def chat_calls(
 ) -> list[SchedulerCall]:
     """``n`` scheduler requests for a chat completion; without a token limit, the context length bounds it. ``plan``:
     the request's use of its tools (``scheduler.http.tool_calls.tool_plan``)."""
-    _refuse_unimplemented(request)
+    refuse_unimplemented(request)
     for i, message in enumerate(request.messages):
         for name, value in (message.model_extra or {}).items():
-            if not _is_neutral(value):
+            if not is_neutral(value):
                 raise ProtocolError(f"messages[{i}].{name} is not supported by this server", param=f"messages.{name}")
         if message.tool_calls and message.role != "assistant":
             raise ProtocolError(
@@ -144,7 +126,7 @@ def chat_calls(
 
 def completion_calls(request: CompletionRequest, request_id: str, limits: RequestLimits) -> list[SchedulerCall]:
     """``n`` scheduler requests per prompt, in OpenAI's choice order (prompt-major); 16 tokens by default."""
-    _refuse_unimplemented(request)
+    refuse_unimplemented(request)
     prompts = prompt_list(request.prompt)
     if not prompts:
         raise ProtocolError("prompt must not be empty", param="prompt")
@@ -182,7 +164,7 @@ def _sampling_params(
     request: CommonRequest, max_tokens: int, limits: RequestLimits, plan: ToolPlan | None = None
 ) -> SamplingParams:
     """The sampling parameters every choice shares (``for_choice`` sets each one's seed), checked; a tool plan's
-    constraint is the request's (no other may be given beside it)."""
+    constraint is the request's (its answer format, if any, is in the plan)."""
     if request.min_tokens is not None and request.min_tokens > max_tokens:
         message = f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})"
         raise ProtocolError(message, param="min_tokens")
@@ -206,14 +188,8 @@ def _sampling_params(
         )
         if value is not None
     }
-    constraint = requested_constraint(request)
+    constraint = requested_constraint(request)  # checked even where a tool plan's constraint replaces it
     if plan is not None:
-        if constraint:
-            raise ProtocolError(
-                f"tools with tool_choice {plan.mode!r} constrain the output: no other constraint may be given",
-                param="tool_choice",
-                code="multiple_constraints",
-            )
         constraint = plan.constraint()
     params = SamplingParams(
         top_k=request.top_k if request.top_k and request.top_k > 0 else None,
@@ -268,18 +244,3 @@ def check_num_requests(num_prompts: int, n: int) -> None:
             f"{MAX_SCHEDULER_REQUESTS} per request are allowed: send fewer prompts or a smaller n",
             param="n" if n > 1 else "prompt",
         )
-
-
-def _refuse_unimplemented(request: CommonRequest) -> None:
-    for name in UNIMPLEMENTED_FIELDS:
-        if not _is_neutral(getattr(request, name, None)):
-            reason = _REFUSAL_REASONS.get(name, "")
-            raise ProtocolError(
-                f"{name} is not supported by this server" + (f": {reason}" if reason else ""),
-                param=name,
-                code="unsupported_parameter",
-            )
-
-
-def _is_neutral(value: Any) -> bool:
-    return value is None or value is False or value == 0 or value == "none" or value == [] or value == {}

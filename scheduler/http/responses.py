@@ -88,17 +88,24 @@ def chat_completion_body(
 
 
 def chat_message(output: GenerateOutput, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a final output and its finish reason: with tools, the calls read from the text
-    (finish reason ``tool_calls`` when there are any, but ``stop`` for a named function, as OpenAI answers)."""
-    finish_reason = openai_finish_reason(output)
+    """The assistant message of a final output and its finish reason (``chat_finish_reason``): with tools, the calls
+    read from the text."""
     if plan is None:
-        return {"role": "assistant", "content": output.text}, finish_reason
+        return {"role": "assistant", "content": output.text}, openai_finish_reason(output)
     content, calls = plan.parse(output.text)
+    finish_reason = chat_finish_reason(output, plan, has_calls=bool(calls))
     if not calls:
         return {"role": "assistant", "content": content}, finish_reason
-    if finish_reason == "stop" and plan.mode != "named":
-        finish_reason = "tool_calls"
     return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
+
+
+def chat_finish_reason(output: GenerateOutput, plan: ToolPlan | None, has_calls: bool) -> str | None:
+    """OpenAI's finish reason: ``tool_calls`` where calls ended the output, but ``stop`` for a named function (as
+    OpenAI answers)."""
+    reason = openai_finish_reason(output)
+    if has_calls and reason == "stop" and plan is not None and plan.mode != "named":
+        return "tool_calls"
+    return reason
 
 
 def text_completion_body(

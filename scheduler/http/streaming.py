@@ -16,7 +16,8 @@ from scheduler.http.calls import ChoiceRun, FrontendState
 from scheduler.http.logprobs import TokenText, chat_logprobs, completion_logprobs, sglang_logprobs
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.request_conversion import SchedulerCall
-from scheduler.http.responses import chat_message, error_body, generate_result, openai_finish_reason, usage_body
+from scheduler.http.responses import chat_finish_reason, error_body, generate_result, openai_finish_reason, usage_body
+from scheduler.http.tool_call_parser import ToolCallStream
 from scheduler.http.tool_calls import ToolPlan
 from scheduler.io_struct import GenerateOutput, TokenLogprob
 
@@ -64,8 +65,9 @@ class StreamChunks:
 class ChatStreamChunks(StreamChunks):
     """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason.
 
-    With tools (``plan``) the text is held until the end, then sent as a content delta (if any text is not a call)
-    and one ``tool_calls`` delta per call, in OpenAI's shape (``index``, ``id``, ``type``, ``function``)."""
+    With tools (``plan``) each call comes as OpenAI streams it (``tool_call_parser.ToolCallStream``): its ``index``,
+    ``id``, ``type`` and ``name`` first, then its arguments in deltas as they are generated; the text outside calls
+    comes as content deltas."""
 
     OBJECT = "chat.completion.chunk"
 
@@ -82,42 +84,38 @@ class ChatStreamChunks(StreamChunks):
         self.token_text = token_text
         self.started: set[int] = set()
         self.plan = plan
-        self.held: dict[int, GenerateOutput] = {}
+        self.tool_streams: dict[int, ToolCallStream] = {}
+        self.num_calls: dict[int, int] = {}
 
     def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
-        """Logprobs ride with the content delta of their tokens (with an empty delta while text is held back)."""
+        """Logprobs ride with the first delta of their tokens (an empty delta if their text is held back)."""
         chunks = []
         if index not in self.started:
             self.started.add(index)
-            chunks.append(self._choice(index, {"role": "assistant", "content": ""}, None))
+            # with tools the message may be calls only, whose content is null (as OpenAI streams it)
+            role = {"role": "assistant", "content": "" if self.plan is None else None}
+            chunks.append(self._choice(index, role, None))
+        logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
         if self.plan is not None:
-            return chunks + self._tool_chunks(index, output, self.plan)
-        if output.text or output.logprobs:
-            logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
-            chunks.append(self._choice(index, {"content": output.text}, None, logprobs))
+            deltas = self._tool_deltas(index, output, self.plan)
+        else:
+            deltas = [{"content": output.text}] if output.text else []
+        if logprobs is not None and not deltas:
+            deltas = [{}]
+        for position, delta in enumerate(deltas):
+            chunks.append(self._choice(index, delta, None, logprobs if position == 0 else None))
         if output.finished:
-            chunks.append(self._choice(index, {}, openai_finish_reason(output)))
+            finish_reason = chat_finish_reason(output, self.plan, has_calls=self.num_calls.get(index, 0) > 0)
+            chunks.append(self._choice(index, {}, finish_reason))
         return chunks
 
-    def _tool_chunks(self, index: int, output: GenerateOutput, plan: ToolPlan) -> list[dict[str, Any]]:
-        held = self.held.get(index)
-        if held is not None:
-            output = msgspec.structs.replace(
-                output,
-                text=held.text + output.text,
-                logprobs=None if output.logprobs is None else (held.logprobs or []) + output.logprobs,
-            )
-        self.held[index] = output
-        if not output.finished:
-            return []
-        message, finish_reason = chat_message(output, plan)
-        logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
-        chunks = []
-        if message["content"] or logprobs:
-            chunks.append(self._choice(index, {"content": message["content"] or ""}, None, logprobs))
-        for j, call in enumerate(message.get("tool_calls", [])):
-            chunks.append(self._choice(index, {"tool_calls": [{"index": j, **call}]}, None))
-        return [*chunks, self._choice(index, {}, finish_reason)]
+    def _tool_deltas(self, index: int, output: GenerateOutput, plan: ToolPlan) -> list[dict[str, Any]]:
+        stream = self.tool_streams.setdefault(index, ToolCallStream(plan.shape, plan.named))
+        deltas = stream.deltas(output.text, output.finished)
+        self.num_calls[index] = self.num_calls.get(index, 0) + sum(
+            1 for delta in deltas for call in delta.get("tool_calls", []) if "id" in call
+        )
+        return deltas
 
     def _choice(
         self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None

@@ -315,6 +315,19 @@ def test_every_constraint_kind_holds_through_auto(
     assert result.chosen_backend == "xgrammar"
 
 
+def test_a_lark_grammar_goes_first_to_the_backend_that_takes_it_as_written(
+    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+) -> None:
+    """llguidance compiles Lark itself, so it is asked before xgrammar (the order's first), which would convert it;
+    the same grammar in GBNF stays with xgrammar."""
+    lark = compile_valid(auto, "ebnf", 'start: term ("+" term)*\nterm: /[0-9]+/')
+    gbnf = compile_valid(auto, "ebnf", 'root ::= term ("+" term)*\nterm ::= [0-9]+')
+    for grammar, backend_name in ((lark, "llguidance"), (gbnf, "xgrammar")):
+        assert grammar.grammar_stats is not None
+        assert (grammar.grammar_stats.chosen_backend, grammar.grammar_stats.fallback_reasons) == (backend_name, ())
+        assert accepts_text(grammar, tokenizer_case, "1+22") and not accepts_text(grammar, tokenizer_case, "1++2")
+
+
 @pytest.mark.parametrize("name", list(MASKBENCH_CASES))
 def test_maskbench_cases_match_what_the_records_imply(
     auto: AutoGrammarBackend, known: KnownOutcomes, tokenizer_case: TokenizerSetup, name: str

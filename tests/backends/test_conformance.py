@@ -144,6 +144,13 @@ OWN_CASES = [
         ['{"ok": yes}', '{"ok": true'],
     ),
     (
+        "lark ebnf",
+        "ebnf",
+        'start: item ("," item)*\nitem: NAME | INT | "[" D~2 "]"\nNAME: /[a-z]+/\nD: "0".."9"\n%import common.INT',
+        ["ab,12,[07]", "x"],
+        ["ab,", "[7]", "A", ""],
+    ),
+    (
         "legacy structural tag",
         "structural_tag",
         LEGACY_TAG,
@@ -155,7 +162,7 @@ OWN_CASES = [
         "structural_tag",
         FORMAT_TAG,
         ['Let me check. <f=weather>{"city": "Paris"}</f> Done.', "No call at all."],
-        ['<f=weather>{"town": "Paris"}</f>'],
+        ['<f=weather>{"town": "Paris"}</f>', '<f=weather>{"city": 3}</f>'],
     ),
     (
         "json_object",
@@ -169,7 +176,6 @@ OWN_CASES = [
 UNSUPPORTED = {
     ("outlines", "ebnf"): "does not support ebnf",
     ("outlines", "structural_tag"): "does not support structural_tag",
-    ("llguidance", "structural tag format"): "supports only the structures/triggers form",
 }
 SKIPPED = {
     ("outlines", "json_object"): "an any-JSON index takes 10-36 s and 26-154 MB; test_outlines_backend covers it",

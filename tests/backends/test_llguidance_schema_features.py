@@ -83,7 +83,16 @@ MALFORMED = [
     ("ebnf", 'root ::= ("a"', "cannot convert the GBNF grammar"),
     ("ebnf", 'item ::= "a"', "No 'root' rule"),
     ("ebnf", 'answer: "yes"', "no start rule found"),
-    ("structural_tag", {"type": "structural_tag", "format": {"type": "any_text"}}, "only the structures/triggers"),
+    (
+        "structural_tag",
+        {"type": "structural_tag", "format": {"type": "token", "token": 5}},
+        "cannot compile the structural tag's format 'token' (at /format)",
+    ),
+    (
+        "structural_tag",
+        {"type": "structural_tag", "format": {"type": "sequence", "elements": [{"type": "any_text"}, {"value": "a"}]}},
+        "invalid structural tag at /format/elements/1: a format is an object with a 'type'",
+    ),
     ("structural_tag", {"structures": [], "triggers": ["<f"]}, "non-empty 'structures'"),
     ("structural_tag", {**ONE_TAG, "triggers": ["<tool"]}, "structures[0]: its begin"),
     ("structural_tag", {**ONE_TAG, "triggers": []}, "non-empty 'triggers'"),

@@ -1,6 +1,7 @@
-"""The constraints tool calls are generated under, compiled by the server's backend (xgrammar) on the real SmolLM2
+"""The constraints tool calls are generated under, compiled by xgrammar and llguidance on the real SmolLM2
 vocabulary: a call whose arguments break its function's schema, or that names no offered function, is not an output
-the grammar accepts; the text the grammar accepts is read back as OpenAI's ``tool_calls``."""
+the grammar accepts, and beside an answer format ``auto`` admits calls only or the answer only; the text the grammar
+accepts is read back as OpenAI's ``tool_calls``."""
 
 from __future__ import annotations
 
@@ -34,17 +35,21 @@ TOOLS = [
 ]
 
 
-def plan_for(tool_choice: object, parallel: bool = True) -> ToolPlan:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "tool_choice": tool_choice}
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+
+
+def plan_for(tool_choice: object, parallel: bool = True, **fields: object) -> ToolPlan:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "tool_choice": tool_choice, **fields}
     plan = tool_plan(ChatCompletionRequest.model_validate_json(json.dumps(body | {"parallel_tool_calls": parallel})))
     assert plan is not None
     return plan
 
 
-def accepts(plan: ToolPlan, text: str, setup: TokenizerSetup, build_backend: BackendBuilder) -> bool:
+def accepts(plan: ToolPlan, text: str, setup: TokenizerSetup, backend: object) -> bool:
     ((field, spec),) = plan.constraint().items()
     kind = {"json_schema": "json", "structural_tag": "structural_tag"}[field]
-    grammar = compile_grammar(build_backend("xgrammar", setup), make_grammar_key(kind, spec))
+    grammar = compile_grammar(backend, make_grammar_key(kind, spec))
     return accepts_text(grammar, setup, text)
 
 
@@ -62,21 +67,47 @@ CASES = [
     ("auto", True, f"Let me check.<tool_call>{GOOD_CALL}</tool_call>", True),
     ("auto", True, '<tool_call>{"name": "get_weather", "arguments": {"city": 5}}</tool_call>', False),
     ("auto", True, '<tool_call>{"name": "other", "arguments": {}}</tool_call>', False),
+    ("auto", False, f"<tool_call>{GOOD_CALL}</tool_call> and <tool_call>{GOOD_CALL}</tool_call>", False),
+    ("auto", True, "Let me check.<tool_call> for you", False),
+    ("auto+answer", True, '{"answer": "yes"}', True),
+    ("auto+answer", True, f"<tool_call>{GOOD_CALL}</tool_call>", True),
+    ("auto+answer", True, f"<tool_call>{GOOD_CALL}</tool_call>\n<tool_call>{GOOD_CALL}</tool_call>", True),
+    ("auto+answer", False, f"<tool_call>{GOOD_CALL}</tool_call>\n<tool_call>{GOOD_CALL}</tool_call>", False),
+    ("auto+answer", True, '{"answer": "maybe"}', False),
+    ("auto+answer", True, "It is sunny.", False),
+    ("auto+answer", True, f"Checking.<tool_call>{GOOD_CALL}</tool_call>", False),
+    ("auto+answer", True, f'<tool_call>{GOOD_CALL}</tool_call>{{"answer": "yes"}}', False),
+    ("required+answer", True, f"[{GOOD_CALL}]", True),
+    ("required+answer", True, '{"answer": "yes"}', False),
+    ("named+answer", True, '{"city": "Oslo", "unit": "F"}', True),
 ]
 
 
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize(("mode", "parallel", "text", "accepted"), CASES)
 def test_the_grammar_admits_exactly_the_calls_that_fit_their_schemas(
     smollm2_tokenizer: TokenizerSetup,
     build_backend: BackendBuilder,
+    backend_name: str,
     mode: str,
     parallel: bool,
     text: str,
     accepted: bool,
 ) -> None:
-    choice = {"type": "function", "function": {"name": "get_weather"}} if mode == "named" else mode
-    plan = plan_for(choice, parallel)
-    assert accepts(plan, text, smollm2_tokenizer, build_backend) is accepted
+    """``+answer``: with a response_format, which only ``auto`` lets the model use on this turn."""
+    choice_name = mode.removesuffix("+answer")
+    choice = {"type": "function", "function": {"name": "get_weather"}} if choice_name == "named" else choice_name
+    fields = {"response_format": RESPONSE_FORMAT} if mode.endswith("+answer") else {}
+    plan = plan_for(choice, parallel, **fields)
+    assert accepts(plan, text, smollm2_tokenizer, build_backend(backend_name, smollm2_tokenizer)) is accepted
+
+
+def test_outlines_refuses_a_tag_constraint_naming_itself(
+    smollm2_tokenizer: TokenizerSetup, build_backend: BackendBuilder
+) -> None:
+    ((_, spec),) = plan_for("auto", response_format=RESPONSE_FORMAT).constraint().items()
+    grammar = compile_grammar(build_backend("outlines", smollm2_tokenizer), make_grammar_key("structural_tag", spec))
+    assert "outlines" in getattr(grammar, "error_message", "")
 
 
 def test_accepted_outputs_read_back_as_openai_tool_calls() -> None:

@@ -24,6 +24,13 @@ PERSON_SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name", "age"],
 }
+LATIN1_SCHEMA = {
+    "type": "object",
+    "properties": {"é9": {"type": "integer"}, "ÿa": {"enum": ["éb"]}},
+    "required": ["é9", "ÿa"],
+    "additionalProperties": False,
+}
+"""Characters U+0080..U+00FF before hex digits: xgrammar prints them as ``\\xHH``, which its parser reads on."""
 NOTE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 TAG_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 LEGACY_TAG = {"structures": [{"begin": "<f=weather>", "schema": TAG_SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
@@ -105,6 +112,7 @@ def json_can_end(schema: Any) -> Callable[[str], bool]:
 WALK_CASES = [
     ("json", PERSON_SCHEMA, '{"name": "Ada", "age": 36}', '{"name": "Ada"}', json_can_end(PERSON_SCHEMA)),
     ("json", {"type": "integer"}, "-120", "12a", json_can_end({"type": "integer"})),
+    ("json", LATIN1_SCHEMA, '{"é9": 1, "ÿa": "éb"}', '{"\u0e99": 1, "ÿa": "éb"}', json_can_end(LATIN1_SCHEMA)),
     ("json_object", None, '{"a": [1, {"b": null}]}', "[1]", json_can_end({"type": "object"})),
     (
         "regex",
@@ -216,6 +224,13 @@ MALFORMED_CASES = [
     ("ebnf", 'root ::= item\nitem ::= "a" | missing', ["EBNF", 'Rule "missing" is not defined']),
     ("ebnf", 'start ::= "a"', ["EBNF", 'root rule with name "root" is not found']),
     ("ebnf", 'root ::= "a', ["EBNF", "string literal"]),
+    ("ebnf", 'start: "a" WS\n%import common.WS\n%ignore WS', ["cannot take the Lark grammar's %ignore"]),
+    ("ebnf", 'start: "a"i', ["cannot take the Lark grammar's case-insensitive literal"]),
+    ("ebnf", "start: /a/i", ["cannot take the Lark grammar's regex flags"]),
+    ("ebnf", 'start: "a" X\n%declare X', ["cannot take the Lark grammar's %declare (X"]),
+    ("ebnf", 'start: x{"a"}\nx{p}: p', ["cannot take the Lark grammar's template rule x{p}"]),
+    ("ebnf", 'start: %json {"type": "integer"}', ["llguidance's extension %json", "--grammar-backend llguidance"]),
+    ("ebnf", 'a: "x"', ["invalid Lark grammar", "no 'start' rule"]),
     (
         "json",
         {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"}]},

@@ -126,39 +126,42 @@ def test_auto_and_none(client: openai.OpenAI) -> None:
 
 
 def test_streamed_calls_arrive_as_deltas_and_a_call_result_can_be_sent_back(client: openai.OpenAI) -> None:
+    """OpenAI's streaming: each call's id and name first, then its arguments in several deltas, which add up to the
+    arguments of the same request not streamed."""
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What time is it in Lisbon?"}]
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_tokens=120,
-        stream=True,
-    )
-    deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
-    calls = [call for d in deltas for call in d.delta.tool_calls or []]
-    assert calls and deltas[-1].finish_reason == "tool_calls"
-    assert [call.index for call in calls] == list(range(len(calls)))
-    for call in calls:
-        assert call.function is not None and call.function.name in SCHEMAS
-        jsonschema.validate(json.loads(call.function.arguments or ""), SCHEMAS[call.function.name])
-    first = calls[0]
-    assert first.id is not None and first.function is not None
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 120,
+    }
+    deltas = [chunk.choices[0] for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices]
+    pieces = [call for d in deltas for call in d.delta.tool_calls or []]
+    assert deltas[-1].finish_reason == "tool_calls"
+    header, *argument_pieces = pieces
+    assert header.id and header.function is not None and header.function.name in SCHEMAS
+    assert header.function.arguments == "" and len(argument_pieces) > 1
+    assert all(piece.id is None and piece.index == 0 for piece in argument_pieces)
+    arguments = "".join(piece.function.arguments or "" for piece in argument_pieces if piece.function)
+    jsonschema.validate(json.loads(arguments), SCHEMAS[header.function.name])
+    (unstreamed,) = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
+    assert (unstreamed.function.name, unstreamed.function.arguments) == (header.function.name, arguments)
     follow_up: list[ChatCompletionMessageParam] = [
         *messages,
         {
             "role": "assistant",
             "tool_calls": [
                 {
-                    "id": first.id,
+                    "id": header.id,
                     "type": "function",
-                    "function": {"name": first.function.name or "", "arguments": first.function.arguments or ""},
+                    "function": {"name": header.function.name or "", "arguments": arguments},
                 }
             ],
         },
-        {"role": "tool", "tool_call_id": first.id, "content": '{"time": "14:05"}'},
+        {"role": "tool", "tool_call_id": header.id, "content": '{"time": "14:05"}'},
     ]
     answer = client.chat.completions.create(model=MODEL, messages=follow_up, temperature=0, max_tokens=24)
     assert answer.choices[0].message.content
