@@ -77,7 +77,15 @@ def _compile_kernel(dtype: torch.dtype, threads: int) -> _MaskKernel:
     # Inductor sizes its parallel loop by these tiny example sizes and, at its default minimum chunk, would keep
     # the loop serial whatever ``threads`` says; a minimum of 1 makes the parallel kernel parallel. (The setting
     # is part of inductor's cache key, so no serial artifact cached before can be served for it.)
-    settings = {"cpp.threads": threads, "cpp.min_chunk_size": 1}
+    # Loading a cached kernel would otherwise cost each process ~1.1 s of CPU in subprocesses: a Python interpreter
+    # per vector ISA to try a test library (vec_isa_ok: the ISA is taken from the CPU's flags, as the invariant
+    # kernels' -march=native takes it), and the preprocessing of torch's headers to key a precompiled header.
+    settings = {
+        "cpp.threads": threads,
+        "cpp.min_chunk_size": 1,
+        "cpp.vec_isa_ok": True,
+        "cpp_cache_precompile_headers": False,
+    }
     with torch.no_grad():
         graph = make_fx(_mask_words_fused, tracing_mode="symbolic")(logits, bitmask_words, _TO_SIGN_BIT)
         with inductor_config.patch(settings):
