@@ -1,9 +1,9 @@
 """Start-up of ``python -m scheduler.launch`` with a warm cache, side by side with another checkout.
 
-    python scripts/bench_startup.py [--rounds 3] [--compare ../other-checkout] [-- extra launcher flags]
+    python scripts/bench_startup.py [--rounds 3] [--compare ../other-checkout] [--ranks 2] [-- extra launcher flags]
 
 Each round starts the scheduler of this checkout (and of ``--compare``'s, alternating which goes first), one at a
-time, and measures:
+time (with ``--ranks 2``, under torchrun), and measures:
 
 - ready: seconds from starting the process to its first answer to a ping (what a user restarting a server, and
   each test that starts one, waits for);
@@ -93,9 +93,9 @@ def log_phases(log: str, started: float) -> dict[str, float]:
     return phases
 
 
-def start_once(root: Path, flags: tuple[str, ...]) -> StartUp:
+def start_once(root: Path, flags: tuple[str, ...], ranks: int) -> StartUp:
     started_wall, started = time.time(), time.perf_counter()
-    server = SchedulerProcess(*SERVER_FLAGS, *flags, root=root)
+    server = SchedulerProcess(*SERVER_FLAGS, *flags, ranks=ranks, root=root)
     try:
         server.wait_until_ready()
         ready_s = time.perf_counter() - started
@@ -138,15 +138,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare", type=Path, help="another checkout (the baseline), started alternately")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks under torchrun (1: the launcher alone)")
     parser.add_argument("flags", nargs="*", help="extra launcher flags (after --)")
     args = parser.parse_args(argv)
     roots = {"this": REPO_ROOT} | ({"baseline": args.compare.resolve()} if args.compare else {})
-    print(f"CPU: {describe_cpu()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"CPU: {describe_cpu()}, {os.cpu_count()} cores; {args.ranks} rank(s), flags {list(args.flags)}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     runs: dict[str, list[StartUp]] = {name: [] for name in roots}
     for round_index in range(args.rounds):
         order = list(roots) if round_index % 2 == 0 else list(reversed(roots))
         for name in order:
-            run = start_once(roots[name], tuple(args.flags))
+            run = start_once(roots[name], tuple(args.flags), args.ranks)
             runs[name].append(run)
             print(
                 f"round {round_index + 1} {name}: ready {run.ready_s:.1f} s (CPU {run.cpu_at_ready_s:.1f} s), first "
