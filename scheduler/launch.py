@@ -12,7 +12,9 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
+import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.distributed import (
     DistributedContext,
     RankFailureError,
@@ -20,13 +22,15 @@ from scheduler.distributed import (
     init_distributed,
     tensor_parallel_group,
 )
-from scheduler.http.server import start_http_frontend
 from scheduler.ipc import SchedulerIPC
 from scheduler.model.llamacpp_runner import LlamaCppModelRunner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs
+
+if TYPE_CHECKING:
+    from scheduler.http.server import HttpFrontend
 
 logger = logging.getLogger("scheduler.launch")
 
@@ -36,14 +40,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     server_args.check_world_size(WORLD_SIZE.get())
     dist = init_distributed(WORLD_SIZE.get())
     _configure_logging(server_args, dist)
-    start = time.perf_counter()
-    model_runner: BaseModelRunner = (
-        LlamaCppModelRunner(server_args)
-        if server_args.model_runner == "llamacpp"
-        else ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
-    )
-    scheduler = Scheduler(server_args, model_runner, dist)
-    logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
+    is_leader = dist is None or dist.is_leader
+    # The HTTP frontend starts first, so that its own start (imports, tokenizer) overlaps the model's loading;
+    # meanwhile its requests wait for the scheduler (and /health answers 503).
+    http_frontend = _start_http_frontend(server_args) if is_leader and server_args.port is not None else None
+    try:
+        scheduler = _load(server_args, dist)
+    except BaseException:
+        if http_frontend is not None:
+            http_frontend.stop()
+        raise
 
     def request_stop(signum: int, _: FrameType | None) -> None:
         logger.info("received %s, shutting down", signal.Signals(signum).name)
@@ -51,9 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    is_leader = dist is None or dist.is_leader
     ipc = SchedulerIPC(server_args.zmq_endpoint) if is_leader else None
-    http_frontend = start_http_frontend(server_args) if is_leader and server_args.port is not None else None
     frontend_exit_codes: list[int] = []
 
     def frontend_died(exit_code: int) -> None:
@@ -81,6 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         destroy_distributed(dist)
     logger.info("stopped")
     return exit_code
+
+
+def _load(server_args: ServerArgs, dist: DistributedContext | None) -> Scheduler:
+    start = time.perf_counter()
+    model_runner: BaseModelRunner = (
+        LlamaCppModelRunner(server_args)
+        if server_args.model_runner == "llamacpp"
+        else ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
+    )
+    scheduler = Scheduler(server_args, model_runner, dist)
+    logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
+    return scheduler
+
+
+def _start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
+    """Imported here: a server without ``--port`` (and its compile processes' fork server, which imports this
+    module) need not import the frontend's web stack (0.25 s of CPU)."""
+    from scheduler.http.server import start_http_frontend
+
+    return start_http_frontend(server_args)
 
 
 def _configure_logging(server_args: ServerArgs, dist: DistributedContext | None) -> None:

@@ -75,8 +75,6 @@ class Scheduler:
             model_runner.eos_token_ids,
             think_end_id=think_end_token_id(self.tokenizer, server_args.reasoning_parser),
         )
-        if grammar_backend is not None:
-            grammar_backend.wait_until_ready()
         self.data_parallel = (
             DataParallelReplica(dist, grammar_backend, server_args)
             if dist is not None and server_args.dp_size > 1
@@ -105,7 +103,9 @@ class Scheduler:
             max_rows_per_request=1 + server_args.speculative_num_draft_tokens,
             eos_token_ids=model_runner.eos_token_ids,
         )
-        sampling_info.warm_up()
+        sampling_info.warm_up()  # in the background, beside the compile processes' start that the next line waits for
+        if grammar_backend is not None:
+            grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
         self.executor = BatchExecutor(model_runner, sampling_info, proposer, rank_sync)
         self.waiting_queue: deque[Req] = deque()

@@ -7,6 +7,7 @@ The mask format itself (packing, unpacking, row resets) is ``triton_ops.bitmask_
 from triton_ops.bitmask_cpu import (
     apply_token_bitmask_inplace_cpu,
     apply_token_bitmask_inplace_cpu_eager,
+    start_cpu_bitmask_warm_up,
     warm_up_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import unpack_bitmask
@@ -28,6 +29,7 @@ __all__ = [
     "sample_and_verify",
     "sample_and_verify_npu",
     "sample_and_verify_reference",
+    "start_cpu_bitmask_warm_up",
     "unpack_bitmask",
     "warm_up_cpu_bitmask_kernel",
 ]

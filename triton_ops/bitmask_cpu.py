@@ -9,11 +9,15 @@ The kernel is traced once with symbolic sizes and compiled by ``torch._inductor.
 evaluation and guards, ~13 µs per call, more than masking a 49k-token row takes. With no guards, the callers here
 keep the kernel's contract: contiguous logits and words, the same rows, at most ``vocab // 32`` words.
 Each dtype has a one-thread kernel and a parallel one; ``ThreadChoice`` picks between them per call.
+
+A server compiles them in the background (``start_cpu_bitmask_warm_up``): masking is exact either way, so the eager
+path serves until they are ready, and start-up does not wait seconds for the compile.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -73,7 +77,15 @@ def _compile_kernel(dtype: torch.dtype, threads: int) -> _MaskKernel:
     # Inductor sizes its parallel loop by these tiny example sizes and, at its default minimum chunk, would keep
     # the loop serial whatever ``threads`` says; a minimum of 1 makes the parallel kernel parallel. (The setting
     # is part of inductor's cache key, so no serial artifact cached before can be served for it.)
-    settings = {"cpp.threads": threads, "cpp.min_chunk_size": 1}
+    # Loading a cached kernel would otherwise cost each process ~1.1 s of CPU in subprocesses: a Python interpreter
+    # per vector ISA to try a test library (vec_isa_ok: the ISA is taken from the CPU's flags, as the invariant
+    # kernels' -march=native takes it), and the preprocessing of torch's headers to key a precompiled header.
+    settings = {
+        "cpp.threads": threads,
+        "cpp.min_chunk_size": 1,
+        "cpp.vec_isa_ok": True,
+        "cpp_cache_precompile_headers": False,
+    }
     with torch.no_grad():
         graph = make_fx(_mask_words_fused, tracing_mode="symbolic")(logits, bitmask_words, _TO_SIGN_BIT)
         with inductor_config.patch(settings):
@@ -82,12 +94,15 @@ def _compile_kernel(dtype: torch.dtype, threads: int) -> _MaskKernel:
 
 class _CompiledKernels:
     """The compiled kernel of each dtype and thread count, built on first use; replaced for good by the eager path
-    if that fails."""
+    if that fails. While a background warm-up runs, only its thread compiles: a kernel it has not finished yet is
+    None for every other thread (which then masks with the eager path) rather than a second compile on the caller's
+    thread."""
 
     def __init__(self) -> None:
         self._kernels: dict[tuple[torch.dtype, int], _MaskKernel] = {}
         self.thread_choice = ThreadChoice()
         self.is_unavailable = False
+        self.warm_up_thread: threading.Thread | None = None
 
     def run(self, logits: torch.Tensor, bitmask_words: torch.Tensor, threads: int | None = None) -> bool:
         """Mask ``logits`` in place; False (and nothing written) if the kernel cannot be compiled here.
@@ -111,6 +126,9 @@ class _CompiledKernels:
         key = (dtype, threads)
         kernel = self._kernels.get(key)
         if kernel is None:
+            warming = self.warm_up_thread
+            if warming is not None and warming.is_alive() and warming is not threading.current_thread():
+                return None
             try:
                 kernel = self._kernels[key] = _compile_kernel(dtype, threads)
             # ImportError: a torch without standalone_compile (< 2.8); RuntimeError: no C++ compiler, and every
@@ -219,3 +237,23 @@ def warm_up_cpu_bitmask_kernel(vocab_size: int, dtype: torch.dtype = torch.float
         _COMPILED.run(torch.zeros(1, BITS_PER_WORD, dtype=dtype), allocate_bitmask(1, BITS_PER_WORD), threads)
     apply_token_bitmask_inplace_cpu(torch.zeros(1, vocab_size, dtype=dtype), allocate_bitmask(1, vocab_size))
     return not _COMPILED.is_unavailable
+
+
+def start_cpu_bitmask_warm_up(vocab_size: int, dtype: torch.dtype = torch.float32) -> threading.Thread:
+    """``warm_up_cpu_bitmask_kernel`` on a daemon thread, returned started; until it has compiled a kernel, calls
+    from other threads mask with the eager path (the same bits) instead of compiling it themselves.
+
+    The thread count to compile for is read here: a caller may run torch ops on one thread meanwhile.
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    threads = torch.get_num_threads()
+
+    def warm_up() -> None:
+        torch.set_num_threads(threads)  # a thread's own setting: what the serving thread's calls will ask for
+        warm_up_cpu_bitmask_kernel(vocab_size, dtype)
+
+    thread = threading.Thread(target=warm_up, name="cpu-bitmask-warm-up", daemon=True)
+    _COMPILED.warm_up_thread = thread
+    thread.start()
+    return thread

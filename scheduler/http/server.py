@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 from fastapi import FastAPI
 
+import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.http.app import create_app
 from scheduler.server_args import ServerArgs
 

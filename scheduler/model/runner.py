@@ -14,7 +14,7 @@ import torch
 
 from scheduler.model.kv_cache import KVCacheManager, KVSequence
 from scheduler.model.kv_pool import TokenKVPool
-from scheduler.model.llama import ForwardBatch, LlamaModel
+from scheduler.model.llama import ForwardBatch, LlamaModel, one_torch_thread
 from scheduler.model.loader import load_model
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.model.tensor_parallel import TensorParallelGroup
@@ -37,16 +37,19 @@ class ModelRunner(BaseModelRunner):
     def __init__(self, server_args: ServerArgs, tp: TensorParallelGroup | None = None) -> None:
         tp = tp or TensorParallelGroup()
         invariant_cpu.load(server_args.kernel_build_path)
-        loaded = load_model(server_args, tp.rank, tp.size)
+        matmul_dtype = torch.bfloat16 if server_args.weight_dtype == "bfloat16" else torch.float32
+        with one_torch_thread():  # reading and packing the weights are copies
+            loaded = load_model(server_args, tp.rank, tp.size)
+            self.model = LlamaModel(
+                loaded.config, loaded.weights, server_args.max_seq_len, matmul_dtype, loaded.shard, tp
+            )
         config = loaded.config
         self.device = torch.device("cpu")
-        matmul_dtype = torch.bfloat16 if server_args.weight_dtype == "bfloat16" else torch.float32
         self.tokenizer = loaded.tokenizer
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.max_seq_len = server_args.max_seq_len
         self.row_multiple = invariant_cpu.row_tile()
-        self.model = LlamaModel(config, loaded.weights, self.max_seq_len, matmul_dtype, loaded.shard, tp)
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
             capacity=server_args.max_total_tokens,

@@ -69,11 +69,17 @@ class SchedulerProcess:
     """``python -m scheduler.launch`` on a free loopback port, its output in a log file.
 
     With ``ranks > 1`` it runs under ``torch.distributed.run`` (torchrun). ``extra_paths`` go on PYTHONPATH
-    (for ``--import-module`` and entry-point plugins); ``env`` adds to the environment (``OMP_NUM_THREADS``, say).
+    (for ``--import-module`` and entry-point plugins); ``env`` adds to the environment (``OMP_NUM_THREADS``, say);
+    ``root``: the checkout whose code runs (this one by default; a benchmark may compare another).
     """
 
     def __init__(
-        self, *flags: str, ranks: int = 1, extra_paths: tuple[Path, ...] = (), env: Mapping[str, str] | None = None
+        self,
+        *flags: str,
+        ranks: int = 1,
+        extra_paths: tuple[Path, ...] = (),
+        env: Mapping[str, str] | None = None,
+        root: Path = REPO_ROOT,
     ) -> None:
         self.zmq_port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
@@ -85,12 +91,10 @@ class SchedulerProcess:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
             launcher += ["--master-port", str(free_port()), "-m", "scheduler.launch"]
         command = [*launcher, "--zmq-port", str(self.zmq_port), *flags]
-        python_path = [*map(str, extra_paths), os.environ.get("PYTHONPATH", "")]
+        python_path = [*map(str, extra_paths), str(root), os.environ.get("PYTHONPATH", "")]
         environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(python_path)}
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment
-            )
+            self.process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=environment)
 
     def client(self, timeout_s: float = 600.0) -> SchedulerClient:
         return SchedulerClient(self.endpoint, timeout_s=timeout_s)

@@ -1,8 +1,8 @@
 """Two tensor-parallel ranks under torchrun (``--tp-size 2``, real gloo): each holds a shard of the embedded model,
 the outputs obey their constraints on every grammar backend and match one rank's, and a dead rank ends the group.
 
-The comparison servers run without the prefix cache: a cached prefix changes where a prompt's SDPA prefill ends, and
-so its rounding, by arrival timing; without it both servers compute every prompt the same way.
+The two-rank server runs without the prefix cache; the one-rank reference is the session's shared server
+(``one_rank_server``), its prefix cache flushed before each comparison, as a fresh server's.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.helpers import (
     TEST_SERVER_FLAGS,
     YES_NO_EBNF,
     YES_NO_EBNF_LANGUAGE,
+    flush_prefix_cache,
     is_color,
     is_json_object,
     launch_scheduler,
@@ -139,10 +140,11 @@ def tp2() -> Iterator[SchedulerProcess]:
         yield launched
 
 
-@pytest.fixture(scope="module")
-def tp1() -> Iterator[SchedulerProcess]:
-    with launch_scheduler(*COMPARED) as launched:
-        yield launched
+@pytest.fixture
+def tp1(one_rank_server: SchedulerProcess) -> SchedulerProcess:
+    """One rank with the test flags (the session's server), computing every prompt as a fresh server would."""
+    flush_prefix_cache(one_rank_server)
+    return one_rank_server
 
 
 def test_greedy_outputs_of_two_tp_ranks_are_one_ranks_and_obey_their_constraints(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from triton_ops import (
     apply_token_bitmask_inplace_reference,
     apply_token_bitmask_inplace_triton,
     bitmask_cpu,
+    start_cpu_bitmask_warm_up,
     warm_up_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import ALL_ALLOWED, pack_bool_mask, unpack_bitmask
@@ -284,6 +286,41 @@ def test_a_kernel_that_cannot_compile_falls_back_to_eager(monkeypatch: pytest.Mo
     assert not warm_up_cpu_bitmask_kernel(1024, torch.float16), "the eager path serves instead"
     actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float16)
     assert_same_logits(actual, expected)
+
+
+def test_a_background_warm_up_leaves_other_threads_on_the_eager_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the warm-up thread compiles, a call from another thread masks at once on the eager path (the same
+    bits) rather than compiling too; once the warm-up is done, the compiled kernel serves."""
+    release = threading.Event()
+    compiling_threads: list[threading.Thread] = []
+    compile_kernel, mask_eagerly = bitmask_cpu._compile_kernel, bitmask_cpu._mask_words_eager
+    eager_calls: list[threading.Thread] = []
+
+    def held_compile(dtype: torch.dtype, threads: int) -> object:
+        compiling_threads.append(threading.current_thread())
+        assert release.wait(120), "the test never released the compile"
+        return compile_kernel(dtype, threads)
+
+    def counted_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
+        eager_calls.append(threading.current_thread())
+        mask_eagerly(words, bitmask_words)
+
+    monkeypatch.setattr(bitmask_cpu, "_compile_kernel", held_compile)
+    monkeypatch.setattr(bitmask_cpu, "_mask_words_eager", counted_eager)
+    monkeypatch.setattr(bitmask_cpu, "_COMPILED", bitmask_cpu._CompiledKernels())
+    warm_up = start_cpu_bitmask_warm_up(1024)
+    try:
+        actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float32)
+        assert_same_logits(actual, expected)
+        assert eager_calls == [threading.current_thread()], "the call did not take the eager path"
+    finally:
+        release.set()
+        warm_up.join(300)
+    assert compiling_threads and set(compiling_threads) == {warm_up}, "only the warm-up thread compiles"
+    eager_calls.clear()
+    actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float32)
+    assert_same_logits(actual, expected)
+    assert not eager_calls, "the compiled kernel should serve once the warm-up is done"
 
 
 def test_warm_up_rejects_a_non_positive_vocab() -> None:
