@@ -1,7 +1,8 @@
 """A Llama forward for serving: packed new tokens of several sequences over a KV pool, on the CPU.
 
 It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from the config's rope
-parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases), but takes a
+parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases; Qwen3's RMSNorm of each
+query and key head before RoPE), but takes a
 flat batch of new tokens, writes their K/V into the rows of a token pool, attends over each sequence's rows, and
 returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
 
@@ -95,7 +96,10 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: PackedWeight  # q, k and v projections stacked: one matmul instead of three
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: an RMSNorm weight of head_dim for every query head, another for every key
+    k_norm: torch.Tensor | None
     o_proj: PackedWeight
+    o_bias: torch.Tensor | None  # Qwen3 with attention_bias: added once, after the ranks' sum
     post_norm: torch.Tensor
     gate_up: PackedWeight  # gate and up projections stacked
     down: PackedWeight
@@ -160,12 +164,16 @@ class LlamaModel:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             bias_names = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+            optional = lambda name: weight(name) if name in weights else None  # noqa: E731
             self.layers.append(
                 _Layer(
                     input_norm=weight(f"{p}input_layernorm.weight"),
                     qkv=packed(*(f"{p}self_attn.{x}_proj.weight" for x in "qkv")),
                     qkv_bias=torch.cat([weight(name) for name in bias_names]) if bias_names[0] in weights else None,
+                    q_norm=optional(f"{p}self_attn.q_norm.weight"),
+                    k_norm=optional(f"{p}self_attn.k_norm.weight"),
                     o_proj=packed(f"{p}self_attn.o_proj.weight"),
+                    o_bias=optional(f"{p}self_attn.o_proj.bias"),
                     post_norm=weight(f"{p}post_attention_layernorm.weight"),
                     gate_up=packed(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
                     down=packed(f"{p}mlp.down_proj.weight"),
@@ -178,7 +186,8 @@ class LlamaModel:
         """Bytes of the weights this rank holds in their formats (matmul weights, embedding, norms, biases)."""
         embed = self.embed
         tensors = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
-        tensors += [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None]
+        optional = [(layer.qkv_bias, layer.q_norm, layer.k_norm, layer.o_bias) for layer in self.layers]
+        tensors += [t for layer_tensors in optional for t in layer_tensors if t is not None]
         tensors += [embed.quants, embed.scales] if isinstance(embed, BlockQuantized) else [embed]
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
         return matmuls + sum(t.numel() * t.element_size() for t in tensors)
@@ -226,8 +235,11 @@ class LlamaModel:
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+            qk = qk.reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = self._norm_heads(qk, layer.q_norm, layer.k_norm, threads)
             # q and k heads are rotated together: one RoPE call per layer.
-            qk = _rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qk = _rotate(qk, cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             pool.k[i][batch.new_rows] = k
             pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
@@ -235,11 +247,23 @@ class LlamaModel:
                 q.contiguous(), pool.k[i], pool.v[i], batch.key_rows, batch.key_starts, batch.num_keys, scale, threads
             )
             hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(attention, layer.o_proj, threads))
+            if layer.o_bias is not None:
+                hidden = hidden + layer.o_bias
             x = invariant_cpu.rms_norm(hidden, layer.post_norm, self.eps, threads)
             mlp = invariant_cpu.silu_mul(invariant_cpu.matmul(x, layer.gate_up, threads), threads)
             hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(mlp, layer.down, threads))
         selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
         return self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
+
+    def _norm_heads(self, qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, threads: int) -> torch.Tensor:
+        """Qwen3's RMSNorm of every query and key head ``[T, H + H_kv, D]``: rows of ``head_dim`` through the same
+        kernel as the layer norms, so each head's result is its own whatever shares the forward."""
+        num_tokens = qk.shape[0]
+        q = qk[:, : self.num_heads].reshape(-1, self.head_dim)
+        k = qk[:, self.num_heads :].reshape(-1, self.head_dim)
+        q = invariant_cpu.rms_norm(q, q_norm, self.eps, threads).view(num_tokens, self.num_heads, self.head_dim)
+        k = invariant_cpu.rms_norm(k, k_norm, self.eps, threads).view(num_tokens, self.num_kv_heads, self.head_dim)
+        return torch.cat([q, k], dim=1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids`` ``[T, hidden]``: on several ranks each looks up the ids of its vocabulary

@@ -30,8 +30,9 @@ from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_
 
 logger = logging.getLogger(__name__)
 
-# Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases, Qwen3 an
+# RMSNorm of each query and key head).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants whose frequencies do not depend on the current sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 

@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.loader import check_supported, read_weights
@@ -377,6 +385,8 @@ TINY = dict(
 )
 TINY_MODELS = {
     "qwen2 (q/k/v biases, untied lm_head)": Qwen2Config(**TINY, tie_word_embeddings=False),
+    "qwen3 (q/k head norms, head_dim 32 of 4 heads in 64)": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+    "qwen3 with attention biases": Qwen3Config(**TINY, head_dim=16, attention_bias=True, tie_word_embeddings=False),
     "llama3 rope scaling": LlamaConfig(
         **TINY,
         rope_parameters={
@@ -398,10 +408,14 @@ def test_model_folders_match_transformers(
 ) -> None:
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).eval()
-    if getattr(reference.model.layers[0].self_attn.q_proj, "bias", None) is not None:
-        for layer in reference.model.layers:  # transformers initialises biases to zero: make them count
-            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    for layer in reference.model.layers:  # transformers initialises biases to zero and norms to one: make them count
+        attention = layer.self_attn
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+            if projection.bias is not None:
                 torch.nn.init.normal_(projection.bias, std=0.5)
+        for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)):
+            if norm is not None:
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     reference.save_pretrained(tmp_path)
     runner.tokenizer.save_pretrained(tmp_path)
     tiny = ModelRunner(
