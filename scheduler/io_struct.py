@@ -142,6 +142,8 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True, forbid_unknown_f
     stream: bool = False
     top_logprobs_num: int | None = None
     """None: no logprobs; k >= 0: each output token's logprob and the k most likely tokens' (see ``TokenLogprob``)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template of ``messages`` (Qwen3's ``enable_thinking``)."""
     separate_reasoning: bool = False
     """With ``--reasoning-parser``: outputs carry the think block's text in ``reasoning_text`` and the answer alone
     in ``text``."""

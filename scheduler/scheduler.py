@@ -248,7 +248,9 @@ class Scheduler:
                 raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
             grammar_key = params.grammar_key()
             messages = [msgspec.structs.asdict(m) for m in message.messages] if message.messages is not None else None
-            prompt_ids = self.prompt_encoder.encode(message.text, messages, message.input_ids)
+            prompt_ids = self.prompt_encoder.encode(
+                message.text, messages, message.input_ids, message.chat_template_kwargs
+            )
             self.executor.check_fits(prompt_ids, params.max_new_tokens)
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, str(e))))

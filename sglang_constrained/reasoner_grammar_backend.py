@@ -36,7 +36,7 @@ class ReasonerGrammarObject(BaseGrammarObject):
     Phases: thinking (every token allowed; none is fed to the inner grammar), answering (the inner grammar's mask,
     every token fed to it), and at the first output token of a ``may_think`` start both at once: the inner grammar's
     tokens or the think-start token, which opens the thinking. Once ``thinking_budget`` reasoning tokens are out (the
-    think-start and think-end tokens are not counted), the mask allows the think-end token alone: a forced token,
+    think-start token that opened a ``may_think`` output is not counted), the mask allows the think-end token alone: a forced token,
     which jump-forward appends and speculation drafts, so both stay exact.
 
     ``tokens_after_think_end`` is ``THINKING`` (-1) before the answer starts, and ``k`` once the inner grammar has
@@ -59,7 +59,6 @@ class ReasonerGrammarObject(BaseGrammarObject):
         self.start: ReasoningStart = "thinking" if require_reasoning else "answering"
         self.thinking_budget = thinking_budget
         self._reasoning: list[int] = []
-        self._num_budgeted = 0
         self._inner_tokens: list[int] = []
         self._think_end_bits = token_word_bits([think_end_id])[0]
 
@@ -103,9 +102,17 @@ class ReasonerGrammarObject(BaseGrammarObject):
         return [t for t in output_ids[:num_reasoning] if t not in tags], output_ids[num_reasoning:]
 
     @property
+    def num_budgeted_tokens(self) -> int:
+        """Reasoning tokens the budget counts: all but the think-start token that opened a ``may_think`` output (and
+        the think-end token, after which nothing is counted)."""
+        return len(self._reasoning) - (self.start == "may_think" and bool(self._reasoning))
+
+    @property
     def is_budget_spent(self) -> bool:
         """Thinking, with the budget spent: only the think-end token may come next."""
-        return self.is_thinking and self.thinking_budget is not None and self._num_budgeted >= self.thinking_budget
+        return (
+            self.is_thinking and self.thinking_budget is not None and self.num_budgeted_tokens >= self.thinking_budget
+        )
 
     def maybe_init_reasoning(self, reasoning: bool) -> None:
         """Choose the start phase (thinking or answering); only meaningful before the first token."""
@@ -127,13 +134,9 @@ class ReasonerGrammarObject(BaseGrammarObject):
             if self.is_budget_spent and token != self.think_end_id:
                 raise TokenRejectedError(token, f"the thinking budget of {self.thinking_budget} tokens is spent")
             self._reasoning.append(token)
-            self._num_budgeted += self._counts(token)
         else:
             self.grammar.accept_token(token)
             self._inner_tokens.append(token)
-
-    def _counts(self, token: int) -> int:
-        return int(token not in (self.think_start_id, self.think_end_id))
 
     def rollback(self, k: int) -> None:
         """Undo ``k`` tokens, crossing back over the think-end token into the thinking phase if needed."""
@@ -143,8 +146,7 @@ class ReasonerGrammarObject(BaseGrammarObject):
         if num_inner:
             self.grammar.rollback(num_inner)
             del self._inner_tokens[-num_inner:]
-        for _ in range(k - num_inner):
-            self._num_budgeted -= self._counts(self._reasoning.pop())
+        del self._reasoning[len(self._reasoning) - (k - num_inner) :]
 
     @property
     def num_accepted(self) -> int:
@@ -176,7 +178,7 @@ class ReasonerGrammarObject(BaseGrammarObject):
                 return self.grammar.validate_tokens(tokens)
             i, spent = 1, 0
         elif self.is_thinking:
-            spent = self._num_budgeted
+            spent = self.num_budgeted_tokens
         else:
             return self.grammar.validate_tokens(tokens)
         while i < len(tokens):
@@ -185,7 +187,7 @@ class ReasonerGrammarObject(BaseGrammarObject):
                 return i + 1 + self.grammar.validate_tokens(tokens[i + 1 :])
             if self.thinking_budget is not None and spent >= self.thinking_budget:
                 return i
-            spent += self._counts(token)
+            spent += 1
             i += 1
         return i
 
@@ -196,7 +198,6 @@ class ReasonerGrammarObject(BaseGrammarObject):
         )
         copied.start = self.start
         copied._reasoning = list(self._reasoning)
-        copied._num_budgeted = self._num_budgeted
         for token in self._inner_tokens:
             copied.grammar.accept_token(token)
         copied._inner_tokens = list(self._inner_tokens)
