@@ -132,6 +132,8 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
         library.invariant_isa.restype = ctypes.c_char_p
         library.invariant_row_tile.restype = i32
+        library.invariant_attention_supports.argtypes = [i64, i64]
+        library.invariant_attention_supports.restype = i32
         library.invariant_matmul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
         library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
         library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
@@ -252,8 +254,13 @@ def attention(
     ``rows[row_start[t] : row_start[t] + num_keys[t]]`` (int64). Returns ``[T, H * D]``."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
-    if heads % kv_heads or not (q.is_contiguous() and k_pool.is_contiguous()):
-        raise ValueError(f"attention takes contiguous q {tuple(q.shape)} and pools, H a multiple of H_kv")
+    if heads % kv_heads or not _loaded().invariant_attention_supports(head_dim, heads // kv_heads):
+        raise ValueError(
+            f"attention runs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per KV head; got {head_dim} and "
+            f"{heads} over {kv_heads}"
+        )
+    if not (q.is_contiguous() and k_pool.is_contiguous()):
+        raise ValueError(f"attention takes contiguous q {tuple(q.shape)} and pools")
     if not (v_pool.is_contiguous() and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
         raise ValueError("attention takes contiguous float32 q, k and v")
     for index in (rows, row_start, num_keys):

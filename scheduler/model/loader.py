@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases, Qwen3 an
 # RMSNorm of each query and key head).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# What the attention kernel runs (triton_ops.invariant_cpu.attention).
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+MAX_QUERY_HEADS_PER_KV_HEAD = 8
 # RoPE variants whose frequencies do not depend on the current sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
@@ -92,6 +95,13 @@ def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r} in {model_type}; one of {SUPPORTED_ROPE_TYPES}")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim not in ATTENTION_HEAD_DIMS or heads % kv_heads or heads // kv_heads > MAX_QUERY_HEADS_PER_KV_HEAD:
+        raise ValueError(
+            f"{model_type} has {heads} query heads of {head_dim} over {kv_heads} KV heads; the attention kernel "
+            f"runs head_dim {ATTENTION_HEAD_DIMS} with 1 to {MAX_QUERY_HEADS_PER_KV_HEAD} query heads per KV head"
+        )
     max_positions = getattr(config, "max_position_embeddings", max_seq_len)
     if max_seq_len > max_positions:
         raise ValueError(

@@ -42,7 +42,7 @@ SHAPE: dict[str, Any] = {
 CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True),
     "qwen2-biases": lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=False),
-    "qwen3-head-norms": lambda: Qwen3Config(**SHAPE, head_dim=24, attention_bias=True, tie_word_embeddings=False),
+    "qwen3-head-norms": lambda: Qwen3Config(**SHAPE, head_dim=32, attention_bias=True, tie_word_embeddings=False),
 }
 LOGITS_TOLERANCE = 1e-6
 """Largest difference from one rank's logits, relative to the largest logit: partial sums of o_proj and down reduce

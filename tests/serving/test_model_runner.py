@@ -364,6 +364,11 @@ UNSUPPORTED = {
     ),
     "sliding window": (MistralConfig(sliding_window=64), "sliding-window attention"),
     "too few positions": (LlamaConfig(max_position_embeddings=128), "exceeds the 128 positions"),
+    "head_dim 96": (LlamaConfig(hidden_size=576, num_attention_heads=6), "6 query heads of 96"),
+    "16 query heads per KV head": (
+        LlamaConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=1),
+        "16 query heads of 64 over 1 KV heads",
+    ),
 }
 
 

@@ -194,12 +194,15 @@ static inline V16 vfrom_bf16(const uint16_t* p) { LANEWISE(bf16_to_float(p[l]));
 #undef LANEWISE
 #endif
 
-// The first n < 16 floats of p, zeros after: a tail goes through the same vector code as the full chunks.
-static inline V16 vload_head(const float* p, int64_t n) {
-  alignas(64) float padded[kLanes] = {};
-  memcpy(padded, p, n * sizeof(float));
+// The first n <= 16 floats of p, `fill` after: a tail goes through the same vector code as the full chunks.
+static inline V16 vload_head_fill(const float* p, int64_t n, float fill) {
+  if (n == kLanes) return vload(p);
+  alignas(64) float padded[kLanes];
+  for (int l = 0; l < kLanes; ++l) padded[l] = l < n ? p[l] : fill;
   return vload(padded);
 }
+
+static inline V16 vload_head(const float* p, int64_t n) { return vload_head_fill(p, n, 0.0f); }
 
 static inline void vstore_head(float* p, V16 a, int64_t n) {
   alignas(64) float padded[kLanes];
@@ -226,6 +229,32 @@ static inline float tree_sum(V16 a) {
   for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
   return s[0];
+}
+
+// tree_sum of 16 vectors at once: lane i of the result is tree_sum(a[i]), the same pairings in the same order
+// (IEEE addition is commutative, so only the pairing matters). AVX-512: a network of shuffles, 30 shuffles and
+// 15 additions instead of 16 stores and 240 scalar additions.
+static inline V16 tree_sum16(const V16* a) {
+#if defined(__AVX512F__)
+  __m512 z[8], w[4], v[2];
+  for (int m = 0; m < 8; ++m)  // width 8: lanes 0-7 hold a[2m]'s sums, lanes 8-15 a[2m+1]'s
+    z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m].r, a[2 * m + 1].r, 0x44),
+                         _mm512_shuffle_f32x4(a[2 * m].r, a[2 * m + 1].r, 0xEE));
+  for (int n = 0; n < 4; ++n)  // width 4: 128-bit block k holds a[4n + k]'s
+    w[n] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * n], z[2 * n + 1], 0x88),
+                         _mm512_shuffle_f32x4(z[2 * n], z[2 * n + 1], 0xDD));
+  for (int n = 0; n < 2; ++n)  // width 2: block k holds a[8n + k] in lanes 0-1, a[8n + 4 + k] in lanes 2-3
+    v[n] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0x44),
+                         _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0xEE));
+  // width 1: block k holds a[k], a[4 + k], a[8 + k], a[12 + k]
+  __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(order, r)};
+#else
+  alignas(64) float sums[kLanes];
+  for (int i = 0; i < kLanes; ++i) sums[i] = tree_sum(a[i]);
+  return vload(sums);
+#endif
 }
 
 static inline float tree_max(V16 a) {
@@ -598,6 +627,79 @@ static void block_rows_via_scratch(int32_t format, const float* x, int64_t ldx, 
   for (int64_t r = 0; r < rows; ++r) memcpy(y + (m0 + r) * ldy, acc + r * ldacc, cols * sizeof(float));
 }
 
+// Attention for one (token, KV head) item (see invariant_attention): GROUP query heads of CHUNKS 16-float chunks,
+// in registers. `scores` holds GROUP x L floats.
+template <int GROUP, int CHUNKS>
+static void attend(const float* q, const float* k_pool, const float* v_pool, int64_t row_stride, const int64_t* rows,
+                   int64_t L, float scale, float* scores, float* out) {
+  V16 query[GROUP][CHUNKS];
+  for (int h = 0; h < GROUP; ++h)
+    for (int c = 0; c < CHUNKS; ++c) query[h][c] = vload(q + (h * CHUNKS + c) * kLanes);
+  V16 partials[GROUP][kLanes];
+  for (int64_t j0 = 0; j0 < L; j0 += kLanes) {  // 16 keys at a time
+    const int64_t n = std::min<int64_t>(kLanes, L - j0);
+    for (int64_t jj = 0; jj < kLanes; ++jj) {
+      if (jj >= n) {
+        for (int h = 0; h < GROUP; ++h) partials[h][jj] = vzero();
+        continue;
+      }
+      const float* key = k_pool + rows[j0 + jj] * row_stride;
+      V16 k[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) k[c] = vload(key + c * kLanes);
+      for (int h = 0; h < GROUP; ++h) {
+        V16 partial = vzero();
+        for (int c = 0; c < CHUNKS; ++c) partial = vfma(query[h][c], k[c], partial);
+        partials[h][jj] = partial;
+      }
+    }
+    for (int h = 0; h < GROUP; ++h) vstore_at(scores + h * L, j0, L, vmul(tree_sum16(partials[h]), vset1(scale)));
+  }
+  float inverse[GROUP];
+  for (int h = 0; h < GROUP; ++h) {
+    float* s = scores + h * L;
+    V16 peaks = vset1(-INFINITY);  // max is exact in any order
+    for (int64_t j = 0; j < L; j += kLanes) peaks = vmax(peaks, vload_head_fill(s + j, std::min<int64_t>(kLanes, L - j), -INFINITY));
+    const V16 peak = vset1(tree_max(peaks));
+    V16 totals = vzero();  // lane l sums p_j for j = l mod 16, in order of j; then the fixed tree
+    for (int64_t j = 0; j < L; j += kLanes) {
+      const V16 p = vexp(vsub(vload_at(s, j, L), peak));
+      vstore_at(s, j, L, p);
+      totals = vadd(totals, j + kLanes <= L ? p : vload_head(s + j, L - j));
+    }
+    inverse[h] = 1.0f / tree_sum(totals);
+  }
+  V16 acc[GROUP][CHUNKS];
+  for (int h = 0; h < GROUP; ++h)
+    for (int c = 0; c < CHUNKS; ++c) acc[h][c] = vzero();
+  for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j, each row loaded once
+    const float* value = v_pool + rows[j] * row_stride;
+    for (int c = 0; c < CHUNKS; ++c) {
+      const V16 v = vload(value + c * kLanes);
+      for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
+    }
+  }
+  for (int h = 0; h < GROUP; ++h)
+    for (int c = 0; c < CHUNKS; ++c) vstore(out + (h * CHUNKS + c) * kLanes, vmul(acc[h][c], vset1(inverse[h])));
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*,
+                          float*);
+
+template <int CHUNKS>
+static AttendFn attend_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend<1, CHUNKS>;
+    case 2: return attend<2, CHUNKS>;
+    case 3: return attend<3, CHUNKS>;
+    case 4: return attend<4, CHUNKS>;
+    case 5: return attend<5, CHUNKS>;
+    case 6: return attend<6, CHUNKS>;
+    case 7: return attend<7, CHUNKS>;
+    case 8: return attend<8, CHUNKS>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -656,57 +758,39 @@ void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int6
   });
 }
 
-// Causal attention of query tokens over their own rows of a token KV pool.
+// Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64 or 128, at most 8
+// query heads per KV head: invariant_attention_supports).
 // q [T, H, D]; k_pool, v_pool [R, Hkv, D]; token t attends to the pool rows rows[row_start[t] + j],
 // j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing one KV head.
-// Per token and head: s_j = (q . k_j) * scale (16 partial sums of q[d] k[d], lane d mod 16, then the fixed
-// tree), then p_j = exp(s_j - max s), then out = (sum over j in order of p_j v_j) / (sum over j in order of p_j).
+// Per token and head: s_j = (q . k_j) * scale (16 partial sums of q[d] k[d], lane d mod 16, each a chain over d
+// in order, then the fixed tree), p_j = exp(s_j - max s), the sum of p_j as 16 partial sums (lane j mod 16, in
+// order of j) and the fixed tree, then out = (sum over j in order of p_j v_j) * (1 / that sum).
 void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
                          int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys,
                          float scale, float* out, int32_t threads) {
   const int64_t group = H / Hkv;
-  const int64_t row_stride = Hkv * D;
-  const int64_t chunks = (D + kLanes - 1) / kLanes;
+  AttendFn attend_one = nullptr;  // the caller pads head_dim to a multiple of 16 and groups to at most 8 heads
+  switch (D) {
+    case 16: attend_one = attend_for_group<1>(group); break;
+    case 32: attend_one = attend_for_group<2>(group); break;
+    case 64: attend_one = attend_for_group<4>(group); break;
+    case 128: attend_one = attend_for_group<8>(group); break;
+  }
+  if (attend_one == nullptr) return;
   int64_t max_keys = 0;
   for (int64_t t = 0; t < T; ++t) max_keys = std::max(max_keys, num_keys[t]);
   parallel_for(T * Hkv, 1, threads, [&](int64_t first, int64_t last) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<V16> acc;
-    scores.resize(group * max_keys);
-    acc.resize(group * chunks);
+    std::vector<float> scores(group * max_keys);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t t = item / Hkv, g = item % Hkv, L = num_keys[t];
-      const int64_t* token_rows = rows + row_start[t];
-      const float* qg = q + (t * H + g * group) * D;
-      for (int64_t j = 0; j < L; ++j) {
-        const float* key = k_pool + token_rows[j] * row_stride + g * D;
-        for (int64_t h = 0; h < group; ++h) {
-          V16 partial = vzero();
-          for (int64_t c = 0; c < chunks; ++c)
-            partial = vfma(vload_at(qg + h * D, c * kLanes, D), vload_at(key, c * kLanes, D), partial);
-          scores[h * L + j] = tree_sum(partial) * scale;
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * L;
-        float peak = -INFINITY;
-        for (int64_t j = 0; j < L; ++j) peak = s[j] > peak ? s[j] : peak;
-        for (int64_t j = 0; j < L; j += kLanes) vstore_at(s, j, L, vexp(vsub(vload_at(s, j, L), vset1(peak))));
-        float total = 0.0f;
-        for (int64_t i = 0; i < L; ++i) total += s[i];
-        for (int64_t c = 0; c < chunks; ++c) acc[h * chunks + c] = vzero();
-        for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j; one division at the end
-          const float* value = v_pool + token_rows[j] * row_stride + g * D;
-          V16 p = vset1(s[j]);
-          for (int64_t c = 0; c < chunks; ++c)
-            acc[h * chunks + c] = vfma(p, vload_at(value, c * kLanes, D), acc[h * chunks + c]);
-        }
-        V16 inverse = vset1(1.0f / total);
-        float* o = out + (t * H + g * group + h) * D;
-        for (int64_t c = 0; c < chunks; ++c) vstore_at(o, c * kLanes, D, vmul(acc[h * chunks + c], inverse));
-      }
+      const int64_t t = item / Hkv, g = item % Hkv;
+      attend_one(q + (t * H + g * group) * D, k_pool + g * D, v_pool + g * D, Hkv * D, rows + row_start[t],
+                 num_keys[t], scale, scores.data(), out + (t * H + g * group) * D);
     }
   });
+}
+
+int32_t invariant_attention_supports(int64_t head_dim, int64_t group) {
+  return (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
 }
 
 // out[T, N] = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm orders it.
