@@ -250,7 +250,7 @@ def flush_prefix_cache(process: SchedulerProcess) -> None:
 
 def write_random_model(config: PretrainedConfig, folder: Path, lm_head_scale: float = 0.1) -> None:
     """A Hugging Face folder with random weights of ``config``'s shapes (q/k/v biases for Qwen2; for Qwen3 an RMSNorm
-    weight of each query and key head, and with ``attention_bias`` biases on q/k/v and o_proj). A small untied
+    weight of each query and key head). A small untied
     ``lm_head_scale`` gives nearly even logits, which a request's ``logit_bias`` then steers."""
     generator = torch.Generator().manual_seed(0)
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -276,11 +276,9 @@ def write_random_model(config: PretrainedConfig, folder: Path, lm_head_scale: fl
             f"{p}mlp.up_proj.weight": random(inter, hidden),
             f"{p}mlp.down_proj.weight": random(hidden, inter),
         }
-        if config.model_type == "qwen2" or getattr(config, "attention_bias", False):
+        if config.model_type == "qwen2":
             for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
                 weights[f"{p}self_attn.{name}_proj.bias"] = random(size)
-        if getattr(config, "attention_bias", False):
-            weights[f"{p}self_attn.o_proj.bias"] = random(hidden)
         if config.model_type == "qwen3":
             weights[f"{p}self_attn.q_norm.weight"] = 1 + random(head_dim, scale=0.5)
             weights[f"{p}self_attn.k_norm.weight"] = 1 + random(head_dim, scale=0.5)

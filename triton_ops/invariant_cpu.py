@@ -138,7 +138,19 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
         library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
         library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
-        for name in ("invariant_matmul", "invariant_attention", "invariant_rms_norm", "invariant_silu_mul"):
+        shape, layer, batch = ctypes.POINTER(_ModelShape), ctypes.POINTER(_LayerRef), ctypes.POINTER(_BatchRef)
+        library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
+        library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
+        library.invariant_decoder.argtypes = [shape, layer, i32, batch, ptr, ptr, ptr, i64, i32]
+        for name in (
+            "invariant_matmul",
+            "invariant_attention",
+            "invariant_rms_norm",
+            "invariant_silu_mul",
+            "invariant_attention_block",
+            "invariant_mlp_block",
+            "invariant_decoder",
+        ):
             getattr(library, name).restype = None
         logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
         _library = library
@@ -312,3 +324,189 @@ def silu_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
             gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), threads or torch.get_num_threads()
         )
     return out
+
+
+class _PackedRef(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("format", ctypes.c_int32),
+        ("out_features", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+    ]
+
+
+class _LayerRef(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qkv", _PackedRef),
+        ("o_proj", _PackedRef),
+        ("gate_up", _PackedRef),
+        ("down", _PackedRef),
+    ]
+
+
+class _ModelShape(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _BatchRef(ctypes.Structure):
+    _fields_ = [
+        ("tokens", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("new_rows", ctypes.c_void_p),
+        ("key_rows", ctypes.c_void_p),
+        ("key_starts", ctypes.c_void_p),
+        ("num_keys", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One Llama-style decoder layer's weights: float32 norms (and Qwen2's q/k/v biases, Qwen3's per-head q/k
+    norms), and the four matmul weights packed."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedWeight  # q, k and v projections stacked
+    o_proj: PackedWeight
+    gate_up: PackedWeight  # gate and up projections stacked
+    down: PackedWeight
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecoderBatch:
+    """A forward's tokens for the decoder blocks (int64 CPU tensors): each token's position, the KV pool row its
+    K/V go to, and the rows it attends to (``key_rows[key_starts[t] : key_starts[t] + num_keys[t]]``)."""
+
+    positions: torch.Tensor
+    new_rows: torch.Tensor
+    key_rows: torch.Tensor
+    key_starts: torch.Tensor
+    num_keys: torch.Tensor
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _packed_ref(weight: PackedWeight) -> _PackedRef:
+    return _PackedRef(weight.data.data_ptr(), int(weight.format), weight.out_features, weight.in_features)
+
+
+class Decoder:
+    """The decoder layers as the C++ blocks run them: per layer an attention block (norm, qkv, biases or q/k norms,
+    RoPE, the K/V written to the pool, attention, o_proj) and an MLP block (norm, gate and up, SiLU, down), each
+    returning its output before the residual add; ``run`` does every layer with the adds in one call.
+
+    The same operations, in the same order, as composing this module's kernels in Python: one call per forward
+    instead of ~150 (the ctypes and torch overhead between them was ~2 ms a decode step).
+    """
+
+    def __init__(
+        self,
+        layers: list[DecoderLayer],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        hidden = layers[0].input_norm.shape[0]
+        self.layers = layers  # the structs below point into these tensors
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()
+        self.shape = _ModelShape(hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, head_dim**-0.5)
+        for layer in layers:
+            for norm in (layer.q_norm, layer.k_norm):
+                if norm is not None and norm.shape != (head_dim,):
+                    raise ValueError(f"a per-head norm has {tuple(norm.shape)} weights, not ({head_dim},)")
+        self.refs = (_LayerRef * len(layers))(
+            *(
+                _LayerRef(
+                    layer.input_norm.data_ptr(),
+                    layer.post_norm.data_ptr(),
+                    _pointer(layer.qkv_bias),
+                    _pointer(layer.q_norm),
+                    _pointer(layer.k_norm),
+                    _packed_ref(layer.qkv),
+                    _packed_ref(layer.o_proj),
+                    _packed_ref(layer.gate_up),
+                    _packed_ref(layer.down),
+                )
+                for layer in layers
+            )
+        )
+
+    def _batch(self, batch: DecoderBatch) -> _BatchRef:
+        return _BatchRef(
+            batch.positions.shape[0],
+            batch.positions.data_ptr(),
+            batch.new_rows.data_ptr(),
+            batch.key_rows.data_ptr(),
+            batch.key_starts.data_ptr(),
+            batch.num_keys.data_ptr(),
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+        )
+
+    def run(
+        self, hidden: torch.Tensor, batch: DecoderBatch, k_pool: torch.Tensor, v_pool: torch.Tensor, threads: int
+    ) -> None:
+        """Every layer over contiguous float32 ``hidden`` ``[T, hidden]``, in place; ``k_pool``, ``v_pool``
+        ``[layers, rows, kv_heads, head_dim]``."""
+        self._check(hidden, batch)
+        _loaded().invariant_decoder(
+            ctypes.byref(self.shape), self.refs, len(self.layers), ctypes.byref(self._batch(batch)), hidden.data_ptr(),
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel(), threads,
+        )  # fmt: skip
+
+    def attention_block(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        batch: DecoderBatch,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        threads: int,
+    ) -> torch.Tensor:
+        """Layer ``index``'s attention block over ``hidden``: o_proj's output ``[T, hidden]``, before the residual."""
+        self._check(hidden, batch)
+        out = torch.empty_like(hidden)
+        _loaded().invariant_attention_block(
+            ctypes.byref(self.shape), ctypes.byref(self.refs[index]), ctypes.byref(self._batch(batch)),
+            hidden.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def mlp_block(self, index: int, hidden: torch.Tensor, threads: int) -> torch.Tensor:
+        """Layer ``index``'s MLP block over ``hidden``: down's output ``[T, hidden]``, before the residual."""
+        out = torch.empty_like(hidden)
+        _loaded().invariant_mlp_block(
+            ctypes.byref(self.shape), ctypes.byref(self.refs[index]), hidden.shape[0], hidden.data_ptr(),
+            out.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def _check(self, hidden: torch.Tensor, batch: DecoderBatch) -> None:
+        _check_rows(hidden, self.shape.hidden, "the decoder")
+        if not hidden.is_contiguous() or batch.positions.shape[0] != hidden.shape[0]:
+            raise ValueError("the decoder takes contiguous hidden states, one row per token of the batch")
+        if int(batch.positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"positions reach {int(batch.positions.max())}, past the {self.cos.shape[0]} RoPE rows")

@@ -1,8 +1,8 @@
 """A Llama forward for serving: packed new tokens of several sequences over a KV pool, on the CPU.
 
 It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from the config's rope
-parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases; Qwen3's RMSNorm of each
-query and key head before RoPE), but takes a
+parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases; Qwen3's RMSNorm of
+each query and key head before RoPE), but takes a
 flat batch of new tokens, writes their K/V into the rows of a token pool, attends over each sequence's rows, and
 returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
 
@@ -33,7 +33,7 @@ from scheduler.model.gguf_blocks import BlockQuantized
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import PackedWeight
+from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight
 
 
 @dataclass(frozen=True)
@@ -87,22 +87,6 @@ class ForwardBatch:
             offsets=offsets,
             starts=list(starts),
         )
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One decoder layer: norms and biases as float32 tensors, the four matmul weights packed for the invariant_cpu."""
-
-    input_norm: torch.Tensor
-    qkv: PackedWeight  # q, k and v projections stacked: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3: an RMSNorm weight of head_dim for every query head, another for every key
-    k_norm: torch.Tensor | None
-    o_proj: PackedWeight
-    o_bias: torch.Tensor | None  # Qwen3 with attention_bias: added once, after the ranks' sum
-    post_norm: torch.Tensor
-    gate_up: PackedWeight  # gate and up projections stacked
-    down: PackedWeight
 
 
 class LlamaModel:
@@ -164,30 +148,32 @@ class LlamaModel:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             bias_names = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+            if f"{p}self_attn.o_proj.bias" in weights:
+                raise ValueError("the checkpoint has an o_proj bias (attention_bias), which the decoder blocks lack")
             optional = lambda name: weight(name) if name in weights else None  # noqa: E731
             self.layers.append(
-                _Layer(
+                DecoderLayer(
                     input_norm=weight(f"{p}input_layernorm.weight"),
                     qkv=packed(*(f"{p}self_attn.{x}_proj.weight" for x in "qkv")),
                     qkv_bias=torch.cat([weight(name) for name in bias_names]) if bias_names[0] in weights else None,
                     q_norm=optional(f"{p}self_attn.q_norm.weight"),
                     k_norm=optional(f"{p}self_attn.k_norm.weight"),
                     o_proj=packed(f"{p}self_attn.o_proj.weight"),
-                    o_bias=optional(f"{p}self_attn.o_proj.bias"),
                     post_norm=weight(f"{p}post_attention_layernorm.weight"),
                     gate_up=packed(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
                     down=packed(f"{p}mlp.down_proj.weight"),
                 )
             )
-        self.cos, self.sin = _rope_tables(config, self.head_dim, max_positions)
+        cos, sin = _rope_tables(config, self.head_dim, max_positions)
+        self.decoder = Decoder(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, cos, sin)
 
     @property
     def num_weight_bytes(self) -> int:
         """Bytes of the weights this rank holds in their formats (matmul weights, embedding, norms, biases)."""
         embed = self.embed
         tensors = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
-        optional = [(layer.qkv_bias, layer.q_norm, layer.k_norm, layer.o_bias) for layer in self.layers]
-        tensors += [t for layer_tensors in optional for t in layer_tensors if t is not None]
+        optional = [t for layer in self.layers for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        tensors += [t for t in optional if t is not None]
         tensors += [embed.quants, embed.scales] if isinstance(embed, BlockQuantized) else [embed]
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
         return matmuls + sum(t.numel() * t.element_size() for t in tensors)
@@ -223,47 +209,17 @@ class LlamaModel:
             torch.set_num_threads(threads)
 
     def _forward(self, batch: ForwardBatch, pool: TokenKVPool, threads: int) -> torch.Tensor:
-        num_tokens = batch.input_ids.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        cos = self.cos[batch.positions][:, None, :]
-        sin = self.sin[batch.positions][:, None, :]
-        scale = self.head_dim**-0.5
-        hidden = self._embed(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            x = invariant_cpu.rms_norm(hidden, layer.input_norm, self.eps, threads)
-            qkv = invariant_cpu.matmul(x, layer.qkv, threads)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            qk = qk.reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qk = self._norm_heads(qk, layer.q_norm, layer.k_norm, threads)
-            # q and k heads are rotated together: one RoPE call per layer.
-            qk = _rotate(qk, cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            pool.k[i][batch.new_rows] = k
-            pool.v[i][batch.new_rows] = v.view(num_tokens, self.num_kv_heads, -1)
-            attention = invariant_cpu.attention(
-                q.contiguous(), pool.k[i], pool.v[i], batch.key_rows, batch.key_starts, batch.num_keys, scale, threads
-            )
-            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(attention, layer.o_proj, threads))
-            if layer.o_bias is not None:
-                hidden = hidden + layer.o_bias
-            x = invariant_cpu.rms_norm(hidden, layer.post_norm, self.eps, threads)
-            mlp = invariant_cpu.silu_mul(invariant_cpu.matmul(x, layer.gate_up, threads), threads)
-            hidden = hidden + self.tp.all_reduce(invariant_cpu.matmul(mlp, layer.down, threads))
+        hidden = self._embed(batch.input_ids).contiguous()
+        tokens = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
+        if self.tp.size == 1:
+            self.decoder.run(hidden, tokens, pool.k, pool.v, threads)
+        else:  # the ranks sum each block's output before the residual add
+            for i in range(self.num_layers):
+                attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads)
+                hidden = hidden + self.tp.all_reduce(attention)
+                hidden = hidden + self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads))
         selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
         return self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
-
-    def _norm_heads(self, qk: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, threads: int) -> torch.Tensor:
-        """Qwen3's RMSNorm of every query and key head ``[T, H + H_kv, D]``: rows of ``head_dim`` through the same
-        kernel as the layer norms, so each head's result is its own whatever shares the forward."""
-        num_tokens = qk.shape[0]
-        q = qk[:, : self.num_heads].reshape(-1, self.head_dim)
-        k = qk[:, self.num_heads :].reshape(-1, self.head_dim)
-        q = invariant_cpu.rms_norm(q, q_norm, self.eps, threads).view(num_tokens, self.num_heads, self.head_dim)
-        k = invariant_cpu.rms_norm(k, k_norm, self.eps, threads).view(num_tokens, self.num_kv_heads, self.head_dim)
-        return torch.cat([q, k], dim=1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids`` ``[T, hidden]``: on several ranks each looks up the ids of its vocabulary
@@ -294,13 +250,6 @@ def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dty
         )
     dense = [part.dequantize() if isinstance(part, BlockQuantized) else part.to(torch.float32) for part in parts]
     return invariant_cpu.pack_dense(torch.cat(dense), dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in transformers' layout: the two halves of each head are the rotated pairs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

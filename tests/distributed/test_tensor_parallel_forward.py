@@ -42,7 +42,7 @@ SHAPE: dict[str, Any] = {
 CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True),
     "qwen2-biases": lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=False),
-    "qwen3-head-norms": lambda: Qwen3Config(**SHAPE, head_dim=32, attention_bias=True, tie_word_embeddings=False),
+    "qwen3-head-norms": lambda: Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False),
 }
 LOGITS_TOLERANCE = 1e-6
 """Largest difference from one rank's logits, relative to the largest logit: partial sums of o_proj and down reduce
@@ -110,6 +110,6 @@ def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: in
     assert (ranks[0]["logits"].argmax(-1) == expected.argmax(-1)).all()
     assert [rank["kv_heads"] for rank in ranks] == ([2, 1] if size == 2 else [1, 1, 1])
     replicated = (2 * config.num_hidden_layers + 1) * config.hidden_size  # the layer norms and the final norm
-    if config.model_type == "qwen3":  # the head norms, and o_proj's bias (added once, after the sum)
-        replicated += config.num_hidden_layers * (2 * config.head_dim + config.hidden_size * config.attention_bias)
+    if config.model_type == "qwen3":  # the query and key head norms
+        replicated += config.num_hidden_layers * 2 * config.head_dim
     assert sum(rank["bytes"] for rank in ranks) == single.num_weight_bytes + (size - 1) * replicated * 4

@@ -20,6 +20,8 @@ from transformers import (
 )
 
 from scheduler.model.kv_cache import KVSequence
+from scheduler.model.kv_pool import TokenKVPool
+from scheduler.model.llama import ForwardBatch
 from scheduler.model.loader import check_supported, read_weights
 from scheduler.model.runner import ModelRunner
 from scheduler.model.tensor_parallel import ShardPlan
@@ -28,6 +30,7 @@ from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
 from tests.helpers import assert_rows_invariant
 from triton_ops import invariant_cpu
+from triton_ops.invariant_cpu import DecoderBatch
 
 NUM_STEPS = 16
 NEAR_TIE = 0.05
@@ -259,6 +262,31 @@ def test_the_runners_matmuls_give_each_row_its_result_alone(
 
 
 @pytest.mark.model
+def test_one_decoder_call_computes_what_its_blocks_compute(
+    blocks_runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """The single-rank forward (every layer in one C++ call) and the tensor-parallel one (a call per block, residual
+    adds in torch) give the same hidden states and KV bit for bit."""
+    model = blocks_runner.model
+    tokens = prompts[0] + prompts[1]
+    results = []
+    for fused in (True, False):
+        pool = TokenKVPool(model.num_layers, 128, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+        rows = [pool.allocate(len(prompts[0])), pool.allocate(len(prompts[1]))]
+        batch = ForwardBatch.build(rows, [0, 0], [prompts[0], prompts[1]])
+        decoder_batch = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
+        hidden = model._lookup(torch.tensor(tokens)).contiguous()
+        if fused:
+            model.decoder.run(hidden, decoder_batch, pool.k, pool.v, 2)
+        else:
+            for i in range(model.num_layers):
+                hidden = hidden + model.decoder.attention_block(i, hidden, decoder_batch, pool.k[i], pool.v[i], 2)
+                hidden = hidden + model.decoder.mlp_block(i, hidden, 2)
+        results.append((hidden, pool.k[:, batch.new_rows], pool.v[:, batch.new_rows]))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.model
 def test_a_tokens_logits_do_not_depend_on_its_batch(runner: ModelRunner, prompts: list[list[int]]) -> None:
     """Decoded alone, beside other sequences of other lengths, or verified among other sequences' drafts: the same
     logits bit for bit (matmul rows and attention padding never change a token's rounding)."""
@@ -363,6 +391,7 @@ UNSUPPORTED = {
         "unsupported RoPE type 'dynamic'",
     ),
     "sliding window": (MistralConfig(sliding_window=64), "sliding-window attention"),
+    "qwen3 o_proj bias": (Qwen3Config(attention_bias=True), "unsupported attention_bias in qwen3"),
     "too few positions": (LlamaConfig(max_position_embeddings=128), "exceeds the 128 positions"),
     "head_dim 96": (LlamaConfig(hidden_size=576, num_attention_heads=6), "6 query heads of 96"),
     "16 query heads per KV head": (
@@ -391,7 +420,7 @@ TINY = dict(
 TINY_MODELS = {
     "qwen2 (q/k/v biases, untied lm_head)": Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3 (q/k head norms, head_dim 32 of 4 heads in 64)": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
-    "qwen3 with attention biases": Qwen3Config(**TINY, head_dim=16, attention_bias=True, tie_word_embeddings=False),
+    "qwen3 untied, head_dim 16": Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False),
     "llama3 rope scaling": LlamaConfig(
         **TINY,
         rope_parameters={
@@ -415,7 +444,7 @@ def test_model_folders_match_transformers(
     reference = AutoModelForCausalLM.from_config(config).eval()
     for layer in reference.model.layers:  # transformers initialises biases to zero and norms to one: make them count
         attention = layer.self_attn
-        for projection in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
             if projection.bias is not None:
                 torch.nn.init.normal_(projection.bias, std=0.5)
         for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)):
