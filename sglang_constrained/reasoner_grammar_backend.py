@@ -36,8 +36,8 @@ class ReasonerGrammarObject(BaseGrammarObject):
     Phases: thinking (every token allowed; none is fed to the inner grammar), answering (the inner grammar's mask,
     every token fed to it), and at the first output token of a ``may_think`` start both at once: the inner grammar's
     tokens or the think-start token, which opens the thinking. Once ``thinking_budget`` reasoning tokens are out (the
-    think-start token that opened a ``may_think`` output is not counted), the mask allows the think-end token alone: a forced token,
-    which jump-forward appends and speculation drafts, so both stay exact.
+    think-start token that opened a ``may_think`` output is not counted), the mask allows the think-end token alone:
+    a forced token, which jump-forward appends and speculation drafts, so both stay exact.
 
     ``tokens_after_think_end`` is ``THINKING`` (-1) before the answer starts, and ``k`` once the inner grammar has
     accepted ``k`` tokens. ``num_reasoning_tokens`` counts the output tokens before the answer, tags included.

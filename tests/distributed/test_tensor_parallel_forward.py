@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.client import make_request
 from scheduler.batch_executor import SpeculationStats
+from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput
 from scheduler.model.runner import ModelRunner
 from scheduler.scheduler import Scheduler
@@ -60,7 +60,9 @@ def request(tokenizer: Any, case: dict[str, Any], seed: int = 0) -> dict[str, An
     }
 
 
-def run(runner: ModelRunner, algorithm: str, requests: list[dict[str, Any]]) -> tuple[list[GenerateOutput], SpeculationStats]:
+def run(
+    runner: ModelRunner, algorithm: str, requests: list[dict[str, Any]]
+) -> tuple[list[GenerateOutput], SpeculationStats]:
     runner.kv.flush()
     scheduler = Scheduler(
         ServerArgs(reasoning_parser="qwen3", speculative_algorithm=algorithm, **MODEL_SETTINGS),  # type: ignore[arg-type]
