@@ -267,6 +267,11 @@ class ChatCompletionRequest(CommonRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    # reasoning models (``--reasoning-parser``; ``scheduler.http.reasoning_fields``)
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    thinking_token_budget: int | None = Field(None, ge=0)
+    custom_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(CommonRequest):
@@ -291,6 +296,7 @@ class GenerateRequest(Body):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    separate_reasoning: bool = False
 
     @property
     def is_batch(self) -> bool:

@@ -63,6 +63,7 @@ class StreamChunks:
 
 class ChatStreamChunks(StreamChunks):
     """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason.
+    A think block reported apart (``--reasoning-parser``) comes first, as ``reasoning_content`` deltas.
 
     With tools (``plan``) the text is held until the end, then sent as a content delta (if any text is not a call)
     and one ``tool_calls`` delta per call, in OpenAI's shape (``index``, ``id``, ``type``, ``function``)."""
@@ -90,6 +91,8 @@ class ChatStreamChunks(StreamChunks):
         if index not in self.started:
             self.started.add(index)
             chunks.append(self._choice(index, {"role": "assistant", "content": ""}, None))
+        if output.reasoning_text:
+            chunks.append(self._choice(index, {"reasoning_content": output.reasoning_text}, None))
         if self.plan is not None:
             return chunks + self._tool_chunks(index, output, self.plan)
         if output.text or output.logprobs:
@@ -161,17 +164,22 @@ class GenerateStreamChunks(StreamChunks):
         self.num_top_logprobs = num_top_logprobs
         self.token_text = token_text
         self.texts: dict[int, str] = {}
+        self.reasoning_texts: dict[int, str] = {}
         self.output_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[TokenLogprob]] = {}
 
     def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
         self.texts[index] = self.texts.get(index, "") + output.text
+        reasoning = None
+        if output.reasoning_text is not None:
+            reasoning = self.reasoning_texts[index] = self.reasoning_texts.get(index, "") + output.reasoning_text
         self.output_ids[index] = self.output_ids.get(index, []) + output.token_ids
         self.logprobs[index] = self.logprobs.get(index, []) + (output.logprobs or [])
         fields = None
         if self.num_top_logprobs is not None:
             fields = sglang_logprobs(self.logprobs[index], self.num_top_logprobs, self.token_text)
-        return [generate_result(output, self.output_ids[index], self.texts[index], fields) | {"index": index}]
+        result = generate_result(output, self.output_ids[index], self.texts[index], fields, reasoning)
+        return [result | {"index": index}]
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
