@@ -69,6 +69,8 @@ def reasoning_runner(reasoning_model: Path) -> ModelRunner:
 @pytest.fixture(scope="package")
 def reasoning_server(reasoning_model: Path) -> Iterator[HttpServer]:
     """The HTTP server on the model with ``--reasoning-parser qwen3`` (one start for the package)."""
-    live = HttpServer("--model-path", str(reasoning_model), "--reasoning-parser", "qwen3")
+    live = HttpServer(
+        "--model-path", str(reasoning_model), "--reasoning-parser", "qwen3", "--constrained-json-disable-any-whitespace"
+    )
     with serving(live):
         yield live

@@ -115,9 +115,10 @@ def test_a_model_that_opens_its_thinking_itself(reasoning_server: HttpServer, bi
     """A prompt without ``<think>``: the model opens one (its first token), thinks within the budget, answers."""
     params = {
         "regex": ANSWER,
-        "temperature": 0.0,
+        "temperature": 1.0,
+        "seed": 3,
         "max_new_tokens": 32,
-        "logit_bias": bias(open=100.0),
+        "logit_bias": bias(open=12.0),
         "custom_params": {"thinking_budget": 4},
     }
     result = generate(reasoning_server, sampling_params=params, separate_reasoning=True)

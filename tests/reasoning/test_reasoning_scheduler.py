@@ -27,14 +27,22 @@ pytestmark = pytest.mark.model
 
 ANSWER = "ANSWER: (yes|no)"
 QUESTION = [{"role": "user", "content": "Is 7 a prime number? Think, then answer."}]
+SERVER_BUDGET = 30
+"""``--thinking-budget``: for the requests that set none."""
 RAW_PROMPT = "<|im_start|>user\nIs 7 a prime number?<|im_end|>\n<|im_start|>assistant\n"
 """A Qwen3 hybrid's prompt: no ``<think>`` in it, so the model may open one or answer at once."""
 CASES: dict[str, dict[str, Any]] = {
     "thinks then answers": {"messages": QUESTION, "bias": {"</think>": 10.0}, "temperature": 1.0},
     "never closes: the budget forces it": {"messages": QUESTION, "bias": {"</think>": -100.0}, "budget": 6},
+    "never closes: the server's budget": {"messages": QUESTION, "bias": {"</think>": -100.0}},
     "thinking off (enable_thinking=false)": {"messages": QUESTION, "template": {"enable_thinking": False}},
     "answers without opening <think>": {"text": RAW_PROMPT, "bias": {"<think>": -100.0}},
-    "opens <think> itself, budget spent": {"text": RAW_PROMPT, "bias": {"<think>": 100.0}, "budget": 4},
+    "opens <think> itself, budget spent": {
+        "text": RAW_PROMPT,
+        "bias": {"<think>": 12.0},
+        "temperature": 1.0,
+        "budget": 4,
+    },
     "free request, budget spent": {"messages": QUESTION, "budget": 5, "regex": None},
 }
 
@@ -65,7 +73,9 @@ def run(
 ) -> tuple[list[GenerateOutput], SpeculationStats]:
     runner.kv.flush()
     scheduler = Scheduler(
-        ServerArgs(reasoning_parser="qwen3", speculative_algorithm=algorithm, **MODEL_SETTINGS),  # type: ignore[arg-type]
+        ServerArgs(  # type: ignore[arg-type]
+            reasoning_parser="qwen3", thinking_budget=SERVER_BUDGET, speculative_algorithm=algorithm, **MODEL_SETTINGS
+        ),
         runner,
     )
     try:
@@ -115,6 +125,8 @@ def test_each_way_to_meet_the_gate(outputs: dict[str, tuple[list[GenerateOutput]
     assert thinks[0].reasoning_text != thinks[1].reasoning_text  # n = 2: each seed thinks its own way
     for o in cases["never closes: the budget forces it"]:
         assert o.usage.reasoning_tokens == 6 + 1  # the budget, then the forced </think>
+    for o in cases["never closes: the server's budget"]:
+        assert o.usage.reasoning_tokens == SERVER_BUDGET + 1
     for name in ("thinking off (enable_thinking=false)", "answers without opening <think>"):
         # the answer is the answer, held by the grammar from its first token, and not reported as reasoning
         assert all(o.usage.reasoning_tokens == 0 and o.reasoning_text == "" for o in cases[name])
