@@ -183,3 +183,23 @@ def test_separate_reasoning_off_gives_one_text(reasoning_server: HttpServer, bia
     together = chat(reasoning_server, separate_reasoning=False, **common)["choices"][0]["message"]
     assert together.get("reasoning_content") is None
     assert together["content"].endswith(apart["content"]) and apart["reasoning_content"] in together["content"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"thinking_token_budget": 4, "custom_params": {"thinking_budget": 5}}, "thinking_token_budget", "differ"),
+        ({"custom_params": {"thinking_budget": -1}}, "custom_params", "integer >= 0"),
+        ({"custom_params": {"temperature_schedule": 1}}, "custom_params", "custom logit processor"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "may not set tokenize"),
+    ],
+)
+def test_bad_reasoning_fields_are_refused_by_name(
+    reasoning_server: HttpServer, fields: dict[str, Any], param: str, words: str
+) -> None:
+    response = httpx.post(
+        f"{reasoning_server.url}/v1/chat/completions", json={"messages": MESSAGES, **fields}, timeout=600
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
