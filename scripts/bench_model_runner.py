@@ -9,7 +9,9 @@ alternating which goes first, so their ratio shares the machine's conditions (th
 printed). Each decode or extend is rolled back after it is timed. The memory-bandwidth bound is the bytes a
 decode step streams (every weight once; for llama.cpp, the GGUF file) over the read bandwidth measured here by summing
 a 512 MiB tensor.
-Also prints the greedy tokens the two formats choose after the benchmark's prompts, and where they differ.
+Then, for the default format, decode steps and a k=8 extend on each thread count from 1 to the cores (interleaved):
+what the runner's thread count is chosen by. Also prints the greedy tokens the formats choose after the benchmark's
+prompts, and where they differ.
 Writes JSON (default: results/bench_model_runner.json).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +46,7 @@ GREEDY_PROMPTS = (
 """The demo's questions (and one more), as chats: greedy and unconstrained, where formats can part ways."""
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_model_runner.json"
 BASELINE = "float32"
+DEFAULT_FORMAT = "auto"
 LLAMACPP = "llamacpp"
 
 
@@ -94,6 +98,44 @@ class Measurements:
         return row
 
 
+def time_thread_counts(
+    runner: BaseModelRunner, tokens: Callable[[int], list[int]], context: int, rounds: int
+) -> dict[str, dict[int, float]]:
+    """Median ms of decode steps (B = 1, 8) and a k = 8 extend per thread count, the counts interleaved."""
+    counts = list(range(1, (os.cpu_count() or 1) + 1))
+    contexts = [tokens(context) for _ in range(8)]
+    seqs = [admitted(runner, ctx, 16) for ctx in contexts]
+    runner.prefill(seqs, contexts)
+    cases: dict[str, Callable[[], object]] = {
+        "decode B=1": lambda: runner.decode(seqs[:1], [5]),
+        "decode B=8": lambda: runner.decode(seqs, [5] * 8),
+        "extend k=8": lambda: runner.extend(seqs[0], [5] * 8, all_logits=True),
+    }
+    threads = torch.get_num_threads()
+    results: dict[str, dict[int, float]] = {}
+    try:
+        for name, call in cases.items():
+            samples: dict[int, list[float]] = {count: [] for count in counts}
+            for round_index in range(rounds + 1):
+                for count in counts if round_index % 2 else counts[::-1]:
+                    torch.set_num_threads(count)
+                    started = time.perf_counter()
+                    call()
+                    if round_index:  # the first round warms up
+                        samples[count].append((time.perf_counter() - started) * 1e3)
+                    for seq, ctx in zip(seqs, contexts, strict=True):
+                        runner.truncate(seq, len(ctx))
+            results[name] = {count: statistics.median(times) for count, times in samples.items()}
+            row = results[name]
+            cells = "  ".join(f"{count} threads {ms:6.1f} ms" for count, ms in row.items())
+            print(f"{DEFAULT_FORMAT}, {name:<11} {cells}  ({counts[-1]} over 1: {row[counts[-1]] / row[1]:.2f})")
+    finally:
+        torch.set_num_threads(threads)
+        for seq in seqs:
+            runner.kv.release(seq)
+    return results
+
+
 def admitted(runner: BaseModelRunner, prompt: list[int], reserve: int) -> KVSequence:
     seq = runner.kv.admit(prompt, max_new_tokens=reserve)
     assert seq is not None, "the KV pool is too small for the benchmark"
@@ -123,7 +165,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
-    base = ServerArgs(max_running_requests=max(args.batches), max_seq_len=512, disable_radix_cache=True)
+    base = ServerArgs(max_running_requests=max(*args.batches, 8), max_seq_len=512, disable_radix_cache=True)
     runners: dict[str, BaseModelRunner] = {
         dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
     }
@@ -203,6 +245,8 @@ def main() -> None:
         ratios = "  ".join(f"{key} {value:.2f}" for key, value in row.items() if "_over_" in key)
         print(f"{name:<14} {cells}  {ratios}")
 
+    thread_rows = time_thread_counts(runners[DEFAULT_FORMAT], tokens, args.context, args.rounds)
+
     greedy_report = []
     encoder = PromptEncoder(runners[BASELINE].tokenizer, runners[BASELINE].vocab_size, base.max_seq_len)
     for question in GREEDY_PROMPTS:
@@ -216,7 +260,14 @@ def main() -> None:
         print(f"greedy, {question!r}: the formats choose the same token in {where} of {args.greedy_steps} steps")
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    report = {"bandwidth_gb_s": bandwidth, "bound_ms": bounds, "rows": rows, "greedy": greedy_report}
+    report = {
+        "cpu": describe_cpu(),
+        "bandwidth_gb_s": bandwidth,
+        "bound_ms": bounds,
+        "rows": rows,
+        "threads": thread_rows,
+        "greedy": greedy_report,
+    }
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.output}")
 

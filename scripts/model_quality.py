@@ -1,0 +1,115 @@
+"""What a weight format does to the model's answers: each ``--weight-dtype`` against float32 (transformers' own
+de-quantised weights), on the embedded model.
+
+    python scripts/model_quality.py [--steps 48] [--output PATH]
+
+Prints, per format: perplexity on a fixed English text; the mean KL divergence of its next-token distribution from
+float32's over that text's positions, and the largest logit difference; and, for the demo's prompts as chats, in how
+many greedy steps it picks float32's token (the first step where they part, if any). Writes JSON (default:
+results/model_quality.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from scheduler.model.runner import ModelRunner
+from scheduler.prompt_encoder import PromptEncoder
+from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+from triton_ops.cpu_info import describe_cpu
+
+BASELINE = "float32"
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "model_quality.json"
+TEXT = (
+    "The river rose slowly through the spring, and by the first week of May the lower fields were under water. "
+    "Farmers moved their animals to the hills, and the school in the valley closed for a month. When the water went "
+    "down, it left a layer of fine grey silt over everything: roads, gardens, the floors of houses. Some people "
+    "said the flood was the worst in forty years; others remembered a worse one, when the bridge had been carried "
+    "away. In the autumn the harvest was better than anyone expected, because the silt had made the soil rich. "
+    "The council voted to build a higher wall along the river, and to plant trees on the banks to hold the earth."
+)
+PROMPTS = (
+    "Invent a person as JSON.",
+    "What is your phone number?",
+    "Describe a cat in JSON: name, color and age only.",
+    "Tell me a fun fact about octopuses.",
+    "Write a JSON object for a book with a title, an author and a year.",
+    "List three pets.",
+)
+"""The demo's questions, and two more."""
+
+
+def text_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """Next-token logits after each token of ``tokens`` but the last, from one prefill."""
+    seq = runner.kv.admit(tokens, 1)
+    assert seq is not None
+    first = runner.prefill([seq], [tokens[:1]])
+    rest = runner.extend(seq, tokens[1:-1], all_logits=True)
+    runner.kv.release(seq)
+    return torch.cat([first, rest])
+
+
+def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    seq = runner.kv.admit(prompt, steps)
+    assert seq is not None
+    logits = runner.prefill([seq], [prompt])[0]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = runner.decode([seq], [tokens[-1]])[0]
+    runner.kv.release(seq)
+    return tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=48, help="greedy steps per prompt")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    args = parser.parse_args()
+
+    base = ServerArgs(max_running_requests=1, max_seq_len=512, max_total_tokens=1024, disable_radix_cache=True)
+    runners = {dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)}
+    print(f"CPU {describe_cpu()}")
+    reference = runners[BASELINE]
+    tokens = reference.tokenizer.encode(TEXT)
+    targets = torch.tensor(tokens[1:])
+    encoder = PromptEncoder(reference.tokenizer, reference.vocab_size, base.max_seq_len)
+    prompts = [encoder.encode(messages=[{"role": "user", "content": question}]) for question in PROMPTS]
+    expected_logits = text_logits(reference, tokens).log_softmax(-1)
+    expected_tokens = [greedy(reference, prompt, args.steps) for prompt in prompts]
+    report = {}
+    for dtype, runner in runners.items():
+        logits = text_logits(runner, tokens)
+        logprobs = logits.log_softmax(-1)
+        perplexity = float(torch.exp(-logprobs[torch.arange(len(targets)), targets].mean()))
+        kl = float((expected_logits.exp() * (expected_logits - logprobs)).sum(-1).mean())
+        max_difference = float((logprobs - expected_logits).abs().max())
+        parted = []
+        for prompt, expected in zip(prompts, expected_tokens, strict=True):
+            chosen = greedy(runner, prompt, args.steps)
+            parted.append(
+                next((i for i, pair in enumerate(zip(chosen, expected, strict=True)) if pair[0] != pair[1]), None)
+            )
+        same = sum(args.steps if step is None else step for step in parted)
+        report[dtype] = {
+            "perplexity": perplexity,
+            "mean_kl": kl,
+            "max_logprob_difference": max_difference,
+            "parted_at": parted,
+        }
+        print(
+            f"{dtype:>9}: perplexity {perplexity:.3f}, mean KL from float32 {kl:.2e}, largest log-prob difference "
+            f"{max_difference:.2e}; greedy: float32's token in {same} of {args.steps * len(prompts)} steps "
+            f"(first difference per prompt: {parted})"
+        )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"cpu": describe_cpu(), "formats": report}, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
