@@ -281,7 +281,10 @@ class BatchExecutor:
 
     def _check_finished(self, req: Req, token: int) -> None:
         assert req.text is not None
-        req.text.update(req.output_ids, can_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
+        reasoning_ids, content_ids = req.split_output()
+        req.text.update(content_ids, can_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
+        if req.reasoning_text is not None:
+            req.reasoning_text.update(reasoning_ids)
         grammar = req.ready_grammar
         max_seq_len = self.model_runner.max_seq_len
         if token in self.stop_token_ids(req) or (grammar is not None and grammar.is_terminated()):

@@ -36,9 +36,12 @@ def make_request(
     stream: bool = False,
     rid: str | None = None,
     top_logprobs_num: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    separate_reasoning: bool = False,
 ) -> GenerateReq:
     """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict.
-    ``top_logprobs_num``: None for no logprobs, else how many alternatives per output token.
+    ``top_logprobs_num``: None for no logprobs, else how many alternatives per output token;
+    ``chat_template_kwargs`` and ``separate_reasoning``: see ``GenerateReq``.
 
     A JSON schema or structural tag given as an object travels as its JSON text: msgpack cannot carry integers
     beyond 64 bits, which a schema may hold (the scheduler reads the text as it reads the object).
@@ -63,6 +66,8 @@ def make_request(
         sampling_params=params,
         stream=stream,
         top_logprobs_num=top_logprobs_num,
+        chat_template_kwargs=chat_template_kwargs,
+        separate_reasoning=separate_reasoning,
     )
 
 

@@ -52,6 +52,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     choice: list[str] | None = None
     json_object: bool = False
     require_reasoning: bool = False
+    """With ``--reasoning-parser``: the model may think first; a constraint applies from the think-end token on
+    (False: thinking off, a constraint holds from the first token)."""
+    thinking_budget: int | None = None
+    """With ``require_reasoning``: the most reasoning tokens before the think-end token is forced (None: the server's
+    ``--thinking-budget``)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -71,6 +76,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.thinking_budget is not None and not 0 <= self.thinking_budget < 2**63:
+            raise ValueError("thinking_budget must be >= 0")
         self._validate_adjustments()
         constraints = self.constraint_fields()
         if len(constraints) > 1:
@@ -137,6 +144,11 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True, forbid_unknown_f
     stream: bool = False
     top_logprobs_num: int | None = None
     """None: no logprobs; k >= 0: each output token's logprob and the k most likely tokens' (see ``TokenLogprob``)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template of ``messages`` (Qwen3's ``enable_thinking``)."""
+    separate_reasoning: bool = False
+    """With ``--reasoning-parser``: outputs carry the think block's text in ``reasoning_text`` and the answer alone
+    in ``text``."""
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -182,11 +194,13 @@ class FinishReason(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):
-    """``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
+    """``cached_tokens``: prompt tokens whose KV came from the prefix cache; ``reasoning_tokens``: output tokens of the
+    think block, its tags included (with ``--reasoning-parser``)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_fields=True):
@@ -201,6 +215,9 @@ class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_
     grammar_cache_hit: bool | None = None
     logprobs: list[TokenLogprob] | None = None
     """With ``top_logprobs_num``: one per token of ``token_ids``."""
+    reasoning_text: str | None = None
+    """With ``separate_reasoning``: the think block's text without its tags (new text only, streamed); ``text`` is
+    then the answer alone. None when the request does not separate it."""
 
 
 class ReplicaStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -7,6 +7,7 @@ context is refused before it is tokenised.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 
@@ -31,8 +32,10 @@ class PromptEncoder:
         text: str | None = None,
         messages: list[dict[str, str]] | None = None,
         input_ids: list[int] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of exactly one prompt source; raises ValueError naming what is wrong."""
+        """Token ids of exactly one prompt source; raises ValueError naming what is wrong. ``chat_template_kwargs``:
+        variables the chat template of ``messages`` reads (Qwen3's ``enable_thinking``)."""
         sources = (("text", text), ("messages", messages), ("input_ids", input_ids))
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:
@@ -41,7 +44,7 @@ class PromptEncoder:
         if text is not None:
             ids = list(self.tokenizer.encode(text))
         elif messages is not None:
-            ids = self._apply_chat_template(messages)
+            ids = self._apply_chat_template(messages, chat_template_kwargs or {})
         else:
             ids = list(input_ids or [])
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -68,7 +71,7 @@ class PromptEncoder:
                 f"tokens can be ({self.max_prompt_bytes:,} bytes): shorten it"
             )
 
-    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def _apply_chat_template(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
         if not messages:
             raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
         for message in messages:
@@ -80,5 +83,10 @@ class PromptEncoder:
                 raise ValueError(f"each message needs a 'role' and a 'content' string; got {message!r}"[:200])
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template: send text or input_ids instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        reserved = sorted(set(template_kwargs) & set(inspect.signature(self.tokenizer.apply_chat_template).parameters))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+        )
         return list(ids)

@@ -11,6 +11,7 @@ from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
+from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
 
 
 @dataclass(eq=False)
@@ -22,7 +23,8 @@ class Req:
     ``text`` follows the output as text (stop strings, streaming); ``num_sent_tokens`` / ``sent_text`` track what
     a streaming client has already received. With ``top_logprobs_num`` set, ``output_logprobs`` holds one
     ``TokenLogprob`` per output token. ``sampling_seed`` keys its random draws by output position (its own
-    seed, or one the server drew for it).
+    seed, or one the server drew for it). With ``--reasoning-parser`` and ``separate_reasoning``, ``reasoning_text``
+    follows the think block's text and ``text`` the answer's (``sent_reasoning``: what a streaming client has).
     """
 
     rid: str
@@ -44,6 +46,8 @@ class Req:
     num_cached_tokens: int = 0
     num_sent_tokens: int = 0
     sent_text: str = ""
+    reasoning_text: OutputText | None = None
+    sent_reasoning: str = ""
 
     @property
     def finished(self) -> bool:
@@ -59,6 +63,28 @@ class Req:
     def ready_grammar(self) -> BaseGrammarObject | None:
         """The grammar object, once compiled; None for free requests and while compiling."""
         return self.grammar if isinstance(self.grammar, BaseGrammarObject) else None
+
+    @property
+    def reasoner(self) -> ReasonerGrammarObject | None:
+        grammar = self.ready_grammar
+        return grammar if isinstance(grammar, ReasonerGrammarObject) else None
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """Output tokens of the think block, its tags included (0 without a reasoning gate)."""
+        return self.reasoner.num_reasoning_tokens if self.reasoner is not None else 0
+
+    @property
+    def separates_reasoning(self) -> bool:
+        return self.reasoning_text is not None and self.reasoner is not None
+
+    def split_output(self) -> tuple[list[int], list[int]]:
+        """The output's reasoning tokens (without the think tags) and its answer tokens; all of it is the answer for
+        a request that does not separate its reasoning."""
+        reasoner = self.reasoner
+        if self.reasoning_text is None or reasoner is None:
+            return [], self.output_ids
+        return reasoner.split_output(self.output_ids)
 
     def finish(
         self,

@@ -34,12 +34,13 @@ from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.rank_sync import RankSync
+from scheduler.reasoning_gate import ReasoningGate
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
-from sglang_constrained.reasoner_grammar_backend import think_end_token_id
 from sglang_constrained.registry import create_grammar_backend
+from triton_ops.bitmask_format import VocabMaskLayout
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,14 @@ class Scheduler:
         self.prompt_encoder = PromptEncoder(self.tokenizer, model_runner.vocab_size, model_runner.max_seq_len)
         self.vocab_size = model_runner.vocab_size
         self.dist = dist
+        self.reasoning = ReasoningGate(server_args, self.tokenizer)
         grammar_backend = create_grammar_backend(
             server_args,
             self.tokenizer,
             model_runner.vocab_size,
             model_runner.eos_token_ids,
-            think_end_id=think_end_token_id(self.tokenizer, server_args.reasoning_parser),
+            think_end_id=self.reasoning.think_end_id,
+            think_start_id=self.reasoning.think_start_id,
         )
         self.data_parallel = (
             DataParallelReplica(dist, grammar_backend, server_args)
@@ -95,11 +98,14 @@ class Scheduler:
             row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
         )
+        mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None
+        if mask_layout is None and self.reasoning.enabled:  # free requests that reason are gated by masks too
+            mask_layout = VocabMaskLayout(model_runner.vocab_size)
         sampling_info = SamplingBatchInfo(
             model_runner.vocab_size,
             server_args.max_running_requests,
             model_runner.device,
-            grammar_backend.mask_layout if grammar_backend is not None else None,
+            mask_layout,
             max_rows_per_request=1 + server_args.speculative_num_draft_tokens,
             eos_token_ids=model_runner.eos_token_ids,
         )
@@ -242,7 +248,9 @@ class Scheduler:
                 raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
             grammar_key = params.grammar_key()
             messages = [msgspec.structs.asdict(m) for m in message.messages] if message.messages is not None else None
-            prompt_ids = self.prompt_encoder.encode(message.text, messages, message.input_ids)
+            prompt_ids = self.prompt_encoder.encode(
+                message.text, messages, message.input_ids, message.chat_template_kwargs
+            )
             self.executor.check_fits(prompt_ids, params.max_new_tokens)
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, str(e))))
@@ -265,6 +273,14 @@ class Scheduler:
             ),
             top_logprobs_num=message.top_logprobs_num,
         )
+        if message.separate_reasoning and self.reasoning.enabled:
+            req.reasoning_text = OutputText(
+                self.tokenizer,
+                [],
+                needs_live_text=message.stream,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
         self.live[req.rid] = req
         if not self.grammar_manager.process_req_with_grammar(req):
             self._admit(req)
@@ -279,6 +295,7 @@ class Scheduler:
         if req.finished:
             self._finish(req)
         else:
+            self.reasoning.attach(req)
             self.waiting_queue.append(req)
 
     def _schedule_prefill(self) -> list[Req]:
@@ -304,7 +321,8 @@ class Scheduler:
                 self._finish(req)
             elif req.stream and len(req.output_ids) > req.num_sent_tokens:
                 assert req.text is not None
-                self._send(req, req.text.stable_text(), finished=False)
+                reasoning = req.reasoning_text.stable_text() if req.reasoning_text is not None else None
+                self._send(req, req.text.stable_text(), finished=False, full_reasoning=reasoning)
 
     def _finish(self, req: Req) -> None:
         self.num_finished_requests += 1
@@ -317,16 +335,22 @@ class Scheduler:
             grammar.finished = True
         matched = req.finish_reason.matched if req.finish_reason is not None else None
         ends_with_stop_token = isinstance(matched, int) and matched in self.executor.stop_token_ids(req)
-        text = req.text.final_text(req.output_ids, ends_with_stop_token) if req.text is not None else ""
-        self._send(req, text, finished=True)
+        reasoning_ids, content_ids = req.split_output()
+        ends_with_stop_token = ends_with_stop_token and bool(content_ids)
+        text = req.text.final_text(content_ids, ends_with_stop_token) if req.text is not None else ""
+        reasoning = req.reasoning_text.final_text(reasoning_ids) if req.reasoning_text is not None else None
+        self._send(req, text, finished=True, full_reasoning=reasoning)
 
-    def _send(self, req: Req, full_text: str, finished: bool) -> None:
+    def _send(self, req: Req, full_text: str, finished: bool, full_reasoning: str | None = None) -> None:
+        """Send what is new since the last output (all of it without streaming); ``full_reasoning``: the think
+        block's text so far, for a request that separates it."""
         first_new = req.num_sent_tokens if req.stream else 0
         token_ids = req.output_ids[first_new:]
-        if req.stream:
-            text = full_text[len(req.sent_text) :] if full_text.startswith(req.sent_text) else full_text
-        else:
-            text = full_text
+        text = _new_text(full_text, req.sent_text) if req.stream else full_text
+        reasoning = None
+        if full_reasoning is not None:
+            reasoning = _new_text(full_reasoning, req.sent_reasoning) if req.stream else full_reasoning
+            req.sent_reasoning = full_reasoning
         req.num_sent_tokens = len(req.output_ids)
         req.sent_text = full_text
         output = GenerateOutput(
@@ -339,9 +363,11 @@ class Scheduler:
                 prompt_tokens=len(req.prompt_ids),
                 completion_tokens=len(req.output_ids),
                 cached_tokens=req.num_cached_tokens,
+                reasoning_tokens=req.num_reasoning_tokens,
             ),
             grammar_cache_hit=req.grammar_cache_hit,
             logprobs=req.output_logprobs[first_new:] if req.top_logprobs_num is not None else None,
+            reasoning_text=reasoning,
         )
         self.outbox.append((req.client_id, output))
 
@@ -395,3 +421,8 @@ class Scheduler:
             metrics_text=self.grammar_manager.metrics.render(),
         )
         return pong if self.data_parallel is None else self.data_parallel.group_pong(pong, self._status())
+
+
+def _new_text(full_text: str, sent_text: str) -> str:
+    """What a streaming client lacks of ``full_text`` (all of it if what it has is no longer a prefix)."""
+    return full_text[len(sent_text) :] if full_text.startswith(sent_text) else full_text

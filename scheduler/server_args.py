@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from sglang_constrained.reasoning_formats import REASONING_FORMATS
 from sglang_constrained.registry import available_grammar_backends, check_grammar_backend_order
 
 T = TypeVar("T")
@@ -87,6 +88,7 @@ class ServerArgs:
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
     reasoning_parser: str | None = None
+    thinking_budget: int | None = None
     max_running_requests: int = 32
     max_seq_len: int = 2048
     max_total_tokens: int = 65536
@@ -156,6 +158,10 @@ class ServerArgs:
                 f"unknown grammar backend {self.grammar_backend!r}; choose one of {available_grammar_backends()}"
             )
         check_grammar_backend_order(self.grammar_backend_order)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_FORMATS:
+            raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_FORMATS)}")
+        if self.thinking_budget is not None and self.thinking_budget < 0:
+            raise ValueError("--thinking-budget must be 0 or more")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}")
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -245,7 +251,16 @@ class ServerArgs:
         parser.add_argument(
             "--reasoning-parser",
             default=d.reasoning_parser,
-            help="leave output unconstrained until the think-end token (e.g. qwen3)",
+            choices=sorted(REASONING_FORMATS),
+            help="the model thinks in <think>...</think>: answers report it apart (reasoning_content), and a "
+            "constraint applies from the think-end token on",
+        )
+        parser.add_argument(
+            "--thinking-budget",
+            type=int,
+            default=d.thinking_budget,
+            help="with --reasoning-parser: the most reasoning tokens a request may think before the think-end token "
+            "is forced, unless the request sets its own (default: no limit)",
         )
         parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
         parser.add_argument(

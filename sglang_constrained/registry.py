@@ -101,18 +101,20 @@ def create_grammar_backend(
     vocab_size: int,
     eos_token_ids: list[int],
     think_end_id: int | None = None,
+    think_start_id: int | None = None,
 ) -> BaseGrammarBackend | None:
     """Build the backend ``server_args.grammar_backend`` names (None for ``none``).
 
     The backend is wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is set and the
-    tokenizer has a think-end token (``think_end_id``).
+    tokenizer has a think-end token (``think_end_id``; ``think_start_id``, where the tokenizer has one, lets a model
+    that may open its thinking do so).
     """
     if server_args.grammar_backend == NO_GRAMMAR_BACKEND:
         return None
     factory = grammar_backend_factory(server_args.grammar_backend)
     backend = factory(server_args, tokenizer, vocab_size, eos_token_ids)
     if server_args.reasoning_parser and think_end_id is not None:
-        backend = _resolve(_REASONER_BACKEND)(backend, think_end_id)
+        backend = _resolve(_REASONER_BACKEND)(backend, think_end_id, think_start_id)
     return backend
 
 

@@ -19,6 +19,8 @@ import openai
 import psutil
 import torch
 from openai.types.chat import ChatCompletionMessageParam
+from safetensors.torch import save_file
+from transformers import PretrainedConfig
 
 from scheduler.client import AsyncSchedulerClient
 from scheduler.server_args import EMBEDDED_MODEL_NAME
@@ -244,3 +246,41 @@ def flush_prefix_cache(process: SchedulerProcess) -> None:
         assert done.success, done.message
 
     asyncio.run(flush())
+
+
+def write_random_model(config: PretrainedConfig, folder: Path, lm_head_scale: float = 0.1) -> None:
+    """A Hugging Face folder with random weights of ``config``'s shapes (q/k/v biases for Qwen2; for Qwen3 an RMSNorm
+    weight of each query and key head). A small untied
+    ``lm_head_scale`` gives nearly even logits, which a request's ``logit_bias`` then steers."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+
+    def random(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    weights = {"model.embed_tokens.weight": random(vocab, hidden, scale=1.0), "model.norm.weight": 1 + random(hidden)}
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = random(vocab, hidden, scale=lm_head_scale)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            f"{p}input_layernorm.weight": 1 + random(hidden),
+            f"{p}post_attention_layernorm.weight": 1 + random(hidden),
+            f"{p}self_attn.q_proj.weight": random(q_size, hidden),
+            f"{p}self_attn.k_proj.weight": random(kv_size, hidden),
+            f"{p}self_attn.v_proj.weight": random(kv_size, hidden),
+            f"{p}self_attn.o_proj.weight": random(hidden, q_size),
+            f"{p}mlp.gate_proj.weight": random(inter, hidden),
+            f"{p}mlp.up_proj.weight": random(inter, hidden),
+            f"{p}mlp.down_proj.weight": random(hidden, inter),
+        }
+        if config.model_type == "qwen2":
+            for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+                weights[f"{p}self_attn.{name}_proj.bias"] = random(size)
+        if config.model_type == "qwen3":
+            weights[f"{p}self_attn.q_norm.weight"] = 1 + random(head_dim, scale=0.5)
+            weights[f"{p}self_attn.k_norm.weight"] = 1 + random(head_dim, scale=0.5)
+    config.save_pretrained(folder)
+    save_file(weights, folder / "model.safetensors")

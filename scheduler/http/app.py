@@ -162,6 +162,7 @@ async def generate(request: Request) -> Response:
             o.token_ids,
             o.text,
             sglang_logprobs(o.logprobs or [], num_top, logprob_text) if num_top is not None else None,
+            o.reasoning_text,
         )
         for o in await collect_outputs(request, frontend, calls)
     ]

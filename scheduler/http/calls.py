@@ -60,9 +60,14 @@ class FrontendState:
 
     def _encode(self, call: SchedulerCall) -> list[int]:
         try:
-            return self.prompt_encoder.encode(text=call.text, messages=call.messages)
+            return self.prompt_encoder.encode(
+                text=call.text, messages=call.messages, chat_template_kwargs=call.chat_template_kwargs
+            )
         except ValueError as e:
-            raise ProtocolError(str(e), param="prompt" if call.text is not None else "messages") from e
+            param = "prompt" if call.text is not None else "messages"
+            if "chat_template_kwargs" in str(e):
+                param = "chat_template_kwargs"
+            raise ProtocolError(str(e), param=param) from e
 
     def check_model(self, model: str | None) -> None:
         """Accept the served model's name, or no name; anything else is OpenAI's 404 ``model_not_found``."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import msgspec
 
 from scheduler.http.protocol import MAX_N, SEED_MODULUS, GenerateRequest, ProtocolError
+from scheduler.http.reasoning_fields import thinking_budget
 from scheduler.http.request_conversion import (
     BOOLEAN_SCHEMAS,
     RequestLimits,
@@ -53,26 +55,29 @@ def generate_calls(request: GenerateRequest, limits: RequestLimits) -> list[Sche
         rid = rids[p] if rids is not None else uuid.uuid4().hex
         for i in range(n):
             choice_rid = rid if n == 1 else f"{rid}-{i}"
-            calls.append(prompt_call(choice_rid, for_choice(params, i), prompt, top_logprobs_num))
+            call = prompt_call(choice_rid, for_choice(params, i), prompt, top_logprobs_num)
+            calls.append(dataclasses.replace(call, separate_reasoning=request.separate_reasoning))
     return calls
 
 
 def _native_sampling_fields(sampling_params: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """SGLang's ``sampling_params`` as ``SamplingParams`` fields, and ``n``: null means the default, ``stop`` may be
-    one string, ``top_k`` -1 means no limit, ``sampling_seed`` is ``seed``; ``custom_params`` (for a custom
-    logit processor, which this server does not run) is refused unless empty."""
+    one string, ``top_k`` -1 means no limit, ``sampling_seed`` is ``seed``; of ``custom_params`` (for a custom
+    logit processor, which this server does not run) only ``thinking_budget`` is taken. ``require_reasoning`` is
+    true unless set: on a server with ``--reasoning-parser`` the model may think first."""
     raw = {name: value for name, value in sampling_params.items() if value is not None}
     if isinstance(raw.get("json_schema"), bool):
         raise ProtocolError(BOOLEAN_SCHEMAS[str(raw["json_schema"]).lower()], param="json_schema")
     n = raw.pop("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ProtocolError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
-    if raw.pop("custom_params", None):
+    budget = thinking_budget(None, raw.pop("custom_params", None))
+    if budget is not None and raw.setdefault("thinking_budget", budget) != budget:
         raise ProtocolError(
-            "sampling_params.custom_params feeds a custom logit processor, which this server does not run",
-            param="custom_params",
-            code="unsupported_parameter",
+            "sampling_params.thinking_budget and custom_params.thinking_budget differ: give one",
+            param="thinking_budget",
         )
+    raw.setdefault("require_reasoning", True)
     if "sampling_seed" in raw:
         seed = raw.pop("sampling_seed")
         if raw.setdefault("seed", seed) != seed:

@@ -286,6 +286,11 @@ class ChatCompletionRequest(CommonRequest):
     audio: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    # reasoning models (``--reasoning-parser``; ``scheduler.http.reasoning_fields``)
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    thinking_token_budget: int | None = Field(None, ge=0)
+    custom_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(CommonRequest):
@@ -310,6 +315,7 @@ class GenerateRequest(Body):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    separate_reasoning: bool = False
 
     @property
     def is_batch(self) -> bool:

@@ -22,6 +22,7 @@ from scheduler.http.protocol import (
     CompletionRequest,
     ProtocolError,
 )
+from scheduler.http.reasoning_fields import enables_thinking, thinking_budget
 from scheduler.http.tool_calls import ToolPlan, template_messages, with_tools_offered
 from scheduler.io_struct import SamplingParams
 
@@ -46,6 +47,8 @@ class SchedulerCall:
 
     ``fills_context``: no token limit was asked for, so the output may take whatever room the prompt leaves.
     ``top_logprobs_num``: None for no logprobs, else the alternatives wanted per output token.
+    ``chat_template_kwargs``: variables for the chat template of ``messages``; ``separate_reasoning``: report the
+    think block apart (``--reasoning-parser``).
     """
 
     rid: str
@@ -55,6 +58,8 @@ class SchedulerCall:
     input_ids: list[int] | None = None
     fills_context: bool = False
     top_logprobs_num: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = False
 
     def with_prompt_ids(self, input_ids: list[int], max_seq_len: int) -> SchedulerCall:
         """This call with its prompt as token ids; raises ``ProtocolError`` if prompt and output cannot both fit."""
@@ -75,7 +80,13 @@ class SchedulerCall:
                 f"min_tokens ({params.min_new_tokens}) is more than the {max_new_tokens} tokens the output may take",
                 param="min_tokens",
             )
-        return SchedulerCall(self.rid, params, input_ids=input_ids, top_logprobs_num=self.top_logprobs_num)
+        return SchedulerCall(
+            self.rid,
+            params,
+            input_ids=input_ids,
+            top_logprobs_num=self.top_logprobs_num,
+            separate_reasoning=self.separate_reasoning,
+        )
 
     def as_kwargs(self) -> dict[str, Any]:
         return {
@@ -85,6 +96,8 @@ class SchedulerCall:
             "messages": self.messages,
             "input_ids": self.input_ids,
             "top_logprobs_num": self.top_logprobs_num,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "separate_reasoning": self.separate_reasoning,
         }
 
 
@@ -108,7 +121,11 @@ def chat_calls(
     if plan is not None:
         messages = with_tools_offered(messages, plan)
     max_tokens = request.max_completion_tokens or request.max_tokens
-    params = _sampling_params(request, max_tokens or limits.max_seq_len, limits, plan)
+    params = msgspec.structs.replace(
+        _sampling_params(request, max_tokens or limits.max_seq_len, limits, plan),
+        require_reasoning=enables_thinking(request.chat_template_kwargs),
+        thinking_budget=thinking_budget(request.thinking_token_budget, request.custom_params),
+    )
     if request.top_logprobs is not None and not request.logprobs:
         raise ProtocolError("top_logprobs needs logprobs set to true", param="top_logprobs")
     top_logprobs_num = (request.top_logprobs or 0) if request.logprobs else None
@@ -119,6 +136,8 @@ def chat_calls(
             messages=messages,
             fills_context=max_tokens is None,
             top_logprobs_num=top_logprobs_num,
+            chat_template_kwargs=request.chat_template_kwargs,
+            separate_reasoning=request.separate_reasoning,
         )
         for i in range(request.n)
     ]

@@ -66,6 +66,7 @@ def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in prompts)},
+        "completion_tokens_details": {"reasoning_tokens": sum(o.usage.reasoning_tokens for o in outputs.values())},
     }
 
 
@@ -75,6 +76,7 @@ def chat_completion_body(
     choices = []
     for i, o in enumerate(outputs):
         message, finish_reason = chat_message(o, plan)
+        message = with_reasoning(message, o)
         logprobs = chat_logprobs(o.logprobs, token_text) if o.logprobs is not None else None
         choices.append({"index": i, "message": message, "finish_reason": finish_reason, "logprobs": logprobs})
     return {
@@ -108,6 +110,14 @@ def chat_finish_reason(output: GenerateOutput, plan: ToolPlan | None, has_calls:
     return reason
 
 
+def with_reasoning(message: dict[str, Any], output: GenerateOutput) -> dict[str, Any]:
+    """``message`` with SGLang's and vLLM's ``reasoning_content`` where the output reports its think block apart
+    (null when the model did not think); the content, tool calls and constraint are the answer's alone."""
+    if output.reasoning_text is None:
+        return message
+    return {"role": message["role"], "reasoning_content": output.reasoning_text or None} | message
+
+
 def text_completion_body(
     completion_id: str, model: str, outputs: list[GenerateOutput], n: int, token_text: TokenText
 ) -> dict[str, Any]:
@@ -136,14 +146,22 @@ def sglang_finish_reason(reason: FinishReason) -> dict[str, Any]:
 
 
 def generate_result(
-    output: GenerateOutput, output_ids: list[int], text: str, logprob_fields: dict[str, Any] | None = None
+    output: GenerateOutput,
+    output_ids: list[int],
+    text: str,
+    logprob_fields: dict[str, Any] | None = None,
+    reasoning_text: str | None = None,
 ) -> dict[str, Any]:
     """SGLang's ``{"text", "output_ids", "meta_info"}``; ``meta_info.finish_reason`` is null until the end, then
     SGLang's shape (``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}``, ...).
-    ``logprob_fields``: ``meta_info``'s logprob lists (``scheduler.http.logprobs.sglang_logprobs``), if asked for."""
+    ``logprob_fields``: ``meta_info``'s logprob lists (``scheduler.http.logprobs.sglang_logprobs``), if asked for.
+    ``reasoning_text``: with ``separate_reasoning``, the think block (``text`` is then the answer), as SGLang's
+    ``/separate_reasoning`` names them."""
     reason = output.finish_reason
+    reasoning = {} if reasoning_text is None else {"reasoning_text": reasoning_text}
     return {
         "text": text,
+        **reasoning,
         "output_ids": output_ids,
         "meta_info": {
             "id": output.rid,
@@ -151,6 +169,7 @@ def generate_result(
             "prompt_tokens": output.usage.prompt_tokens,
             "completion_tokens": output.usage.completion_tokens,
             "cached_tokens": output.usage.cached_tokens,
+            "reasoning_tokens": output.usage.reasoning_tokens,
             "grammar_cache_hit": output.grammar_cache_hit,
             **(logprob_fields or {}),
         },

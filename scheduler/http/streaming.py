@@ -64,6 +64,7 @@ class StreamChunks:
 
 class ChatStreamChunks(StreamChunks):
     """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason.
+    A think block reported apart (``--reasoning-parser``) comes first, as ``reasoning_content`` deltas.
 
     With tools (``plan``) each call comes as OpenAI streams it (``tool_call_parser.ToolCallStream``): its ``index``,
     ``id``, ``type`` and ``name`` first, then its arguments in deltas as they are generated; the text outside calls
@@ -95,6 +96,8 @@ class ChatStreamChunks(StreamChunks):
             # with tools the message may be calls only, whose content is null (as OpenAI streams it)
             role = {"role": "assistant", "content": "" if self.plan is None else None}
             chunks.append(self._choice(index, role, None))
+        if output.reasoning_text:
+            chunks.append(self._choice(index, {"reasoning_content": output.reasoning_text}, None))
         logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
         if self.plan is not None:
             deltas = self._tool_deltas(index, output, self.plan)
@@ -159,17 +162,22 @@ class GenerateStreamChunks(StreamChunks):
         self.num_top_logprobs = num_top_logprobs
         self.token_text = token_text
         self.texts: dict[int, str] = {}
+        self.reasoning_texts: dict[int, str] = {}
         self.output_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[TokenLogprob]] = {}
 
     def chunks(self, index: int, output: GenerateOutput) -> list[dict[str, Any]]:
         self.texts[index] = self.texts.get(index, "") + output.text
+        reasoning = None
+        if output.reasoning_text is not None:
+            reasoning = self.reasoning_texts[index] = self.reasoning_texts.get(index, "") + output.reasoning_text
         self.output_ids[index] = self.output_ids.get(index, []) + output.token_ids
         self.logprobs[index] = self.logprobs.get(index, []) + (output.logprobs or [])
         fields = None
         if self.num_top_logprobs is not None:
             fields = sglang_logprobs(self.logprobs[index], self.num_top_logprobs, self.token_text)
-        return [generate_result(output, self.output_ids[index], self.texts[index], fields) | {"index": index}]
+        result = generate_result(output, self.output_ids[index], self.texts[index], fields, reasoning)
+        return [result | {"index": index}]
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:

@@ -1,7 +1,8 @@
 """A Llama forward for serving: packed new tokens of several sequences over a KV pool, on the CPU.
 
 It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from the config's rope
-parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases), but takes a
+parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases; Qwen3's RMSNorm of
+each query and key head before RoPE), but takes a
 flat batch of new tokens, writes their K/V into the rows of a token pool, attends over each sequence's rows, and
 returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
 
@@ -148,11 +149,16 @@ class LlamaModel:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             bias_names = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+            if f"{p}self_attn.o_proj.bias" in weights:
+                raise ValueError("the checkpoint has an o_proj bias (attention_bias), which the decoder blocks lack")
+            optional = lambda name: weight(name) if name in weights else None  # noqa: E731
             self.layers.append(
                 DecoderLayer(
                     input_norm=weight(f"{p}input_layernorm.weight"),
                     qkv=packed(*(f"{p}self_attn.{x}_proj.weight" for x in "qkv")),
                     qkv_bias=torch.cat([weight(name) for name in bias_names]) if bias_names[0] in weights else None,
+                    q_norm=optional(f"{p}self_attn.q_norm.weight"),
+                    k_norm=optional(f"{p}self_attn.k_norm.weight"),
                     o_proj=packed(f"{p}self_attn.o_proj.weight"),
                     post_norm=weight(f"{p}post_attention_layernorm.weight"),
                     gate_up=packed(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
@@ -167,7 +173,8 @@ class LlamaModel:
         """Bytes of the weights this rank holds in their formats (matmul weights, embedding, norms, biases)."""
         embed = self.embed
         tensors = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
-        tensors += [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None]
+        optional = [t for layer in self.layers for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        tensors += [t for t in optional if t is not None]
         tensors += [embed.quants, embed.scales] if isinstance(embed, BlockQuantized) else [embed]
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
         return matmuls + sum(t.numel() * t.element_size() for t in tensors)

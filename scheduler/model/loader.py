@@ -30,8 +30,9 @@ from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_
 
 logger = logging.getLogger(__name__)
 
-# Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases, Qwen3 an
+# RMSNorm of each query and key head).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # What the attention kernel runs (triton_ops.invariant_cpu.attention).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8
@@ -94,6 +95,8 @@ def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r} in {model_type}; one of {SUPPORTED_ROPE_TYPES}")
+    if getattr(config, "attention_bias", False) and model_type == "qwen3":
+        raise ValueError(f"unsupported attention_bias in {model_type}: the decoder blocks have no o_proj bias")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if head_dim not in ATTENTION_HEAD_DIMS or heads % kv_heads or heads // kv_heads > MAX_QUERY_HEADS_PER_KV_HEAD:

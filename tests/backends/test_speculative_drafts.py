@@ -151,3 +151,27 @@ def test_nothing_is_forced_while_a_reasoner_thinks(
     forced = proposer.forced_token(grammar)
     assert forced is not None and qwen35_tokenizer.tokenizer.decode([forced]) == "7"
     assert torch.tensor(sorted(allowed_tokens(grammar, qwen35_tokenizer.vocab_size))).tolist() == [forced]
+
+
+def test_a_draft_run_crosses_the_think_end_where_the_thinking_budget_runs_out(
+    build_backend: BackendBuilder, qwen35_tokenizer: TokenizerSetup
+) -> None:
+    from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject, think_end_token_id
+
+    think_end = think_end_token_id(qwen35_tokenizer.tokenizer, "qwen3")
+    assert think_end is not None
+    inner = compile_grammar(build_backend("xgrammar", qwen35_tokenizer), make_grammar_key("regex", "ANSWER: (yes|no)"))
+    grammar = ReasonerGrammarObject(inner, think_end, thinking_budget=3)
+    thought = encode_exactly(qwen35_tokenizer, " red green blue red green blue")
+    prompt = encode_exactly(qwen35_tokenizer, "Think about colours: red green blue red green blue, then answer.")
+    req = Req(rid="r", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+    req.output_ids = thought[:1]
+    grammar.accept_token(thought[0])
+    proposer = DraftProposer("grammar+ngram", 8, qwen35_tokenizer.tokenizer, qwen35_tokenizer.vocab_size)
+    drafts = proposer.propose([req], [thought[:1]], [8])[0]
+    # prompt lookup drafts the two thinking tokens the budget has left, then the grammar drafts the think-end token
+    # and the answer's forced start ("ANSWER: " less its last token)
+    assert drafts.token_ids[:3] == [*thought[1:3], think_end]
+    assert drafts.sources[:3] == ["ngram", "ngram", "grammar"]
+    assert qwen35_tokenizer.tokenizer.decode(drafts.token_ids[3:]) == "ANSWER:"
+    assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids) and grammar.num_accepted == 1

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import save_file
-from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel
@@ -24,6 +23,7 @@ from scheduler.model.loader import read_weights
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import free_port
+from tests.helpers import write_random_model
 from triton_ops import invariant_cpu
 
 pytestmark = pytest.mark.multirank
@@ -42,43 +42,11 @@ SHAPE: dict[str, Any] = {
 CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True),
     "qwen2-biases": lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=False),
+    "qwen3-head-norms": lambda: Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False),
 }
 LOGITS_TOLERANCE = 1e-6
 """Largest difference from one rank's logits, relative to the largest logit: partial sums of o_proj and down reduce
 in another order than one matmul, which moves logits by a few float32 ulps of the largest (measured: up to 3e-7)."""
-
-
-def write_random_model(config: PretrainedConfig, folder: Path) -> None:
-    """A Hugging Face folder with random weights of ``config``'s shapes (q/k/v biases for Qwen2)."""
-    generator = torch.Generator().manual_seed(0)
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = hidden // config.num_attention_heads
-    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-
-    def random(*shape: int, scale: float = 0.1) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * scale
-
-    weights = {"model.embed_tokens.weight": random(vocab, hidden, scale=1.0), "model.norm.weight": 1 + random(hidden)}
-    if not config.tie_word_embeddings:
-        weights["lm_head.weight"] = random(vocab, hidden)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        weights |= {
-            f"{p}input_layernorm.weight": 1 + random(hidden),
-            f"{p}post_attention_layernorm.weight": 1 + random(hidden),
-            f"{p}self_attn.q_proj.weight": random(q_size, hidden),
-            f"{p}self_attn.k_proj.weight": random(kv_size, hidden),
-            f"{p}self_attn.v_proj.weight": random(kv_size, hidden),
-            f"{p}self_attn.o_proj.weight": random(hidden, q_size),
-            f"{p}mlp.gate_proj.weight": random(inter, hidden),
-            f"{p}mlp.up_proj.weight": random(inter, hidden),
-            f"{p}mlp.down_proj.weight": random(hidden, inter),
-        }
-        if config.model_type == "qwen2":
-            for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-                weights[f"{p}self_attn.{name}_proj.bias"] = random(size)
-    config.save_pretrained(folder)
-    save_file(weights, folder / "model.safetensors")
 
 
 def load_shard(folder: Path, rank: int, size: int, tp: TensorParallelGroup) -> LlamaModel:
@@ -117,7 +85,9 @@ def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("name", "size"), [("llama-tied", 2), ("qwen2-biases", 2), ("llama-tied", 3)])
+@pytest.mark.parametrize(
+    ("name", "size"), [("llama-tied", 2), ("qwen2-biases", 2), ("qwen3-head-norms", 2), ("llama-tied", 3)]
+)
 def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: int, tmp_path: Path) -> None:
     config = CONFIGS[name]()
     write_random_model(config, tmp_path)
@@ -141,5 +111,7 @@ def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: in
     torch.testing.assert_close(ranks[0]["logits"], expected, rtol=0, atol=LOGITS_TOLERANCE * scale)
     assert (ranks[0]["logits"].argmax(-1) == expected.argmax(-1)).all()
     assert [rank["kv_heads"] for rank in ranks] == ([2, 1] if size == 2 else [1, 1, 1])
-    replicated_norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
-    assert sum(rank["bytes"] for rank in ranks) == single.num_weight_bytes + (size - 1) * replicated_norms
+    replicated = (2 * config.num_hidden_layers + 1) * config.hidden_size  # the layer norms and the final norm
+    if config.model_type == "qwen3":  # the query and key head norms
+        replicated += config.num_hidden_layers * 2 * config.head_dim
+    assert sum(rank["bytes"] for rank in ranks) == single.num_weight_bytes + (size - 1) * replicated * 4

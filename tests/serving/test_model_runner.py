@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
@@ -383,6 +391,7 @@ UNSUPPORTED = {
         "unsupported RoPE type 'dynamic'",
     ),
     "sliding window": (MistralConfig(sliding_window=64), "sliding-window attention"),
+    "qwen3 o_proj bias": (Qwen3Config(attention_bias=True), "unsupported attention_bias in qwen3"),
     "too few positions": (LlamaConfig(max_position_embeddings=128), "exceeds the 128 positions"),
     "head_dim 96": (LlamaConfig(hidden_size=576, num_attention_heads=6), "6 query heads of 96"),
     "16 query heads per KV head": (
@@ -410,6 +419,8 @@ TINY = dict(
 )
 TINY_MODELS = {
     "qwen2 (q/k/v biases, untied lm_head)": Qwen2Config(**TINY, tie_word_embeddings=False),
+    "qwen3 (q/k head norms, head_dim 32 of 4 heads in 64)": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+    "qwen3 untied, head_dim 16": Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False),
     "llama3 rope scaling": LlamaConfig(
         **TINY,
         rope_parameters={
@@ -431,10 +442,14 @@ def test_model_folders_match_transformers(
 ) -> None:
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).eval()
-    if getattr(reference.model.layers[0].self_attn.q_proj, "bias", None) is not None:
-        for layer in reference.model.layers:  # transformers initialises biases to zero: make them count
-            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    for layer in reference.model.layers:  # transformers initialises biases to zero and norms to one: make them count
+        attention = layer.self_attn
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+            if projection.bias is not None:
                 torch.nn.init.normal_(projection.bias, std=0.5)
+        for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)):
+            if norm is not None:
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     reference.save_pretrained(tmp_path)
     runner.tokenizer.save_pretrained(tmp_path)
     tiny = ModelRunner(

@@ -1,0 +1,60 @@
+"""``--reasoning-parser`` applied to requests: where each output starts (thinking, free to think, answering), its
+thinking budget, and the think gate on requests without a constraint.
+
+A request that may reason gets a ``ReasonerGrammarObject``: around its compiled constraint (the grammar backend
+wraps it), or around a ``FreeGrammarObject`` when it has none, so that the think block of every request is gated
+alike: the budget forces the think-end token, and the output splits into reasoning and answer at the same token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.request import Req
+from scheduler.server_args import ServerArgs
+from sglang_constrained.reasoner_grammar_backend import (
+    FreeGrammarObject,
+    ReasonerGrammarObject,
+    reasoning_start,
+    think_end_token_id,
+    think_start_token_id,
+)
+from sglang_constrained.reasoning_formats import ReasoningStart, reasoning_format
+
+
+class ReasoningGate:
+    """The server's reasoning parser, resolved against the tokenizer (off without one, or without its think-end
+    token)."""
+
+    def __init__(self, server_args: ServerArgs, tokenizer: Any) -> None:
+        parser = server_args.reasoning_parser
+        self.tokenizer = tokenizer
+        self.think_end_id = think_end_token_id(tokenizer, parser)
+        self.think_start_id = think_start_token_id(tokenizer, parser)
+        self.default_start: ReasoningStart = reasoning_format(parser).default_start if parser else "answering"
+        self.default_budget = server_args.thinking_budget
+
+    @property
+    def enabled(self) -> bool:
+        return self.think_end_id is not None
+
+    def attach(self, req: Req) -> None:
+        """Set up ``req``'s gate once its grammar is ready (before its first token): its start phase from its
+        prompt, its budget, and a gate of its own if it has no constraint but may reason."""
+        if self.think_end_id is None:
+            return
+        params = req.sampling_params
+        grammar = req.ready_grammar
+        if grammar is None and params.require_reasoning:
+            grammar = req.grammar = ReasonerGrammarObject(
+                FreeGrammarObject(), self.think_end_id, think_start_id=self.think_start_id
+            )
+        if not isinstance(grammar, ReasonerGrammarObject):
+            return
+        start: ReasoningStart = "answering"
+        if params.require_reasoning:
+            start = reasoning_start(
+                req.prompt_ids, self.think_start_id, self.think_end_id, self.default_start, self.tokenizer
+            )
+        budget = params.thinking_budget if params.thinking_budget is not None else self.default_budget
+        grammar.set_reasoning(start, budget)

@@ -1,0 +1,205 @@
+"""A reasoning model served over HTTP, the way SGLang's and vLLM's users call one: ``reasoning_content`` apart from
+the answer (streamed as ``delta.reasoning_content``), SGLang's ``separate_reasoning`` on ``/generate``, a thinking
+budget under either project's field name, thinking turned off through ``chat_template_kwargs``, and constraints and
+tool calls that hold on the answer however the model meets the think gate.
+
+One server for the package: the tiny random-weight Qwen3 with the 248k-token Qwen3.5 vocabulary (``conftest``),
+``--reasoning-parser qwen3``. Its chat template opens ``<think>`` in the prompt (Qwen3.5's way); ``/generate`` with a
+prompt that does not (a Qwen3 hybrid's way) lets the model open it itself or answer at once. ``logit_bias`` on
+``</think>`` and ``<think>`` decides how a sample meets the gate; the tokens in between are the model's own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from tests.helpers import HttpServer
+
+pytestmark = pytest.mark.model
+
+ANSWER = "ANSWER: (yes|no)"
+VERDICT = {
+    "type": "object",
+    "properties": {"prime": {"type": "boolean"}},
+    "required": ["prime"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "Is 7 a prime number? Think, then answer."}]
+RAW_PROMPT = "<|im_start|>user\nIs 7 a prime number?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def bias(qwen35_tokenizer: TokenizerSetup) -> Any:
+    def of(**by_tag: float) -> dict[str, float]:
+        tags = {"close": "</think>", "open": "<think>"}
+        return {str(qwen35_tokenizer.tokenizer.convert_tokens_to_ids(tags[k])): v for k, v in by_tag.items()}
+
+    return of
+
+
+def chat(server: HttpServer, **body: Any) -> dict[str, Any]:
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 64, **body}, timeout=600
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def generate(server: HttpServer, **body: Any) -> dict[str, Any]:
+    response = httpx.post(f"{server.url}/generate", json={"text": RAW_PROMPT, **body}, timeout=600)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_thinks_then_answers_the_schema(reasoning_server: HttpServer, bias: Any) -> None:
+    """The prompt opens ``<think>``; the model closes it after a few tokens of its own, then answers in the schema."""
+    body = chat(
+        reasoning_server,
+        temperature=1.0,
+        seed=0,
+        logit_bias=bias(close=10.0),
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}},
+    )
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["reasoning_content"], "the think block is reported apart"
+    jsonschema.validate(json.loads(choice["message"]["content"]), VERDICT)
+    assert 0 < body["usage"]["completion_tokens_details"]["reasoning_tokens"] < body["usage"]["completion_tokens"]
+
+
+def test_a_model_that_never_closes_its_thinking_is_closed_by_the_budget(
+    reasoning_server: HttpServer, bias: Any
+) -> None:
+    """``</think>`` all but banned: the budget forces it, after exactly that many reasoning tokens, under SGLang's
+    field name and vLLM's alike."""
+    common = {"temperature": 0.0, "logit_bias": bias(close=-100.0), "regex": ANSWER}
+    vllm = chat(reasoning_server, thinking_token_budget=6, **common)
+    sglang = chat(reasoning_server, custom_params={"thinking_budget": 6}, **common)
+    assert vllm["choices"][0]["message"] == sglang["choices"][0]["message"]
+    choice = vllm["choices"][0]
+    assert choice["finish_reason"] == "stop" and re.fullmatch(ANSWER, choice["message"]["content"])
+    assert choice["message"]["reasoning_content"]
+    assert vllm["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6 + 1  # and the forced </think>
+    unlimited = chat(reasoning_server, max_tokens=24, **common)["choices"][0]
+    assert unlimited["finish_reason"] == "length" and unlimited["message"]["content"] in ("", None)
+
+
+def test_thinking_turned_off_constrains_from_the_first_token(reasoning_server: HttpServer) -> None:
+    body = chat(reasoning_server, temperature=0.0, regex=ANSWER, chat_template_kwargs={"enable_thinking": False})
+    choice = body["choices"][0]
+    assert choice["message"]["reasoning_content"] is None
+    assert re.fullmatch(ANSWER, choice["message"]["content"]) and choice["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_an_answer_without_thinking_is_held_by_the_constraint_and_not_reported_as_reasoning(
+    reasoning_server: HttpServer, bias: Any
+) -> None:
+    """A prompt without ``<think>`` and a model that does not open one: the constraint holds from its first token
+    (vLLM #44012), and the answer is the text, not the reasoning (SGLang #4539)."""
+    params = {"regex": ANSWER, "temperature": 0.0, "max_new_tokens": 32, "logit_bias": bias(open=-100.0)}
+    result = generate(reasoning_server, sampling_params=params, separate_reasoning=True)
+    assert re.fullmatch(ANSWER, result["text"]) and not result["reasoning_text"]
+    assert result["meta_info"]["finish_reason"]["type"] == "stop"
+    assert result["meta_info"]["reasoning_tokens"] == 0
+
+
+def test_a_model_that_opens_its_thinking_itself(reasoning_server: HttpServer, bias: Any) -> None:
+    """A prompt without ``<think>``: the model opens one (its first token), thinks within the budget, answers."""
+    params = {
+        "regex": ANSWER,
+        "temperature": 1.0,
+        "seed": 3,
+        "max_new_tokens": 32,
+        "logit_bias": bias(open=12.0),
+        "custom_params": {"thinking_budget": 4},
+    }
+    result = generate(reasoning_server, sampling_params=params, separate_reasoning=True)
+    assert result["reasoning_text"] and re.fullmatch(ANSWER, result["text"])
+    assert result["meta_info"]["reasoning_tokens"] == 1 + 4 + 1  # <think>, the budget, </think>
+    whole = generate(reasoning_server, sampling_params=params)  # SGLang's default: one text
+    assert whole["output_ids"] == result["output_ids"] and "reasoning_text" not in whole
+
+
+def test_streamed_reasoning_and_answer_add_up_to_the_whole_answer(reasoning_server: HttpServer, bias: Any) -> None:
+    common = {"temperature": 1.0, "seed": 1, "logit_bias": bias(close=10.0), "regex": ANSWER}
+    whole = chat(reasoning_server, **common)["choices"][0]["message"]
+    with httpx.stream(
+        "POST",
+        f"{reasoning_server.url}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 64, "stream": True, **common},
+        timeout=600,
+    ) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = [event["choices"][0]["delta"] for event in events if event["choices"]]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert (reasoning, content) == (whole["reasoning_content"], whole["content"])
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all(not d.get("reasoning_content") for d in deltas[first_content:]), "the answer follows the reasoning"
+    assert sum(bool(d.get("reasoning_content")) for d in deltas) > 1, "reasoning is streamed, not held back"
+
+
+def test_n_choices_each_think_and_answer(reasoning_server: HttpServer, bias: Any) -> None:
+    body = chat(reasoning_server, n=2, temperature=1.0, seed=0, logit_bias=bias(close=10.0), regex=ANSWER)
+    messages = [choice["message"] for choice in body["choices"]]
+    assert all(m["reasoning_content"] and re.fullmatch(ANSWER, m["content"]) for m in messages)
+    assert messages[0]["reasoning_content"] != messages[1]["reasoning_content"]
+
+
+def test_tool_calls_are_read_from_the_answer_only(reasoning_server: HttpServer, bias: Any) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "is_prime",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        },
+    }
+    body = chat(
+        reasoning_server,
+        temperature=0.0,
+        logit_bias=bias(close=-100.0),
+        thinking_token_budget=5,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "is_prime"}},
+        max_tokens=96,
+    )
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] and body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "is_prime" and isinstance(json.loads(call["function"]["arguments"])["n"], int)
+
+
+def test_separate_reasoning_off_gives_one_text(reasoning_server: HttpServer, bias: Any) -> None:
+    common = {"temperature": 0.0, "logit_bias": bias(close=-100.0), "regex": ANSWER, "thinking_token_budget": 3}
+    apart = chat(reasoning_server, **common)["choices"][0]["message"]
+    together = chat(reasoning_server, separate_reasoning=False, **common)["choices"][0]["message"]
+    assert together.get("reasoning_content") is None
+    assert together["content"].endswith(apart["content"]) and apart["reasoning_content"] in together["content"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"thinking_token_budget": 4, "custom_params": {"thinking_budget": 5}}, "thinking_token_budget", "differ"),
+        ({"custom_params": {"thinking_budget": -1}}, "custom_params", "integer >= 0"),
+        ({"custom_params": {"temperature_schedule": 1}}, "custom_params", "custom logit processor"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "may not set tokenize"),
+    ],
+)
+def test_bad_reasoning_fields_are_refused_by_name(
+    reasoning_server: HttpServer, fields: dict[str, Any], param: str, words: str
+) -> None:
+    response = httpx.post(
+        f"{reasoning_server.url}/v1/chat/completions", json={"messages": MESSAGES, **fields}, timeout=600
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
