@@ -39,6 +39,7 @@ from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
+from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
 from sglang_constrained.registry import create_grammar_backend
 from triton_ops.bitmask_format import VocabMaskLayout
 
@@ -77,6 +78,9 @@ class Scheduler:
             model_runner.eos_token_ids,
             think_end_id=self.reasoning.think_end_id,
             think_start_id=self.reasoning.think_start_id,
+            disk_cache=open_grammar_disk_cache(
+                server_args.grammar_disk_cache_path, server_args.grammar_disk_cache_max_bytes
+            ),
         )
         self.data_parallel = (
             DataParallelReplica(dist, grammar_backend, server_args)
