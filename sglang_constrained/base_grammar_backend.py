@@ -373,7 +373,7 @@ class BaseGrammarBackend:
     def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
         """``build_grammar(key, control)``, or the grammar the disk cache holds for ``key`` (its stats then say
         ``is_disk_cache_hit``); a valid grammar compiled here is written to the disk cache after it is returned,
-        unless serialising it takes longer than compiling it did. What the compile service runs for a miss."""
+        unless exporting it takes longer than compiling it did. What the compile service runs for a miss."""
         if self.disk_cache is None:
             return self.build_grammar(key, control)
         start = time.perf_counter()
@@ -392,11 +392,18 @@ class BaseGrammarBackend:
                 )
                 return grammar
         start = time.perf_counter()
-        grammar = self.build_grammar(key, control)
+        grammar, export_later = self.build_exportable(key, control)
         if not isinstance(grammar, InvalidGrammarObject):  # errors are cached in memory only
-            compile_s = time.perf_counter() - start
-            self.disk_cache.store_later(identity, key, lambda: self.export_grammar(grammar), compile_s)
+            self.disk_cache.store_later(identity, key, export_later, time.perf_counter() - start)
         return grammar
+
+    def build_exportable(
+        self, key: GrammarKey, control: CompileControl | None = None
+    ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
+        """``build_grammar``, and how to export its result later (on the disk cache's writer thread). A backend that
+        receives a compiled grammar already exported (from a compile process) hands that export over instead."""
+        grammar = self.build_grammar(key, control)
+        return grammar, lambda: self.export_grammar(grammar)
 
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
         """Store a compiled (or invalid) grammar for ``key``; its in-flight compile, if any, is done with."""

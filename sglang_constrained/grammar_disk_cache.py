@@ -17,8 +17,9 @@ and a crash mid-write leaves only a temporary file that no reader opens (removed
 under ``max_bytes`` of entries: after each write the least recently used (by modification time, which a read
 refreshes) are removed. Writes run on one background thread at the compile threads' low priority, after the
 request that compiled the grammar has it; invalid grammars (errors) are never written, and neither are grammars
-that took less time to compile than to serialise (xgrammar's small ones): reading them back, which costs about half
-the serialising, would not beat compiling them.
+that took less time to compile than to serialise (xgrammar's small ones compiled in a thread): reading them back,
+which costs about half the serialising, would not beat compiling them. (A compile process sends its grammar back
+serialised, so what it compiles is written as it came.)
 """
 
 from __future__ import annotations
