@@ -349,7 +349,8 @@ class BaseGrammarBackend:
         """What, beside a constraint key, decides the grammar this backend compiles for it (JSON-serialisable): two
         backends with equal identities compile every key to the same grammar. Here the backend's name, class and
         code (``code_fingerprint``), the settings that change a compile and the model's vocab size; each engine's
-        backend adds the engine's version and its tokenizer's fingerprint. The disk cache names entries by it."""
+        backend adds the engine's version and its tokenizer's fingerprint. The disk cache names entries by it. The
+        compile deadline is left out: it decides whether a compile is tried, not what it compiles to."""
         args = self.server_args
         return {
             "backend": self.name,

@@ -121,13 +121,13 @@ class GrammarDiskCache:
         if export.payload is None:
             raise ValueError("an invalid grammar (a compile error) is never written to the disk cache")
         digest = entry_digest(identity, key)
-        data = _encode(export, digest)
-        if len(data) > self.max_bytes:
+        pieces = _encode(export, digest)
+        if sum(map(len, pieces)) > self.max_bytes:
             return
         descriptor, temporary = tempfile.mkstemp(dir=self.directory, prefix=TEMPORARY_PREFIX)
         try:
             with os.fdopen(descriptor, "wb") as file:
-                file.write(data)
+                file.writelines(pieces)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, self._path(digest))
@@ -251,16 +251,20 @@ def entry_digest(identity: Mapping[str, Any], key: GrammarKey) -> str:
     return digest.hexdigest()
 
 
-def _encode(export: GrammarExport, digest: str) -> bytes:
+def _encode(export: GrammarExport, digest: str) -> list[bytes]:
+    """An entry's bytes in pieces (header, metadata line, payload), so that a large payload is not copied."""
     payload = export.payload
     assert payload is not None
     meta = {
         "is_text": isinstance(payload, str),
         "stats": dataclasses.asdict(export.stats) if export.stats is not None else None,
     }
+    meta_line = json.dumps(meta).encode() + b"\n"
     raw = payload.encode() if isinstance(payload, str) else payload
-    body = json.dumps(meta).encode() + b"\n" + raw
-    return HEADER.pack(MAGIC, bytes.fromhex(digest), len(body), hashlib.sha256(body).digest()) + body
+    checksum = hashlib.sha256(meta_line)
+    checksum.update(raw)
+    header = HEADER.pack(MAGIC, bytes.fromhex(digest), len(meta_line) + len(raw), checksum.digest())
+    return [header, meta_line, raw]
 
 
 def _decode(data: bytes, digest: str) -> GrammarExport:
@@ -272,18 +276,19 @@ def _decode(data: bytes, digest: str) -> GrammarExport:
         raise ValueError("not an entry of this format")
     if stored_digest != bytes.fromhex(digest):
         raise ValueError("another entry's content")
-    body = data[HEADER.size :]
+    body = memoryview(data)[HEADER.size :]
     if len(body) != length:
         raise ValueError(f"a body of {len(body)} bytes where the header says {length}")
     if hashlib.sha256(body).digest() != checksum:
         raise ValueError("its checksum does not match")
-    meta_line, _, raw = body.partition(b"\n")
+    meta_end = data.find(b"\n", HEADER.size)
+    raw = body[meta_end + 1 - HEADER.size :]
     try:
-        meta = json.loads(meta_line)
+        meta = json.loads(data[HEADER.size : meta_end])
         stats = meta["stats"]
         if stats is not None:
             stats = GrammarStats(**{**stats, "fallback_reasons": tuple(map(tuple, stats["fallback_reasons"]))})
-        return GrammarExport(raw.decode() if meta["is_text"] else raw, "", stats)
+        return GrammarExport(str(raw, "utf-8") if meta["is_text"] else bytes(raw), "", stats)
     except (KeyError, TypeError, ValueError) as e:  # checksummed, so written by another version of this format
         raise ValueError(f"unreadable metadata: {e!r}") from e
 

@@ -115,6 +115,8 @@ def create_grammar_backend(
     (``grammar_disk_cache``), used by a backend that can export its grammars and closed otherwise.
     """
     if server_args.grammar_backend == NO_GRAMMAR_BACKEND:
+        if disk_cache is not None:
+            disk_cache.close()
         return None
     factory = grammar_backend_factory(server_args.grammar_backend)
     backend = factory(server_args, tokenizer, vocab_size, eos_token_ids)
