@@ -1,8 +1,9 @@
 """First request after a restart: the time to a ready grammar, cold (compiled) and after a restart (read from the
 grammar disk cache), per backend and tokenizer, and the time to first token through a real scheduler started twice.
 
-Constraints: the largest held-out MaskBench schemas (in the shared data, not in ``tests/data``) and a structural tag
-of ``--tools`` tools (``<function=name>{json}</function>``, a JSON schema each), as a tool-calling request sends.
+Constraints: a structural tag of ``--tools`` tools (``<function=name>{json}</function>``, a JSON schema each), as a
+tool-calling request sends, and per backend the ``--schemas`` largest held-out MaskBench schemas (in the shared data,
+not in ``tests/data``) it compiles: the first cold phase tries them from the largest down and names those it refuses.
 
 Each round starts a fresh process per phase (a restart is a new process): ``cold`` builds the backend on an empty
 grammar cache dir and asks for every constraint in turn, timing each from ``get_cached_or_future_value`` to the
@@ -33,8 +34,8 @@ from typing import Any
 
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
-from sglang_constrained.base_grammar_backend import BaseGrammarObject, InvalidGrammarObject
-from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.grammar_disk_cache import GrammarDiskCache, entry_digest
 from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.benchmarking import FOLDERS, cpu_pressure
@@ -105,18 +106,19 @@ def tools_tag(num_tools: int) -> dict[str, Any]:
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": tags}}
 
 
-def constraints(options: argparse.Namespace) -> dict[str, tuple[str, Any]]:
-    """Name -> (the request's constraint field, spec)."""
+def candidates(options: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """Name -> (the request's constraint field, spec): the tool tag, then held-out schemas from the largest down."""
     chosen: dict[str, tuple[str, Any]] = {
-        name: ("json_schema", schema)
-        for name, schema in largest_held_out_schemas(options.data, options.schemas).items()
+        f"{options.tools}-tool structural tag": ("structural_tag", tools_tag(options.tools))
     }
-    chosen[f"{options.tools}-tool structural tag"] = ("structural_tag", tools_tag(options.tools))
+    for name, schema in largest_held_out_schemas(options.data, options.candidates).items():
+        chosen[name] = ("json_schema", schema)
     return chosen
 
 
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
-    """One process's phase: build the backend on the cache dir, time each constraint to a ready grammar."""
+    """One process's phase: build the backend on the cache dir, time each constraint to a ready grammar. With
+    ``want``, JSON schemas are tried in order until that many compiled (the refused ones are recorded too)."""
     setup = load_tokenizer_setup(spec["tokenizer"], ServerArgs().cache_path)
     args = replace(ServerArgs(), grammar_backend=spec["backend"], grammar_compile_timeout=READY_TIMEOUT_S)
     disk_cache = GrammarDiskCache(Path(spec["directory"]), args.grammar_disk_cache_max_bytes)
@@ -127,35 +129,40 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     assert backend is not None
     backend.wait_until_ready()
     results: dict[str, Any] = {"build_s": time.perf_counter() - started, "constraints": {}}
+    num_schemas_ready = 0
     try:
         for name, (field, constraint) in spec["constraints"].items():
+            if field == "json_schema" and num_schemas_ready == spec.get("want"):
+                break
             key = make_grammar_key(KEY_KINDS[field], constraint)
-            start = time.perf_counter()
-            value, _ = backend.get_cached_or_future_value(key)
-            try:
-                grammar = value if isinstance(value, BaseGrammarObject) else value.result(timeout=READY_TIMEOUT_S)
-            except FutureTimeoutError:
-                results["constraints"][name] = {"failure": f"not ready in {READY_TIMEOUT_S:g} s"}
-                continue
-            except Exception as e:
-                results["constraints"][name] = {"failure": str(e)[:80]}
-                continue
-            seconds = time.perf_counter() - start
-            if isinstance(grammar, InvalidGrammarObject):
-                results["constraints"][name] = {"failure": grammar.error_message[:80]}
-                continue
-            assert grammar.grammar_stats is not None
-            disk_cache.flush()
-            entry = disk_cache.directory / f"{entry_digest(backend.compile_identity(), key)}.grammar"
-            results["constraints"][name] = {
-                "ready_s": seconds,
-                "hit": grammar.grammar_stats.is_disk_cache_hit,
-                "chosen": grammar.grammar_stats.chosen_backend,
-                "entry_bytes": entry.stat().st_size if entry.exists() else 0,
-            }
+            outcome = time_to_ready(backend, key)
+            if "ready_s" in outcome:
+                num_schemas_ready += field == "json_schema"
+                disk_cache.flush()
+                entry = disk_cache.directory / f"{entry_digest(backend.compile_identity(), key)}.grammar"
+                outcome["entry_bytes"] = entry.stat().st_size if entry.exists() else 0
+            results["constraints"][name] = outcome
     finally:
         backend.shutdown()
     return results
+
+
+def time_to_ready(backend: BaseGrammarBackend, key: GrammarKey) -> dict[str, Any]:
+    """``{"ready_s", "hit", "chosen"}`` from asking the backend to the ready grammar, or ``{"failure"}``."""
+    start = time.perf_counter()
+    value, _ = backend.get_cached_or_future_value(key)
+    try:
+        grammar = value if isinstance(value, BaseGrammarObject) else value.result(timeout=READY_TIMEOUT_S)
+    except FutureTimeoutError:
+        return {"failure": f"not ready in {READY_TIMEOUT_S:g} s"}
+    except Exception as e:
+        return {"failure": str(e)[:80]}
+    seconds = time.perf_counter() - start
+    if isinstance(grammar, InvalidGrammarObject):
+        return {"failure": grammar.error_message[:80]}
+    assert grammar.grammar_stats is not None
+    stats = grammar.grammar_stats
+    return {"ready_s": seconds, "hit": stats.is_disk_cache_hit, "chosen": stats.chosen_backend}
 
 
 def phase_in_new_process(spec: dict[str, Any]) -> dict[str, Any]:
@@ -168,24 +175,42 @@ def phase_in_new_process(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def bench_backends(options: argparse.Namespace, chosen: dict[str, tuple[str, Any]]) -> None:
+def bench_backends(
+    options: argparse.Namespace, offered: dict[str, tuple[str, Any]]
+) -> dict[tuple[str, str], dict[str, tuple[str, Any]]]:
+    """Print the table; returns the constraints measured per (tokenizer, backend): the tag and the ``--schemas``
+    largest schemas the backend compiled in the first cold phase (the larger ones it refused are named)."""
     print("\n## Time to a ready grammar, cold vs after a restart (medians; a fresh process per phase)")
     print(
         f"{'tokenizer':9} {'backend':10} {'constraint':32} {'cold s':>8} {'restart s':>9} {'cold/restart':>12} "
         f"{'hit':>4} {'entry MB':>8}"
     )
+    measured = {}
     for tokenizer in options.tokenizers:
         for backend in options.backends:
             runs: dict[str, list[dict[str, Any]]] = {phase: [] for phase in PHASES}
+            spec: dict[str, Any] = {"tokenizer": tokenizer, "backend": backend, "want": options.schemas}
             for _ in range(options.rounds):
                 with tempfile.TemporaryDirectory(prefix="grammar-disk-bench-") as directory:
-                    spec = {"tokenizer": tokenizer, "backend": backend, "directory": directory, "constraints": chosen}
                     for phase in PHASES:
-                        runs[phase].append(phase_in_new_process(spec))
+                        if "constraints" not in spec:  # the first cold phase picks the schemas
+                            runs[phase].append(
+                                phase_in_new_process({**spec, "directory": directory, "constraints": offered})
+                            )
+                            tried = runs[phase][0]["constraints"]
+                            ready = [name for name, outcome in tried.items() if "ready_s" in outcome]
+                            spec = {**spec, "want": None, "constraints": {name: offered[name] for name in ready}}
+                            refused = [name.split()[0] for name in tried if name not in ready]
+                            continue
+                        runs[phase].append(phase_in_new_process({**spec, "directory": directory}))
             builds = [statistics.median(run["build_s"] for run in runs[phase]) for phase in PHASES]
             print(f"{tokenizer:9} {backend:10} {'(backend build)':32} {builds[0]:8.2f} {builds[1]:9.2f}")
-            for name in chosen:
+            for name in spec["constraints"]:
                 print_row(tokenizer, backend, name, [[run["constraints"][name] for run in runs[p]] for p in PHASES])
+            if refused:
+                print(f"{'':20} not compiled (larger, or the tag): {', '.join(refused)}")
+            measured[(tokenizer, backend)] = spec["constraints"]
+    return measured
 
 
 def print_row(tokenizer: str, backend: str, name: str, outcomes: list[list[dict[str, Any]]]) -> None:
@@ -243,7 +268,10 @@ def main() -> None:
     parser.add_argument(
         "--data", type=Path, help="the MaskBench folders (default: the shared data beside the checkout)"
     )
-    parser.add_argument("--schemas", type=int, default=3, help="how many of the largest held-out schemas")
+    parser.add_argument(
+        "--schemas", type=int, default=3, help="per backend, how many of the largest held-out schemas it compiles"
+    )
+    parser.add_argument("--candidates", type=int, default=40, help="the largest held-out schemas offered")
     parser.add_argument("--tools", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
@@ -259,10 +287,12 @@ def main() -> None:
     pressure = cpu_pressure()
     print(f"CPU pressure (share of the last minute a task waited for a core): {pressure}")
     options.data = options.data or held_out_data()
-    chosen = constraints(options)
-    bench_backends(options, chosen)
+    measured = bench_backends(options, candidates(options))
     for backend in options.server_backends:
-        bench_server(backend, chosen)
+        if ("smollm2", backend) not in measured:
+            print(f"\nno TTFT for {backend}: the server runs SmolLM2, so measure smollm2 and {backend} first")
+            continue
+        bench_server(backend, measured[("smollm2", backend)])
     print(f"\nCPU pressure at the end: {cpu_pressure()}")
 
 
