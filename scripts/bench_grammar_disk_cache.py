@@ -167,7 +167,7 @@ def time_to_ready(backend: BaseGrammarBackend, key: GrammarKey) -> dict[str, Any
 
 def phase_in_new_process(spec: dict[str, Any]) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, __file__, "--phase", json.dumps(spec)], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "--phase"], input=json.dumps(spec), capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"the {spec['backend']} phase failed:\n{done.stderr[-3000:]}")
@@ -264,7 +264,7 @@ def bench_server(backend: str, chosen: dict[str, tuple[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)  # its spec on stdin
     parser.add_argument(
         "--data", type=Path, help="the MaskBench folders (default: the shared data beside the checkout)"
     )
@@ -280,8 +280,8 @@ def main() -> None:
     parser.add_argument("--tokenizers", type=lambda text: text.split(","), default=["smollm2", "qwen35"])
     parser.add_argument("--server-backends", type=lambda text: [n for n in text.split(",") if n], default=["xgrammar"])
     options = parser.parse_args()
-    if options.phase is not None:
-        print(json.dumps(run_phase(json.loads(options.phase))))
+    if options.phase:
+        print(json.dumps(run_phase(json.load(sys.stdin))))
         return
     print(f"CPU: {describe_cpu()}")
     pressure = cpu_pressure()
