@@ -12,10 +12,11 @@ directory. The two phases alternate round by round, and the table gives medians,
 restart read the disk (``hit``; a grammar that serialises slower than it compiles is not written, so it compiles
 again) and the entry's size. The server part starts ``python -m scheduler.launch`` on an empty grammar cache dir,
 sends one unconstrained warm-up request and then each constraint once (one output token each), stops it, starts it
-again on the same directory, and sends the same requests: TTFT cold and after the restart, side by side.
+again on the same directory, and sends the same requests: TTFT cold and after the restart, side by side (medians
+over the rounds, a new directory each round).
 
     python scripts/bench_grammar_disk_cache.py [--schemas 3] [--tools 100] [--rounds 2]
-        [--backends xgrammar,llguidance,outlines,auto] [--tokenizers smollm2,qwen35] [--server-backends xgrammar]
+        [--backends xgrammar,llguidance,outlines,auto] [--tokenizers smollm2,qwen35] [--server-backends xgrammar,auto]
 """
 
 from __future__ import annotations
@@ -243,22 +244,25 @@ def first_token_s(server: SchedulerProcess, sampling_params: dict[str, Any]) -> 
     raise RuntimeError("no token came back")
 
 
-def bench_server(backend: str, chosen: dict[str, tuple[str, Any]]) -> None:
+def bench_server(backend: str, chosen: dict[str, tuple[str, Any]], rounds: int) -> None:
+    """Per round: a server on an empty grammar cache dir, then one started again on it; TTFT medians."""
     print(f"\n## TTFT through python -m scheduler.launch --grammar-backend {backend}, cold vs after a restart")
     print(f"{'constraint':40} {'cold s':>8} {'restart s':>9} {'cold/restart':>12}")
-    ttft: dict[str, list[float]] = {name: [] for name in chosen}
-    with tempfile.TemporaryDirectory(prefix="grammar-disk-bench-") as directory:
-        for _ in PHASES:
-            server = SchedulerProcess(*SERVER_FLAGS, "--grammar-backend", backend, "--grammar-cache-dir", directory)
-            try:
-                server.wait_until_ready()
-                first_token_s(server, {"temperature": 0})  # warm-up: the first forward's one-time costs
-                for name, (field, constraint) in chosen.items():
-                    ttft[name].append(first_token_s(server, {"temperature": 0, field: constraint}))
-            finally:
-                server.stop()
-                server.log_path.unlink(missing_ok=True)
-    for name, (cold_s, restart_s) in ttft.items():
+    ttft: dict[str, dict[str, list[float]]] = {name: {phase: [] for phase in PHASES} for name in chosen}
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="grammar-disk-bench-") as directory:
+            for phase in PHASES:
+                server = SchedulerProcess(*SERVER_FLAGS, "--grammar-backend", backend, "--grammar-cache-dir", directory)
+                try:
+                    server.wait_until_ready()
+                    first_token_s(server, {"temperature": 0})  # warm-up: the first forward's one-time costs
+                    for name, (field, constraint) in chosen.items():
+                        ttft[name][phase].append(first_token_s(server, {"temperature": 0, field: constraint}))
+                finally:
+                    server.stop()
+                    server.log_path.unlink(missing_ok=True)
+    for name, times in ttft.items():
+        cold_s, restart_s = (statistics.median(times[phase]) for phase in PHASES)
         print(f"{name[:40]:40} {cold_s:8.3f} {restart_s:9.3f} {cold_s / restart_s:11.1f}x")
 
 
@@ -278,7 +282,9 @@ def main() -> None:
         "--backends", type=lambda text: text.split(","), default=["xgrammar", "llguidance", "outlines", "auto"]
     )
     parser.add_argument("--tokenizers", type=lambda text: text.split(","), default=["smollm2", "qwen35"])
-    parser.add_argument("--server-backends", type=lambda text: [n for n in text.split(",") if n], default=["xgrammar"])
+    parser.add_argument(
+        "--server-backends", type=lambda text: [n for n in text.split(",") if n], default=["xgrammar", "auto"]
+    )
     options = parser.parse_args()
     if options.phase:
         print(json.dumps(run_phase(json.load(sys.stdin))))
@@ -292,7 +298,7 @@ def main() -> None:
         if ("smollm2", backend) not in measured:
             print(f"\nno TTFT for {backend}: the server runs SmolLM2, so measure smollm2 and {backend} first")
             continue
-        bench_server(backend, measured[("smollm2", backend)])
+        bench_server(backend, measured[("smollm2", backend)], options.rounds)
     print(f"\nCPU pressure at the end: {cpu_pressure()}")
 
 
