@@ -7,10 +7,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from starlette.requests import Request
 
-from scheduler.client import AsyncSchedulerClient
+from scheduler.client import AsyncSchedulerClient, SchedulerGoneError
 from scheduler.http.metrics import FrontendMetrics, GenerationTimer
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.request_conversion import RequestLimits, SchedulerCall
@@ -116,6 +117,8 @@ class ChoiceRun:
         index, item = await self._queue.get()
         if isinstance(item, asyncio.CancelledError):
             raise ProtocolError("the client disconnected", status_code=self.DISCONNECTED)
+        if isinstance(item, SchedulerGoneError):
+            raise ProtocolError(str(item), status_code=HTTPStatus.SERVICE_UNAVAILABLE, code="scheduler_gone") from item
         if isinstance(item, BaseException):
             raise ProtocolError(f"internal error: {type(item).__name__}: {item}", status_code=500) from item
         self._timers[index].observe(item, self.stream)
@@ -158,6 +161,8 @@ class ChoiceRun:
         except asyncio.CancelledError as e:
             self._queue.put_nowait((index, e))
             raise
+        except SchedulerGoneError as e:
+            self._queue.put_nowait((index, e))
         except Exception as e:
             logger.exception("scheduler request %s failed in the frontend", call.rid)
             self._queue.put_nowait((index, e))
