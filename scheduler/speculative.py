@@ -20,14 +20,16 @@ Two things make a constrained answer cheaper than one forward per token:
   never sees one the grammar rejects. A request with a predicted output (OpenAI's ``prediction``) drafts from it
   first (source "prediction", ``scheduler.predicted_output``): the prediction's next tokens while the output and the
   drafts before are in step with it, whatever ``--speculative-algorithm`` names (except ``none``, which verifies no
-  drafts), up to ``--speculative-num-prediction-tokens`` per forward, with no adaptive length and in batches of
-  any size; the other sources take over (up to their own ``--speculative-num-draft-tokens``) where it is used up or
-  the output has departed from it. Its drafts stand far more often than lookups': on a 300-token JSON edit at batch
-  1 (``scripts/bench_predicted_outputs.py``, a shared machine) up to 16 per forward gave 0.065 forwards per token
-  and 1.6x the tok/s without a prediction, up to 8 gave 0.121 and 1.16x, up to 32 gave 0.043 and 1.34x.
+  drafts), up to ``--speculative-num-prediction-tokens`` per forward, in batches of any size; the other sources take
+  over (up to ``--speculative-num-draft-tokens``) where it is used up or the output has departed from it. Its drafts
+  stand far more often than lookups', so it may draft more: on a 300-token JSON edit at batch 1
+  (``scripts/bench_predicted_outputs.py`` on a busy 2-core machine), up to 16 per forward took 0.071 forwards per
+  token against 0.134 without a prediction, and 1.19x-1.31x the tok/s; up to 8 took 0.124 and 1.04x; up to 32
+  (measured on an earlier aligner, beside 1.64x for 16) 0.043 and 1.34x.
 
 k adapts: each request's lookup length (prompt lookup and the cache share it) doubles after a fully accepted run and
-halves after a rejected first draft (pausing at 0, then probing again), and a batch's drafts share a token budget that
+halves after a rejected first draft (pausing at 0, then probing again), its prediction length likewise (from the
+most, never below 1), and a batch's drafts share a token budget that
 shrinks as the batch grows (a full batch is already compute-bound: drafts would slow it). Lookup drafts (prompt lookup,
 right about half the time, and the cache) stop at ``NGRAM_MAX_BATCH`` requests; below it, the rows that fill the model
 runner's row multiple (``free_rows``) always take lookup drafts, paused or not, since they cost no more weight reads.
@@ -66,14 +68,15 @@ LOOKUP_SOURCES = ("ngram", "ngram_cache")
 
 @dataclass
 class DraftState:
-    """A request's adaptive lookup length, the token its output put after its last forced text, and how many of its
-    output positions the n-gram cache has taken.
+    """A request's adaptive lookup and prediction lengths (``prediction_k`` None: the most), the token its output
+    put after its last forced text, and how many of its output positions the n-gram cache has taken.
 
     ``grammar_follower`` exists because forced text is drafted less its last token (``"name"`` as ``name``), which
     the model merges with what follows (``":``): the next forced text likely ends the same way."""
 
     ngram_k: int = 4
     paused_steps: int = 0
+    prediction_k: int | None = None
     grammar_follower: int | None = None
     num_cached_positions: int = 0
 
@@ -160,6 +163,13 @@ class DraftProposer:
             state.grammar_follower = req.output_ids[-1]
         if self.ngram_cache is not None:
             _cache_output(self.ngram_cache, req, state, len(req.output_ids) - self.ngram_cache.max_continuation)
+        predicted = [i for i, source in enumerate(drafts.sources) if source == "prediction"]
+        if predicted:
+            prediction_k = state.prediction_k or self.max_prediction_tokens
+            if num_accepted > predicted[-1]:
+                state.prediction_k = min(self.max_prediction_tokens, prediction_k * 2)
+            elif num_accepted <= predicted[0]:
+                state.prediction_k = max(1, prediction_k // 2)
         ngram_drafts = [i for i, source in enumerate(drafts.sources) if source in LOOKUP_SOURCES]
         if not ngram_drafts:
             return
@@ -190,14 +200,15 @@ class DraftProposer:
         other_limit = min(limit, self.max_draft_tokens)  # for the sources besides the prediction
         state = self.states.setdefault(req.rid, DraftState())
         ngram_left = max(self._ngram_allowance(state), ngram_floor) if use_ngram else 0
+        prediction_left = state.prediction_k or self.max_prediction_tokens
         tokens: list[int] = []
         sources: list[str] = []
         try:
             while len(tokens) < limit and not (grammar is not None and grammar.is_terminated()):
                 size = len(tokens)
-                if req.prediction is not None:
-                    predicted = req.prediction.drafts(req.output_ids, tokens, limit - len(tokens))
-                    self._extend(grammar, tokens, sources, predicted, "prediction", limit)
+                if req.prediction is not None and prediction_left > 0:
+                    predicted = req.prediction.drafts(req.output_ids, tokens, min(limit - len(tokens), prediction_left))
+                    prediction_left -= self._extend(grammar, tokens, sources, predicted, "prediction", limit)
                 if self.use_grammar and grammar is not None:
                     forced = self._grammar_continuation(grammar)
                     extended = self._extend(grammar, tokens, sources, forced, "grammar", other_limit)
