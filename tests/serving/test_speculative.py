@@ -276,3 +276,17 @@ def test_a_prediction_changes_no_output_and_counts_what_the_output_repeated(runn
         elif i % 3 == 1:
             assert counts == (num_tokens - 1, 1), i
     assert stats.drafts_accepted.get("prediction", 0) > 0
+
+
+def test_without_speculation_a_prediction_drafts_nothing_and_is_still_counted(runner: ModelRunner) -> None:
+    """``--speculative-algorithm none``: the operator verifies no drafts, so a prediction is a hint that goes unused;
+    the output is the same and its usage still says the prediction was all repeated."""
+    request = {"text": FREE_PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}
+    with in_process_scheduler(runner, grammar_backend="none", speculative_algorithm="none") as scheduler:
+        (plain,) = serve(scheduler, [make_request(**request)])
+        scheduler.executor.flush_cache()
+        (predicted,) = serve(scheduler, [make_request(**request, prediction=plain.token_ids)])
+        stats = scheduler.executor.stats
+    assert predicted.token_ids == plain.token_ids
+    assert (predicted.usage.accepted_prediction_tokens, predicted.usage.rejected_prediction_tokens) == (12, 0)
+    assert stats.drafts_proposed == {} and stats.num_forwards == 2 * 12
