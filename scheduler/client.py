@@ -38,10 +38,11 @@ def make_request(
     top_logprobs_num: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     separate_reasoning: bool = False,
+    prediction: str | list[int] | None = None,
 ) -> GenerateReq:
     """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict.
     ``top_logprobs_num``: None for no logprobs, else how many alternatives per output token;
-    ``chat_template_kwargs`` and ``separate_reasoning``: see ``GenerateReq``.
+    ``chat_template_kwargs``, ``separate_reasoning`` and ``prediction`` (a predicted output): see ``GenerateReq``.
 
     A JSON schema or structural tag given as an object travels as its JSON text: msgpack cannot carry integers
     beyond 64 bits, which a schema may hold (the scheduler reads the text as it reads the object).
@@ -68,6 +69,7 @@ def make_request(
         top_logprobs_num=top_logprobs_num,
         chat_template_kwargs=chat_template_kwargs,
         separate_reasoning=separate_reasoning,
+        prediction=prediction,
     )
 
 
