@@ -97,6 +97,7 @@ class Scheduler:
             model_runner.vocab_size,
             row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
+            tokens_per_forward=model_runner.tokens_per_forward,
         )
         mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None
         if mask_layout is None and self.reasoning.enabled:  # free requests that reason are gated by masks too

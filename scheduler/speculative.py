@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from scheduler.model.runner_contract import TOKENS_PER_FORWARD
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
@@ -42,9 +43,6 @@ NGRAM_MAX = 4
 """Longest output suffix searched for in the prompt and output."""
 NGRAM_MIN_CONTEXT = 8
 """Below this many context tokens a lookup finds nothing worth a draft."""
-BATCH_TOKEN_BUDGET = 40
-"""Most tokens a speculative decode forward takes (pending + drafts over the batch); drafts fill what the batch
-leaves. Measured here: a forward's cost rises little up to ~40 tokens, then with the token count."""
 PROBE_INTERVAL = 8
 """Steps a request whose prompt-lookup drafts kept failing waits before it tries one again."""
 NGRAM_MAX_BATCH = 16
@@ -93,11 +91,15 @@ class DraftProposer:
         vocab_size: int,
         row_multiple: int = 1,
         ngram_cache: NgramCache | None = None,
+        tokens_per_forward: int = TOKENS_PER_FORWARD,
     ) -> None:
         """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the model
         runner's (rows up to a multiple of it cost no more weight reads); ``ngram_cache``:
-        outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none)."""
+        outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none);
+        ``tokens_per_forward``: the model runner's (most tokens a decode forward takes: pending and drafts over the
+        batch; drafts fill what the batch leaves)."""
         self.row_multiple = row_multiple
+        self.tokens_per_forward = tokens_per_forward
         self.use_grammar = algorithm in ("grammar", "grammar+ngram")
         self.use_ngram = algorithm in ("ngram", "grammar+ngram")
         self.enabled = algorithm != "none" and max_draft_tokens > 0
@@ -128,7 +130,7 @@ class DraftProposer:
             return [NO_DRAFTS] * len(batch)
         num_pending = sum(len(tokens) for tokens in pending)
         free_rows = -num_pending % self.row_multiple
-        budget = max(BATCH_TOKEN_BUDGET - num_pending, free_rows)
+        budget = max(self.tokens_per_forward - num_pending, free_rows)
         use_ngram = self.use_ngram and len(batch) < NGRAM_MAX_BATCH
         proposals = []
         for req, tokens, limit in zip(batch, pending, room, strict=True):
