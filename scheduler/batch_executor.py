@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.io_struct import TokenLogprob
+from scheduler.io_struct import AbortCause, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.rank_sync import RankSync
-from scheduler.request import Req
+from scheduler.request import Abort, Req
 from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
@@ -27,6 +27,10 @@ from sglang_constrained.base_grammar_backend import common_prefix_length
 from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)
+
+NO_TOKEN_ALLOWED = Abort(
+    AbortCause.UNSATISFIABLE, "the grammar allows no token here: the constraint cannot be completed"
+)
 
 
 @dataclass
@@ -191,7 +195,7 @@ class BatchExecutor:
 
     def _walk(
         self, req: Req, drafts: Drafts, row_tokens: list[int | None], logprobs: list[torch.Tensor | None]
-    ) -> str | None:
+    ) -> Abort | None:
         """Accept row 0's token, and row ``j + 1``'s while row ``j``'s token is draft ``j`` (its logits then follow
         the right tokens); stop at a finish. Roll the KV back to what stood, then append forced tokens.
         ``logprobs[j]``: row ``j``'s log-probabilities, where the request asked for them."""
@@ -212,7 +216,7 @@ class BatchExecutor:
             failure = self._append_forced_tokens(req)
         return failure
 
-    def _append_forced_tokens(self, req: Req) -> str | None:
+    def _append_forced_tokens(self, req: Req) -> Abort | None:
         """Jump-forward: while the grammar allows exactly one token, append it (no sampling could pick another)."""
         grammar = req.ready_grammar
         if not self.proposer.enabled or grammar is None:
@@ -229,7 +233,7 @@ class BatchExecutor:
 
     def _forward_and_sample(
         self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]
-    ) -> tuple[list[int | None], dict[int, torch.Tensor], dict[str, str]]:
+    ) -> tuple[list[int | None], dict[int, torch.Tensor], dict[str, Abort]]:
         """Every row's token, the log-probabilities of rows whose request asked for them, and failures by rid."""
         info = self.sampling_info
         try:
@@ -242,18 +246,19 @@ class BatchExecutor:
                 tokens = sample(logits, info.rows)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
-            message = f"internal error while generating: {type(e).__name__}: {e}"
-            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {}, {req.rid: message for req in batch}
+            failure = Abort(AbortCause.INTERNAL, f"internal error while generating: {type(e).__name__}: {e}")
+            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {}, {req.rid: failure for req in batch}
         failures = {
-            batch[i].rid: f"the grammar failed to compute the next-token mask: {e}" for i, e in info.fill_errors.items()
+            batch[i].rid: Abort(AbortCause.GRAMMAR_ENGINE, f"the grammar failed to compute the next-token mask: {e}")
+            for i, e in info.fill_errors.items()
         }
         return tokens, logprobs, failures
 
-    def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> str | None:
+    def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> Abort | None:
         """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1)
         and feed it to the grammar; returns why the request must fail, if it must."""
         if token is None:
-            return "the grammar allows no token here: the constraint cannot be completed"
+            return NO_TOKEN_ALLOWED
         req.output_ids.append(token)
         if req.top_logprobs_num is not None:
             req.output_logprobs.append(_token_logprob(token, logprobs, req.top_logprobs_num))
@@ -265,10 +270,11 @@ class BatchExecutor:
                 grammar.accept_token(token)
             except TokenRejectedError as e:
                 piece = self.model_runner.tokenizer.decode([token])
-                return f"token {token} ({piece!r}) was rejected by the {kind} grammar: {e}"
+                rejected = f"token {token} ({piece!r}) was rejected by the {kind} grammar: {e}"
+                return Abort(AbortCause.GRAMMAR_ENGINE, rejected)
             except Exception as e:  # an engine failure must not take the other requests down
                 logger.exception("request %s: the %s grammar failed on token %d", req.rid, kind, token)
-                return f"the {kind} grammar failed on token {token}: {e}"
+                return Abort(AbortCause.GRAMMAR_ENGINE, f"the {kind} grammar failed on token {token}: {e}")
         self._check_finished(req, token)
         return None
 

@@ -14,6 +14,7 @@ from scheduler.data_parallel import DataParallelReplica
 from scheduler.distributed import DistributedContext
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
+    AbortCause,
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,
@@ -35,7 +36,7 @@ from scheduler.output_text import OutputText
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.rank_sync import RankSync
 from scheduler.reasoning_gate import ReasoningGate
-from scheduler.request import Req
+from scheduler.request import CLIENT_ABORT, Abort, Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
@@ -48,7 +49,7 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask for per output token (OpenAI's limit for chat)."""
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
-SHUTDOWN_MESSAGE = "the server is shutting down"
+SHUTDOWN = Abort(AbortCause.SHUTDOWN, "the server is shutting down")
 
 Messages = list[tuple[bytes, bytes]]
 
@@ -142,11 +143,11 @@ class Scheduler:
     def shutdown(self, ipc: SchedulerIPC | None) -> None:
         """Answer every live request with an abort, then release the grammar backend's threads."""
         for req in list(self.live.values()):
-            req.abort(SHUTDOWN_MESSAGE)
+            req.abort(SHUTDOWN)
             self._finish(req)
         self._flush_outbox(ipc)
         if self.data_parallel is not None:
-            self.data_parallel.shutdown(ipc, SHUTDOWN_MESSAGE)
+            self.data_parallel.shutdown(ipc, SHUTDOWN.message)
         if self.grammar_manager.grammar_backend is not None:
             self.grammar_manager.grammar_backend.shutdown()
         self.grammar_manager.close()
@@ -180,7 +181,8 @@ class Scheduler:
             rid = read_rid(payload)
             if rid is not None:
                 self.live.pop(rid, None)
-                self.outbox.append((client_id, error_output(rid, f"internal error: {type(e).__name__}: {e}")))
+                message = f"internal error: {type(e).__name__}: {e}"
+                self.outbox.append((client_id, error_output(rid, AbortCause.INTERNAL, message)))
 
     def abort_request(self, rid: str) -> None:
         req = self.live.get(rid)
@@ -189,7 +191,7 @@ class Scheduler:
         self.grammar_manager.abort_requests({rid})
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
-        req.abort("aborted by the client")
+        req.abort(CLIENT_ABORT)
         logger.info("request %s aborted by the client", rid)
         self._finish(req)
 
@@ -218,7 +220,7 @@ class Scheduler:
             rid = read_rid(payload)
             logger.warning("malformed message from client %s (rid %s): %s", client_id.hex(), rid, e)
             if rid is not None:
-                self.outbox.append((client_id, error_output(rid, f"malformed request: {e}")))
+                self.outbox.append((client_id, error_output(rid, AbortCause.BAD_REQUEST, f"malformed request: {e}")))
             return
         if isinstance(message, GenerateReq):
             self._add_request(client_id, message)
@@ -239,7 +241,8 @@ class Scheduler:
 
     def _add_request(self, client_id: bytes, message: GenerateReq) -> None:
         if message.rid in self.live:
-            self.outbox.append((client_id, error_output(message.rid, f"a request with rid {message.rid!r} is running")))
+            running = f"a request with rid {message.rid!r} is running"
+            self.outbox.append((client_id, error_output(message.rid, AbortCause.BAD_REQUEST, running)))
             return
         try:
             params = message.sampling_params
@@ -254,7 +257,7 @@ class Scheduler:
             )
             self.executor.check_fits(prompt_ids, params.max_new_tokens)
         except ValueError as e:
-            self.outbox.append((client_id, error_output(message.rid, str(e))))
+            self.outbox.append((client_id, error_output(message.rid, AbortCause.BAD_REQUEST, str(e))))
             return
         req = Req(
             rid=message.rid,
