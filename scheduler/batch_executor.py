@@ -1,4 +1,5 @@
-"""One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), decide who finished.
+"""One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), and who finished
+(``FinishPolicy`` decides).
 
 The executor owns the model runner: the scheduler asks it to admit requests into KV memory and to run prefill and
 decode batches, and it calls the model; nothing calls back up. A decode forward takes each request's pending tokens
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.finish_policy import FinishPolicy
+from scheduler.grammar_steps import accept_token
 from scheduler.io_struct import AbortCause, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner_contract import BaseModelRunner
@@ -24,7 +27,6 @@ from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
 from sglang_constrained.base_grammar_backend import common_prefix_length
-from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,13 @@ class BatchExecutor:
         model_runner: BaseModelRunner,
         sampling_info: SamplingBatchInfo,
         proposer: DraftProposer,
+        finish_policy: FinishPolicy,
         rank_sync: RankSync | None = None,
     ) -> None:
         self.model_runner = model_runner
         self.sampling_info = sampling_info
         self.proposer = proposer
+        self.finish_policy = finish_policy
         self.rank_sync = rank_sync
         self.num_batches = 0
         self.stats = SpeculationStats()
@@ -255,53 +259,18 @@ class BatchExecutor:
         return tokens, logprobs, failures
 
     def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> Abort | None:
-        """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1)
-        and feed it to the grammar; returns why the request must fail, if it must."""
+        """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1),
+        feed it to the grammar, and see whether the request has finished; returns why it must fail, if it must."""
         if token is None:
             return NO_TOKEN_ALLOWED
         req.output_ids.append(token)
         if req.top_logprobs_num is not None:
             req.output_logprobs.append(_token_logprob(token, logprobs, req.top_logprobs_num))
         self.stats.num_output_tokens += 1
-        grammar = req.ready_grammar
-        if grammar is not None and not grammar.is_terminated():
-            kind = req.grammar_key[0] if req.grammar_key else "request's"
-            try:
-                grammar.accept_token(token)
-            except TokenRejectedError as e:
-                piece = self.model_runner.tokenizer.decode([token])
-                rejected = f"token {token} ({piece!r}) was rejected by the {kind} grammar: {e}"
-                return Abort(AbortCause.GRAMMAR_ENGINE, rejected)
-            except Exception as e:  # an engine failure must not take the other requests down
-                logger.exception("request %s: the %s grammar failed on token %d", req.rid, kind, token)
-                return Abort(AbortCause.GRAMMAR_ENGINE, f"the {kind} grammar failed on token {token}: {e}")
-        self._check_finished(req, token)
-        return None
-
-    def stop_token_ids(self, req: Req) -> set[int]:
-        """Tokens that end ``req``: its ``stop_token_ids``, and the model's EOS unless ``ignore_eos``. While fewer
-        than ``min_new_tokens`` are out they are disallowed (``SamplingBatchInfo``), unless a grammar forces one."""
-        params = req.sampling_params
-        eos = set() if params.ignore_eos else set(self.model_runner.eos_token_ids)
-        return eos | set(params.stop_token_ids)
-
-    def _check_finished(self, req: Req, token: int) -> None:
-        assert req.text is not None
-        reasoning_ids, content_ids = req.split_output()
-        req.text.update(content_ids, can_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
-        if req.reasoning_text is not None:
-            req.reasoning_text.update(reasoning_ids)
-        grammar = req.ready_grammar
-        max_seq_len = self.model_runner.max_seq_len
-        if token in self.stop_token_ids(req) or (grammar is not None and grammar.is_terminated()):
-            req.finish("stop", matched=token)
-        elif req.text.matched_stop is not None:
-            req.finish("stop", matched=req.text.matched_stop)
-        elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
-            req.finish("length", length=len(req.output_ids))
-        elif len(req.prompt_ids) + len(req.output_ids) >= max_seq_len:
-            message = f"reached the context limit of {max_seq_len} tokens"
-            req.finish("length", message=message, length=len(req.output_ids))
+        failure = accept_token(req, token, self.model_runner.tokenizer)
+        if failure is None:
+            self.finish_policy.check(req, token)
+        return failure
 
 
 def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> TokenLogprob:

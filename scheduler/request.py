@@ -104,9 +104,17 @@ class Req:
         matched: str | int | None = None,
         length: int | None = None,
     ) -> None:
+        """Finish ``req`` (the first reason given stands); its grammar is finished with it."""
         if self.finish_reason is None:
             self.finish_reason = FinishReason(type=reason, message=message, matched=matched, length=length)
+            self._finish_grammar()
 
     def abort(self, abort: Abort) -> None:
         if self.finish_reason is None:
             self.finish_reason = FinishReason(type="abort", message=abort.message, cause=abort.cause)
+            self._finish_grammar()
+
+    def _finish_grammar(self) -> None:
+        grammar = self.ready_grammar
+        if grammar is not None:
+            grammar.finished = True

@@ -12,6 +12,7 @@ import torch
 from scheduler.batch_executor import BatchExecutor
 from scheduler.data_parallel import DataParallelReplica
 from scheduler.distributed import DistributedContext
+from scheduler.finish_policy import FinishPolicy
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
     AbortCause,
@@ -115,7 +116,8 @@ class Scheduler:
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
-        self.executor = BatchExecutor(model_runner, sampling_info, proposer, rank_sync)
+        self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len)
+        self.executor = BatchExecutor(model_runner, sampling_info, proposer, self.finish_policy, rank_sync)
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
@@ -334,15 +336,7 @@ class Scheduler:
             self.running.remove(req)
         self.executor.release(req)
         self.live.pop(req.rid, None)
-        grammar = req.ready_grammar
-        if grammar is not None:
-            grammar.finished = True
-        matched = req.finish_reason.matched if req.finish_reason is not None else None
-        ends_with_stop_token = isinstance(matched, int) and matched in self.executor.stop_token_ids(req)
-        reasoning_ids, content_ids = req.split_output()
-        ends_with_stop_token = ends_with_stop_token and bool(content_ids)
-        text = req.text.final_text(content_ids, ends_with_stop_token) if req.text is not None else ""
-        reasoning = req.reasoning_text.final_text(reasoning_ids) if req.reasoning_text is not None else None
+        text, reasoning = self.finish_policy.final_texts(req)
         self._send(req, text, finished=True, full_reasoning=reasoning)
 
     def _send(self, req: Req, full_text: str, finished: bool, full_reasoning: str | None = None) -> None:

@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 
+from scheduler.grammar_steps import Lookahead
 from scheduler.model.runner_contract import TOKENS_PER_FORWARD
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from triton_ops.bitmask_format import allocate_bitmask
+from triton_ops.bitmask_format import allocate_bitmask, only_allowed_token
 
 NGRAM_MAX = 4
 """Longest output suffix searched for in the prompt and output."""
@@ -113,16 +114,7 @@ class DraftProposer:
     def forced_token(self, grammar: BaseGrammarObject) -> int | None:
         """The one token ``grammar`` allows next, or None when it allows several (or none)."""
         grammar.fill_vocab_mask(self._scratch, 0)
-        words = self._scratch[0]
-        nonzero = words.nonzero()
-        if nonzero.numel() != 1:
-            return None
-        index = int(nonzero[0, 0])
-        word = int(words[index]) & 0xFFFFFFFF
-        if word & (word - 1):
-            return None
-        token = index * 32 + word.bit_length() - 1
-        return token if token < self.vocab_size else None
+        return only_allowed_token(self._scratch[0], self.vocab_size)
 
     def propose(self, batch: list[Req], pending: list[list[int]], room: list[int]) -> list[Drafts]:
         """Drafts per request: at most ``room[i]`` tokens each, within the batch's token budget."""
@@ -180,51 +172,39 @@ class DraftProposer:
         ngram_left = max(self._ngram_allowance(state), ngram_floor) if use_ngram else 0
         tokens: list[int] = []
         sources: list[str] = []
-        try:
-            while len(tokens) < limit and not (grammar is not None and grammar.is_terminated()):
+        with Lookahead(grammar) as ahead:
+            while len(tokens) < limit and not ahead.is_terminated:
                 size = len(tokens)
                 if self.use_grammar and grammar is not None:
                     forced = self._grammar_continuation(grammar)
-                    if self._extend(grammar, tokens, sources, forced, "grammar", limit) and state.grammar_follower:
-                        self._extend(grammar, tokens, sources, [state.grammar_follower], "follower", limit)
+                    if self._extend(ahead, tokens, sources, forced, "grammar", limit) and state.grammar_follower:
+                        self._extend(ahead, tokens, sources, [state.grammar_follower], "follower", limit)
                 if ngram_left > 0 and len(tokens) < limit:
                     context = req.prompt_ids + req.output_ids + tokens
-                    looked_up, source = self._look_up(grammar, context, min(limit - len(tokens), ngram_left))
-                    ngram_left -= self._extend(grammar, tokens, sources, looked_up, source, limit)
+                    looked_up, source = self._look_up(ahead, context, min(limit - len(tokens), ngram_left))
+                    ngram_left -= self._extend(ahead, tokens, sources, looked_up, source, limit)
                 if len(tokens) == size:
                     break
-        finally:
-            if grammar is not None:
-                grammar.rollback(len(tokens))
         return Drafts(tokens, sources)
 
     @staticmethod
     def _extend(
-        grammar: BaseGrammarObject | None,
-        tokens: list[int],
-        sources: list[str],
-        new: list[int],
-        source: str,
-        limit: int,
+        ahead: Lookahead, tokens: list[int], sources: list[str], new: list[int], source: str, limit: int
     ) -> int:
         """Append the part of ``new`` the grammar accepts (advancing it) within ``limit``; returns how many."""
-        new = new[: limit - len(tokens)]
-        if grammar is not None and new:
-            new = new[: grammar.validate_tokens(new)]
-            for token in new:
-                grammar.accept_token(token)
+        new = ahead.advance(new[: limit - len(tokens)])
         tokens += new
         sources += [source] * len(new)
         return len(new)
 
-    def _look_up(self, grammar: BaseGrammarObject | None, context: list[int], max_tokens: int) -> tuple[list[int], str]:
+    def _look_up(self, ahead: Lookahead, context: list[int], max_tokens: int) -> tuple[list[int], str]:
         """Prompt lookup's drafts, or the n-gram cache's where it matches a longer suffix of ``context`` or prompt
         lookup finds nothing the grammar accepts; with its source name."""
         prompt_n, looked_up = prompt_lookup(context, max_tokens)
         if self.ngram_cache is None:
             return looked_up, "ngram"
         cache_n, cached = self.ngram_cache.lookup(context, max_tokens)
-        if cached and (cache_n > prompt_n or not _accepted_prefix(grammar, looked_up)):
+        if cached and (cache_n > prompt_n or not ahead.num_valid(looked_up)):
             return cached, "ngram_cache"
         return looked_up, "ngram"
 
@@ -256,13 +236,6 @@ def _cache_output(cache: NgramCache, req: Req, state: DraftState, stop: int) -> 
     offset = len(prompt_tail)
     cache.insert(prompt_tail + req.output_ids, offset + state.num_cached_positions, offset + stop)
     state.num_cached_positions = stop
-
-
-def _accepted_prefix(grammar: BaseGrammarObject | None, tokens: list[int]) -> int:
-    """How many of ``tokens`` the grammar accepts from its state (which stays as it is)."""
-    if grammar is None or not tokens:
-        return len(tokens)
-    return grammar.validate_tokens(tokens)
 
 
 def prompt_lookup(context: list[int], max_tokens: int) -> tuple[int, list[int]]:
