@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 import msgspec
@@ -35,12 +34,13 @@ from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.rank_sync import RankSync
 from scheduler.reasoning_gate import ReasoningGate
 from scheduler.request import CLIENT_ABORT, Abort, Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
+from scheduler.turn_transport import LockstepRanks, Messages, OneRank, TurnTransport
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend
 from sglang_constrained.registry import create_grammar_backend
 from triton_ops.bitmask_format import VocabMaskLayout
 
@@ -52,15 +52,12 @@ IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
 SHUTDOWN = Abort(AbortCause.SHUTDOWN, "the server is shutting down")
 
-Messages = list[tuple[bytes, bytes]]
-
 
 class Scheduler:
     """Serves generate requests on one model with continuous batching and grammar-constrained sampling.
 
-    With a ``DistributedContext`` it is one rank of several: every rank runs this loop on the messages rank 0
-    received, in the same order, and only rank 0 sends outputs. With ``--dp-size`` it is one data-parallel replica
-    instead (``DataParallelReplica``): it runs the requests rank 0 routed to it, and rank 0 sends its outputs.
+    With a ``DistributedContext`` it is one rank of several; how its turns' messages come in and its outputs go out
+    is its ``transport``, chosen once here (``choose_turn_transport``), and the loop never asks which.
     """
 
     def __init__(
@@ -70,7 +67,6 @@ class Scheduler:
         self.tokenizer = model_runner.tokenizer
         self.prompt_encoder = PromptEncoder(self.tokenizer, model_runner.vocab_size, model_runner.max_seq_len)
         self.vocab_size = model_runner.vocab_size
-        self.dist = dist
         self.reasoning = ReasoningGate(server_args, self.tokenizer)
         grammar_backend = create_grammar_backend(
             server_args,
@@ -80,13 +76,8 @@ class Scheduler:
             think_end_id=self.reasoning.think_end_id,
             think_start_id=self.reasoning.think_start_id,
         )
-        self.data_parallel = (
-            DataParallelReplica(dist, grammar_backend, server_args)
-            if dist is not None and server_args.dp_size > 1
-            else None
-        )
-        rank_sync = RankSync(dist) if dist is not None and self.data_parallel is None else None
-        self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
+        self.transport = choose_turn_transport(dist, grammar_backend, server_args)
+        self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync)
         ngram_cache = None
         if server_args.speculative_ngram_capacity and server_args.speculative_num_draft_tokens:
             ngram_cache = NgramCache(
@@ -117,15 +108,15 @@ class Scheduler:
             grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
         self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len)
-        self.executor = BatchExecutor(model_runner, sampling_info, proposer, self.finish_policy, rank_sync)
+        self.executor = BatchExecutor(
+            model_runner, sampling_info, proposer, self.finish_policy, self.transport.rank_sync
+        )
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
         self.outbox: list[tuple[bytes, ServerMessage]] = []
         self.is_stopping = False
         self.num_finished_requests = 0
-        self.num_turns = 0
-        self.turn_sync_seconds = 0.0
 
     def serve(self, ipc: SchedulerIPC | None) -> None:
         """Run the loop until ``stop()`` on any rank; ``ipc`` is rank 0's socket (None on the other ranks)."""
@@ -133,7 +124,7 @@ class Scheduler:
             ipc.watch(self.grammar_manager.wakeup_fd)
             logger.info("scheduler ready on %s (grammar backend: %s)", ipc.endpoint, self.server_args.grammar_backend)
         while True:
-            messages, should_stop = self._receive(ipc)
+            messages, should_stop = self.transport.exchange(ipc, self._wait_time(), self._status(), self.is_stopping)
             if should_stop:
                 return
             self.step(messages)
@@ -148,14 +139,10 @@ class Scheduler:
             req.abort(SHUTDOWN)
             self._finish(req)
         self._flush_outbox(ipc)
-        if self.data_parallel is not None:
-            self.data_parallel.shutdown(ipc, SHUTDOWN.message)
+        self.transport.shutdown(ipc, SHUTDOWN.message)
         if self.grammar_manager.grammar_backend is not None:
             self.grammar_manager.grammar_backend.shutdown()
         self.grammar_manager.close()
-        if self.num_turns:
-            mean_us = 1e6 * self.turn_sync_seconds / self.num_turns
-            logger.info("per-turn rank sync: %d turns, %.0f us per turn on average", self.num_turns, mean_us)
 
     def step(self, messages: Messages) -> None:
         """One loop turn: handle messages, admit ready grammars, run one prefill and one decode batch."""
@@ -196,24 +183,6 @@ class Scheduler:
         req.abort(CLIENT_ABORT)
         logger.info("request %s aborted by the client", rid)
         self._finish(req)
-
-    def _receive(self, ipc: SchedulerIPC | None) -> tuple[Messages, bool]:
-        """This turn's messages (rank 0's, on every rank; with ``--dp-size`` the ones routed to this replica) and
-        whether any rank was asked to stop."""
-        if self.data_parallel is not None:
-            start = time.perf_counter()
-            turn = self.data_parallel.exchange(ipc, self._wait_time(), self._status(), self.is_stopping)
-            self.turn_sync_seconds += time.perf_counter() - start
-            self.num_turns += 1
-            return turn
-        messages = ipc.receive(self._wait_time()) if ipc is not None else []
-        if self.dist is None:
-            return messages, self.is_stopping
-        start = time.perf_counter()
-        gathered = self.dist.all_gather((messages, self.is_stopping))
-        self.turn_sync_seconds += time.perf_counter() - start
-        self.num_turns += 1
-        return gathered[0][0], any(stopping for _, stopping in gathered)
 
     def _handle_message(self, client_id: bytes, payload: bytes) -> None:
         try:
@@ -370,13 +339,7 @@ class Scheduler:
         self.outbox.append((req.client_id, output))
 
     def _flush_outbox(self, ipc: SchedulerIPC | None) -> None:
-        """Rank 0 sends; the other ranks computed the same outputs and drop them (data-parallel replicas send theirs
-        through rank 0)."""
-        if self.data_parallel is not None:
-            self.data_parallel.send(ipc, self.outbox)
-        elif ipc is not None:
-            for client_id, message in self.outbox:
-                ipc.send(client_id, message)
+        self.transport.send(ipc, self.outbox)
         self.outbox.clear()
 
     def _wait_time(self) -> float | None:
@@ -389,7 +352,7 @@ class Scheduler:
 
     def _status(self) -> ReplicaStatus:
         return ReplicaStatus(
-            rank=self.dist.rank if self.dist is not None else 0,
+            rank=self.transport.rank,
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
@@ -418,9 +381,21 @@ class Scheduler:
             draft_runs=dict(self.executor.stats.draft_runs),
             metrics_text=self.grammar_manager.metrics.render(),
         )
-        return pong if self.data_parallel is None else self.data_parallel.group_pong(pong, self._status())
+        return self.transport.group_pong(pong, self._status())
 
 
 def _new_text(full_text: str, sent_text: str) -> str:
     """What a streaming client lacks of ``full_text`` (all of it if what it has is no longer a prefix)."""
     return full_text[len(sent_text) :] if full_text.startswith(sent_text) else full_text
+
+
+def choose_turn_transport(
+    dist: DistributedContext | None, grammar_backend: BaseGrammarBackend | None, server_args: ServerArgs
+) -> TurnTransport:
+    """This rank's transport, by the rank layout: one process, data-parallel replicas (``--dp-size``), or ranks in
+    lockstep (every other layout of several ranks)."""
+    if dist is None:
+        return OneRank()
+    if server_args.dp_size > 1:
+        return DataParallelReplica(dist, grammar_backend, server_args)
+    return LockstepRanks(dist)

@@ -19,16 +19,11 @@ from scheduler.io_struct import (
     FlushCacheReq,
     GenerateOutput,
     GenerateReq,
-    ServerMessage,
     decode_client_message,
     error_output,
 )
+from scheduler.turn_transport import Messages, Outbox
 from sglang_constrained.constraint_spec import GrammarKey
-
-Messages = list[tuple[bytes, bytes]]
-"""``(client_id, payload)`` as the socket received them."""
-Outbox = list[tuple[bytes, ServerMessage]]
-"""``(client_id, message)`` to send."""
 
 
 class ReplicaRouter:
