@@ -1,11 +1,12 @@
 """One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), and who finished
 (``FinishPolicy`` decides).
 
-The executor owns the model runner: the scheduler asks it to admit requests into KV memory and to run prefill and
-decode batches, and it calls the model; nothing calls back up. A decode forward takes each request's pending tokens
-and its drafts (``scheduler.speculative``) and returns logits after the last pending token and after each draft; one
-mask row and one sample per position decide how many drafts stand. On several ranks every rank runs the same batch;
-rank 0's drafts and sampled tokens and every rank's per-request failures are agreed through ``RankSync``.
+The executor runs batches on the model runner: the scheduler admits requests into KV memory (the runner's ``kv``)
+and asks the executor to run prefill and decode batches of them; nothing calls back up. A decode forward takes each
+request's pending tokens and its drafts (``scheduler.speculative``) and returns logits after the last pending token
+and after each draft; one mask row and one sample per position decide how many drafts stand. On several ranks every
+rank runs the same batch; rank 0's drafts and sampled tokens and every rank's per-request failures are agreed through
+``RankSync``.
 """
 
 from __future__ import annotations
@@ -71,48 +72,6 @@ class BatchExecutor:
         self.rank_sync = rank_sync
         self.num_batches = 0
         self.stats = SpeculationStats()
-
-    @property
-    def num_free_kv_tokens(self) -> int:
-        """KV rows a new request could still reserve (free, or held only by unlocked cached prefixes)."""
-        return self.model_runner.kv.num_available
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.model_runner.kv.cache_hit_rate
-
-    def flush_cache(self) -> int:
-        """Drop every cached prefix no request reads; returns the tokens freed."""
-        return self.model_runner.kv.flush()
-
-    def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Raise ``ValueError`` for a request the KV cache could never hold."""
-        self.model_runner.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, max_new_tokens))
-
-    def admit(self, req: Req) -> bool:
-        """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
-        budget = self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens)
-        req.kv = self.model_runner.kv.admit(req.prompt_ids, budget)
-        if req.kv is None:
-            return False
-        req.num_cached_tokens = req.kv.num_cached
-        return True
-
-    def share_prompt(self, req: Req) -> None:
-        """After ``req``'s prefill: cache its prompt now, for requests with the same prompt (``n`` samples) that
-        are admitted while it runs."""
-        if req.kv is not None:
-            self.model_runner.kv.share_prefix(req.kv, len(req.prompt_ids))
-
-    def release(self, req: Req) -> None:
-        """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""
-        self.proposer.forget(req)
-        if req.kv is not None:
-            self.model_runner.kv.release(req.kv)
-            req.kv = None
-
-    def _output_budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
-        return max(1, min(max_new_tokens, self.model_runner.max_seq_len - len(prompt_ids)))
 
     def prefill(self, batch: list[Req]) -> None:
         """Run the prompts of newly scheduled requests and sample each one's first token. A request repeating the

@@ -67,6 +67,8 @@ class Scheduler:
         self.tokenizer = model_runner.tokenizer
         self.prompt_encoder = PromptEncoder(self.tokenizer, model_runner.vocab_size, model_runner.max_seq_len)
         self.vocab_size = model_runner.vocab_size
+        self.kv = model_runner.kv
+        self.max_seq_len = model_runner.max_seq_len
         self.reasoning = ReasoningGate(server_args, self.tokenizer)
         grammar_backend = create_grammar_backend(
             server_args,
@@ -83,7 +85,7 @@ class Scheduler:
             ngram_cache = NgramCache(
                 server_args.speculative_ngram_capacity, NGRAM_MAX, server_args.speculative_num_draft_tokens
             )
-        proposer = DraftProposer(
+        self.proposer = DraftProposer(
             server_args.speculation,
             server_args.speculative_num_draft_tokens,
             self.tokenizer,
@@ -109,7 +111,7 @@ class Scheduler:
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
         self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len)
         self.executor = BatchExecutor(
-            model_runner, sampling_info, proposer, self.finish_policy, self.transport.rank_sync
+            model_runner, sampling_info, self.proposer, self.finish_policy, self.transport.rank_sync
         )
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
@@ -207,7 +209,7 @@ class Scheduler:
         if self.live:
             message = f"not flushed: {len(self.live)} requests are running or waiting"
             return FlushCacheDone(request_id=request_id, success=False, message=message)
-        num_rows = self.executor.flush_cache()
+        num_rows = self.kv.flush()
         return FlushCacheDone(request_id=request_id, success=True, message=f"flushed {num_rows} cached tokens")
 
     def _add_request(self, client_id: bytes, message: GenerateReq) -> None:
@@ -226,7 +228,7 @@ class Scheduler:
             prompt_ids = self.prompt_encoder.encode(
                 message.text, messages, message.input_ids, message.chat_template_kwargs
             )
-            self.executor.check_fits(prompt_ids, params.max_new_tokens)
+            self.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, params.max_new_tokens))
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, AbortCause.BAD_REQUEST, str(e))))
             return
@@ -278,16 +280,29 @@ class Scheduler:
         those behind it with it, so that a long prompt is never starved by short ones)."""
         batch: list[Req] = []
         room = self.server_args.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room and self.executor.admit(self.waiting_queue[0]):
+        while self.waiting_queue and len(batch) < room and self._reserve_kv(self.waiting_queue[0]):
             batch.append(self.waiting_queue.popleft())
         return batch
 
+    def _reserve_kv(self, req: Req) -> bool:
+        """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
+        req.kv = self.kv.admit(req.prompt_ids, self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens))
+        if req.kv is None:
+            return False
+        req.num_cached_tokens = req.kv.num_cached
+        return True
+
+    def _output_budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
+        """The output tokens a request reserves KV for: ``max_new_tokens``, within the context."""
+        return max(1, min(max_new_tokens, self.max_seq_len - len(prompt_ids)))
+
     def _share_repeated_prompts(self, batch: list[Req]) -> None:
-        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat."""
+        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat (``n`` samples
+        admitted while the first runs)."""
         waiting = {tuple(req.prompt_ids) for req in self.waiting_queue}
         for req in batch:
-            if tuple(req.prompt_ids) in waiting:
-                self.executor.share_prompt(req)
+            if req.kv is not None and tuple(req.prompt_ids) in waiting:
+                self.kv.share_prefix(req.kv, len(req.prompt_ids))
 
     def _after_batch(self, batch: list[Req]) -> None:
         """Finish who finished; stream what is new to the others."""
@@ -303,7 +318,10 @@ class Scheduler:
         self.num_finished_requests += 1
         if req in self.running:
             self.running.remove(req)
-        self.executor.release(req)
+        self.proposer.forget(req)  # the n-gram cache takes the rest of its output
+        if req.kv is not None:  # its rows go to the prefix cache (or back to the pool)
+            self.kv.release(req.kv)
+            req.kv = None
         self.live.pop(req.rid, None)
         text, reasoning = self.finish_policy.final_texts(req)
         self._send(req, text, finished=True, full_reasoning=reasoning)
@@ -356,7 +374,7 @@ class Scheduler:
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
-            num_free_kv_tokens=self.executor.num_free_kv_tokens,
+            num_free_kv_tokens=self.kv.num_available,
             num_finished_requests=self.num_finished_requests,
             num_output_tokens=self.executor.stats.num_output_tokens,
             num_forwards=self.executor.stats.num_forwards,
@@ -371,8 +389,8 @@ class Scheduler:
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
-            num_free_kv_tokens=self.executor.num_free_kv_tokens,
-            cache_hit_rate=self.executor.cache_hit_rate,
+            num_free_kv_tokens=self.kv.num_available,
+            cache_hit_rate=self.kv.cache_hit_rate,
             num_forwards=self.executor.stats.num_forwards,
             num_output_tokens=self.executor.stats.num_output_tokens,
             num_forced_tokens=self.executor.stats.num_forced_tokens,

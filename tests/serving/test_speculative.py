@@ -210,7 +210,7 @@ def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone
         num_prompt_tokens = together[0].usage.prompt_tokens
         assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens] * 3
         for seed, output in zip(seeds, together, strict=True):
-            scheduler.executor.flush_cache()
+            scheduler.kv.flush()
             (alone,) = serve(scheduler, [seeded(seed)])
             assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
 
