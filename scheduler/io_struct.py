@@ -15,6 +15,9 @@ import msgspec
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "choice", "json_object")
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per output token: OpenAI's limit on ``top_logprobs`` (chat), the bound of
+``top_logprobs_num`` here and of ``logprobs`` (completions) over HTTP."""
 _CONSTRAINT_KIND = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 
 

@@ -14,6 +14,7 @@ from scheduler.distributed import DistributedContext
 from scheduler.finish_policy import FinishPolicy
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
+    MAX_TOP_LOGPROBS,
     AbortCause,
     AbortReq,
     FlushCacheDone,
@@ -46,8 +47,6 @@ from triton_ops.bitmask_format import VocabMaskLayout
 
 logger = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 20
-"""Most alternatives a request may ask for per output token (OpenAI's limit for chat)."""
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
 SHUTDOWN = Abort(AbortCause.SHUTDOWN, "the server is shutting down")
