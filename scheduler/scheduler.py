@@ -24,7 +24,6 @@ from scheduler.io_struct import (
     PingReq,
     Pong,
     ReplicaStatus,
-    ServerMessage,
     Usage,
     decode_client_message,
     error_output,
@@ -40,7 +39,7 @@ from scheduler.request import CLIENT_ABORT, Abort, Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
-from scheduler.turn_transport import LockstepRanks, Messages, OneRank, TurnTransport
+from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend
 from sglang_constrained.registry import create_grammar_backend
 from triton_ops.bitmask_format import VocabMaskLayout
@@ -115,7 +114,7 @@ class Scheduler:
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
-        self.outbox: list[tuple[bytes, ServerMessage]] = []
+        self.outbox: Outbox = []
         self.is_stopping = False
         self.num_finished_requests = 0
 
