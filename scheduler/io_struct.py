@@ -153,6 +153,10 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True, forbid_unknown_f
     separate_reasoning: bool = False
     """With ``--reasoning-parser``: outputs carry the think block's text in ``reasoning_text`` and the answer alone
     in ``text``."""
+    prediction: str | list[int] | None = None
+    """OpenAI's predicted output: text (tokenised as the prompt is) or token ids the answer is expected to mostly
+    repeat. A latency hint: speculative decoding drafts from it, and the output is the one without it
+    (``scheduler.predicted_output``)."""
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -228,12 +232,16 @@ class FinishReason(msgspec.Struct, forbid_unknown_fields=True):
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):
     """``cached_tokens``: prompt tokens whose KV came from the prefix cache; ``reasoning_tokens``: output tokens of the
-    think block, its tags included (with ``--reasoning-parser``)."""
+    think block, its tags included (with ``--reasoning-parser``). With a ``prediction``: ``accepted_prediction_tokens``,
+    its tokens that appeared in the output (repeated in step with it), and ``rejected_prediction_tokens``, the rest
+    (final once the request has finished); both 0 without one."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_fields=True):
@@ -279,8 +287,8 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     num_free_kv_tokens: int = 0
     cache_hit_rate: float = 0.0
     # Speculative decoding since the start: forwards per output token, tokens jump-forward appended, and per draft
-    # source ("grammar", "follower", "ngram", "ngram_cache") the tokens proposed and accepted and the request-forwards
-    # it proposed in.
+    # source ("grammar", "follower", "ngram", "ngram_cache", "prediction") the tokens proposed and accepted and the
+    # request-forwards it proposed in.
     num_forwards: int = 0
     num_output_tokens: int = 0
     num_forced_tokens: int = 0

@@ -9,6 +9,7 @@ from typing import Literal
 from scheduler.io_struct import AbortCause, FinishReason, SamplingParams, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
+from scheduler.predicted_output import PredictionAligner
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
@@ -36,6 +37,7 @@ class Req:
     ``TokenLogprob`` per output token. ``sampling_seed`` keys its random draws by output position (its own
     seed, or one the server drew for it). With ``--reasoning-parser`` and ``separate_reasoning``, ``reasoning_text``
     follows the think block's text and ``text`` the answer's (``sent_reasoning``: what a streaming client has).
+    ``prediction`` follows the output through the request's predicted output, if it has one.
     """
 
     rid: str
@@ -59,6 +61,7 @@ class Req:
     sent_text: str = ""
     reasoning_text: OutputText | None = None
     sent_reasoning: str = ""
+    prediction: PredictionAligner | None = None
 
     @property
     def finished(self) -> bool:

@@ -33,6 +33,7 @@ from scheduler.ipc import SchedulerIPC
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
+from scheduler.predicted_output import PredictionAligner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.reasoning_gate import ReasoningGate
 from scheduler.request import CLIENT_ABORT, Abort, Req
@@ -91,6 +92,7 @@ class Scheduler:
             row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
             tokens_per_forward=model_runner.tokens_per_forward,
+            max_prediction_tokens=server_args.speculative_num_prediction_tokens,
         )
         mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None
         if mask_layout is None and self.reasoning.enabled:  # free requests that reason are gated by masks too
@@ -100,7 +102,7 @@ class Scheduler:
             server_args.max_running_requests,
             model_runner.device,
             mask_layout,
-            max_rows_per_request=1 + server_args.speculative_num_draft_tokens,
+            max_rows_per_request=1 + server_args.max_drafts_per_request,
             eos_token_ids=model_runner.eos_token_ids,
         )
         sampling_info.warm_up()  # in the background, beside the compile processes' start that the next line waits for
@@ -227,6 +229,9 @@ class Scheduler:
                 message.text, messages, message.input_ids, message.chat_template_kwargs
             )
             self.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, params.max_new_tokens))
+            prediction = None
+            if message.prediction is not None:
+                prediction = PredictionAligner(self.prompt_encoder.encode_prediction(message.prediction))
         except ValueError as e:
             self.outbox.append((client_id, error_output(message.rid, AbortCause.BAD_REQUEST, str(e))))
             return
@@ -247,6 +252,7 @@ class Scheduler:
                 no_stop_trim=params.no_stop_trim,
             ),
             top_logprobs_num=message.top_logprobs_num,
+            prediction=prediction,
         )
         if message.separate_reasoning and self.reasoning.enabled:
             req.reasoning_text = OutputText(
@@ -342,12 +348,7 @@ class Scheduler:
             text=text,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
-            usage=Usage(
-                prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids),
-                cached_tokens=req.num_cached_tokens,
-                reasoning_tokens=req.num_reasoning_tokens,
-            ),
+            usage=_usage(req),
             grammar_cache_hit=req.grammar_cache_hit,
             logprobs=req.output_logprobs[first_new:] if req.top_logprobs_num is not None else None,
             reasoning_text=reasoning,
@@ -398,6 +399,20 @@ class Scheduler:
             metrics_text=self.grammar_manager.metrics.render(),
         )
         return self.transport.group_pong(pong, self._status())
+
+
+def _usage(req: Req) -> Usage:
+    usage = Usage(
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.num_cached_tokens,
+        reasoning_tokens=req.num_reasoning_tokens,
+    )
+    if req.prediction is not None:
+        req.prediction.follow(req.output_ids)
+        usage.accepted_prediction_tokens = req.prediction.num_accepted
+        usage.rejected_prediction_tokens = req.prediction.num_rejected
+    return usage
 
 
 def _new_text(full_text: str, sent_text: str) -> str:

@@ -59,16 +59,19 @@ def openai_finish_reason(output: GenerateOutput) -> str | None:
 
 def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, Any]:
     """Token counts of a whole completion: each prompt counted once (its choice ``p * n``), every choice's output;
-    ``prompt_tokens_details.cached_tokens`` as OpenAI's: prompt tokens whose KV came from the prefix cache."""
+    ``prompt_tokens_details.cached_tokens`` as OpenAI's: prompt tokens whose KV came from the prefix cache;
+    ``completion_tokens_details``' prediction counts summed over the choices (each choice follows the prediction on
+    its own; ``scheduler.predicted_output``)."""
     prompts = [o.usage for i, o in outputs.items() if i % n == 0]
     prompt = sum(usage.prompt_tokens for usage in prompts)
     completion = sum(o.usage.completion_tokens for o in outputs.values())
+    details = ("reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in prompts)},
-        "completion_tokens_details": {"reasoning_tokens": sum(o.usage.reasoning_tokens for o in outputs.values())},
+        "completion_tokens_details": {name: sum(getattr(o.usage, name) for o in outputs.values()) for name in details},
     }
 
 
@@ -172,6 +175,8 @@ def generate_result(
             "completion_tokens": output.usage.completion_tokens,
             "cached_tokens": output.usage.cached_tokens,
             "reasoning_tokens": output.usage.reasoning_tokens,
+            "accepted_prediction_tokens": output.usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": output.usage.rejected_prediction_tokens,
             "grammar_cache_hit": output.grammar_cache_hit,
             **(logprob_fields or {}),
         },
