@@ -42,18 +42,17 @@ from typing import Any
 
 import torch
 
+from scheduler.grammar_steps import Lookahead
+from scheduler.model.runner_contract import TOKENS_PER_FORWARD
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from triton_ops.bitmask_format import allocate_bitmask
+from triton_ops.bitmask_format import allocate_bitmask, only_allowed_token
 
 NGRAM_MAX = 4
 """Longest output suffix searched for in the prompt and output."""
 NGRAM_MIN_CONTEXT = 8
 """Below this many context tokens a lookup finds nothing worth a draft."""
-BATCH_TOKEN_BUDGET = 40
-"""Most tokens a speculative decode forward takes (pending + drafts over the batch); drafts fill what the batch
-leaves. Measured here: a forward's cost rises little up to ~40 tokens, then with the token count."""
 PROBE_INTERVAL = 8
 """Steps a request whose prompt-lookup drafts kept failing waits before it tries one again."""
 NGRAM_MAX_BATCH = 16
@@ -103,14 +102,17 @@ class DraftProposer:
         vocab_size: int,
         row_multiple: int = 1,
         ngram_cache: NgramCache | None = None,
+        tokens_per_forward: int = TOKENS_PER_FORWARD,
         max_prediction_tokens: int = 0,
     ) -> None:
         """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the model
         runner's (rows up to a multiple of it cost no more weight reads); ``ngram_cache``:
         outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none);
-        ``max_prediction_tokens``: the most drafts per forward of a request with a prediction, where they come
-        from it (the other sources keep to ``max_draft_tokens``)."""
+        ``tokens_per_forward``: the model runner's (most tokens a decode forward takes: pending and drafts over the
+        batch; drafts fill what the batch leaves); ``max_prediction_tokens``: the most drafts per forward of a request
+        with a prediction, where they come from it (the other sources keep to ``max_draft_tokens``)."""
         self.row_multiple = row_multiple
+        self.tokens_per_forward = tokens_per_forward
         self.use_grammar = algorithm in ("grammar", "grammar+ngram")
         self.use_ngram = algorithm in ("ngram", "grammar+ngram")
         self.enabled = algorithm != "none" and max_draft_tokens > 0
@@ -125,16 +127,7 @@ class DraftProposer:
     def forced_token(self, grammar: BaseGrammarObject) -> int | None:
         """The one token ``grammar`` allows next, or None when it allows several (or none)."""
         grammar.fill_vocab_mask(self._scratch, 0)
-        words = self._scratch[0]
-        nonzero = words.nonzero()
-        if nonzero.numel() != 1:
-            return None
-        index = int(nonzero[0, 0])
-        word = int(words[index]) & 0xFFFFFFFF
-        if word & (word - 1):
-            return None
-        token = index * 32 + word.bit_length() - 1
-        return token if token < self.vocab_size else None
+        return only_allowed_token(self._scratch[0], self.vocab_size)
 
     def propose(self, batch: list[Req], pending: list[list[int]], room: list[int]) -> list[Drafts]:
         """Drafts per request: at most ``room[i]`` tokens each, within the batch's token budget."""
@@ -142,7 +135,7 @@ class DraftProposer:
             return [NO_DRAFTS] * len(batch)
         num_pending = sum(len(tokens) for tokens in pending)
         free_rows = -num_pending % self.row_multiple
-        budget = max(BATCH_TOKEN_BUDGET - num_pending, free_rows)
+        budget = max(self.tokens_per_forward - num_pending, free_rows)
         use_ngram = self.use_ngram and len(batch) < NGRAM_MAX_BATCH
         proposals = []
         for req, tokens, limit in zip(batch, pending, room, strict=True):
@@ -203,55 +196,43 @@ class DraftProposer:
         prediction_left = state.prediction_k or self.max_prediction_tokens
         tokens: list[int] = []
         sources: list[str] = []
-        try:
-            while len(tokens) < limit and not (grammar is not None and grammar.is_terminated()):
+        with Lookahead(grammar) as ahead:
+            while len(tokens) < limit and not ahead.is_terminated:
                 size = len(tokens)
                 if req.prediction is not None and prediction_left > 0:
                     predicted = req.prediction.drafts(req.output_ids, tokens, min(limit - len(tokens), prediction_left))
-                    prediction_left -= self._extend(grammar, tokens, sources, predicted, "prediction", limit)
+                    prediction_left -= self._extend(ahead, tokens, sources, predicted, "prediction", limit)
                 if self.use_grammar and grammar is not None:
                     forced = self._grammar_continuation(grammar)
-                    extended = self._extend(grammar, tokens, sources, forced, "grammar", other_limit)
+                    extended = self._extend(ahead, tokens, sources, forced, "grammar", other_limit)
                     if extended and state.grammar_follower:
-                        self._extend(grammar, tokens, sources, [state.grammar_follower], "follower", other_limit)
+                        self._extend(ahead, tokens, sources, [state.grammar_follower], "follower", other_limit)
                 if ngram_left > 0 and len(tokens) < other_limit:
                     context = req.prompt_ids + req.output_ids + tokens
-                    looked_up, source = self._look_up(grammar, context, min(other_limit - len(tokens), ngram_left))
-                    ngram_left -= self._extend(grammar, tokens, sources, looked_up, source, other_limit)
+                    looked_up, source = self._look_up(ahead, context, min(other_limit - len(tokens), ngram_left))
+                    ngram_left -= self._extend(ahead, tokens, sources, looked_up, source, other_limit)
                 if len(tokens) == size:
                     break
-        finally:
-            if grammar is not None:
-                grammar.rollback(len(tokens))
         return Drafts(tokens, sources)
 
     @staticmethod
     def _extend(
-        grammar: BaseGrammarObject | None,
-        tokens: list[int],
-        sources: list[str],
-        new: list[int],
-        source: str,
-        limit: int,
+        ahead: Lookahead, tokens: list[int], sources: list[str], new: list[int], source: str, limit: int
     ) -> int:
         """Append the part of ``new`` the grammar accepts (advancing it) within ``limit``; returns how many."""
-        new = new[: limit - len(tokens)]
-        if grammar is not None and new:
-            new = new[: grammar.validate_tokens(new)]
-            for token in new:
-                grammar.accept_token(token)
+        new = ahead.advance(new[: limit - len(tokens)])
         tokens += new
         sources += [source] * len(new)
         return len(new)
 
-    def _look_up(self, grammar: BaseGrammarObject | None, context: list[int], max_tokens: int) -> tuple[list[int], str]:
+    def _look_up(self, ahead: Lookahead, context: list[int], max_tokens: int) -> tuple[list[int], str]:
         """Prompt lookup's drafts, or the n-gram cache's where it matches a longer suffix of ``context`` or prompt
         lookup finds nothing the grammar accepts; with its source name."""
         prompt_n, looked_up = prompt_lookup(context, max_tokens)
         if self.ngram_cache is None:
             return looked_up, "ngram"
         cache_n, cached = self.ngram_cache.lookup(context, max_tokens)
-        if cached and (cache_n > prompt_n or not _accepted_prefix(grammar, looked_up)):
+        if cached and (cache_n > prompt_n or not ahead.num_valid(looked_up)):
             return cached, "ngram_cache"
         return looked_up, "ngram"
 
@@ -283,13 +264,6 @@ def _cache_output(cache: NgramCache, req: Req, state: DraftState, stop: int) -> 
     offset = len(prompt_tail)
     cache.insert(prompt_tail + req.output_ids, offset + state.num_cached_positions, offset + stop)
     state.num_cached_positions = stop
-
-
-def _accepted_prefix(grammar: BaseGrammarObject | None, tokens: list[int]) -> int:
-    """How many of ``tokens`` the grammar accepts from its state (which stays as it is)."""
-    if grammar is None or not tokens:
-        return len(tokens)
-    return grammar.validate_tokens(tokens)
 
 
 def prompt_lookup(context: list[int], max_tokens: int) -> tuple[int, list[int]]:

@@ -36,6 +36,17 @@ PERSON_SCHEMA = {
     "required": ["name", "age"],
 }
 """A small schema every backend enforces; ``{**PERSON_SCHEMA, "additionalProperties": False}`` closes it."""
+PRODUCT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
+        "price": {"type": "number", "multipleOf": 0.5},
+    },
+    "required": ["code", "price"],
+    "additionalProperties": False,
+}
+"""xgrammar refuses a pattern with a length bound (it would drop the bound), llguidance enforces both: ``auto`` gives
+it to llguidance."""
 
 TEST_SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640")
 """Enough slots for the concurrency tests, a KV cache small enough to start in seconds."""

@@ -12,11 +12,10 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from scheduler.io_struct import MAX_TOP_LOGPROBS
 from sglang_constrained.constraint_spec import MAX_SPEC_DEPTH
 
 MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-"""OpenAI's limit on ``top_logprobs`` (chat); also the bound of ``logprobs`` (completions) and ``top_logprobs_num``."""
 MAX_SCHEDULER_REQUESTS = 128
 """Most scheduler requests one HTTP request may become (prompts x ``n``)."""
 SEED_MODULUS = 2**64

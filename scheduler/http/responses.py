@@ -3,7 +3,6 @@ OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (streamed ans
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -12,31 +11,34 @@ import msgspec
 from scheduler.http.logprobs import TokenText, chat_logprobs, completion_logprobs
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.tool_calls import ToolPlan
-from scheduler.io_struct import FinishReason, GenerateOutput
+from scheduler.io_struct import AbortCause, FinishReason, GenerateOutput
 
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client went away; logged, never seen by a client."""
 
-_ABORT_STATUS: tuple[tuple[re.Pattern[str], int], ...] = (
-    (re.compile(r"internal error"), 500),
-    (re.compile(r"the grammar failed to compute"), 500),
-    (re.compile(r"token \d+ .* was rejected by the"), 500),
-    (re.compile(r"the \S+ grammar failed on token"), 500),
-    (re.compile(r"the server is shutting down"), 503),
-    (re.compile(r"the grammar backend was reset"), 503),
-    (re.compile(r"Grammar compilation did not start"), 503),
-    (re.compile(r"aborted by the client"), CLIENT_CLOSED_REQUEST),
-)
-"""Aborts caused by the server, by the scheduler's messages (a compile that waited for a slot until its deadline is the
-server's: busy); every other abort is about the request itself (400):
-an invalid or unsupported constraint, a bad prompt, a compile past its deadline, a constraint that cannot finish."""
+ABORT_STATUS: dict[AbortCause, int] = {
+    AbortCause.BAD_REQUEST: 400,
+    AbortCause.INVALID_CONSTRAINT: 400,
+    AbortCause.COMPILE_TIMEOUT: 400,
+    AbortCause.COMPILE_FAILED: 400,
+    AbortCause.UNSATISFIABLE: 400,
+    AbortCause.COMPILE_NOT_STARTED: 503,
+    AbortCause.GRAMMAR_RESET: 503,
+    AbortCause.SHUTDOWN: 503,
+    AbortCause.GRAMMAR_ENGINE: 500,
+    AbortCause.INTERNAL: 500,
+    AbortCause.CLIENT: CLIENT_CLOSED_REQUEST,
+}
+"""The status of each abort cause: the request's own fault (400: a bad field or prompt, an invalid or unsupported
+constraint, a compile past its deadline, a constraint that cannot finish), the server busy or stopping (503: a compile
+that waited for a slot until its deadline), the server's fault (500), or the client gone (499, logged only)."""
 
 
 def abort_error(reason: FinishReason) -> ProtocolError:
-    """The HTTP error for a request the scheduler aborted."""
+    """The HTTP error for a request the scheduler aborted, by its cause (every abort has one; without, 400)."""
     message = reason.message or "the request was aborted"
-    status = next((status for pattern, status in _ABORT_STATUS if pattern.match(message)), 400)
-    code = "invalid_constraint" if message.startswith("Failed to compile") else None
+    status = ABORT_STATUS[reason.cause] if reason.cause is not None else 400
+    code = "invalid_constraint" if reason.cause is AbortCause.INVALID_CONSTRAINT else None
     return ProtocolError(message, status_code=status, code=code)
 
 

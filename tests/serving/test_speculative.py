@@ -210,7 +210,7 @@ def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone
         num_prompt_tokens = together[0].usage.prompt_tokens
         assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens] * 3
         for seed, output in zip(seeds, together, strict=True):
-            scheduler.executor.flush_cache()
+            scheduler.kv.flush()
             (alone,) = serve(scheduler, [seeded(seed)])
             assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
 
@@ -255,7 +255,7 @@ def test_a_prediction_changes_no_output_and_counts_what_the_output_repeated(runn
     ]
     with in_process_scheduler(runner, grammar_backend=backend) as scheduler:
         plain = serve(scheduler, [make_request(**r) for r in requests])
-        scheduler.executor.flush_cache()
+        scheduler.kv.flush()
         predictions: list[str | list[int]] = []
         for output in plain:
             middle = len(output.token_ids) // 2
@@ -284,7 +284,7 @@ def test_without_speculation_a_prediction_drafts_nothing_and_is_still_counted(ru
     request = {"text": FREE_PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}
     with in_process_scheduler(runner, grammar_backend="none", speculative_algorithm="none") as scheduler:
         (plain,) = serve(scheduler, [make_request(**request)])
-        scheduler.executor.flush_cache()
+        scheduler.kv.flush()
         (predicted,) = serve(scheduler, [make_request(**request, prediction=plain.token_ids)])
         stats = scheduler.executor.stats
     assert predicted.token_ids == plain.token_ids
