@@ -42,6 +42,7 @@ from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend
+from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
 from sglang_constrained.registry import create_grammar_backend
 from triton_ops.bitmask_format import VocabMaskLayout
 
@@ -76,6 +77,9 @@ class Scheduler:
             model_runner.eos_token_ids,
             think_end_id=self.reasoning.think_end_id,
             think_start_id=self.reasoning.think_start_id,
+            disk_cache=open_grammar_disk_cache(
+                server_args.grammar_disk_cache_path, server_args.grammar_disk_cache_max_bytes
+            ),
         )
         self.transport = choose_turn_transport(dist, grammar_backend, server_args)
         self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync)

@@ -64,7 +64,7 @@ CACHE_DIR = EnvVar(
     "SGLANG_CONSTRAINED_CACHE_DIR",
     Path.home() / ".cache" / "sglang_constrained",
     Path,
-    "where converted tokenizers and de-quantised weights are cached",
+    "where converted tokenizers, de-quantised weights and compiled grammars are cached",
 )
 WORLD_SIZE = EnvVar("WORLD_SIZE", 1, int, "number of ranks (set by torchrun; 1 when launched directly)")
 ENVIRONMENT_TABLE: tuple[EnvVar, ...] = (GRAMMAR_POLL_INTERVAL, GRAMMAR_MAX_POLL_ITERATIONS, CACHE_DIR, WORLD_SIZE)
@@ -111,6 +111,9 @@ class ServerArgs:
     grammar_cache_max_entries: int = 1024
     grammar_cache_max_bytes: int = 512 * 1024 * 1024
     grammar_max_spec_bytes: int = 1024 * 1024
+    grammar_cache_dir: str | None = None
+    disable_grammar_disk_cache: bool = False
+    grammar_disk_cache_max_bytes: int = 2 * 1024 * 1024 * 1024
     host: str = "127.0.0.1"
     port: int | None = None
     zmq_port: int = 30010
@@ -154,6 +157,13 @@ class ServerArgs:
     @property
     def cache_path(self) -> Path:
         return CACHE_DIR.get() if self.cache_dir is None else Path(self.cache_dir)
+
+    @property
+    def grammar_disk_cache_path(self) -> Path | None:
+        """Where compiled grammars are kept across restarts (``grammar_disk_cache``); None when that is off."""
+        if self.disable_grammar_disk_cache:
+            return None
+        return self.cache_path / "grammars" if self.grammar_cache_dir is None else Path(self.grammar_cache_dir)
 
     @property
     def kernel_build_path(self) -> Path:
@@ -203,6 +213,8 @@ class ServerArgs:
             raise ValueError("--grammar-compile-slow-after must be positive")
         if self.grammar_max_slow_compiles < 0:
             raise ValueError("--grammar-max-slow-compiles must be 0 (compiles keep their slot) or more")
+        if self.grammar_disk_cache_max_bytes < 0:
+            raise ValueError("--grammar-disk-cache-max-bytes must be 0 (nothing kept) or more")
         if self.grammar_compile_max_memory is not None and self.grammar_compile_max_memory <= 0:
             raise ValueError("--grammar-compile-max-memory must be positive (MiB)")
         if self.port is not None and not 0 <= self.port <= 65535:
@@ -381,6 +393,24 @@ class ServerArgs:
         )
         parser.add_argument("--grammar-cache-max-entries", type=int, default=d.grammar_cache_max_entries)
         parser.add_argument("--grammar-cache-max-bytes", type=int, default=d.grammar_cache_max_bytes)
+        parser.add_argument(
+            "--grammar-cache-dir",
+            default=d.grammar_cache_dir,
+            help="where compiled grammars are kept for the next start and the other ranks and replicas to load instead "
+            "of compiling (default: grammars/ in the cache dir); entries are named by the backend, its engine's "
+            "version, the tokenizer, the flags that change a grammar and the constraint, so a stale one is never read",
+        )
+        parser.add_argument(
+            "--disable-grammar-disk-cache",
+            action="store_true",
+            help="keep compiled grammars in memory only: every start compiles them anew",
+        )
+        parser.add_argument(
+            "--grammar-disk-cache-max-bytes",
+            type=int,
+            default=d.grammar_disk_cache_max_bytes,
+            help="bytes the grammar cache dir may hold; past it the least recently used grammars are removed",
+        )
         parser.add_argument(
             "--grammar-max-spec-bytes",
             type=int,

@@ -165,6 +165,12 @@ class AutoGrammarBackend(BaseGrammarBackend):
     def can_share_grammars(self) -> bool:
         return all(backend.can_share_grammars for backend in self.backends.values())
 
+    def compile_identity(self) -> dict[str, Any]:
+        """Its own and each backend's of the order, in order (their ``require_exact`` with them). The hand-over time
+        is left out: it decides which exact backend wins a race, not what any of them compiles."""
+        backends = [[name, backend.compile_identity()] for name, backend in self.backends.items()]
+        return {**super().compile_identity(), "backends": backends}
+
     def export_grammar(self, grammar: BaseGrammarObject) -> GrammarExport:
         """The chosen backend's export; its stats name the chosen backend, which ``import_grammar`` asks."""
         if isinstance(grammar, InvalidGrammarObject) or grammar.grammar_stats is None:

@@ -3,12 +3,13 @@
 
 A backend turns a constraint key ``(key_type, spec)`` into a ``BaseGrammarObject``. The scheduler fills one
 int32 bitmask row per constrained request from that object before sampling and feeds it every accepted token.
-Compiles run on the backend's ``CompileService`` (slots, deadline, cache, in-flight dedup). Bad input never
-raises: it becomes an ``InvalidGrammarObject`` whose message says what is wrong. Backends are named and built by
+Compiles run on the backend's ``CompileService`` (slots, deadline, cache, in-flight dedup), through a
+``CompiledGrammarStore`` on disk when one is attached (``use_disk_cache``). Bad input never raises: it becomes an
+``InvalidGrammarObject`` whose message says what is wrong. Backends are named and built by
 ``sglang_constrained.registry``, whose names stay importable from here.
 
-Over 300 lines because the contract is one unit: the two base classes, the invalid object, the stats and the
-JSON-schema preparation every backend runs before its engine sees a schema.
+Over 300 lines because the contract is one unit: the two base classes, the invalid object, the stats, the exports
+and their store, and the JSON-schema preparation every backend runs before its engine sees a schema.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from sglang_constrained.compile_identity import code_fingerprint
 from sglang_constrained.compile_service import CompileControl, CompileService
 from sglang_constrained.constraint_spec import GrammarKey, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
@@ -74,7 +76,8 @@ class GrammarStats:
     ``chosen_backend`` and ``fallback_reasons`` are set by ``auto``: the backend that compiled the grammar (None when
     every backend refused), and ``(backend, message)`` for each backend of the order it passed over (refused, failed,
     or still compiling when another finished). ``narrowing``: how the grammar admits less than the JSON schema
-    allows (``json_schema_narrowing``), None when it enforces the schema exactly.
+    allows (``json_schema_narrowing``), None when it enforces the schema exactly. ``is_disk_cache_hit``: the
+    compiled grammar was read from the disk cache, not compiled; ``compile_time_s`` is then the time the read took.
     """
 
     dispatch_type: str
@@ -83,6 +86,7 @@ class GrammarStats:
     chosen_backend: str | None = None
     fallback_reasons: tuple[tuple[str, str], ...] = ()
     narrowing: str | None = None
+    is_disk_cache_hit: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,26 @@ class GrammarExport:
     payload: bytes | str | None
     error_message: str = ""
     stats: GrammarStats | None = None
+
+
+class CompiledGrammarStore(Protocol):
+    """Valid grammars' exports kept beyond this process, by backend identity (``compile_identity``) and constraint
+    key (``grammar_disk_cache.GrammarDiskCache``). A backend reads it on a miss and writes what it compiles."""
+
+    def load(self, identity: dict[str, Any], key: GrammarKey) -> GrammarExport | None:
+        """The export stored for ``key`` by a backend of ``identity``, or None."""
+
+    def store_later(
+        self, identity: dict[str, Any], key: GrammarKey, export: Callable[[], GrammarExport], compile_s: float
+    ) -> None:
+        """Store ``export()`` (a valid grammar's, which took ``compile_s`` to compile) for ``key``, off the caller's
+        thread, if reading it back promises to be faster than compiling it; failures are not raised."""
+
+    def discard(self, identity: dict[str, Any], key: GrammarKey) -> None:
+        """Forget ``key``'s entry (it would not import)."""
+
+    def close(self) -> None:
+        """Finish the queued writes; store nothing more."""
 
 
 class BaseGrammarObject(ABC):
@@ -230,8 +254,9 @@ class BaseGrammarBackend:
         self.vocab_size = vocab_size
         self.mask_layout = VocabMaskLayout(vocab_size)
         self.max_spec_bytes = server_args.grammar_max_spec_bytes
+        self.disk_cache: CompiledGrammarStore | None = None
         self.compile_service = compile_service or CompileService(
-            self.build_grammar,
+            self.compile_or_load,
             name=self.name,
             threads=server_args.grammar_compile_threads,
             timeout_s=server_args.compile_timeout_s,
@@ -320,6 +345,67 @@ class BaseGrammarBackend:
         ``import_grammar``) instead of compiling it here; this backend's cache, dedup and deadline stay."""
         self.compile_service.compile_elsewhere(fetch)
 
+    def compile_identity(self) -> dict[str, Any]:
+        """What, beside a constraint key, decides the grammar this backend compiles for it (JSON-serialisable): two
+        backends with equal identities compile every key to the same grammar. Here the backend's name, class and
+        code (``code_fingerprint``), the settings that change a compile and the model's vocab size; each engine's
+        backend adds the engine's version and its tokenizer's fingerprint. The disk cache names entries by it. The
+        compile deadline is left out: it decides whether a compile is tried, not what it compiles to."""
+        args = self.server_args
+        return {
+            "backend": self.name,
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "code": code_fingerprint(type(self)),
+            "json_whitespace_pattern": args.constrained_json_whitespace_pattern,
+            "json_disable_any_whitespace": args.constrained_json_disable_any_whitespace,
+            "max_spec_bytes": self.max_spec_bytes,
+            "require_exact": self.require_exact,
+            "vocab_size": self.vocab_size,
+        }
+
+    def use_disk_cache(self, disk_cache: CompiledGrammarStore) -> None:
+        """Read compiled grammars from ``disk_cache`` before compiling them, and write there the ones compiled here
+        (``compile_or_load``); it is closed with this backend. ``ValueError`` unless ``can_share_grammars``."""
+        if not self.can_share_grammars:
+            raise ValueError(f"the {self.name} grammar backend cannot export its grammars to cache them on disk")
+        self.compile_identity()  # fingerprints the tokenizer now, at start-up, rather than in a request's compile
+        self.disk_cache = disk_cache
+
+    def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
+        """``build_grammar(key, control)``, or the grammar the disk cache holds for ``key`` (its stats then say
+        ``is_disk_cache_hit``); a valid grammar compiled here is written to the disk cache after it is returned,
+        unless exporting it takes longer than compiling it did. What the compile service runs for a miss."""
+        if self.disk_cache is None:
+            return self.build_grammar(key, control)
+        start = time.perf_counter()
+        identity = self.compile_identity()
+        export = self.disk_cache.load(identity, key)
+        if export is not None:
+            try:
+                grammar = self.import_grammar(export)
+            except Exception:  # the entry is sound but this backend cannot use it: compile, and overwrite it
+                logger.warning("%s: a grammar from the disk cache does not import", self.name, exc_info=True)
+                self.disk_cache.discard(identity, key)
+            else:
+                stats = export.stats or GrammarStats(dispatch_type=key[0], compile_time_s=0.0)
+                grammar.grammar_stats = replace(
+                    stats, compile_time_s=time.perf_counter() - start, is_cache_hit=False, is_disk_cache_hit=True
+                )
+                return grammar
+        start = time.perf_counter()
+        grammar, export_later = self.build_exportable(key, control)
+        if not isinstance(grammar, InvalidGrammarObject):  # errors are cached in memory only
+            self.disk_cache.store_later(identity, key, export_later, time.perf_counter() - start)
+        return grammar
+
+    def build_exportable(
+        self, key: GrammarKey, control: CompileControl | None = None
+    ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
+        """``build_grammar``, and how to export its result later (on the disk cache's writer thread). A backend that
+        receives a compiled grammar already exported (from a compile process) hands that export over instead."""
+        grammar = self.build_grammar(key, control)
+        return grammar, lambda: self.export_grammar(grammar)
+
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
         """Store a compiled (or invalid) grammar for ``key``; its in-flight compile, if any, is done with."""
         self.compile_service.store(key, value)
@@ -340,13 +426,15 @@ class BaseGrammarBackend:
 
     def shutdown(self) -> None:
         self.compile_service.shutdown()
+        if self.disk_cache is not None:
+            self.disk_cache.close()
 
     def allocate_vocab_mask(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         """An all-allowed mask buffer for ``batch_size`` rows in this backend's layout."""
         return self.mask_layout.allocate(batch_size, device)
 
     def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
-        """Compile ``key`` on the caller's thread, outside the compile service's cache.
+        """Compile ``key`` on the caller's thread, outside the compile service's cache and the disk cache.
 
         What the compile service runs, with the compile's ``control`` (its deadline and cancellation: a backend
         that compiles elsewhere stops there when asked; here a thread's compile runs to its end). Never raises for
@@ -407,6 +495,7 @@ _REGISTRY_NAMES = frozenset(
 __all__ = [
     "BaseGrammarBackend",
     "BaseGrammarObject",
+    "CompiledGrammarStore",
     "GrammarBackendArgs",
     "GrammarExport",
     "GrammarSpecError",

@@ -179,7 +179,7 @@ class CompileService(Generic[K, V]):
         self._lock = threading.Lock()
         self._fetch: Callable[[K], Future[V]] | None = None
         self._is_shut_down = False
-        self._nice = _thread_nice()
+        self._nice = thread_nice()
         self._timers = _Timers(f"{name}-compile-timers")
         self.num_compilations = 0
 
@@ -464,7 +464,7 @@ class _Timers:
                 logger.exception("%s: a timed callback failed", self._name)
 
 
-def _thread_nice() -> int:
+def thread_nice() -> int:
     """The calling thread's nice value (0 where there is none)."""
     return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
 

@@ -13,6 +13,7 @@ llguidance's constraint kinds lowered here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import re
@@ -31,6 +32,7 @@ from sglang_constrained.base_grammar_backend import (
     common_prefix_length,
 )
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
+from sglang_constrained.compile_identity import engine_version, tokens_fingerprint
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.json_whitespace import json_whitespace_pattern
@@ -276,6 +278,18 @@ class GuidanceBackend(BaseGrammarBackend):
     @property
     def can_share_grammars(self) -> bool:
         return True
+
+    def compile_identity(self) -> dict[str, Any]:
+        return {**super().compile_identity(), "engine": engine_version("llguidance"), "tokenizer": self._fingerprint}
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        """The bytes, special flags and stop ids of the ``LLTokenizer`` grammars are built over (about 25 ms at 49k
+        tokens, 0.1 s at 248k)."""
+        ll_tokenizer, ids = self.ll_tokenizer, range(self.ll_tokenizer.vocab_size)
+        special = [token for token in ids if ll_tokenizer.is_special_token(token)]
+        token_bytes = (ll_tokenizer.decode_bytes([token]) for token in ids)
+        return tokens_fingerprint(token_bytes, special, list(ll_tokenizer.eos_tokens), ll_tokenizer.vocab_size)
 
     def serialize_grammar(self, grammar: BaseGrammarObject) -> str:
         """The validated llguidance grammar text. llguidance has no compiled form to ship: its lexer and parser

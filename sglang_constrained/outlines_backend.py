@@ -27,10 +27,11 @@ from outlines_core.json_schema import build_regex_from_schema
 
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarBackendArgs
 from sglang_constrained.bitmask_rows import BitmaskRowAddresser
+from sglang_constrained.compile_identity import engine_version
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.json_whitespace import OUTLINES_JSON_WHITESPACE_PATTERN, json_whitespace_pattern
 from sglang_constrained.outlines_schema_rules import outlines_narrowing, refuse_outlines_unsupported
-from sglang_constrained.vocabulary import tokenizer_vocabulary
+from sglang_constrained.vocabulary import tokenizer_vocabulary, vocabulary_fingerprint
 from triton_ops.bitmask_format import allocate_bitmask, set_token_bits, token_word_bits, words_per_row
 
 MAX_ROLLBACK_TOKENS = 200
@@ -160,6 +161,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         self.vocabulary = outlines_core.Vocabulary(eos_token_ids[0], token_ids_by_bytes)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_mask_words = words_per_row(vocab_size)
+        self._fingerprint = vocabulary_fingerprint(vocab)
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         refuse_outlines_unsupported(schema, self.name)
@@ -180,6 +182,9 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
     @property
     def can_share_grammars(self) -> bool:
         return True
+
+    def compile_identity(self) -> dict[str, Any]:
+        return {**super().compile_identity(), "engine": engine_version("outlines-core"), "tokenizer": self._fingerprint}
 
     def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes:
         """The index's binary form (what ``Index.from_binary`` reads)."""

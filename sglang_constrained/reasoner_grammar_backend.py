@@ -17,6 +17,7 @@ import torch
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
+    CompiledGrammarStore,
     InvalidGrammarObject,
     common_prefix_length,
 )
@@ -298,6 +299,16 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
 
     def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
         return self.grammar_backend.build_grammar(key, control)
+
+    def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
+        return self.grammar_backend.compile_or_load(key, control)
+
+    def compile_identity(self) -> dict[str, Any]:
+        return self.grammar_backend.compile_identity()
+
+    def use_disk_cache(self, disk_cache: CompiledGrammarStore) -> None:
+        """The inner backend's: the disk cache holds unwrapped grammars, as the memory cache does."""
+        self.grammar_backend.use_disk_cache(disk_cache)
 
     @property
     def can_share_grammars(self) -> bool:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sglang_constrained.base_grammar_backend import BaseGrammarBackend, GrammarBackendArgs
+    from sglang_constrained.base_grammar_backend import BaseGrammarBackend, CompiledGrammarStore, GrammarBackendArgs
+
+logger = logging.getLogger(__name__)
 
 GrammarBackendFactory = Callable[["GrammarBackendArgs", Any, int, list[int]], "BaseGrammarBackend"]
 """``init_func(server_args, tokenizer, vocab_size, eos_token_ids) -> BaseGrammarBackend``."""
@@ -102,17 +105,26 @@ def create_grammar_backend(
     eos_token_ids: list[int],
     think_end_id: int | None = None,
     think_start_id: int | None = None,
+    disk_cache: CompiledGrammarStore | None = None,
 ) -> BaseGrammarBackend | None:
     """Build the backend ``server_args.grammar_backend`` names (None for ``none``).
 
     The backend is wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is set and the
     tokenizer has a think-end token (``think_end_id``; ``think_start_id``, where the tokenizer has one, lets a model
-    that may open its thinking do so).
+    that may open its thinking do so). ``disk_cache``: where compiled grammars outlive the process
+    (``grammar_disk_cache``), used by a backend that can export its grammars and closed otherwise.
     """
     if server_args.grammar_backend == NO_GRAMMAR_BACKEND:
+        if disk_cache is not None:
+            disk_cache.close()
         return None
     factory = grammar_backend_factory(server_args.grammar_backend)
     backend = factory(server_args, tokenizer, vocab_size, eos_token_ids)
+    if disk_cache is not None and backend.can_share_grammars:
+        backend.use_disk_cache(disk_cache)
+    elif disk_cache is not None:
+        logger.info("the %s grammar backend cannot export its grammars: none are cached on disk", backend.name)
+        disk_cache.close()
     if server_args.reasoning_parser and think_end_id is not None:
         backend = _resolve(_REASONER_BACKEND)(backend, think_end_id, think_start_id)
     return backend

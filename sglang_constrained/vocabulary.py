@@ -13,6 +13,8 @@ from typing import Any
 
 import xgrammar
 
+from sglang_constrained.compile_identity import tokens_fingerprint
+
 
 @dataclass(frozen=True)
 class TokenizerVocabulary:
@@ -63,4 +65,17 @@ def tokenizer_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: list[in
         stop_token_ids=tuple(eos_token_ids),
         special_token_ids=special_ids,
         xgrammar_metadata=json.dumps({**json.loads(info.dump_metadata()), "vocab_type": xgrammar.VocabType.RAW.value}),
+    )
+
+
+def vocabulary_fingerprint(vocab: TokenizerVocabulary) -> str:
+    """A hex digest of everything in ``vocab`` that masks are built from: every token's bytes, the stop and special
+    ids, both vocab sizes and xgrammar's tokenizer metadata (about 10 ms at 49k tokens, 40 ms at 248k)."""
+    return tokens_fingerprint(
+        vocab.decoded_vocab,
+        vocab.stop_token_ids,
+        sorted(vocab.special_token_ids),
+        vocab.tokenizer_vocab_size,
+        vocab.model_vocab_size,
+        vocab.xgrammar_metadata,
     )

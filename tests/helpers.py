@@ -20,6 +20,7 @@ import psutil
 import torch
 from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import save_file
+from scheduler.shared_grammars import GrammarStore, SharedGrammar
 from transformers import PretrainedConfig
 
 from scheduler.client import AsyncSchedulerClient
@@ -48,7 +49,10 @@ PRODUCT_SCHEMA = {
 """xgrammar refuses a pattern with a length bound (it would drop the bound), llguidance enforces both: ``auto`` gives
 it to llguidance."""
 
-TEST_SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640")
+COLD_GRAMMARS = ("--disable-grammar-disk-cache",)
+"""Test servers compile every grammar they serve, as the tests expect (an auto choice in the log, a compile's time),
+whatever an earlier run left in the grammar disk cache; ``tests/backends/test_grammar_disk_cache.py`` tests it."""
+TEST_SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640", *COLD_GRAMMARS)
 """Enough slots for the concurrency tests, a KV cache small enough to start in seconds."""
 
 COMPILE_TIMEOUT_S = 300.0
@@ -99,6 +103,15 @@ def compile_valid(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGram
     return grammar
 
 
+def wait_published(store: GrammarStore, timeout_s: float = 120) -> list[SharedGrammar]:
+    """What rank 0's store (``--dp-size``) publishes next, waiting for it."""
+    deadline = time.monotonic() + timeout_s
+    while not (published := store.take_published()):
+        assert time.monotonic() < deadline, "the store published nothing"
+        time.sleep(0.01)
+    return published
+
+
 def encode_exactly(setup: TokenizerSetup, text: str) -> list[int]:
     """The token ids of ``text`` (no special tokens), checked to decode back to exactly ``text``."""
     ids = setup.encode(text)
@@ -129,7 +142,7 @@ def allowed_tokens(grammar: BaseGrammarObject, vocab_size: int) -> set[int]:
 # --- the HTTP API: a live server and the constraints the HTTP tests ask for ---------------------------------------
 
 MODEL = EMBEDDED_MODEL_NAME
-HTTP_SERVER_FLAGS = ("--max-running-requests", "32", "--max-seq-len", "384")
+HTTP_SERVER_FLAGS = ("--max-running-requests", "32", "--max-seq-len", "384", *COLD_GRAMMARS)
 """Slots for every concurrent test request at once; a KV cache small enough to start in seconds."""
 
 YES_NO_SCHEMA = {

@@ -8,6 +8,8 @@ compile error), or a timeout or engine failure (not cached: the next request com
 and settles them from the publications, and caches every published grammar as it arrives, so that a grammar
 compiled for one replica is a cache hit on the others and a compile error is one everywhere. A replica that misses
 a key no compile is running for (its cache evicted it) asks for it, and the store answers from its cache.
+With a grammar disk cache, the store's compiles read it first and write to it (``compile_or_load``), so a
+restarted server's rank 0 loads what an earlier start compiled.
 
 What is shared is each backend's ``export_grammar``: xgrammar's ``CompiledGrammar.serialize_json``, outlines-core's
 index binary, llguidance's validated grammar text (it has no compiled form: each replica builds its matcher from
@@ -128,7 +130,7 @@ class GrammarStore:
         if num_compiles == 1:
             self._num_constraints.labels(key[0]).inc()
         logger.info("compiling a %s constraint for every replica (compile %d of it)", key[0], num_compiles)
-        return self.backend.export_grammar(self.backend.build_grammar(key, control))
+        return self.backend.export_grammar(self.backend.compile_or_load(key, control))
 
     def _compiled(self, key: GrammarKey, done: Future[GrammarExport]) -> None:
         with self._lock:

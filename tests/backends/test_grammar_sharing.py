@@ -6,20 +6,19 @@ a replica's backend, which compiles nothing itself, gets valid grammars and comp
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 
 import pytest
 
-from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar, SharedGrammars
+from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammars
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BACKEND_CLASSES
-from tests.helpers import PERSON_SCHEMA, accepts_text, allowed_tokens, compile_grammar, encode_exactly
+from tests.helpers import PERSON_SCHEMA, accepts_text, allowed_tokens, compile_grammar, encode_exactly, wait_published
 
 INSTANCE = '{"name": "Ada", "age": 36}'
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
@@ -67,14 +66,6 @@ def test_a_compile_error_exports_as_itself(two_backends: tuple[BaseGrammarBacken
     assert isinstance(invalid, InvalidGrammarObject)
     imported = importing.import_grammar(compiling.export_grammar(invalid))
     assert isinstance(imported, InvalidGrammarObject) and imported.error_message == invalid.error_message
-
-
-def wait_published(store: GrammarStore, timeout_s: float = 120) -> list[SharedGrammar]:
-    deadline = time.monotonic() + timeout_s
-    while not (published := store.take_published()):
-        assert time.monotonic() < deadline, "the store published nothing"
-        time.sleep(0.01)
-    return published
 
 
 def test_the_store_compiles_once_and_a_replica_caches_what_it_publishes(

@@ -1,0 +1,246 @@
+"""Compiled grammars on disk, through real backends: a restarted backend (a fresh one on the same directory) loads
+the grammar instead of compiling it, and the loaded grammar masks exactly as the compiled one, step by step; the
+entry's name changes with every setting and tokenizer fact that changes a grammar; a damaged entry is compiled
+again and replaced; compile errors stay in memory."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from scheduler.shared_grammars import GrammarStore
+
+from scheduler.server_args import ServerArgs
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.grammar_disk_cache import GrammarDiskCache, entry_digest
+from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarBackend
+from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.vocabulary import tokenizer_vocabulary, vocabulary_fingerprint
+from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import PERSON_SCHEMA, compile_grammar, wait_published
+from triton_ops.bitmask_format import allocate_bitmask, allowed_token_ids
+
+NAME_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 60}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+"""A schema xgrammar takes several times longer to compile than to serialise (the length bound), so that its grammar
+is worth writing (a small one is not: reading it back would be slower than compiling it)."""
+CONSTRAINTS = {"xgrammar": NAME_SCHEMA, "llguidance": PERSON_SCHEMA, "outlines": PERSON_SCHEMA, "auto": PERSON_SCHEMA}
+AUTO_ORDER = ("outlines", "llguidance")
+"""auto's order in these tests: outlines refuses ``PERSON_SCHEMA`` (it would close the object), so llguidance's
+grammar is stored with the reason outlines was passed over."""
+WALK_STEPS = 24
+
+
+def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -> BaseGrammarBackend:
+    """A backend as the server builds it, on the grammar disk cache in ``directory``; xgrammar's compiles in threads
+    (starting compile processes would take most of a test's time, and the disk cache reads and writes above either)."""
+    args = replace(ServerArgs(), grammar_backend=name, **{"grammar_backend_order": AUTO_ORDER, **overrides})
+    disk_cache = GrammarDiskCache(directory, 1 << 30)
+    if name == "xgrammar":
+        xgrammar = XGrammarGrammarBackend(
+            args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, compile_in_processes=False
+        )
+        xgrammar.use_disk_cache(disk_cache)
+        return xgrammar
+    backend = create_grammar_backend(
+        args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, disk_cache=disk_cache
+    )
+    assert backend is not None
+    return backend
+
+
+def flush(backend: BaseGrammarBackend) -> GrammarDiskCache:
+    """The backend's disk cache, once every write it queued is on disk."""
+    assert isinstance(backend.disk_cache, GrammarDiskCache)
+    backend.disk_cache.flush()
+    return backend.disk_cache
+
+
+def assert_masks_agree(loaded: BaseGrammarObject, compiled: BaseGrammarObject, setup: TokenizerSetup) -> None:
+    """Walk both grammars through the same seeded choice of allowed tokens, comparing their whole mask rows at each
+    step (stop tokens are taken only when nothing else is allowed)."""
+    generator = random.Random(0)
+    masks = allocate_bitmask(2, setup.vocab_size)
+    for step in range(WALK_STEPS):
+        loaded.fill_vocab_mask(masks, 0)
+        compiled.fill_vocab_mask(masks, 1)
+        assert torch.equal(masks[0], masks[1]), f"the masks differ at step {step}"
+        allowed = allowed_token_ids(masks[0], setup.vocab_size).tolist()
+        regular = [token for token in allowed if token not in setup.eos_token_ids]
+        token = generator.choice(regular or allowed)
+        loaded.accept_token(token)
+        compiled.accept_token(token)
+        if compiled.is_terminated():
+            assert loaded.is_terminated()
+            return
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance", "outlines", "auto"])
+def test_a_restarted_backend_loads_the_grammar_and_masks_as_the_compiled_one(
+    smollm2_tokenizer: TokenizerSetup, tmp_path: Path, name: str
+) -> None:
+    first = build(smollm2_tokenizer, tmp_path, name)
+    try:
+        compiled = compile_grammar(first, "json", CONSTRAINTS[name])
+        assert not isinstance(compiled, InvalidGrammarObject), compiled
+        assert compiled.grammar_stats is not None and not compiled.grammar_stats.is_disk_cache_hit
+        assert len(flush(first).entry_paths()) == 1
+    finally:
+        first.shutdown()
+    restarted = build(smollm2_tokenizer, tmp_path, name)
+    try:
+        loaded = compile_grammar(restarted, "json", CONSTRAINTS[name])
+        assert loaded.grammar_stats is not None and loaded.grammar_stats.is_disk_cache_hit
+        assert restarted.compile_service.num_compilations == 1  # the miss went to the slot, which read the disk
+        assert type(loaded) is type(compiled)
+        assert loaded.grammar_stats.chosen_backend == compiled.grammar_stats.chosen_backend
+        assert loaded.grammar_stats.fallback_reasons == compiled.grammar_stats.fallback_reasons
+        assert bool(loaded.grammar_stats.fallback_reasons) == (name == "auto")  # outlines passed over, and why
+        assert_masks_agree(loaded, compiled.copy(), smollm2_tokenizer)
+    finally:
+        restarted.shutdown()
+
+
+def test_xgrammar_keeps_its_compile_process_export_for_the_disk(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """What a compile process sent back is written as it came, not serialised again (seconds for a large grammar)."""
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    assert isinstance(backend, XGrammarGrammarBackend) and backend.compile_processes is not None
+    grammar, export_later = backend.build_exportable(make_grammar_key("json", PERSON_SCHEMA))
+    export = export_later()
+    assert isinstance(export.payload, str) and export.stats == grammar.grammar_stats
+    assert_masks_agree(backend.import_grammar(export), grammar, smollm2_tokenizer)
+
+
+def test_a_reasoning_server_loads_what_a_plain_one_stored(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:
+    """The reasoning wrapper does not change the stored grammar (both caches hold unwrapped grammars)."""
+    plain = build(smollm2_tokenizer, tmp_path, "llguidance")
+    compiled = compile_grammar(plain, "json", NAME_SCHEMA)
+    flush(plain)
+    plain.shutdown()
+    think_end = smollm2_tokenizer.eos_token_ids[0] - 1
+    reasoning = ReasonerGrammarBackend(build(smollm2_tokenizer, tmp_path, "llguidance"), think_end)
+    try:
+        assert reasoning.compile_identity() == plain.compile_identity()
+        loaded = reasoning.compile_or_load(make_grammar_key("json", NAME_SCHEMA))
+        assert loaded.grammar_stats is not None and loaded.grammar_stats.is_disk_cache_hit
+        assert_masks_agree(loaded, compiled.copy(), smollm2_tokenizer)
+    finally:
+        reasoning.shutdown()
+
+
+def test_rank_0s_store_for_the_replicas_reads_the_disk_cache(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:
+    """With ``--dp-size``, rank 0 compiles for every replica: after a restart it publishes the grammar it read."""
+    first = build(smollm2_tokenizer, tmp_path, "llguidance")
+    compile_grammar(first, "json", PERSON_SCHEMA)
+    flush(first)
+    first.shutdown()
+    restarted = build(smollm2_tokenizer, tmp_path, "llguidance")
+    store = GrammarStore(restarted, ServerArgs())
+    try:
+        store.prefetch(make_grammar_key("json", PERSON_SCHEMA))
+        (published,) = wait_published(store)
+        assert published.export is not None and published.export.stats is not None
+        assert published.export.stats.is_disk_cache_hit
+    finally:
+        store.shutdown()
+        restarted.shutdown()
+
+
+def identity_digest(backend: BaseGrammarBackend) -> str:
+    return entry_digest(backend.compile_identity(), make_grammar_key("json", PERSON_SCHEMA))
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("xgrammar", {"constrained_json_disable_any_whitespace": True}),
+        ("xgrammar", {"grammar_max_spec_bytes": 4096}),
+        ("llguidance", {"constrained_json_whitespace_pattern": "[ ]?"}),
+        ("outlines", {"constrained_json_whitespace_pattern": "[ ]?"}),
+    ],
+)
+def test_a_setting_that_changes_the_grammar_changes_the_entry(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, name: str, change: dict[str, Any]
+) -> None:
+    assert identity_digest(build_backend(name, smollm2_tokenizer)) != identity_digest(
+        build_backend(name, smollm2_tokenizer, **change)
+    )
+
+
+def test_the_tokenizer_backend_and_engine_version_change_the_entry(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    backends = [build_backend(name, smollm2_tokenizer) for name in ("xgrammar", "llguidance", "outlines")]
+    other_stops = [build_backend(name, smollm2_tokenizer, eos_token_ids=[0]) for name in ("xgrammar", "llguidance")]
+    digests = {identity_digest(backend) for backend in [*backends, *other_stops]}
+    assert len(digests) == 5
+    versions = {backend.compile_identity()["engine"] for backend in backends}
+    assert {version.split()[0] for version in versions} == {"xgrammar", "llguidance", "outlines-core"}
+    vocabulary = tokenizer_vocabulary(smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, [2])
+    one_token_changed = replace(vocabulary, decoded_vocab=(b"?", *vocabulary.decoded_vocab[1:]))
+    padded = replace(vocabulary, model_vocab_size=vocabulary.model_vocab_size + 128)
+    fingerprints = {vocabulary_fingerprint(vocab) for vocab in (vocabulary, one_token_changed, padded)}
+    assert len(fingerprints) == 3
+
+
+def test_auto_narrowing_and_order_change_the_entry(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:
+    built = [build(smollm2_tokenizer, tmp_path, "auto")]
+    built.append(build(smollm2_tokenizer, tmp_path, "auto", grammar_auto_allow_narrowing=True))
+    built.append(build(smollm2_tokenizer, tmp_path, "auto", grammar_backend_order=AUTO_ORDER[::-1]))
+    try:
+        assert len({identity_digest(backend) for backend in built}) == 3
+    finally:
+        for backend in built:
+            backend.shutdown()
+
+
+DAMAGES = {
+    "truncated": lambda data: data[: len(data) // 2],
+    "a flipped byte": lambda data: data[:-100] + bytes([data[-100] ^ 0x10]) + data[-99:],
+    "garbage": lambda data: bytes(random.Random(0).randbytes(len(data))),
+    "empty": lambda data: b"",
+}
+
+
+def test_a_damaged_entry_is_compiled_again_and_replaced(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:
+    """Each damage in turn, on outlines-core's index: it is binary, so a bit flipped inside it would allow other
+    tokens if it were ever read."""
+    backend = build(smollm2_tokenizer, tmp_path, "outlines")
+    key = make_grammar_key("json", PERSON_SCHEMA)
+    try:
+        compiled = backend.compile_or_load(key)
+        (path,) = flush(backend).entry_paths()
+        for damage, spoil in DAMAGES.items():
+            path.write_bytes(spoil(path.read_bytes()))
+            again = backend.compile_or_load(key)
+            assert again.grammar_stats is not None and not again.grammar_stats.is_disk_cache_hit, damage
+            assert_masks_agree(again, compiled.copy(), smollm2_tokenizer)
+            flush(backend)
+            loaded = backend.compile_or_load(key)  # the entry written anew
+            assert loaded.grammar_stats is not None and loaded.grammar_stats.is_disk_cache_hit, damage
+            assert_masks_agree(loaded, compiled.copy(), smollm2_tokenizer)
+    finally:
+        backend.shutdown()
+
+
+def test_compile_errors_are_not_written(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:
+    backend = build(smollm2_tokenizer, tmp_path, "llguidance")
+    try:
+        invalid = compile_grammar(backend, "json", json.dumps({"type": "object", "contentEncoding": "base64"}))
+        assert isinstance(invalid, InvalidGrammarObject)
+        assert flush(backend).entry_paths() == []
+    finally:
+        backend.shutdown()
