@@ -20,10 +20,10 @@ import psutil
 import torch
 from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import save_file
-from scheduler.shared_grammars import GrammarStore, SharedGrammar
 from transformers import PretrainedConfig
 
 from scheduler.client import AsyncSchedulerClient
+from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.server_args import EMBEDDED_MODEL_NAME
 from scheduler.testing.process import SchedulerProcess, free_port
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
