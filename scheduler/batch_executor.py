@@ -1,10 +1,12 @@
-"""One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), decide who finished.
+"""One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), and who finished
+(``FinishPolicy`` decides).
 
-The executor owns the model runner: the scheduler asks it to admit requests into KV memory and to run prefill and
-decode batches, and it calls the model; nothing calls back up. A decode forward takes each request's pending tokens
-and its drafts (``scheduler.speculative``) and returns logits after the last pending token and after each draft; one
-mask row and one sample per position decide how many drafts stand. On several ranks every rank runs the same batch;
-rank 0's drafts and sampled tokens and every rank's per-request failures are agreed through ``RankSync``.
+The executor runs batches on the model runner: the scheduler admits requests into KV memory (the runner's ``kv``)
+and asks the executor to run prefill and decode batches of them; nothing calls back up. A decode forward takes each
+request's pending tokens and its drafts (``scheduler.speculative``) and returns logits after the last pending token
+and after each draft; one mask row and one sample per position decide how many drafts stand. On several ranks every
+rank runs the same batch; rank 0's drafts and sampled tokens and every rank's per-request failures are agreed through
+``RankSync``.
 """
 
 from __future__ import annotations
@@ -15,18 +17,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.io_struct import TokenLogprob
+from scheduler.finish_policy import FinishPolicy
+from scheduler.grammar_steps import accept_token
+from scheduler.io_struct import AbortCause, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.rank_sync import RankSync
-from scheduler.request import Req
+from scheduler.request import Abort, Req
 from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
 from sglang_constrained.base_grammar_backend import common_prefix_length
-from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)
+
+NO_TOKEN_ALLOWED = Abort(
+    AbortCause.UNSATISFIABLE, "the grammar allows no token here: the constraint cannot be completed"
+)
 
 
 @dataclass
@@ -55,56 +62,16 @@ class BatchExecutor:
         model_runner: BaseModelRunner,
         sampling_info: SamplingBatchInfo,
         proposer: DraftProposer,
+        finish_policy: FinishPolicy,
         rank_sync: RankSync | None = None,
     ) -> None:
         self.model_runner = model_runner
         self.sampling_info = sampling_info
         self.proposer = proposer
+        self.finish_policy = finish_policy
         self.rank_sync = rank_sync
         self.num_batches = 0
         self.stats = SpeculationStats()
-
-    @property
-    def num_free_kv_tokens(self) -> int:
-        """KV rows a new request could still reserve (free, or held only by unlocked cached prefixes)."""
-        return self.model_runner.kv.num_available
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.model_runner.kv.cache_hit_rate
-
-    def flush_cache(self) -> int:
-        """Drop every cached prefix no request reads; returns the tokens freed."""
-        return self.model_runner.kv.flush()
-
-    def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Raise ``ValueError`` for a request the KV cache could never hold."""
-        self.model_runner.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, max_new_tokens))
-
-    def admit(self, req: Req) -> bool:
-        """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
-        budget = self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens)
-        req.kv = self.model_runner.kv.admit(req.prompt_ids, budget)
-        if req.kv is None:
-            return False
-        req.num_cached_tokens = req.kv.num_cached
-        return True
-
-    def share_prompt(self, req: Req) -> None:
-        """After ``req``'s prefill: cache its prompt now, for requests with the same prompt (``n`` samples) that
-        are admitted while it runs."""
-        if req.kv is not None:
-            self.model_runner.kv.share_prefix(req.kv, len(req.prompt_ids))
-
-    def release(self, req: Req) -> None:
-        """``req`` is done: its KV rows go to the prefix cache (or back to the pool)."""
-        self.proposer.forget(req)
-        if req.kv is not None:
-            self.model_runner.kv.release(req.kv)
-            req.kv = None
-
-    def _output_budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
-        return max(1, min(max_new_tokens, self.model_runner.max_seq_len - len(prompt_ids)))
 
     def prefill(self, batch: list[Req]) -> None:
         """Run the prompts of newly scheduled requests and sample each one's first token. A request repeating the
@@ -191,7 +158,7 @@ class BatchExecutor:
 
     def _walk(
         self, req: Req, drafts: Drafts, row_tokens: list[int | None], logprobs: list[torch.Tensor | None]
-    ) -> str | None:
+    ) -> Abort | None:
         """Accept row 0's token, and row ``j + 1``'s while row ``j``'s token is draft ``j`` (its logits then follow
         the right tokens); stop at a finish. Roll the KV back to what stood, then append forced tokens.
         ``logprobs[j]``: row ``j``'s log-probabilities, where the request asked for them."""
@@ -212,7 +179,7 @@ class BatchExecutor:
             failure = self._append_forced_tokens(req)
         return failure
 
-    def _append_forced_tokens(self, req: Req) -> str | None:
+    def _append_forced_tokens(self, req: Req) -> Abort | None:
         """Jump-forward: while the grammar allows exactly one token, append it (no sampling could pick another)."""
         grammar = req.ready_grammar
         if not self.proposer.enabled or grammar is None:
@@ -229,7 +196,7 @@ class BatchExecutor:
 
     def _forward_and_sample(
         self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]
-    ) -> tuple[list[int | None], dict[int, torch.Tensor], dict[str, str]]:
+    ) -> tuple[list[int | None], dict[int, torch.Tensor], dict[str, Abort]]:
         """Every row's token, the log-probabilities of rows whose request asked for them, and failures by rid."""
         info = self.sampling_info
         try:
@@ -242,60 +209,27 @@ class BatchExecutor:
                 tokens = sample(logits, info.rows)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
-            message = f"internal error while generating: {type(e).__name__}: {e}"
-            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {}, {req.rid: message for req in batch}
+            failure = Abort(AbortCause.INTERNAL, f"internal error while generating: {type(e).__name__}: {e}")
+            return [None] * sum(len(d.token_ids) + 1 for d in drafts), {}, {req.rid: failure for req in batch}
         failures = {
-            batch[i].rid: f"the grammar failed to compute the next-token mask: {e}" for i, e in info.fill_errors.items()
+            batch[i].rid: Abort(AbortCause.GRAMMAR_ENGINE, f"the grammar failed to compute the next-token mask: {e}")
+            for i, e in info.fill_errors.items()
         }
         return tokens, logprobs, failures
 
-    def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> str | None:
-        """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1)
-        and feed it to the grammar; returns why the request must fail, if it must."""
+    def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> Abort | None:
+        """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1),
+        feed it to the grammar, and see whether the request has finished; returns why it must fail, if it must."""
         if token is None:
-            return "the grammar allows no token here: the constraint cannot be completed"
+            return NO_TOKEN_ALLOWED
         req.output_ids.append(token)
         if req.top_logprobs_num is not None:
             req.output_logprobs.append(_token_logprob(token, logprobs, req.top_logprobs_num))
         self.stats.num_output_tokens += 1
-        grammar = req.ready_grammar
-        if grammar is not None and not grammar.is_terminated():
-            kind = req.grammar_key[0] if req.grammar_key else "request's"
-            try:
-                grammar.accept_token(token)
-            except TokenRejectedError as e:
-                piece = self.model_runner.tokenizer.decode([token])
-                return f"token {token} ({piece!r}) was rejected by the {kind} grammar: {e}"
-            except Exception as e:  # an engine failure must not take the other requests down
-                logger.exception("request %s: the %s grammar failed on token %d", req.rid, kind, token)
-                return f"the {kind} grammar failed on token {token}: {e}"
-        self._check_finished(req, token)
-        return None
-
-    def stop_token_ids(self, req: Req) -> set[int]:
-        """Tokens that end ``req``: its ``stop_token_ids``, and the model's EOS unless ``ignore_eos``. While fewer
-        than ``min_new_tokens`` are out they are disallowed (``SamplingBatchInfo``), unless a grammar forces one."""
-        params = req.sampling_params
-        eos = set() if params.ignore_eos else set(self.model_runner.eos_token_ids)
-        return eos | set(params.stop_token_ids)
-
-    def _check_finished(self, req: Req, token: int) -> None:
-        assert req.text is not None
-        reasoning_ids, content_ids = req.split_output()
-        req.text.update(content_ids, can_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
-        if req.reasoning_text is not None:
-            req.reasoning_text.update(reasoning_ids)
-        grammar = req.ready_grammar
-        max_seq_len = self.model_runner.max_seq_len
-        if token in self.stop_token_ids(req) or (grammar is not None and grammar.is_terminated()):
-            req.finish("stop", matched=token)
-        elif req.text.matched_stop is not None:
-            req.finish("stop", matched=req.text.matched_stop)
-        elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
-            req.finish("length", length=len(req.output_ids))
-        elif len(req.prompt_ids) + len(req.output_ids) >= max_seq_len:
-            message = f"reached the context limit of {max_seq_len} tokens"
-            req.finish("length", message=message, length=len(req.output_ids))
+        failure = accept_token(req, token, self.model_runner.tokenizer)
+        if failure is None:
+            self.finish_policy.check(req, token)
+        return failure
 
 
 def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> TokenLogprob:

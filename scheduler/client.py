@@ -38,10 +38,11 @@ def make_request(
     top_logprobs_num: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     separate_reasoning: bool = False,
+    prediction: str | list[int] | None = None,
 ) -> GenerateReq:
     """A ``GenerateReq`` with a fresh rid unless one is given; ``sampling_params`` may be a plain dict.
     ``top_logprobs_num``: None for no logprobs, else how many alternatives per output token;
-    ``chat_template_kwargs`` and ``separate_reasoning``: see ``GenerateReq``.
+    ``chat_template_kwargs``, ``separate_reasoning`` and ``prediction`` (a predicted output): see ``GenerateReq``.
 
     A JSON schema or structural tag given as an object travels as its JSON text: msgpack cannot carry integers
     beyond 64 bits, which a schema may hold (the scheduler reads the text as it reads the object).
@@ -68,6 +69,7 @@ def make_request(
         top_logprobs_num=top_logprobs_num,
         chat_template_kwargs=chat_template_kwargs,
         separate_reasoning=separate_reasoning,
+        prediction=prediction,
     )
 
 
@@ -143,6 +145,10 @@ class SchedulerClient:
         return message
 
 
+class SchedulerGoneError(ConnectionError):
+    """The scheduler stopped answering for good (its process is gone): raised by every pending and later request."""
+
+
 class AsyncSchedulerClient:
     """An asyncio client: any number of concurrent ``generate`` / ``stream`` calls over one socket."""
 
@@ -151,7 +157,8 @@ class AsyncSchedulerClient:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
-        self._queues: dict[str, asyncio.Queue[GenerateOutput]] = {}
+        self._queues: dict[str, asyncio.Queue[GenerateOutput | SchedulerGoneError]] = {}
+        self._gone: SchedulerGoneError | None = None
         self._pings: dict[str, asyncio.Future[Pong]] = {}
         self._flushes: dict[str, asyncio.Future[FlushCacheDone]] = {}
         self._receiver: asyncio.Task[None] | None = None
@@ -197,20 +204,31 @@ class AsyncSchedulerClient:
         return self._exchange(make_request(stream=True, **request))
 
     async def _exchange(self, req: GenerateReq) -> AsyncIterator[GenerateOutput]:
+        if self._gone is not None:
+            raise self._gone
         self._ensure_receiver()
-        queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        queue: asyncio.Queue[GenerateOutput | SchedulerGoneError] = asyncio.Queue()
         self._queues[req.rid] = queue
         finished = False
         try:
             await self.socket.send(encode(req))
             while not finished:
                 output = await queue.get()
+                if isinstance(output, SchedulerGoneError):
+                    finished = True  # nobody is left to abort it
+                    raise output
                 finished = output.finished
                 yield output
         finally:
             self._queues.pop(req.rid, None)
             if not finished:
                 await self.abort(req.rid)
+
+    def fail_pending(self, error: SchedulerGoneError) -> None:
+        """The scheduler is gone: every pending request raises ``error`` now, and every later one at once."""
+        self._gone = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     async def abort(self, rid: str) -> None:
         await self.socket.send(encode(AbortReq(rid=rid)))

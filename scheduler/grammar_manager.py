@@ -19,17 +19,25 @@ from concurrent.futures import Future
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from scheduler.io_struct import AbortCause
 from scheduler.rank_sync import GrammarFailure, RankSync
-from scheduler.request import Req
+from scheduler.request import CLIENT_ABORT, Abort, Req
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
-from sglang_constrained.errors import COMPILE_NOT_STARTED_PREFIX, COMPILE_TIMEOUT_PREFIX, CompileTimeoutError
+from sglang_constrained.errors import CompileNotStartedError, CompileTimeoutError
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_BACKEND_NONE_MESSAGE = (
+NO_GRAMMAR_BACKEND = Abort(
+    AbortCause.BAD_REQUEST,
     "constrained generation (json_schema, regex, ebnf, structural_tag, choice, json_object) is not available: "
-    "the server was launched with --grammar-backend none"
+    "the server was launched with --grammar-backend none",
 )
+FAILURE_LABELS = {
+    AbortCause.INVALID_CONSTRAINT: "invalid",
+    AbortCause.COMPILE_TIMEOUT: "timeout",
+    AbortCause.COMPILE_NOT_STARTED: "not_started",
+}
+"""The ``sglang:grammar_failures`` label of a failed compile's cause; any other cause is an ``engine_failure``."""
 
 
 COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -93,7 +101,7 @@ class GrammarManager:
         if req.grammar_key is None:
             return False
         if self.grammar_backend is None:
-            req.abort(GRAMMAR_BACKEND_NONE_MESSAGE)
+            req.abort(NO_GRAMMAR_BACKEND)
             return False
         value, cache_hit = self.grammar_backend.get_cached_or_future_value(
             req.grammar_key, req.sampling_params.require_reasoning
@@ -108,7 +116,7 @@ class GrammarManager:
             return True
         if isinstance(value, InvalidGrammarObject):
             self.metrics.failures.labels(req.grammar_key[0], "invalid").inc()
-            req.abort(_compile_error_message(req, value))
+            req.abort(_compile_error(req, value))
         return False
 
     def get_ready_grammar_requests(self) -> list[Req]:
@@ -138,7 +146,7 @@ class GrammarManager:
         aborted = [req for req in self.grammar_queue if req.rid in rids]
         self.grammar_queue = [req for req in self.grammar_queue if req.rid not in rids]
         for req in aborted:
-            req.abort("aborted by the client")
+            req.abort(CLIENT_ABORT)
         return aborted
 
     def close(self) -> None:
@@ -159,13 +167,12 @@ class GrammarManager:
             if not future.done():
                 continue
             if future.cancelled():
-                failures[req.rid] = GrammarFailure("the grammar backend was reset while compiling", False)
-            elif isinstance(error := future.exception(), CompileTimeoutError):
-                failures[req.rid] = GrammarFailure(str(error), False)
-            elif error is not None:
-                failures[req.rid] = GrammarFailure(f"the grammar backend failed: {error}", False)
+                reset = Abort(AbortCause.GRAMMAR_RESET, "the grammar backend was reset while compiling")
+                failures[req.rid] = GrammarFailure(reset, False)
+            elif (error := future.exception()) is not None:
+                failures[req.rid] = GrammarFailure(_compile_failure(error), False)
             elif isinstance(grammar := future.result(), InvalidGrammarObject):
-                failures[req.rid] = GrammarFailure(_compile_error_message(req, grammar), True)
+                failures[req.rid] = GrammarFailure(_compile_error(req, grammar), True)
             else:
                 ready.add(req.rid)
         return ready, failures
@@ -186,15 +193,14 @@ class GrammarManager:
         if failure.is_compile_error:
             self._observe_compile_time(req.grammar_key[0], future.result())
             self.grammar_backend.set_cache(req.grammar_key, future.result())
-            reason = "invalid"
         else:
             self.grammar_backend.discard_pending(req.grammar_key)
-            reason = _failure_reason(failure.message)
         kind = req.grammar_key[0]
-        self.metrics.failures.labels(kind, reason).inc()
-        logger.info("rid=%s constraint=%s grammar_failed=%s message=%s", req.rid, kind, reason, failure.message)
+        label = FAILURE_LABELS.get(failure.abort.cause, "engine_failure")
+        self.metrics.failures.labels(kind, label).inc()
+        logger.info("rid=%s constraint=%s grammar_failed=%s message=%s", req.rid, kind, label, failure.abort.message)
         req.grammar = None
-        req.abort(failure.message)
+        req.abort(failure.abort)
 
     def _observe_compile_time(self, kind: str, grammar: BaseGrammarObject) -> None:
         if grammar.grammar_stats is not None:
@@ -213,13 +219,13 @@ class GrammarManager:
                 pass
 
 
-def _failure_reason(message: str) -> str:
-    """The metric label of a compile that failed without a verdict on the constraint."""
-    if message.startswith(COMPILE_TIMEOUT_PREFIX):
-        return "timeout"
-    if message.startswith(COMPILE_NOT_STARTED_PREFIX):
-        return "not_started"
-    return "engine_failure"
+def _compile_failure(error: BaseException) -> Abort:
+    """Why a compile failed without a verdict on the constraint, by the type of its error."""
+    if isinstance(error, CompileNotStartedError):
+        return Abort(AbortCause.COMPILE_NOT_STARTED, str(error))
+    if isinstance(error, CompileTimeoutError):
+        return Abort(AbortCause.COMPILE_TIMEOUT, str(error))
+    return Abort(AbortCause.COMPILE_FAILED, f"the grammar backend failed: {error}")
 
 
 def _compiling(req: Req) -> Future[BaseGrammarObject]:
@@ -228,6 +234,6 @@ def _compiling(req: Req) -> Future[BaseGrammarObject]:
     return req.grammar
 
 
-def _compile_error_message(req: Req, grammar: InvalidGrammarObject) -> str:
+def _compile_error(req: Req, grammar: InvalidGrammarObject) -> Abort:
     kind = req.grammar_key[0] if req.grammar_key else "grammar"
-    return f"Failed to compile {kind} grammar: {grammar.error_message}"
+    return Abort(AbortCause.INVALID_CONSTRAINT, f"Failed to compile {kind} grammar: {grammar.error_message}")

@@ -7,6 +7,7 @@ pickle crosses a socket.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
 import msgspec
@@ -14,6 +15,9 @@ import msgspec
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "choice", "json_object")
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per output token: OpenAI's limit on ``top_logprobs`` (chat), the bound of
+``top_logprobs_num`` here and of ``logprobs`` (completions) over HTTP."""
 _CONSTRAINT_KIND = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 
 
@@ -149,6 +153,10 @@ class GenerateReq(msgspec.Struct, tag="generate", kw_only=True, forbid_unknown_f
     separate_reasoning: bool = False
     """With ``--reasoning-parser``: outputs carry the think block's text in ``reasoning_text`` and the answer alone
     in ``text``."""
+    prediction: str | list[int] | None = None
+    """OpenAI's predicted output: text (tokenised as the prompt is) or token ids the answer is expected to mostly
+    repeat. A latency hint: speculative decoding drafts from it, and the output is the one without it
+    (``scheduler.predicted_output``)."""
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -183,24 +191,57 @@ class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     top: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
+class AbortCause(str, enum.Enum):
+    """Why the scheduler aborted a request, set where that was decided; the HTTP frontend answers each with its
+    status (``scheduler.http.responses.ABORT_STATUS``), whatever the message says."""
+
+    BAD_REQUEST = "bad_request"
+    """The request itself: a field, its prompt, a running rid, a constraint the server cannot serve at all."""
+    INVALID_CONSTRAINT = "invalid_constraint"
+    """Its constraint does not compile (the message says why)."""
+    COMPILE_TIMEOUT = "compile_timeout"
+    """Its grammar's compile ran past the compile deadline."""
+    COMPILE_NOT_STARTED = "compile_not_started"
+    """Its compile waited for a free slot until the deadline, behind other compiles: the server is busy."""
+    COMPILE_FAILED = "compile_failed"
+    """The grammar engine failed on its constraint (a crash, the compile's memory bound)."""
+    GRAMMAR_RESET = "grammar_reset"
+    """The grammar backend was reset while its grammar compiled."""
+    UNSATISFIABLE = "unsatisfiable"
+    """Its grammar allows no token: the constraint cannot be completed."""
+    GRAMMAR_ENGINE = "grammar_engine"
+    """The grammar engine failed mid-generation (a mask fill, a token its mask allowed)."""
+    INTERNAL = "internal"
+    """Anything else that went wrong in the server."""
+    SHUTDOWN = "shutdown"
+    """The server is shutting down (or the replica holding it is gone)."""
+    CLIENT = "client"
+    """The client aborted it."""
+
+
 class FinishReason(msgspec.Struct, forbid_unknown_fields=True):
     """``stop``: EOS, a stop token or string (``matched``) or the grammar's end; ``length``: the token limit, after
-    ``length`` output tokens (as SGLang reports it); ``abort``: error or abort."""
+    ``length`` output tokens (as SGLang reports it); ``abort``: error or abort, with its ``cause``."""
 
     type: Literal["stop", "length", "abort"]
     message: str | None = None
     matched: str | int | None = None
     length: int | None = None
+    cause: AbortCause | None = None
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):
     """``cached_tokens``: prompt tokens whose KV came from the prefix cache; ``reasoning_tokens``: output tokens of the
-    think block, its tags included (with ``--reasoning-parser``)."""
+    think block, its tags included (with ``--reasoning-parser``). With a ``prediction``: ``accepted_prediction_tokens``,
+    its tokens that appeared in the output (repeated in step with it), and ``rejected_prediction_tokens``, the rest
+    (final once the request has finished); both 0 without one."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class GenerateOutput(msgspec.Struct, tag="output", kw_only=True, forbid_unknown_fields=True):
@@ -246,8 +287,8 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, forbid_unknown_fields=True)
     num_free_kv_tokens: int = 0
     cache_hit_rate: float = 0.0
     # Speculative decoding since the start: forwards per output token, tokens jump-forward appended, and per draft
-    # source ("grammar", "follower", "ngram", "ngram_cache") the tokens proposed and accepted and the request-forwards
-    # it proposed in.
+    # source ("grammar", "follower", "ngram", "ngram_cache", "prediction") the tokens proposed and accepted and the
+    # request-forwards it proposed in.
     num_forwards: int = 0
     num_output_tokens: int = 0
     num_forced_tokens: int = 0
@@ -298,13 +339,13 @@ def read_rid(data: bytes) -> str | None:
     return rid if isinstance(rid, str) and rid else None
 
 
-def error_output(rid: str, message: str, prompt_tokens: int = 0) -> GenerateOutput:
-    """A final output that aborts ``rid`` with ``message``."""
+def error_output(rid: str, cause: AbortCause, message: str) -> GenerateOutput:
+    """A final output that aborts ``rid`` for ``cause`` with ``message``."""
     return GenerateOutput(
         rid=rid,
         token_ids=[],
         text="",
         finished=True,
-        finish_reason=FinishReason(type="abort", message=message),
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0),
+        finish_reason=FinishReason(type="abort", message=message, cause=cause),
+        usage=Usage(prompt_tokens=0, completion_tokens=0),
     )

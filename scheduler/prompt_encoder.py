@@ -59,6 +59,30 @@ class PromptEncoder:
             )
         return ids
 
+    def encode_prediction(self, prediction: str | list[int]) -> list[int]:
+        """A predicted output's token ids: text tokenised without special tokens (it stands for the answer, which
+        follows the prompt), or token ids checked; raises ValueError naming ``prediction``. No output can be longer
+        than the context, so neither may a prediction be."""
+        if isinstance(prediction, str):
+            num_bytes = len(prediction.encode(errors="replace"))
+            if num_bytes > self.max_prompt_bytes:
+                raise ValueError(
+                    f"the prediction is {num_bytes:,} bytes, more than any output of --max-seq-len {self.max_seq_len} "
+                    f"tokens can be ({self.max_prompt_bytes:,} bytes): shorten it"
+                )
+            ids = list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        else:
+            ids = list(prediction)
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise ValueError(f"prediction token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(
+                f"the prediction has {len(ids)} tokens, more than --max-seq-len {self.max_seq_len} lets any output "
+                "have: shorten it"
+            )
+        return ids
+
     def _check_prompt_bytes(self, text: str | None, messages: list[dict[str, str]] | None) -> None:
         if text is not None:
             num_bytes = len(text.encode(errors="replace"))

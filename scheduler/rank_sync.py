@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from scheduler.distributed import DistributedContext, RankFailureError
+from scheduler.request import Abort
 from scheduler.speculative import Drafts
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 class GrammarFailure:
     """Why a queued request failed; ``is_compile_error`` failures are cached, timeouts are not."""
 
-    message: str
+    abort: Abort
     is_compile_error: bool
 
 
@@ -28,7 +29,7 @@ class RankSync:
 
     Each rank judges its own deadlines with its own clock; taking the union of failures means a slow rank
     (or a slow clock) can only make every rank fail a request together, never split the decision. A failure's
-    message is the lowest failing rank's.
+    cause and message are the lowest failing rank's.
     """
 
     def __init__(self, context: DistributedContext) -> None:
@@ -42,14 +43,13 @@ class RankSync:
         A compile error is cached only when every rank saw one (so caches stay identical); anything else (a
         timeout, a failure on only some ranks) is not cached.
         """
-        local = (sorted(ready), {rid: (f.message, f.is_compile_error) for rid, f in failures.items()})
-        gathered = self.context.all_gather(local)
+        gathered: list[tuple[list[str], dict[str, GrammarFailure]]] = self.context.all_gather((sorted(ready), failures))
         all_ready = set.intersection(*(set(rank_ready) for rank_ready, _ in gathered))
         agreed: dict[str, GrammarFailure] = {}
         for rid in sorted({rid for _, rank_failures in gathered for rid in rank_failures}):
             verdicts = [rank_failures.get(rid) for _, rank_failures in gathered]
-            message = next(v[0] for v in verdicts if v is not None)
-            agreed[rid] = GrammarFailure(message, all(v is not None and v[1] for v in verdicts))
+            first = next(v for v in verdicts if v is not None)
+            agreed[rid] = GrammarFailure(first.abort, all(v is not None and v.is_compile_error for v in verdicts))
         return all_ready - agreed.keys(), agreed
 
     def leader_tokens(self, tokens: list[int | None]) -> list[int | None]:
@@ -61,17 +61,17 @@ class RankSync:
         leader: list[Drafts] = self.context.broadcast_from_leader(drafts)
         return leader
 
-    def agree_batch_failures(self, rids: list[str], failures: dict[str, str]) -> dict[str, str]:
+    def agree_batch_failures(self, rids: list[str], failures: dict[str, Abort]) -> dict[str, Abort]:
         """Failures of any rank for a batch of ``rids``; raises ``RankFailureError`` if ranks ran other batches."""
         gathered = self.context.all_gather((rids, failures))
         if any(rank_rids != rids for rank_rids, _ in gathered):
             raise RankFailureError(
                 f"rank {self.context.rank}: the ranks ran different batches: {[g[0] for g in gathered]}"
             )
-        agreed: dict[str, str] = {}
+        agreed: dict[str, Abort] = {}
         for _, rank_failures in gathered:
-            for rid, message in rank_failures.items():
-                agreed.setdefault(rid, message)
+            for rid, abort in rank_failures.items():
+                agreed.setdefault(rid, abort)
         if agreed.keys() != failures.keys():
             logger.info(
                 "rank %d: requests failed on another rank: %s",

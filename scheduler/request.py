@@ -6,12 +6,24 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scheduler.io_struct import FinishReason, SamplingParams, TokenLogprob
+from scheduler.io_struct import AbortCause, FinishReason, SamplingParams, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
+from scheduler.predicted_output import PredictionAligner
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Why a request must end with an error: the cause (which the client's status follows) and the message it reads."""
+
+    cause: AbortCause
+    message: str
+
+
+CLIENT_ABORT = Abort(AbortCause.CLIENT, "aborted by the client")
 
 
 @dataclass(eq=False)
@@ -25,6 +37,7 @@ class Req:
     ``TokenLogprob`` per output token. ``sampling_seed`` keys its random draws by output position (its own
     seed, or one the server drew for it). With ``--reasoning-parser`` and ``separate_reasoning``, ``reasoning_text``
     follows the think block's text and ``text`` the answer's (``sent_reasoning``: what a streaming client has).
+    ``prediction`` follows the output through the request's predicted output, if it has one.
     """
 
     rid: str
@@ -48,6 +61,7 @@ class Req:
     sent_text: str = ""
     reasoning_text: OutputText | None = None
     sent_reasoning: str = ""
+    prediction: PredictionAligner | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,13 +102,22 @@ class Req:
 
     def finish(
         self,
-        reason: Literal["stop", "length", "abort"],
+        reason: Literal["stop", "length"],
         message: str | None = None,
         matched: str | int | None = None,
         length: int | None = None,
     ) -> None:
+        """Finish ``req`` (the first reason given stands); its grammar is finished with it."""
         if self.finish_reason is None:
             self.finish_reason = FinishReason(type=reason, message=message, matched=matched, length=length)
+            self._finish_grammar()
 
-    def abort(self, message: str) -> None:
-        self.finish("abort", message=message)
+    def abort(self, abort: Abort) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = FinishReason(type="abort", message=abort.message, cause=abort.cause)
+            self._finish_grammar()
+
+    def _finish_grammar(self) -> None:
+        grammar = self.ready_grammar
+        if grammar is not None:
+            grammar.finished = True

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from scheduler.finish_policy import stop_token_ids
+from scheduler.grammar_steps import Lookahead
 from scheduler.logits_processing import RowAdjustment, adjust_logits
 from scheduler.request import Req
 from scheduler.sampler import SamplingRows
@@ -92,7 +94,7 @@ class SamplingBatchInfo:
         position = len(req.output_ids) + len(drafts_before)
         banned = []
         if position < params.min_new_tokens:
-            banned = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+            banned = sorted(stop_token_ids(params, self.eos_token_ids))
         if not (params.logit_bias or params.has_penalties or banned):
             return None
         return RowAdjustment(
@@ -138,19 +140,14 @@ class SamplingBatchInfo:
     ) -> None:
         """Row ``rows[j]`` after the first ``j`` drafts; the grammar ends where it started. Past the grammar's end
         (a draft that terminates it) rows stay all-allowed: the request finishes before they are read."""
-        assert grammar is not None
-        grammar.fill_vocab_mask(mask, rows[0])
-        num_accepted = 0
-        try:
+        with Lookahead(grammar) as ahead:
+            ahead.fill_vocab_mask(mask, rows[0])
             for j, draft in enumerate(drafts, start=1):
-                grammar.accept_token(draft)
-                num_accepted = j
-                if grammar.is_terminated():
+                ahead.accept(draft)
+                if ahead.is_terminated:
                     reset_rows(mask, rows[j:])
                     break
-                grammar.fill_vocab_mask(mask, rows[j])
-        finally:
-            grammar.rollback(num_accepted)
+                ahead.fill_vocab_mask(mask, rows[j])
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """Adjust the rows (bias, penalties, stop-token ban), then set the logits of tokens the grammar disallows to

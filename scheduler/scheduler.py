@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 import msgspec
@@ -12,8 +11,11 @@ import torch
 from scheduler.batch_executor import BatchExecutor
 from scheduler.data_parallel import DataParallelReplica
 from scheduler.distributed import DistributedContext
+from scheduler.finish_policy import FinishPolicy
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import (
+    MAX_TOP_LOGPROBS,
+    AbortCause,
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,
@@ -22,7 +24,6 @@ from scheduler.io_struct import (
     PingReq,
     Pong,
     ReplicaStatus,
-    ServerMessage,
     Usage,
     decode_client_message,
     error_output,
@@ -32,34 +33,31 @@ from scheduler.ipc import SchedulerIPC
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.ngram_cache import NgramCache
 from scheduler.output_text import OutputText
+from scheduler.predicted_output import PredictionAligner
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.rank_sync import RankSync
 from scheduler.reasoning_gate import ReasoningGate
-from scheduler.request import Req
+from scheduler.request import CLIENT_ABORT, Abort, Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
+from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend
 from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
 from sglang_constrained.registry import create_grammar_backend
 from triton_ops.bitmask_format import VocabMaskLayout
 
 logger = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 20
-"""Most alternatives a request may ask for per output token (OpenAI's limit for chat)."""
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
-SHUTDOWN_MESSAGE = "the server is shutting down"
-
-Messages = list[tuple[bytes, bytes]]
+SHUTDOWN = Abort(AbortCause.SHUTDOWN, "the server is shutting down")
 
 
 class Scheduler:
     """Serves generate requests on one model with continuous batching and grammar-constrained sampling.
 
-    With a ``DistributedContext`` it is one rank of several: every rank runs this loop on the messages rank 0
-    received, in the same order, and only rank 0 sends outputs. With ``--dp-size`` it is one data-parallel replica
-    instead (``DataParallelReplica``): it runs the requests rank 0 routed to it, and rank 0 sends its outputs.
+    With a ``DistributedContext`` it is one rank of several; how its turns' messages come in and its outputs go out
+    is its ``transport``, chosen once here (``choose_turn_transport``), and the loop never asks which.
     """
 
     def __init__(
@@ -69,7 +67,8 @@ class Scheduler:
         self.tokenizer = model_runner.tokenizer
         self.prompt_encoder = PromptEncoder(self.tokenizer, model_runner.vocab_size, model_runner.max_seq_len)
         self.vocab_size = model_runner.vocab_size
-        self.dist = dist
+        self.kv = model_runner.kv
+        self.max_seq_len = model_runner.max_seq_len
         self.reasoning = ReasoningGate(server_args, self.tokenizer)
         grammar_backend = create_grammar_backend(
             server_args,
@@ -82,25 +81,22 @@ class Scheduler:
                 server_args.grammar_disk_cache_path, server_args.grammar_disk_cache_max_bytes
             ),
         )
-        self.data_parallel = (
-            DataParallelReplica(dist, grammar_backend, server_args)
-            if dist is not None and server_args.dp_size > 1
-            else None
-        )
-        rank_sync = RankSync(dist) if dist is not None and self.data_parallel is None else None
-        self.grammar_manager = GrammarManager(grammar_backend, rank_sync)
+        self.transport = choose_turn_transport(dist, grammar_backend, server_args)
+        self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync)
         ngram_cache = None
         if server_args.speculative_ngram_capacity and server_args.speculative_num_draft_tokens:
             ngram_cache = NgramCache(
                 server_args.speculative_ngram_capacity, NGRAM_MAX, server_args.speculative_num_draft_tokens
             )
-        proposer = DraftProposer(
+        self.proposer = DraftProposer(
             server_args.speculation,
             server_args.speculative_num_draft_tokens,
             self.tokenizer,
             model_runner.vocab_size,
             row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
+            tokens_per_forward=model_runner.tokens_per_forward,
+            max_prediction_tokens=server_args.speculative_num_prediction_tokens,
         )
         mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None
         if mask_layout is None and self.reasoning.enabled:  # free requests that reason are gated by masks too
@@ -110,22 +106,23 @@ class Scheduler:
             server_args.max_running_requests,
             model_runner.device,
             mask_layout,
-            max_rows_per_request=1 + server_args.speculative_num_draft_tokens,
+            max_rows_per_request=1 + server_args.max_drafts_per_request,
             eos_token_ids=model_runner.eos_token_ids,
         )
         sampling_info.warm_up()  # in the background, beside the compile processes' start that the next line waits for
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
-        self.executor = BatchExecutor(model_runner, sampling_info, proposer, rank_sync)
+        self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len)
+        self.executor = BatchExecutor(
+            model_runner, sampling_info, self.proposer, self.finish_policy, self.transport.rank_sync
+        )
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
-        self.outbox: list[tuple[bytes, ServerMessage]] = []
+        self.outbox: Outbox = []
         self.is_stopping = False
         self.num_finished_requests = 0
-        self.num_turns = 0
-        self.turn_sync_seconds = 0.0
 
     def serve(self, ipc: SchedulerIPC | None) -> None:
         """Run the loop until ``stop()`` on any rank; ``ipc`` is rank 0's socket (None on the other ranks)."""
@@ -133,7 +130,7 @@ class Scheduler:
             ipc.watch(self.grammar_manager.wakeup_fd)
             logger.info("scheduler ready on %s (grammar backend: %s)", ipc.endpoint, self.server_args.grammar_backend)
         while True:
-            messages, should_stop = self._receive(ipc)
+            messages, should_stop = self.transport.exchange(ipc, self._wait_time(), self._status(), self.is_stopping)
             if should_stop:
                 return
             self.step(messages)
@@ -145,17 +142,13 @@ class Scheduler:
     def shutdown(self, ipc: SchedulerIPC | None) -> None:
         """Answer every live request with an abort, then release the grammar backend's threads."""
         for req in list(self.live.values()):
-            req.abort(SHUTDOWN_MESSAGE)
+            req.abort(SHUTDOWN)
             self._finish(req)
         self._flush_outbox(ipc)
-        if self.data_parallel is not None:
-            self.data_parallel.shutdown(ipc, SHUTDOWN_MESSAGE)
+        self.transport.shutdown(ipc, SHUTDOWN.message)
         if self.grammar_manager.grammar_backend is not None:
             self.grammar_manager.grammar_backend.shutdown()
         self.grammar_manager.close()
-        if self.num_turns:
-            mean_us = 1e6 * self.turn_sync_seconds / self.num_turns
-            logger.info("per-turn rank sync: %d turns, %.0f us per turn on average", self.num_turns, mean_us)
 
     def step(self, messages: Messages) -> None:
         """One loop turn: handle messages, admit ready grammars, run one prefill and one decode batch."""
@@ -183,7 +176,8 @@ class Scheduler:
             rid = read_rid(payload)
             if rid is not None:
                 self.live.pop(rid, None)
-                self.outbox.append((client_id, error_output(rid, f"internal error: {type(e).__name__}: {e}")))
+                message = f"internal error: {type(e).__name__}: {e}"
+                self.outbox.append((client_id, error_output(rid, AbortCause.INTERNAL, message)))
 
     def abort_request(self, rid: str) -> None:
         req = self.live.get(rid)
@@ -192,27 +186,9 @@ class Scheduler:
         self.grammar_manager.abort_requests({rid})
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
-        req.abort("aborted by the client")
+        req.abort(CLIENT_ABORT)
         logger.info("request %s aborted by the client", rid)
         self._finish(req)
-
-    def _receive(self, ipc: SchedulerIPC | None) -> tuple[Messages, bool]:
-        """This turn's messages (rank 0's, on every rank; with ``--dp-size`` the ones routed to this replica) and
-        whether any rank was asked to stop."""
-        if self.data_parallel is not None:
-            start = time.perf_counter()
-            turn = self.data_parallel.exchange(ipc, self._wait_time(), self._status(), self.is_stopping)
-            self.turn_sync_seconds += time.perf_counter() - start
-            self.num_turns += 1
-            return turn
-        messages = ipc.receive(self._wait_time()) if ipc is not None else []
-        if self.dist is None:
-            return messages, self.is_stopping
-        start = time.perf_counter()
-        gathered = self.dist.all_gather((messages, self.is_stopping))
-        self.turn_sync_seconds += time.perf_counter() - start
-        self.num_turns += 1
-        return gathered[0][0], any(stopping for _, stopping in gathered)
 
     def _handle_message(self, client_id: bytes, payload: bytes) -> None:
         try:
@@ -221,7 +197,7 @@ class Scheduler:
             rid = read_rid(payload)
             logger.warning("malformed message from client %s (rid %s): %s", client_id.hex(), rid, e)
             if rid is not None:
-                self.outbox.append((client_id, error_output(rid, f"malformed request: {e}")))
+                self.outbox.append((client_id, error_output(rid, AbortCause.BAD_REQUEST, f"malformed request: {e}")))
             return
         if isinstance(message, GenerateReq):
             self._add_request(client_id, message)
@@ -237,12 +213,13 @@ class Scheduler:
         if self.live:
             message = f"not flushed: {len(self.live)} requests are running or waiting"
             return FlushCacheDone(request_id=request_id, success=False, message=message)
-        num_rows = self.executor.flush_cache()
+        num_rows = self.kv.flush()
         return FlushCacheDone(request_id=request_id, success=True, message=f"flushed {num_rows} cached tokens")
 
     def _add_request(self, client_id: bytes, message: GenerateReq) -> None:
         if message.rid in self.live:
-            self.outbox.append((client_id, error_output(message.rid, f"a request with rid {message.rid!r} is running")))
+            running = f"a request with rid {message.rid!r} is running"
+            self.outbox.append((client_id, error_output(message.rid, AbortCause.BAD_REQUEST, running)))
             return
         try:
             params = message.sampling_params
@@ -255,9 +232,12 @@ class Scheduler:
             prompt_ids = self.prompt_encoder.encode(
                 message.text, messages, message.input_ids, message.chat_template_kwargs
             )
-            self.executor.check_fits(prompt_ids, params.max_new_tokens)
+            self.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, params.max_new_tokens))
+            prediction = None
+            if message.prediction is not None:
+                prediction = PredictionAligner(self.prompt_encoder.encode_prediction(message.prediction))
         except ValueError as e:
-            self.outbox.append((client_id, error_output(message.rid, str(e))))
+            self.outbox.append((client_id, error_output(message.rid, AbortCause.BAD_REQUEST, str(e))))
             return
         req = Req(
             rid=message.rid,
@@ -276,6 +256,7 @@ class Scheduler:
                 no_stop_trim=params.no_stop_trim,
             ),
             top_logprobs_num=message.top_logprobs_num,
+            prediction=prediction,
         )
         if message.separate_reasoning and self.reasoning.enabled:
             req.reasoning_text = OutputText(
@@ -307,16 +288,29 @@ class Scheduler:
         those behind it with it, so that a long prompt is never starved by short ones)."""
         batch: list[Req] = []
         room = self.server_args.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room and self.executor.admit(self.waiting_queue[0]):
+        while self.waiting_queue and len(batch) < room and self._reserve_kv(self.waiting_queue[0]):
             batch.append(self.waiting_queue.popleft())
         return batch
 
+    def _reserve_kv(self, req: Req) -> bool:
+        """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
+        req.kv = self.kv.admit(req.prompt_ids, self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens))
+        if req.kv is None:
+            return False
+        req.num_cached_tokens = req.kv.num_cached
+        return True
+
+    def _output_budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
+        """The output tokens a request reserves KV for: ``max_new_tokens``, within the context."""
+        return max(1, min(max_new_tokens, self.max_seq_len - len(prompt_ids)))
+
     def _share_repeated_prompts(self, batch: list[Req]) -> None:
-        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat."""
+        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat (``n`` samples
+        admitted while the first runs)."""
         waiting = {tuple(req.prompt_ids) for req in self.waiting_queue}
         for req in batch:
-            if tuple(req.prompt_ids) in waiting:
-                self.executor.share_prompt(req)
+            if req.kv is not None and tuple(req.prompt_ids) in waiting:
+                self.kv.share_prefix(req.kv, len(req.prompt_ids))
 
     def _after_batch(self, batch: list[Req]) -> None:
         """Finish who finished; stream what is new to the others."""
@@ -332,17 +326,12 @@ class Scheduler:
         self.num_finished_requests += 1
         if req in self.running:
             self.running.remove(req)
-        self.executor.release(req)
+        self.proposer.forget(req)  # the n-gram cache takes the rest of its output
+        if req.kv is not None:  # its rows go to the prefix cache (or back to the pool)
+            self.kv.release(req.kv)
+            req.kv = None
         self.live.pop(req.rid, None)
-        grammar = req.ready_grammar
-        if grammar is not None:
-            grammar.finished = True
-        matched = req.finish_reason.matched if req.finish_reason is not None else None
-        ends_with_stop_token = isinstance(matched, int) and matched in self.executor.stop_token_ids(req)
-        reasoning_ids, content_ids = req.split_output()
-        ends_with_stop_token = ends_with_stop_token and bool(content_ids)
-        text = req.text.final_text(content_ids, ends_with_stop_token) if req.text is not None else ""
-        reasoning = req.reasoning_text.final_text(reasoning_ids) if req.reasoning_text is not None else None
+        text, reasoning = self.finish_policy.final_texts(req)
         self._send(req, text, finished=True, full_reasoning=reasoning)
 
     def _send(self, req: Req, full_text: str, finished: bool, full_reasoning: str | None = None) -> None:
@@ -363,12 +352,7 @@ class Scheduler:
             text=text,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
-            usage=Usage(
-                prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids),
-                cached_tokens=req.num_cached_tokens,
-                reasoning_tokens=req.num_reasoning_tokens,
-            ),
+            usage=_usage(req),
             grammar_cache_hit=req.grammar_cache_hit,
             logprobs=req.output_logprobs[first_new:] if req.top_logprobs_num is not None else None,
             reasoning_text=reasoning,
@@ -376,13 +360,7 @@ class Scheduler:
         self.outbox.append((req.client_id, output))
 
     def _flush_outbox(self, ipc: SchedulerIPC | None) -> None:
-        """Rank 0 sends; the other ranks computed the same outputs and drop them (data-parallel replicas send theirs
-        through rank 0)."""
-        if self.data_parallel is not None:
-            self.data_parallel.send(ipc, self.outbox)
-        elif ipc is not None:
-            for client_id, message in self.outbox:
-                ipc.send(client_id, message)
+        self.transport.send(ipc, self.outbox)
         self.outbox.clear()
 
     def _wait_time(self) -> float | None:
@@ -395,11 +373,11 @@ class Scheduler:
 
     def _status(self) -> ReplicaStatus:
         return ReplicaStatus(
-            rank=self.dist.rank if self.dist is not None else 0,
+            rank=self.transport.rank,
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
-            num_free_kv_tokens=self.executor.num_free_kv_tokens,
+            num_free_kv_tokens=self.kv.num_available,
             num_finished_requests=self.num_finished_requests,
             num_output_tokens=self.executor.stats.num_output_tokens,
             num_forwards=self.executor.stats.num_forwards,
@@ -414,8 +392,8 @@ class Scheduler:
             num_running_requests=len(self.running),
             num_waiting_requests=len(self.waiting_queue),
             num_compiling_requests=len(self.grammar_manager.grammar_queue),
-            num_free_kv_tokens=self.executor.num_free_kv_tokens,
-            cache_hit_rate=self.executor.cache_hit_rate,
+            num_free_kv_tokens=self.kv.num_available,
+            cache_hit_rate=self.kv.cache_hit_rate,
             num_forwards=self.executor.stats.num_forwards,
             num_output_tokens=self.executor.stats.num_output_tokens,
             num_forced_tokens=self.executor.stats.num_forced_tokens,
@@ -424,9 +402,35 @@ class Scheduler:
             draft_runs=dict(self.executor.stats.draft_runs),
             metrics_text=self.grammar_manager.metrics.render(),
         )
-        return pong if self.data_parallel is None else self.data_parallel.group_pong(pong, self._status())
+        return self.transport.group_pong(pong, self._status())
+
+
+def _usage(req: Req) -> Usage:
+    usage = Usage(
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.num_cached_tokens,
+        reasoning_tokens=req.num_reasoning_tokens,
+    )
+    if req.prediction is not None:
+        req.prediction.follow(req.output_ids)
+        usage.accepted_prediction_tokens = req.prediction.num_accepted
+        usage.rejected_prediction_tokens = req.prediction.num_rejected
+    return usage
 
 
 def _new_text(full_text: str, sent_text: str) -> str:
     """What a streaming client lacks of ``full_text`` (all of it if what it has is no longer a prefix)."""
     return full_text[len(sent_text) :] if full_text.startswith(sent_text) else full_text
+
+
+def choose_turn_transport(
+    dist: DistributedContext | None, grammar_backend: BaseGrammarBackend | None, server_args: ServerArgs
+) -> TurnTransport:
+    """This rank's transport, by the rank layout: one process, data-parallel replicas (``--dp-size``), or ranks in
+    lockstep (every other layout of several ranks)."""
+    if dist is None:
+        return OneRank()
+    if server_args.dp_size > 1:
+        return DataParallelReplica(dist, grammar_backend, server_args)
+    return LockstepRanks(dist)

@@ -26,7 +26,9 @@ SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "grammar", "grammar+ngram")
 """Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
 n-gram cache of earlier outputs, ``--speculative-ngram-capacity``), the grammar's forced continuation (with
 jump-forward over forced tokens), or both. auto: both on the torch runner, none on llama.cpp's, whose k-token
-forward costs nearly k one-token forwards on this CPU (so verifying drafts loses time there)."""
+forward costs nearly k one-token forwards on this CPU (so verifying drafts loses time there). A request's predicted
+output drafts under every algorithm but none: none verifies no drafts at all, so a prediction is then only counted
+(usage), as a latency hint that cannot help may be."""
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -98,6 +100,7 @@ class ServerArgs:
     tp_size: int = 1
     speculative_algorithm: str = "auto"
     speculative_num_draft_tokens: int = 8
+    speculative_num_prediction_tokens: int = MAX_DRAFT_TOKENS
     speculative_ngram_capacity: int = 65536
     grammar_compile_timeout: float | None = None
     grammar_compile_threads: int = max(1, available_cores() - 1)
@@ -137,6 +140,11 @@ class ServerArgs:
         if self.speculative_algorithm != "auto":
             return self.speculative_algorithm
         return "none" if self.model_runner == "llamacpp" else "grammar+ngram"
+
+    @property
+    def max_drafts_per_request(self) -> int:
+        """The most drafts one request verifies in a forward, from any source."""
+        return max(self.speculative_num_draft_tokens, self.speculative_num_prediction_tokens)
 
     @property
     def compile_timeout_s(self) -> float:
@@ -184,6 +192,8 @@ class ServerArgs:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}")
         if not 0 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--speculative-num-draft-tokens must be in [0, {MAX_DRAFT_TOKENS}]")
+        if not 0 <= self.speculative_num_prediction_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-num-prediction-tokens must be in [0, {MAX_DRAFT_TOKENS}]")
         if self.speculative_ngram_capacity < 0:
             raise ValueError("--speculative-ngram-capacity must be 0 (no cache) or more")
         for name in (
@@ -317,13 +327,22 @@ class ServerArgs:
             choices=SPECULATIVE_ALGORITHMS,
             help="draft tokens verified in one forward, and jump-forward over tokens the grammar forces; on the torch "
             "runner outputs are the same as without (greedy and seeded): none decodes one forward per token; auto is "
-            "grammar+ngram on the torch runner and none on llamacpp",
+            "grammar+ngram on the torch runner and none on llamacpp; a request's predicted output (prediction) "
+            "drafts under every algorithm but none",
         )
         parser.add_argument(
             "--speculative-num-draft-tokens",
             type=int,
             default=d.speculative_num_draft_tokens,
-            help=f"the most drafts per request and forward (0 to {MAX_DRAFT_TOKENS}; fewer as the batch grows)",
+            help=f"the most drafts per request and forward (0 to {MAX_DRAFT_TOKENS}; fewer as the batch grows; 0 "
+            "turns drafts off, predictions' included)",
+        )
+        parser.add_argument(
+            "--speculative-num-prediction-tokens",
+            type=int,
+            default=d.speculative_num_prediction_tokens,
+            help=f"the most drafts per forward of a request with a predicted output (prediction), taken from it (0 to "
+            f"{MAX_DRAFT_TOKENS}; they stand far more often than the other sources')",
         )
         parser.add_argument(
             "--speculative-ngram-capacity",

@@ -3,7 +3,7 @@ torchrun) and one rank with two torch threads, on JSON-schema requests, side by 
 
 Starts both schedulers (zmq only), warms each up (the schema compiled, every path run once), then runs ``--rounds``
 rounds, the two in alternating order, each time ``--waves`` x ``--concurrency`` JSON-schema requests with
-``--concurrency`` in flight (``scripts.bench_serving``'s requests and summary). Prints each one's aggregate output
+``--concurrency`` in flight (``scripts.serving_workload``'s requests and summary). Prints each one's aggregate output
 tokens/s (all output tokens over all wall time), their ratio, how the replicas split the requests, and the grammar
 compiles per distinct constraint behind the replicas (target 1: compiled once for both, not once per replica).
 
@@ -20,7 +20,7 @@ from typing import Any
 from scheduler.client import AsyncSchedulerClient
 from scheduler.io_struct import Pong
 from scheduler.testing.process import SchedulerProcess
-from scripts.bench_serving import WARM_UP_INDEX, Outcome, format_row, run_kind, run_one, summarise
+from scripts.serving_workload import WARM_UP_INDEX, Outcome, format_row, run_kind, run_one, summarise
 
 KIND = "json"
 DP_LABEL = "dp=2 x 1 thread"

@@ -123,6 +123,7 @@ class AutoGrammarBackend(BaseGrammarBackend):
         alone; the compiles still running when one wins (or at the deadline: ``CompileTimeoutError``) are cancelled.
         """
         waiting = self._in_preferred_order(key)
+        order = [name for name, _ in waiting]
         running: dict[str, Future[BaseGrammarObject]] = {}
         started_at: dict[str, float] = {}
         passed_over: list[tuple[str, str]] = []
@@ -153,6 +154,7 @@ class AutoGrammarBackend(BaseGrammarBackend):
         finally:
             for future in running.values():
                 future.cancel()
+        passed_over.sort(key=lambda refusal: order.index(refusal[0]))  # the message must not depend on timing
         return None, None, passed_over
 
     def _in_preferred_order(self, key: GrammarKey) -> list[tuple[str, BaseGrammarBackend]]:

@@ -13,6 +13,7 @@ import pytest
 
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
+from sglang_constrained.registry import GRAMMAR_BACKEND_REGISTRY
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 from tests.helpers import launch_scheduler
 
@@ -46,3 +47,12 @@ def one_rank_server() -> Iterator[SchedulerProcess]:
     """
     with launch_scheduler() as launched:
         yield launched
+
+
+@pytest.fixture
+def clean_registry() -> Iterator[None]:
+    """The backend registry as it was before the test, whatever the test registered."""
+    saved = dict(GRAMMAR_BACKEND_REGISTRY)
+    yield
+    GRAMMAR_BACKEND_REGISTRY.clear()
+    GRAMMAR_BACKEND_REGISTRY.update(saved)

@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from scheduler.client import AsyncSchedulerClient
+from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.server_args import EMBEDDED_MODEL_NAME
-from scheduler.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.testing.process import SchedulerProcess, free_port
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
@@ -37,6 +37,17 @@ PERSON_SCHEMA = {
     "required": ["name", "age"],
 }
 """A small schema every backend enforces; ``{**PERSON_SCHEMA, "additionalProperties": False}`` closes it."""
+PRODUCT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
+        "price": {"type": "number", "multipleOf": 0.5},
+    },
+    "required": ["code", "price"],
+    "additionalProperties": False,
+}
+"""xgrammar refuses a pattern with a length bound (it would drop the bound), llguidance enforces both: ``auto`` gives
+it to llguidance."""
 
 COLD_GRAMMARS = ("--disable-grammar-disk-cache",)
 """Test servers compile every grammar they serve, as the tests expect (an auto choice in the log, a compile's time),

@@ -84,6 +84,20 @@ def is_token_allowed(row: torch.Tensor, token: int) -> bool:
     return word < row.shape[-1] and bool((int(row[word]) >> (token % BITS_PER_WORD)) & 1)
 
 
+def only_allowed_token(row: torch.Tensor, vocab_size: int) -> int | None:
+    """The one token a mask row allows, or None when it allows several, none, or only one at or past
+    ``vocab_size`` (reads one word per nonzero word: cheap where a grammar forces a token)."""
+    nonzero = row.nonzero()
+    if nonzero.numel() != 1:
+        return None
+    word_index = int(nonzero[0, 0])
+    word = int(row[word_index]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    token = word_index * BITS_PER_WORD + word.bit_length() - 1
+    return token if token < vocab_size else None
+
+
 def token_word_bits(token_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
     """``(word, bits)`` pairs that set ``token_ids`` in a row, ``bits`` as int32 values; for ``set_token_bits``."""
     words: dict[int, int] = {}

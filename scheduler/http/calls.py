@@ -7,10 +7,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from starlette.requests import Request
 
-from scheduler.client import AsyncSchedulerClient
+from scheduler.client import AsyncSchedulerClient, SchedulerGoneError
 from scheduler.http.metrics import FrontendMetrics, GenerationTimer
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.request_conversion import RequestLimits, SchedulerCall
@@ -40,9 +41,11 @@ class FrontendState:
         return len(self.running_rids)
 
     async def tokenized(self, calls: list[SchedulerCall]) -> list[SchedulerCall]:
-        """``calls`` with their prompts as token ids, each distinct prompt tokenised once on a worker thread (the
-        choices of one prompt share it); raises ``ProtocolError`` for a prompt that cannot fit the context."""
+        """``calls`` with their prompts and predictions as token ids, each distinct prompt and prediction tokenised
+        once on a worker thread (the choices of one prompt share it); raises ``ProtocolError`` for a prompt that
+        cannot fit the context, or a prediction no output could repeat."""
         prompt_ids: dict[tuple[int, int], list[int]] = {}
+        prediction_ids: dict[int, list[int]] = {}
         tokenized = []
         for call in calls:
             ids = call.input_ids
@@ -51,8 +54,20 @@ class FrontendState:
                 if prompt not in prompt_ids:
                     prompt_ids[prompt] = await asyncio.to_thread(self._encode, call)
                 ids = prompt_ids[prompt]
-            tokenized.append(call.with_prompt_ids(ids, self.limits.max_seq_len))
+            predicted = None
+            if call.prediction is not None:
+                if id(call.prediction) not in prediction_ids:
+                    encoded = await asyncio.to_thread(self._encode_prediction, call.prediction)
+                    prediction_ids[id(call.prediction)] = encoded
+                predicted = prediction_ids[id(call.prediction)]
+            tokenized.append(call.with_prompt_ids(ids, self.limits.max_seq_len, predicted))
         return tokenized
+
+    def _encode_prediction(self, prediction: str | list[int]) -> list[int]:
+        try:
+            return self.prompt_encoder.encode_prediction(prediction)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="prediction") from e
 
     def token_text(self, token_id: int) -> str:
         """A token's text, decoded alone (logprobs show tokens this way)."""
@@ -116,6 +131,8 @@ class ChoiceRun:
         index, item = await self._queue.get()
         if isinstance(item, asyncio.CancelledError):
             raise ProtocolError("the client disconnected", status_code=self.DISCONNECTED)
+        if isinstance(item, SchedulerGoneError):
+            raise ProtocolError(str(item), status_code=HTTPStatus.SERVICE_UNAVAILABLE, code="scheduler_gone") from item
         if isinstance(item, BaseException):
             raise ProtocolError(f"internal error: {type(item).__name__}: {item}", status_code=500) from item
         self._timers[index].observe(item, self.stream)
@@ -158,6 +175,8 @@ class ChoiceRun:
         except asyncio.CancelledError as e:
             self._queue.put_nowait((index, e))
             raise
+        except SchedulerGoneError as e:
+            self._queue.put_nowait((index, e))
         except Exception as e:
             logger.exception("scheduler request %s failed in the frontend", call.rid)
             self._queue.put_nowait((index, e))

@@ -55,7 +55,7 @@ def generate_calls(request: GenerateRequest, limits: RequestLimits) -> list[Sche
         rid = rids[p] if rids is not None else uuid.uuid4().hex
         for i in range(n):
             choice_rid = rid if n == 1 else f"{rid}-{i}"
-            call = prompt_call(choice_rid, for_choice(params, i), prompt, top_logprobs_num)
+            call = prompt_call(choice_rid, for_choice(params, i), prompt, top_logprobs_num, request.prediction)
             calls.append(dataclasses.replace(call, separate_reasoning=request.separate_reasoning))
     return calls
 

@@ -25,7 +25,6 @@ BOOKKEEPING_FIELDS: dict[str, str] = {
     "safety_identifier": "the newer name of user",
     "reasoning_effort": "a setting of OpenAI's reasoning models; the served model's chat template takes none",
     "verbosity": "a setting of OpenAI's reasoning models; the served model's chat template takes none",
-    "prediction": "predicted output, a latency hint that never changes the answer",
     "stream_options.include_obfuscation": "random padding against a network side channel; none is added",
 }
 """Accepted and ignored, with the reason each cannot change a local answer (README: "Fields per API")."""

@@ -12,11 +12,10 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from scheduler.io_struct import MAX_TOP_LOGPROBS
 from sglang_constrained.constraint_spec import MAX_SPEC_DEPTH
 
 MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-"""OpenAI's limit on ``top_logprobs`` (chat); also the bound of ``logprobs`` (completions) and ``top_logprobs_num``."""
 MAX_SCHEDULER_REQUESTS = 128
 """Most scheduler requests one HTTP request may become (prompts x ``n``)."""
 SEED_MODULUS = 2**64
@@ -84,21 +83,29 @@ _EXPECTED_TYPES = {
 def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     """A problem's location up to the member of a union it was checked against (pydantic names members by type)."""
     for index, part in enumerate(loc):
-        if isinstance(part, str) and _UNION_MEMBER.match(part):
+        if _is_union_member(part):
             return loc[:index]
     return loc
+
+
+def _is_union_member(part: Any) -> bool:
+    return isinstance(part, str) and _UNION_MEMBER.match(part) is not None
 
 
 def _openai_wording(problem: Any, where: str, same_field: list[Any], depth: int) -> tuple[str, str | None]:
     """``(message, code)`` for a pydantic problem, as OpenAI words it where it has a wording. ``same_field``: the
     problems of the same field (one per union member when it takes several types), found ``depth`` parts deep."""
-    kind = problem["type"]
     is_type_mismatch = all(p["type"] in _EXPECTED_TYPES and len(p["loc"]) <= depth + 1 for p in same_field)
     if is_type_mismatch:
         expected = " or ".join(dict.fromkeys(_EXPECTED_TYPES[p["type"]] for p in same_field))
         got = json_type_name(problem["input"])
         what = f"'{where}'" if where else "the request body"
         return f"Invalid type for {what}: expected {expected}, but got {got} instead.", "invalid_type"
+    inside = [p for p in same_field if len(p["loc"]) > depth + 1]
+    if inside:  # the value has the type of a member of the field's union: its problem is within the value
+        problem = inside[0]
+        where = ".".join(str(part) for part in problem["loc"] if not _is_union_member(part))
+    kind = problem["type"]
     if kind == "missing":
         return f"Missing required parameter: '{where}'.", "missing_required_parameter"
     if kind == "extra_forbidden":
@@ -165,6 +172,22 @@ class StreamOptions(Body):
     include_obfuscation: bool | None = None
 
 
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class PredictionContent(Body):
+    """OpenAI's predicted output: text the answer is expected to mostly repeat (a latency hint)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class CommonRequest(Body):
     """Fields shared by chat and text completions: OpenAI's, vLLM's and SGLang's sampling extras, and every way to ask
     for a constraint."""
@@ -180,6 +203,7 @@ class CommonRequest(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prediction: PredictionContent | None = None
     # OpenAI's bookkeeping (``openai_fields.BOOKKEEPING_FIELDS``): accepted, and cannot change the answer
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -210,11 +234,6 @@ class CommonRequest(Body):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     no_stop_trim: bool | None = None
-
-
-class TextPart(Body):
-    type: Literal["text"]
-    text: str
 
 
 class FunctionCall(Body):
@@ -280,7 +299,6 @@ class ChatCompletionRequest(CommonRequest):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-    prediction: dict[str, Any] | None = None
     # refused unless neutral (``openai_fields.REFUSED_FIELDS``)
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -304,7 +322,8 @@ class CompletionRequest(CommonRequest):
 class GenerateRequest(Body):
     """SGLang's native ``/generate``: ``sampling_params`` are the scheduler's own ``SamplingParams`` fields, plus
     SGLang's ``n``, ``sampling_seed`` and ``custom_params`` (``request_conversion``). ``logprob_start_len`` -1 asks
-    for output logprobs only (prompt logprobs are refused)."""
+    for output logprobs only (prompt logprobs are refused). ``prediction``: a predicted output (text or token ids) for
+    every prompt and choice, as OpenAI's ``prediction`` on the completions endpoints."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -316,6 +335,7 @@ class GenerateRequest(Body):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     separate_reasoning: bool = False
+    prediction: str | list[int] | None = None
 
     @property
     def is_batch(self) -> bool:

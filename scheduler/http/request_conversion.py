@@ -48,7 +48,8 @@ class SchedulerCall:
     ``fills_context``: no token limit was asked for, so the output may take whatever room the prompt leaves.
     ``top_logprobs_num``: None for no logprobs, else the alternatives wanted per output token.
     ``chat_template_kwargs``: variables for the chat template of ``messages``; ``separate_reasoning``: report the
-    think block apart (``--reasoning-parser``).
+    think block apart (``--reasoning-parser``); ``prediction``: a predicted output, text until the frontend tokenises
+    it (``FrontendState.tokenized``).
     """
 
     rid: str
@@ -60,9 +61,13 @@ class SchedulerCall:
     top_logprobs_num: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = False
+    prediction: str | list[int] | None = None
 
-    def with_prompt_ids(self, input_ids: list[int], max_seq_len: int) -> SchedulerCall:
-        """This call with its prompt as token ids; raises ``ProtocolError`` if prompt and output cannot both fit."""
+    def with_prompt_ids(
+        self, input_ids: list[int], max_seq_len: int, prediction_ids: list[int] | None = None
+    ) -> SchedulerCall:
+        """This call with its prompt (and its prediction, if any) as token ids; raises ``ProtocolError`` if prompt
+        and output cannot both fit."""
         room = max_seq_len - len(input_ids)
         max_new_tokens = room if self.fills_context else self.sampling_params.max_new_tokens
         if room < 1 or max_new_tokens > room:
@@ -86,6 +91,7 @@ class SchedulerCall:
             input_ids=input_ids,
             top_logprobs_num=self.top_logprobs_num,
             separate_reasoning=self.separate_reasoning,
+            prediction=self.prediction if prediction_ids is None else prediction_ids,
         )
 
     def as_kwargs(self) -> dict[str, Any]:
@@ -98,6 +104,7 @@ class SchedulerCall:
             "top_logprobs_num": self.top_logprobs_num,
             "chat_template_kwargs": self.chat_template_kwargs,
             "separate_reasoning": self.separate_reasoning,
+            "prediction": self.prediction,
         }
 
 
@@ -138,6 +145,7 @@ def chat_calls(
             top_logprobs_num=top_logprobs_num,
             chat_template_kwargs=request.chat_template_kwargs,
             separate_reasoning=request.separate_reasoning,
+            prediction=request.prediction.text if request.prediction is not None else None,
         )
         for i in range(request.n)
     ]
@@ -151,12 +159,12 @@ def completion_calls(request: CompletionRequest, request_id: str, limits: Reques
         raise ProtocolError("prompt must not be empty", param="prompt")
     check_num_requests(len(prompts), request.n)
     params = _sampling_params(request, request.max_tokens or 16, limits)
+    prediction = request.prediction.text if request.prediction is not None else None
     calls = []
     for p, prompt in enumerate(prompts):
         for i in range(request.n):
-            calls.append(
-                prompt_call(f"{request_id}-{p * request.n + i}", for_choice(params, i), prompt, request.logprobs)
-            )
+            rid = f"{request_id}-{p * request.n + i}"
+            calls.append(prompt_call(rid, for_choice(params, i), prompt, request.logprobs, prediction))
     return calls
 
 
@@ -172,11 +180,15 @@ def prompt_list(prompt: str | list[str] | list[int] | list[list[int]] | None) ->
 
 
 def prompt_call(
-    rid: str, params: SamplingParams, prompt: str | list[int], top_logprobs_num: int | None
+    rid: str,
+    params: SamplingParams,
+    prompt: str | list[int],
+    top_logprobs_num: int | None,
+    prediction: str | list[int] | None = None,
 ) -> SchedulerCall:
     if isinstance(prompt, str):
-        return SchedulerCall(rid, params, text=prompt, top_logprobs_num=top_logprobs_num)
-    return SchedulerCall(rid, params, input_ids=prompt, top_logprobs_num=top_logprobs_num)
+        return SchedulerCall(rid, params, text=prompt, top_logprobs_num=top_logprobs_num, prediction=prediction)
+    return SchedulerCall(rid, params, input_ids=prompt, top_logprobs_num=top_logprobs_num, prediction=prediction)
 
 
 def _sampling_params(

@@ -3,7 +3,6 @@ OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (streamed ans
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -12,31 +11,34 @@ import msgspec
 from scheduler.http.logprobs import TokenText, chat_logprobs, completion_logprobs
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.tool_calls import ToolPlan
-from scheduler.io_struct import FinishReason, GenerateOutput
+from scheduler.io_struct import AbortCause, FinishReason, GenerateOutput
 
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client went away; logged, never seen by a client."""
 
-_ABORT_STATUS: tuple[tuple[re.Pattern[str], int], ...] = (
-    (re.compile(r"internal error"), 500),
-    (re.compile(r"the grammar failed to compute"), 500),
-    (re.compile(r"token \d+ .* was rejected by the"), 500),
-    (re.compile(r"the \S+ grammar failed on token"), 500),
-    (re.compile(r"the server is shutting down"), 503),
-    (re.compile(r"the grammar backend was reset"), 503),
-    (re.compile(r"Grammar compilation did not start"), 503),
-    (re.compile(r"aborted by the client"), CLIENT_CLOSED_REQUEST),
-)
-"""Aborts caused by the server, by the scheduler's messages (a compile that waited for a slot until its deadline is the
-server's: busy); every other abort is about the request itself (400):
-an invalid or unsupported constraint, a bad prompt, a compile past its deadline, a constraint that cannot finish."""
+ABORT_STATUS: dict[AbortCause, int] = {
+    AbortCause.BAD_REQUEST: 400,
+    AbortCause.INVALID_CONSTRAINT: 400,
+    AbortCause.COMPILE_TIMEOUT: 400,
+    AbortCause.COMPILE_FAILED: 400,
+    AbortCause.UNSATISFIABLE: 400,
+    AbortCause.COMPILE_NOT_STARTED: 503,
+    AbortCause.GRAMMAR_RESET: 503,
+    AbortCause.SHUTDOWN: 503,
+    AbortCause.GRAMMAR_ENGINE: 500,
+    AbortCause.INTERNAL: 500,
+    AbortCause.CLIENT: CLIENT_CLOSED_REQUEST,
+}
+"""The status of each abort cause: the request's own fault (400: a bad field or prompt, an invalid or unsupported
+constraint, a compile past its deadline, a constraint that cannot finish), the server busy or stopping (503: a compile
+that waited for a slot until its deadline), the server's fault (500), or the client gone (499, logged only)."""
 
 
 def abort_error(reason: FinishReason) -> ProtocolError:
-    """The HTTP error for a request the scheduler aborted."""
+    """The HTTP error for a request the scheduler aborted, by its cause (every abort has one; without, 400)."""
     message = reason.message or "the request was aborted"
-    status = next((status for pattern, status in _ABORT_STATUS if pattern.match(message)), 400)
-    code = "invalid_constraint" if message.startswith("Failed to compile") else None
+    status = ABORT_STATUS[reason.cause] if reason.cause is not None else 400
+    code = "invalid_constraint" if reason.cause is AbortCause.INVALID_CONSTRAINT else None
     return ProtocolError(message, status_code=status, code=code)
 
 
@@ -57,16 +59,19 @@ def openai_finish_reason(output: GenerateOutput) -> str | None:
 
 def usage_body(outputs: dict[int, GenerateOutput], n: int) -> dict[str, Any]:
     """Token counts of a whole completion: each prompt counted once (its choice ``p * n``), every choice's output;
-    ``prompt_tokens_details.cached_tokens`` as OpenAI's: prompt tokens whose KV came from the prefix cache."""
+    ``prompt_tokens_details.cached_tokens`` as OpenAI's: prompt tokens whose KV came from the prefix cache;
+    ``completion_tokens_details``' prediction counts summed over the choices (each choice follows the prediction on
+    its own; ``scheduler.predicted_output``)."""
     prompts = [o.usage for i, o in outputs.items() if i % n == 0]
     prompt = sum(usage.prompt_tokens for usage in prompts)
     completion = sum(o.usage.completion_tokens for o in outputs.values())
+    details = ("reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in prompts)},
-        "completion_tokens_details": {"reasoning_tokens": sum(o.usage.reasoning_tokens for o in outputs.values())},
+        "completion_tokens_details": {name: sum(getattr(o.usage, name) for o in outputs.values()) for name in details},
     }
 
 
@@ -170,6 +175,8 @@ def generate_result(
             "completion_tokens": output.usage.completion_tokens,
             "cached_tokens": output.usage.cached_tokens,
             "reasoning_tokens": output.usage.reasoning_tokens,
+            "accepted_prediction_tokens": output.usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": output.usage.rejected_prediction_tokens,
             "grammar_cache_hit": output.grammar_cache_hit,
             **(logprob_fields or {}),
         },

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
+from scheduler.client import SchedulerGoneError
 from scheduler.http.app import create_app
 from scheduler.server_args import ServerArgs
 
@@ -119,6 +120,10 @@ async def _serve(app: FastAPI, listener: socket.socket, log_level: str) -> None:
         while os.getppid() == launcher:
             await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
         logger.warning("the launcher (pid %d) is gone: shutting down", launcher)
+        frontend = getattr(app.state, "frontend", None)  # None before the app has started
+        if frontend is not None:
+            gone = f"the scheduler (launcher pid {launcher}) is gone: the server is shutting down"
+            frontend.client.fail_pending(SchedulerGoneError(gone))
         server.should_exit = True
 
     watchdog = asyncio.create_task(exit_when_orphaned())

@@ -26,7 +26,6 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from sglang_constrained.auto_grammar_backend import STILL_COMPILING, AutoGrammarBackend
 from sglang_constrained.base_grammar_backend import (
-    GRAMMAR_BACKEND_REGISTRY,
     BaseGrammarBackend,
     InvalidGrammarObject,
     create_grammar_backend,
@@ -52,19 +51,9 @@ from sglang_constrained.testing.maskbench import MaskBenchCase, load_case
 from sglang_constrained.testing.random_walk import json_judge, walk_and_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.xgrammar_backend import XGrammarGrammar
-from tests.helpers import PERSON_SCHEMA, accepts_text, allowed_tokens, compile_valid, encode_exactly
+from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA, accepts_text, allowed_tokens, compile_valid, encode_exactly
 from triton_ops.bitmask_format import allowed_token_ids
 
-FALLBACK_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
-        "price": {"type": "number", "multipleOf": 0.5},
-    },
-    "required": ["code", "price"],
-    "additionalProperties": False,
-}
-"""xgrammar refuses a pattern with a length bound (it would drop the bound); llguidance enforces both."""
 XGRAMMAR_REFUSAL = "pattern together with minLength/maxLength"
 REFUSED_BY_ALL_SCHEMA = {"type": "integer", "not": {"const": 3}}
 MASKBENCH_ROOT = Path(__file__).parents[1] / "data" / "maskbench"
@@ -120,14 +109,6 @@ def known(auto: AutoGrammarBackend) -> KnownOutcomes:
     return RECORDED.with_auto(tuple(auto.backends), exact_mode_narrowings(auto, VENDORED_CASES))
 
 
-@pytest.fixture
-def clean_registry() -> Iterator[None]:
-    saved = dict(GRAMMAR_BACKEND_REGISTRY)
-    yield
-    GRAMMAR_BACKEND_REGISTRY.clear()
-    GRAMMAR_BACKEND_REGISTRY.update(saved)
-
-
 def test_auto_takes_xgrammar_when_it_compiles(auto: AutoGrammarBackend) -> None:
     grammar = compile_valid(auto, "json", PERSON_SCHEMA)
     assert isinstance(grammar, XGrammarGrammar)
@@ -140,7 +121,7 @@ def test_auto_falls_back_to_llguidance_and_says_why(
 ) -> None:
     before = auto.choice_counts()
     with caplog.at_level(logging.INFO, logger="sglang_constrained.auto_grammar_backend"):
-        grammar = auto.build_grammar(make_grammar_key("json", FALLBACK_SCHEMA))
+        grammar = auto.build_grammar(make_grammar_key("json", PRODUCT_SCHEMA))
     assert isinstance(grammar, GuidanceGrammar)
     stats = grammar.grammar_stats
     assert stats is not None and stats.chosen_backend == "llguidance"
@@ -174,7 +155,7 @@ def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGramma
 def test_one_cache_keyed_by_the_constraint_holds_the_chosen_grammar(tokenizer_case: TokenizerSetup) -> None:
     backend = build_auto(tokenizer_case, grammar_backend_order=("xgrammar", "llguidance"))
     assert isinstance(backend, AutoGrammarBackend)
-    key = make_grammar_key("json", FALLBACK_SCHEMA)
+    key = make_grammar_key("json", PRODUCT_SCHEMA)
     future, is_hit = backend.get_cached_or_future_value(key)
     assert not is_hit and isinstance(future, Future)
     first = future.result(timeout=120)
@@ -245,7 +226,7 @@ def test_one_batch_mixes_the_masks_of_three_backends(tokenizer_case: TokenizerSe
     grammars = [
         compile_valid(backend, "regex", "[0-9]{3}"),
         compile_valid(backend, "ebnf", 'root ::= "yes" | "no"'),
-        compile_valid(backend, "json", FALLBACK_SCHEMA),
+        compile_valid(backend, "json", PRODUCT_SCHEMA),
     ]
     assert [type(g) for g in grammars] == [OutlinesGrammar, XGrammarGrammar, GuidanceGrammar]
     reqs = [
@@ -274,9 +255,9 @@ def test_one_batch_mixes_the_masks_of_three_backends(tokenizer_case: TokenizerSe
 
 
 def test_walks_through_a_fallback_grammar_validate(auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup) -> None:
-    grammar = compile_valid(auto, "json", FALLBACK_SCHEMA)
+    grammar = compile_valid(auto, "json", PRODUCT_SCHEMA)
     assert isinstance(grammar, GuidanceGrammar)
-    tally = walk_and_judge(grammar, tokenizer_case, json_judge(FALLBACK_SCHEMA), num_walks=6, seed=5)
+    tally = walk_and_judge(grammar, tokenizer_case, json_judge(PRODUCT_SCHEMA), num_walks=6, seed=5)
     assert tally.invalid_outputs == []
     assert tally.num_finished >= 3
 
@@ -288,7 +269,7 @@ def test_the_reasoner_wraps_auto(qwen35_tokenizer: TokenizerSetup) -> None:
     args = ServerArgs(grammar_backend="auto", reasoning_parser="qwen3")
     backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, think_end)
     assert isinstance(backend, ReasonerGrammarBackend) and backend.name == "auto"
-    grammar = compile_valid(backend, "json", FALLBACK_SCHEMA)
+    grammar = compile_valid(backend, "json", PRODUCT_SCHEMA)
     assert isinstance(grammar, ReasonerGrammarObject) and isinstance(grammar.grammar, GuidanceGrammar)
     assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend == "llguidance"
     grammar.maybe_init_reasoning(True)

@@ -14,9 +14,14 @@ from typing import Any
 import pytest
 import torch
 
+from scheduler.data_parallel.shared_grammars import GrammarStore
 from scheduler.server_args import ServerArgs
-from scheduler.shared_grammars import GrammarStore
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.base_grammar_backend import (
+    BaseGrammarBackend,
+    BaseGrammarObject,
+    GrammarExport,
+    InvalidGrammarObject,
+)
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.grammar_disk_cache import GrammarDiskCache, entry_digest
 from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarBackend
@@ -152,8 +157,8 @@ def test_rank_0s_store_for_the_replicas_reads_the_disk_cache(smollm2_tokenizer: 
     try:
         store.prefetch(make_grammar_key("json", PERSON_SCHEMA))
         (published,) = wait_published(store)
-        assert published.export is not None and published.export.stats is not None
-        assert published.export.stats.is_disk_cache_hit
+        assert isinstance(published.outcome, GrammarExport) and published.outcome.stats is not None
+        assert published.outcome.stats.is_disk_cache_hit
     finally:
         store.shutdown()
         restarted.shutdown()

@@ -10,20 +10,10 @@ import jsonschema
 import pytest
 
 from scheduler.client import make_request
-from tests.helpers import PERSON_SCHEMA, launch_scheduler
+from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA, launch_scheduler
 
 pytestmark = pytest.mark.model
 
-PRODUCT_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
-        "price": {"type": "number", "multipleOf": 0.5},
-    },
-    "required": ["code", "price"],
-    "additionalProperties": False,
-}
-"""xgrammar refuses a pattern with a length bound, so ``auto`` gives it to llguidance."""
 PHONE_REGEX = r"\(\d{3}\) \d{3}-\d{4}"
 
 

@@ -232,6 +232,25 @@ HTTP_CASES: list[Case] = [
             ("logit_bias", {"a": 1.0}),
         )
     ),
+    # predicted outputs: OpenAI's shape, text only, no longer than an output can be
+    *(
+        make(400, *words, prediction=prediction)
+        for make in (chat, completion)
+        for prediction, words in (
+            ("Yes", ("Invalid type for 'prediction'", "expected an object")),
+            ({"type": "text", "content": "Yes"}, ("prediction.type", "'content'")),
+            ({"type": "content"}, ("Missing required parameter: 'prediction.content'",)),
+            (
+                {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                ("prediction.content.0.type", "'text'"),
+            ),
+            ({"type": "content", "content": 7}, ("Invalid type for 'prediction.content'",)),
+            ({"type": "content", "content": "x" * 1_000_000}, ("prediction", "bytes", "--max-seq-len")),
+            ({"type": "content", "content": "word " * (2 * MAX_SEQ_LEN)}, ("the prediction has", "--max-seq-len")),
+        )
+    ),
+    generate(400, "Invalid type for 'prediction'", prediction={"type": "content", "content": "Yes"}),
+    generate(400, "prediction token ids must be in", prediction=[5, -1]),
     chat(400, "Missing required parameter: 'tools.0.function'", tools=[{"type": "function"}]),
     chat(400, "tool_choice needs tools", tool_choice="required"),
     chat(
@@ -397,6 +416,9 @@ ZMQ_CASES: list[ZmqCase] = [
     ZmqCase({"input_ids": [100] * (MAX_SEQ_LEN + 10)}, ("--max-seq-len",)),
     ZmqCase({"text": "x" * 1_000_000}, ("bytes", "--max-seq-len")),
     ZmqCase({"messages": [{"role": "user", "content": "x" * 1_000_000}]}, ("bytes", "--max-seq-len")),
+    ZmqCase({"text": "Hi", "prediction": [10**7]}, ("prediction token ids must be in",)),
+    ZmqCase({"text": "Hi", "prediction": "x" * 1_000_000}, ("prediction", "bytes", "--max-seq-len")),
+    raw({"text": "Hi", "prediction": {"type": "content"}}, "malformed request", "prediction"),
     raw({"text": 5}, "malformed request", "Expected `str | null`, got `int`"),
     raw({"text": "Hi", "stream": "yes"}, "malformed request", "Expected `bool`"),
     raw({"text": "Hi", "frobnicate": 1}, "malformed request", "unknown field `frobnicate`"),

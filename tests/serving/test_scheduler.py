@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from scheduler.client import make_request
-from scheduler.io_struct import GenerateOutput, decode_server_message, encode
+from scheduler.io_struct import AbortCause, GenerateOutput, decode_server_message, encode
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
@@ -140,6 +140,7 @@ def test_invalid_schema_fails_alone_while_others_succeed(one_rank_server: Schedu
     assert invalid.finish_reason is not None and invalid.finish_reason.type == "abort"
     assert invalid.finish_reason.message is not None
     assert invalid.finish_reason.message.startswith("Failed to compile json grammar:")
+    assert invalid.finish_reason.cause is AbortCause.INVALID_CONSTRAINT
     assert re.fullmatch(PHONE_REGEX, good_regex.text)
     assert good_choice.text in COLORS
 
@@ -175,6 +176,7 @@ def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: Sche
         client.abort(first.rid)
         rest = list(chunks)
     assert rest[-1].finished and rest[-1].finish_reason is not None and rest[-1].finish_reason.type == "abort"
+    assert rest[-1].finish_reason.cause is AbortCause.CLIENT
     assert rest[-1].usage.completion_tokens < 500
     status = one_rank_server.status()
     assert status.num_running_requests == 0 and status.num_free_kv_tokens == free_tokens
@@ -202,9 +204,11 @@ def test_requests_beyond_the_kv_bound_wait_and_a_compile_past_the_deadline_times
     assert all(o.usage.completion_tokens > 0 for o in served)
     assert refused.finish_reason is not None and refused.finish_reason.type == "abort"
     assert "--max-total-tokens 160" in (refused.finish_reason.message or "")
+    assert refused.finish_reason.cause is AbortCause.BAD_REQUEST
     assert status.num_running_requests == status.num_waiting_requests == 0
     assert timed_out.finish_reason is not None
     assert timed_out.finish_reason.message == "Grammar compilation timed out after 1 s"
+    assert timed_out.finish_reason.cause is AbortCause.COMPILE_TIMEOUT
     assert served_choice.text in COLORS
     assert again.grammar_cache_hit is False  # a timeout is not cached: the schema compiles anew
     assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message

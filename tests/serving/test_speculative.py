@@ -210,7 +210,7 @@ def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone
         num_prompt_tokens = together[0].usage.prompt_tokens
         assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens] * 3
         for seed, output in zip(seeds, together, strict=True):
-            scheduler.executor.flush_cache()
+            scheduler.kv.flush()
             (alone,) = serve(scheduler, [seeded(seed)])
             assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
 
@@ -229,3 +229,64 @@ def test_the_ngram_cache_drafts_the_layout_earlier_answers_had_and_changes_no_ou
     assert "ngram_cache" not in uncached_stats.drafts_proposed
     assert cached_stats.drafts_accepted.get("ngram_cache", 0) > 0
     assert cached_stats.num_forwards < uncached_stats.num_forwards
+
+
+PREDICTED_SCHEMA = {**PERSON, "properties": {**PERSON["properties"], "name": {"type": "string"}}}
+"""``PERSON`` without a string length bound, which the outlines backend refuses."""
+PREDICTED_CASES: dict[str, dict[str, Any]] = {
+    "json": {
+        "messages": [{"role": "user", "content": PROMPTS[5]}],
+        "sampling_params": {"json_schema": PREDICTED_SCHEMA},
+    },
+    "free": {"text": FREE_PROMPTS[3], "sampling_params": {}},
+}
+UNRELATED_PREDICTION = 'Lorem ipsum dolor sit amet, {"name": "Zed", "age": 99} the quick brown fox'
+
+
+@pytest.mark.parametrize("backend", list(BACKEND_KINDS))
+def test_a_prediction_changes_no_output_and_counts_what_the_output_repeated(runner: ModelRunner, backend: str) -> None:
+    """Free text and a JSON schema, greedy and seeded, with a predicted output: the answer itself, the answer with
+    one token edited, or unrelated text. Every output is token for token the one without a prediction; the answer
+    as prediction is all accepted, the edited one all but its edit, and prediction drafts stand."""
+    requests = [
+        {**case, "sampling_params": {**case["sampling_params"], "max_new_tokens": 24, "temperature": t, "seed": 7}}
+        for case in PREDICTED_CASES.values()
+        for t in (0.0, 0.8)
+    ]
+    with in_process_scheduler(runner, grammar_backend=backend) as scheduler:
+        plain = serve(scheduler, [make_request(**r) for r in requests])
+        scheduler.kv.flush()
+        predictions: list[str | list[int]] = []
+        for output in plain:
+            middle = len(output.token_ids) // 2
+            edited = [*output.token_ids[:middle], output.token_ids[middle] + 1, *output.token_ids[middle + 1 :]]
+            predictions += [output.token_ids, edited, UNRELATED_PREDICTION]
+        predicted = serve(
+            scheduler, [make_request(**requests[i // 3], prediction=p) for i, p in enumerate(predictions)]
+        )
+        stats = scheduler.executor.stats
+    assert all(output.finish_reason.type != "abort" for output in plain if output.finish_reason is not None)
+    for i, output in enumerate(predicted):
+        expected = plain[i // 3]
+        assert (output.token_ids, output.finish_reason) == (expected.token_ids, expected.finish_reason), i
+        counts = (output.usage.accepted_prediction_tokens, output.usage.rejected_prediction_tokens)
+        num_tokens = len(expected.token_ids)
+        if i % 3 == 0:
+            assert counts == (num_tokens, 0), i
+        elif i % 3 == 1:
+            assert counts == (num_tokens - 1, 1), i
+    assert stats.drafts_accepted.get("prediction", 0) > 0
+
+
+def test_without_speculation_a_prediction_drafts_nothing_and_is_still_counted(runner: ModelRunner) -> None:
+    """``--speculative-algorithm none``: the operator verifies no drafts, so a prediction is a hint that goes unused;
+    the output is the same and its usage still says the prediction was all repeated."""
+    request = {"text": FREE_PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}
+    with in_process_scheduler(runner, grammar_backend="none", speculative_algorithm="none") as scheduler:
+        (plain,) = serve(scheduler, [make_request(**request)])
+        scheduler.kv.flush()
+        (predicted,) = serve(scheduler, [make_request(**request, prediction=plain.token_ids)])
+        stats = scheduler.executor.stats
+    assert predicted.token_ids == plain.token_ids
+    assert (predicted.usage.accepted_prediction_tokens, predicted.usage.rejected_prediction_tokens) == (12, 0)
+    assert stats.drafts_proposed == {} and stats.num_forwards == 2 * 12

@@ -12,6 +12,7 @@ from triton_ops.bitmask_format import (
     allowed_token_ids,
     bitmask_from_token_ids,
     is_token_allowed,
+    only_allowed_token,
     pack_bool_mask,
     reset_rows,
     set_token_bits,
@@ -38,6 +39,16 @@ def test_a_row_of_token_ids_follows_the_definition(case: tuple[int, set[int]]) -
     assert {t for t in range(vocab) if definition_allows(words, t)} == tokens
     assert set(allowed_token_ids(row, vocab).tolist()) == tokens
     assert all(is_token_allowed(row, t) == (t in tokens) for t in range(vocab + 40))
+    assert only_allowed_token(row, vocab) == (next(iter(tokens)) if len(tokens) == 1 else None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300).flatmap(lambda vocab: st.tuples(st.just(vocab), st.integers(0, vocab - 1))))
+def test_a_token_past_the_vocabulary_is_never_the_only_allowed_one(case: tuple[int, int]) -> None:
+    """A row allowing one token at or past ``vocab_size`` (padding words) forces nothing."""
+    vocab, token = case
+    assert only_allowed_token(bitmask_from_token_ids([token], vocab), vocab) == token
+    assert only_allowed_token(bitmask_from_token_ids([token], vocab + 64), token) is None
 
 
 @settings(max_examples=80, deadline=None)

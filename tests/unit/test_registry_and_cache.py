@@ -15,7 +15,6 @@ import torch
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import (
-    GRAMMAR_BACKEND_REGISTRY,
     BaseGrammarBackend,
     BaseGrammarObject,
     InvalidGrammarObject,
@@ -46,14 +45,6 @@ class CountingBackend(XGrammarGrammarBackend):
         self.num_dispatches += 1
         self.release.wait(timeout=30)
         return super().dispatch_json(key_string)
-
-
-@pytest.fixture
-def clean_registry() -> Iterator[None]:
-    saved = dict(GRAMMAR_BACKEND_REGISTRY)
-    yield
-    GRAMMAR_BACKEND_REGISTRY.clear()
-    GRAMMAR_BACKEND_REGISTRY.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ it, cache flushes answered once for all replicas, and aborts for what a stopped 
 from __future__ import annotations
 
 from scheduler.client import make_request
+from scheduler.data_parallel.replica_router import ReplicaRouter
 from scheduler.io_struct import AbortReq, FlushCacheDone, FlushCacheReq, GenerateOutput, PingReq, Usage, encode
-from scheduler.replica_router import ReplicaRouter
 
 CLIENT = b"client"
 

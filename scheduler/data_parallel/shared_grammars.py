@@ -38,13 +38,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SharedGrammar:
-    """One publication: ``export`` for a compiled (or invalid) grammar, else ``failure``, why its compile failed
-    (``is_timeout``: past the compile deadline)."""
+    """One publication: the export of a compiled (or invalid) grammar, or why its compile failed: a
+    ``CompileTimeoutError`` (or ``CompileNotStartedError``) as the compile service raised it, else a ``RuntimeError``
+    with the engine's message (what crosses the ranks is then a type the grammar manager knows)."""
 
     key: GrammarKey
-    export: GrammarExport | None
-    failure: str = ""
-    is_timeout: bool = False
+    outcome: GrammarExport | Exception
 
 
 class GrammarStore:
@@ -137,10 +136,11 @@ class GrammarStore:
         with self._lock:
             self._pending.discard(key)
         if done.cancelled():
-            self._publish(SharedGrammar(key, None, "the grammar backend was reset while compiling"))
+            self._publish(SharedGrammar(key, RuntimeError("the grammar backend was reset while compiling")))
         elif (error := done.exception()) is not None:
             self.service.forget(key)
-            self._publish(SharedGrammar(key, None, str(error), isinstance(error, CompileTimeoutError)))
+            shared_error = error if isinstance(error, CompileTimeoutError) else RuntimeError(str(error))
+            self._publish(SharedGrammar(key, shared_error))
         else:
             self.service.store(key, done.result())
             self._publish(SharedGrammar(key, done.result()))
@@ -171,13 +171,12 @@ class SharedGrammars:
         """Cache each published grammar (and compile error) and settle whatever waits for it."""
         for shared in published:
             waiter = self._waiting.pop(shared.key, None)
-            if shared.export is None:
+            if isinstance(shared.outcome, Exception):
                 if waiter is not None:
-                    failure = shared.failure
-                    waiter.set_exception(CompileTimeoutError(failure) if shared.is_timeout else RuntimeError(failure))
+                    waiter.set_exception(shared.outcome)
                 continue
             try:
-                grammar = self.backend.import_grammar(shared.export)
+                grammar = self.backend.import_grammar(shared.outcome)
             except Exception as e:  # a grammar that does not import fails its requests, not the loop
                 logger.exception("failed to import a shared %s grammar", shared.key[0])
                 if waiter is not None:

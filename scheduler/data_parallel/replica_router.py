@@ -13,21 +13,17 @@ from __future__ import annotations
 import msgspec
 
 from scheduler.io_struct import (
+    AbortCause,
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,
     GenerateOutput,
     GenerateReq,
-    ServerMessage,
     decode_client_message,
     error_output,
 )
+from scheduler.turn_transport import Messages, Outbox
 from sglang_constrained.constraint_spec import GrammarKey
-
-Messages = list[tuple[bytes, bytes]]
-"""``(client_id, payload)`` as the socket received them."""
-Outbox = list[tuple[bytes, ServerMessage]]
-"""``(client_id, message)`` to send."""
 
 
 class ReplicaRouter:
@@ -90,11 +86,12 @@ class ReplicaRouter:
         return sending
 
     def abort_held(self, replicas: range, message: str) -> Outbox:
-        """An abort for every request the ``replicas`` hold (when they can no longer answer), releasing them."""
+        """An abort for every request the ``replicas`` hold (when they can no longer answer: the server is shutting
+        down), releasing them."""
         aborts: Outbox = []
         for replica in replicas:
             for rid, (client_id, count) in self._held[replica].items():
-                aborts.extend((client_id, error_output(rid, message)) for _ in range(count))
+                aborts.extend((client_id, error_output(rid, AbortCause.SHUTDOWN, message)) for _ in range(count))
             self._held[replica].clear()
             self._num_held[replica] = 0
         return aborts

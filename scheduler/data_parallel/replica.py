@@ -13,16 +13,18 @@ request the other replicas held with an abort.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import msgspec
 
+from scheduler.data_parallel.replica_router import ReplicaRouter
+from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar, SharedGrammars
 from scheduler.distributed import DistributedContext
 from scheduler.io_struct import Pong, ReplicaStatus
 from scheduler.ipc import SchedulerIPC
-from scheduler.replica_router import Messages, Outbox, ReplicaRouter
 from scheduler.server_args import ServerArgs
-from scheduler.shared_grammars import GrammarStore, SharedGrammar, SharedGrammars
+from scheduler.turn_transport import Messages, Outbox, TurnTransport
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend
 from sglang_constrained.constraint_spec import GrammarKey
 
@@ -43,13 +45,15 @@ class Turn:
     published: list[SharedGrammar] = field(default_factory=list)
 
 
-class DataParallelReplica:
+class DataParallelReplica(TurnTransport):
     """This rank's replica: the per-turn exchange, and on rank 0 the router and the grammar store."""
 
     def __init__(
         self, dist: DistributedContext, grammar_backend: BaseGrammarBackend | None, server_args: ServerArgs
     ) -> None:
+        super().__init__()
         self.dist = dist
+        self.rank = dist.rank
         self.poll_interval_s = server_args.poll_interval_s
         self.router = ReplicaRouter(dist.world_size) if dist.is_leader else None
         self.shared_grammars: SharedGrammars | None = None
@@ -84,7 +88,9 @@ class DataParallelReplica:
                 for key in asks:
                     self.store.ask(key)
                 turn.published = self.store.take_published()
+        started = time.perf_counter()
         gathered: list[Turn] = self.dist.all_gather(turn)
+        self._synced(started)
         leader = gathered[0]
         if self.router is not None:
             assert ipc is not None
@@ -110,11 +116,11 @@ class DataParallelReplica:
             assert ipc is not None
             self._send(ipc, 0, outbox)
 
-    def group_pong(self, pong: Pong, own: ReplicaStatus) -> Pong:
+    def group_pong(self, pong: Pong, status: ReplicaStatus) -> Pong:
         """Rank 0's ``pong`` for the group: queue and KV counts, forwards and output tokens summed over the
-        replicas (``own`` is rank 0's current status, the others' are from the last exchange), each replica's
+        replicas (``status`` is rank 0's current one, the others' are from the last exchange), each replica's
         status, and the shared compiles' metrics. Draft and cache-hit counters stay rank 0's."""
-        replicas = [own, *self.statuses[1:]]
+        replicas = [status, *self.statuses[1:]]
         summed = {
             "num_running_requests": sum(r.num_running_requests for r in replicas),
             "num_waiting_requests": sum(r.num_waiting_requests for r in replicas),
@@ -129,6 +135,7 @@ class DataParallelReplica:
     def shutdown(self, ipc: SchedulerIPC | None, message: str) -> None:
         """Rank 0 answers the requests the other replicas held with an abort (``message``); compiles and waits for
         grammars are cancelled."""
+        super().shutdown(ipc, message)
         if self.shared_grammars is not None:
             self.shared_grammars.cancel()
         if self.store is not None:

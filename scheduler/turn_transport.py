@@ -1,0 +1,93 @@
+"""How a loop turn's messages come in and its outputs go out, chosen once at start by the rank layout: one rank
+(``OneRank``), ranks in lockstep (``LockstepRanks``: every rank runs rank 0's messages, its batches and its tokens),
+or data-parallel replicas (``scheduler.data_parallel.DataParallelReplica``: each rank runs the requests rank 0 routed
+to it). The loop calls the same four methods whichever it is; only rank 0 has a socket (``ipc``, None elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+
+from scheduler.distributed import DistributedContext
+from scheduler.io_struct import Pong, ReplicaStatus, ServerMessage
+from scheduler.ipc import SchedulerIPC
+from scheduler.rank_sync import RankSync
+
+logger = logging.getLogger(__name__)
+
+Messages = list[tuple[bytes, bytes]]
+"""``(client_id, payload)`` as the socket received them."""
+Outbox = list[tuple[bytes, ServerMessage]]
+"""``(client_id, message)`` to send."""
+
+
+class TurnTransport(ABC):
+    """This rank's way in and out. ``rank_sync``: agreement with ranks that run the same batches (lockstep ranks
+    only); ``rank``: this rank's number (0 alone)."""
+
+    rank_sync: RankSync | None = None
+    rank: int = 0
+
+    def __init__(self) -> None:
+        self.num_synced_turns = 0
+        self.sync_seconds = 0.0
+
+    @abstractmethod
+    def exchange(
+        self, ipc: SchedulerIPC | None, wait_s: float | None, status: ReplicaStatus, is_stopping: bool
+    ) -> tuple[Messages, bool]:
+        """This rank's messages for the turn, waiting at most ``wait_s`` for one (None: until one comes), and whether
+        any rank was asked to stop. ``status``: this rank's load, for whoever routes requests."""
+
+    def send(self, ipc: SchedulerIPC | None, outbox: Outbox) -> None:
+        """Send a step's outputs; a rank without a socket made the same ones as rank 0 and drops them."""
+        if ipc is not None:
+            for client_id, message in outbox:
+                ipc.send(client_id, message)
+
+    def group_pong(self, pong: Pong, status: ReplicaStatus) -> Pong:
+        """The answer to a ping for the whole group (``status``: this rank's current load)."""
+        return pong
+
+    def shutdown(self, ipc: SchedulerIPC | None, message: str) -> None:
+        """The loop has stopped: log what the turns' syncs cost (and answer what only this transport holds with an
+        abort, ``message``)."""
+        if self.num_synced_turns:
+            mean_us = 1e6 * self.sync_seconds / self.num_synced_turns
+            logger.info("per-turn rank sync: %d turns, %.0f us per turn on average", self.num_synced_turns, mean_us)
+
+    def _synced(self, started: float) -> None:
+        """Count one turn's rank sync, begun at ``started`` (``time.perf_counter()``)."""
+        self.sync_seconds += time.perf_counter() - started
+        self.num_synced_turns += 1
+
+
+class OneRank(TurnTransport):
+    """A single process: the socket's messages, as they come."""
+
+    def exchange(
+        self, ipc: SchedulerIPC | None, wait_s: float | None, status: ReplicaStatus, is_stopping: bool
+    ) -> tuple[Messages, bool]:
+        return (ipc.receive(wait_s) if ipc is not None else []), is_stopping
+
+
+class LockstepRanks(TurnTransport):
+    """Ranks that each run every request (tensor-parallel shards, or whole models kept in step): rank 0's messages
+    on every rank, in its order, through one collective per turn; rank 0 sends."""
+
+    def __init__(self, dist: DistributedContext) -> None:
+        super().__init__()
+        self.dist = dist
+        self.rank = dist.rank
+        self.rank_sync = RankSync(dist)
+
+    def exchange(
+        self, ipc: SchedulerIPC | None, wait_s: float | None, status: ReplicaStatus, is_stopping: bool
+    ) -> tuple[Messages, bool]:
+        messages = ipc.receive(wait_s) if ipc is not None else []
+        started = time.perf_counter()
+        gathered = self.dist.all_gather((messages, is_stopping))
+        self._synced(started)
+        return gathered[0][0], any(stopping for _, stopping in gathered)
