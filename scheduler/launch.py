@@ -28,6 +28,7 @@ from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs
+from sglang_constrained.xgrammar_backend import start_compile_fork_server
 
 if TYPE_CHECKING:
     from scheduler.http.server import HttpFrontend
@@ -89,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _load(server_args: ServerArgs, dist: DistributedContext | None) -> Scheduler:
     start = time.perf_counter()
+    backends = server_args.grammar_backend_order if server_args.grammar_backend == "auto" else ()
+    if "xgrammar" in (server_args.grammar_backend, *backends):
+        start_compile_fork_server()  # its start (~3 s of imports) overlaps the model's loading
     model_runner: BaseModelRunner = (
         LlamaCppModelRunner(server_args)
         if server_args.model_runner == "llamacpp"

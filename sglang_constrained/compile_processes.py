@@ -14,6 +14,8 @@ import ast
 import collections
 import contextlib
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -37,6 +39,21 @@ START_TIMEOUT_S = 120.0
 WAIT_SLICE_S = 0.1
 """How often a waiting compile looks at its deadline, its cancellation and its child's memory."""
 MIB = 2**20
+
+
+def start_fork_server(preload: Sequence[str]) -> None:
+    """Start the fork server that compile processes fork from (importing ``preload``) now, in the background, so
+    that its start overlaps other work (a model's loading) instead of delaying the first compile processes; the
+    ``CompileProcesses`` made later with the same ``preload`` use it. Nothing where processes cannot start."""
+    if why_processes_cannot_start() is None:
+        _fork_server_context(preload)
+        multiprocessing.forkserver.ensure_running()
+
+
+def _fork_server_context(preload: Sequence[str]) -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", *preload])
+    return context
 
 
 def why_processes_cannot_start() -> str | None:
@@ -99,8 +116,7 @@ class CompileProcesses(Generic[K, P]):
         self.timeout_s = timeout_s
         self.num_spares = num_spares
         self.max_memory_mib = max_memory_mib
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["__main__", *preload])
+        self._context = _fork_server_context(preload)
         self._children: set[_CompileChild] = set()
         self._idle: collections.deque[_CompileChild] = collections.deque()  # the most recently used first
         self._lock = threading.Lock()
