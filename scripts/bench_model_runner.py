@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from scheduler.model import llamacpp_runner
-from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+from scheduler.testing.runner_greedy import admitted, greedy_tokens
 from sglang_constrained.tokenizer_loading import embedded_model_path
 from triton_ops.cpu_info import describe_cpu
 
@@ -136,23 +136,6 @@ def time_thread_counts(
     return results
 
 
-def admitted(runner: BaseModelRunner, prompt: list[int], reserve: int) -> KVSequence:
-    seq = runner.kv.admit(prompt, max_new_tokens=reserve)
-    assert seq is not None, "the KV pool is too small for the benchmark"
-    return seq
-
-
-def greedy(runner: BaseModelRunner, prompt: list[int], steps: int) -> list[int]:
-    seq = admitted(runner, prompt, steps)
-    logits = runner.prefill([seq], [prompt])[0]
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(logits.argmax()))
-        logits = runner.decode([seq], [tokens[-1]])[0]
-    runner.kv.release(seq)
-    return tokens
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=100, help="cached tokens each sequence holds")
@@ -251,7 +234,7 @@ def main() -> None:
     encoder = PromptEncoder(runners[BASELINE].tokenizer, runners[BASELINE].vocab_size, base.max_seq_len)
     for question in GREEDY_PROMPTS:
         prompt = encoder.encode(messages=[{"role": "user", "content": question}])
-        chosen = {dtype: greedy(runner, prompt, args.greedy_steps) for dtype, runner in runners.items()}
+        chosen = {dtype: greedy_tokens(runner, prompt, args.greedy_steps) for dtype, runner in runners.items()}
         first_difference = next(
             (i for i, pair in enumerate(zip(*chosen.values(), strict=True)) if len(set(pair)) > 1), None
         )

@@ -20,6 +20,7 @@ import torch
 from scheduler.model.runner import ModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+from scheduler.testing.runner_greedy import greedy_tokens
 from triton_ops.cpu_info import describe_cpu
 
 BASELINE = "float32"
@@ -53,18 +54,6 @@ def text_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     return torch.cat([first, rest])
 
 
-def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
-    seq = runner.kv.admit(prompt, steps)
-    assert seq is not None
-    logits = runner.prefill([seq], [prompt])[0]
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(logits.argmax()))
-        logits = runner.decode([seq], [tokens[-1]])[0]
-    runner.kv.release(seq)
-    return tokens
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=48, help="greedy steps per prompt")
@@ -80,7 +69,7 @@ def main() -> None:
     encoder = PromptEncoder(reference.tokenizer, reference.vocab_size, base.max_seq_len)
     prompts = [encoder.encode(messages=[{"role": "user", "content": question}]) for question in PROMPTS]
     expected_logits = text_logits(reference, tokens).log_softmax(-1)
-    expected_tokens = [greedy(reference, prompt, args.steps) for prompt in prompts]
+    expected_tokens = [greedy_tokens(reference, prompt, args.steps) for prompt in prompts]
     report = {}
     for dtype, runner in runners.items():
         logits = text_logits(runner, tokens)
@@ -90,7 +79,7 @@ def main() -> None:
         max_difference = float((logprobs - expected_logits).abs().max())
         parted = []
         for prompt, expected in zip(prompts, expected_tokens, strict=True):
-            chosen = greedy(runner, prompt, args.steps)
+            chosen = greedy_tokens(runner, prompt, args.steps)
             parted.append(
                 next((i for i, pair in enumerate(zip(chosen, expected, strict=True)) if pair[0] != pair[1]), None)
             )
