@@ -515,11 +515,11 @@ static void tile_blocks(int32_t format, const float* x, int64_t ldx, const float
 
 // Tile shapes: accumulators MR x NP vectors must fit the register file with the weights (32 zmm or 16 ymm).
 #if defined(__AVX512F__)
-constexpr int kMR = 6, kNP = 2;
+constexpr int kMR = 6, kNP = 2, kWideNP = 8;
 #elif defined(__AVX2__)
-constexpr int kMR = 4, kNP = 1;
+constexpr int kMR = 4, kNP = 1, kWideNP = 1;
 #else
-constexpr int kMR = 4, kNP = 1;
+constexpr int kMR = 4, kNP = 1, kWideNP = 1;
 #endif
 constexpr int kRowBlock = 96;  // rows of x per pass over a column group: they stay in cache while it streams
 
@@ -700,6 +700,41 @@ static AttendFn attend_for_group(int64_t group) {
   }
 }
 
+// The column groups of one matmul, NP panels each, rows in tiles of MR (the block formats' larger row counts through
+// the scratch of unpacked blocks, which holds kNP panels).
+template <int MR, int NP>
+static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const float* sums,
+                          const uint8_t* packed, int64_t N, float* y, int64_t ldy, int32_t threads) {
+  const int64_t pbytes = panel_bytes(format, K);
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t num_groups = (num_panels + NP - 1) / NP;
+  const int64_t nblocks = K / kBlock;
+  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const uint8_t* panels = packed + g * NP * pbytes;
+      const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
+      const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t m1 = std::min(M, m0 + kRowBlock);
+        if constexpr (NP == kNP) {
+          if ((format == kQ8_0 || format == kQ4_1) && m1 - m0 > kMR) {  // unpack each block once for every row tile
+            block_rows_via_scratch(format, x, ldx, m0, m1, sums, nblocks, panels, pbytes, panels_here,
+                                   y + g * NP * kLanes, ldy, cols);
+            continue;
+          }
+        }
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+          const float* xm = x + m * ldx;
+          float* ym = y + m * ldy + g * NP * kLanes;
+          const float* sm = sums + m * nblocks;
+          run_rows<MR, NP>(rows, panels_here, format, xm, ldx, sm, nblocks, panels, pbytes, K, ym, ldy, cols);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -717,11 +752,11 @@ const char* invariant_isa() {
 }
 
 // y[M, N] = x[M, K] @ W.T with W packed (see above); x rows ldx apart, y rows ldy apart.
+// One or two rows (a decode step, a short draft) take wider column groups on AVX-512: a tile's accumulators are its
+// only independent fma chains, and two panels' would leave the fma units waiting on their latency (decode B=1 on an
+// AMD EPYC: 5.9 ms against 6.6). The AVX2 build keeps one panel, which measured faster there than two or four.
 void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                       int64_t N, float* y, int64_t ldy, int32_t threads) {
-  const int64_t pbytes = panel_bytes(format, K);
-  const int64_t num_panels = (N + kLanes - 1) / kLanes;
-  const int64_t num_groups = (num_panels + kNP - 1) / kNP;
   std::vector<float> xsums;
   const int64_t nblocks = K / kBlock;
   if (format == kQ4_1) {  // each row's per-block sums of x, in order: shared by every column
@@ -734,28 +769,15 @@ void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int6
       }
   }
   const float* sums = xsums.data();
-  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g) {
-      const uint8_t* panels = packed + g * kNP * pbytes;
-      const int cols = static_cast<int>(std::min<int64_t>(kNP * kLanes, N - g * kNP * kLanes));
-      const int panels_here = static_cast<int>(std::min<int64_t>(kNP, num_panels - g * kNP));
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int64_t m1 = std::min(M, m0 + kRowBlock);
-        if ((format == kQ8_0 || format == kQ4_1) && m1 - m0 > kMR) {  // unpack each block once for every row tile
-          block_rows_via_scratch(format, x, ldx, m0, m1, sums, nblocks, panels, pbytes, panels_here,
-                                 y + g * kNP * kLanes, ldy, cols);
-          continue;
-        }
-        for (int64_t m = m0; m < m1; m += kMR) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
-          const float* xm = x + m * ldx;
-          float* ym = y + m * ldy + g * kNP * kLanes;
-          const float* sm = sums + m * nblocks;
-          run_rows(rows, panels_here, format, xm, ldx, sm, nblocks, panels, pbytes, K, ym, ldy, cols);
-        }
-      }
-    }
-  });
+  if constexpr (kWideNP > kNP) {
+    const int64_t num_panels = (N + kLanes - 1) / kLanes;
+    const bool many_groups = num_panels >= kWideNP * 4 * threads;  // enough wide groups to keep every thread busy
+    if (M == 1)
+      return many_groups ? matmul_groups<1, kWideNP>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads)
+                         : matmul_groups<1, kWideNP / 2>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads);
+    if (M == 2) return matmul_groups<2, kWideNP / 2>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads);
+  }
+  matmul_groups<kMR, kNP>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads);
 }
 
 // Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64 or 128, at most 8
