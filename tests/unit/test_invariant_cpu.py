@@ -168,6 +168,9 @@ from tests.unit.test_invariant_cpu import FORMATS, attention_case, random_weight
 invariant_cpu.load(Path(sys.argv[1]), sys.argv[2])
 x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
 outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 96)[0]) for fmt in FORMATS]
+# one and two rows take wider tiles, narrow and wide weights other groupings: the same bits in every build
+for fmt in FORMATS:
+    outs += [invariant_cpu.matmul(x[:m], random_weight(fmt, n, 96)[0]) for m in (1, 2) for n in (40, 1100)]
 outs.append(run_attention(attention_case(), slice(0, 64)))
 outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 96), 1e-6))
 outs.append(invariant_cpu.silu_mul(x * 10))
