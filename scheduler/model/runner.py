@@ -23,6 +23,13 @@ from triton_ops import invariant_cpu
 
 logger = logging.getLogger(__name__)
 
+BLOCK_TOKENS_PER_FORWARD = 8
+"""The tokens a decode forward takes (pending and drafts over the batch) when its weights are GGUF blocks. Their rows
+cost compute, not weight reads: an extend of k = 2, 4, 8, 16 tokens costs 1.15, 1.8, 3.3, 6x a decode step, so no row
+is free (``row_multiple`` 1). Chosen by ``bench_serving.py --concurrency 1 8 --temperature 0`` over budgets of 4, 8,
+12, 16 and the dense runner's 40 (AMD EPYC, AVX-512): 8 gave the most output tokens/s for free, JSON and regex at
+both concurrencies (docs/benchmarks.md)."""
+
 
 class ModelRunner(BaseModelRunner):
     """Loads the model named by ``server_args`` onto the CPU (float32 activations, ``--weight-dtype`` matmul
@@ -49,7 +56,10 @@ class ModelRunner(BaseModelRunner):
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
         self.max_seq_len = server_args.max_seq_len
-        self.row_multiple = invariant_cpu.row_tile()
+        if self.model.has_block_weights:
+            self.row_multiple, self.tokens_per_forward = 1, BLOCK_TOKENS_PER_FORWARD
+        else:
+            self.row_multiple = invariant_cpu.row_tile()
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
             capacity=server_args.max_total_tokens,

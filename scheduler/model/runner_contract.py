@@ -18,8 +18,9 @@ import torch
 from scheduler.model.kv_cache import KVCacheManager, KVSequence
 
 TOKENS_PER_FORWARD = 40
-"""Tokens a decode forward may take before its cost rises with them. Measured on the torch runner on this CPU: a
-forward's cost rises little up to ~40 tokens, then with the token count."""
+"""Tokens a decode forward may take before its cost rises with them, for a runner bound by its weight reads: measured
+on the torch runner's dense float32 weights, a forward's cost rises little up to ~40 tokens, then with the token
+count. (Its block weights take fewer: ``scheduler.model.runner.BLOCK_TOKENS_PER_FORWARD``.)"""
 
 
 class BaseModelRunner(ABC):

@@ -23,7 +23,8 @@ from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch
 from scheduler.model.loader import check_supported, read_weights
-from scheduler.model.runner import ModelRunner
+from scheduler.model.runner import BLOCK_TOKENS_PER_FORWARD, ModelRunner
+from scheduler.model.runner_contract import TOKENS_PER_FORWARD
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
@@ -107,6 +108,19 @@ def test_model_facts(runner: ModelRunner) -> None:
     assert runner.vocab_size == 49152 == len(runner.tokenizer)
     # <|endoftext|> (0) separates pretraining documents; the instruct model ends its turns with <|im_end|>.
     assert runner.eos_token_ids == [2] == [runner.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+@pytest.mark.model
+def test_block_weights_plan_forwards_of_few_tokens_and_dense_ones_of_many(
+    runner: ModelRunner, blocks_runner: ModelRunner, compact_runner: ModelRunner
+) -> None:
+    """Speculation's budget follows what a forward's rows cost: with block weights every row costs compute (no row
+    is free, few tokens per forward); dense weights' forwards are bound by their reads, so rows up to the kernels' row
+    tile are free and many tokens cost little more."""
+    assert (blocks_runner.row_multiple, blocks_runner.tokens_per_forward) == (1, BLOCK_TOKENS_PER_FORWARD)
+    for dense in (runner, compact_runner):
+        assert (dense.row_multiple, dense.tokens_per_forward) == (invariant_cpu.row_tile(), TOKENS_PER_FORWARD)
+    assert BLOCK_TOKENS_PER_FORWARD < TOKENS_PER_FORWARD
 
 
 @pytest.mark.model
