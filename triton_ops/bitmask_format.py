@@ -7,7 +7,6 @@ xgrammar, llguidance and vLLM share, so a batch can mix the masks of every backe
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,8 +14,6 @@ import torch
 
 BITS_PER_WORD = 32
 BITMASK_DTYPE = torch.int32
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
-"""Row ``b``: the 8 bits of byte value ``b``, lowest first."""
 ALL_ALLOWED = -1
 """The word that allows all of its 32 tokens."""
 
@@ -50,12 +47,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
     Tokens past ``32 * words`` (a mask narrower than the vocabulary) are disallowed.
     """
-    # Each byte of a word through a table of its 8 bits: 10x faster than shifting every word 32 times (248k tokens).
-    word_bytes = bitmask.to(BITMASK_DTYPE).contiguous().view(torch.uint8).reshape(-1)
-    if sys.byteorder == "big":  # byte k of a word must hold its bits 8k..8k+7
-        word_bytes = word_bytes.reshape(-1, 4).flip(-1).reshape(-1)
-    bits = torch.index_select(_BYTE_BITS.to(bitmask.device), 0, word_bytes.int())
-    allowed = bits.reshape(*bitmask.shape[:-1], bitmask.shape[-1] * BITS_PER_WORD)
+    shifts = torch.arange(BITS_PER_WORD, dtype=BITMASK_DTYPE, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(*bitmask.shape[:-1], bitmask.shape[-1] * BITS_PER_WORD).bool()
     if allowed.shape[-1] >= vocab_size:
         return allowed[..., :vocab_size]
     padding = torch.zeros(*allowed.shape[:-1], vocab_size - allowed.shape[-1], dtype=torch.bool, device=bitmask.device)

@@ -124,16 +124,17 @@ def random_walk(
     traits = token_traits(setup)
     vocab_size = setup.vocab_size
     stops = torch.tensor(setup.eos_token_ids)
-    forbidden = torch.tensor(sorted(setup.forbidden_token_ids), dtype=torch.long)
+    forbidden = torch.zeros(vocab_size, dtype=torch.bool)
+    forbidden[list(setup.forbidden_token_ids)] = True
     mask = allocate_bitmask(1, vocab_size)
     steps: list[tuple[int, bytes]] = []
     for step in range(max_tokens):
         mask.fill_(0)
         grammar.fill_vocab_mask(mask, 0)
         allowed = unpack_bitmask(mask[0], vocab_size)
-        leaked_ids = forbidden[allowed[forbidden]]
-        if len(leaked_ids):
-            return WalkResult(False, tuple(steps), f"the mask allows special or padding ids {leaked_ids[:5].tolist()}")
+        if bool((allowed & forbidden).any()):
+            leaked = (allowed & forbidden).nonzero().flatten()[:5].tolist()
+            return WalkResult(False, tuple(steps), f"the mask allows special or padding ids {leaked}")
         if not bool(allowed.any()):
             return WalkResult(False, tuple(steps), "the mask allows no token: the walk cannot go on")
         token = _choose(allowed, traits, stops, step >= explore_tokens, generator)
