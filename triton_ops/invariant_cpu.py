@@ -50,6 +50,11 @@ class WeightFormat(enum.IntEnum):
     Q8_0 = 2
     Q4_1 = 3
 
+    @property
+    def is_block(self) -> bool:
+        """A GGUF block format: the kernels unpack its blocks for every row, so each row costs compute."""
+        return self in (WeightFormat.Q8_0, WeightFormat.Q4_1)
+
 
 BYTES_PER_BLOCK = {WeightFormat.F32: 128, WeightFormat.BF16: 64, WeightFormat.Q8_0: 34, WeightFormat.Q4_1: 20}
 """Bytes of 32 weights in each format (the block formats with their float16 scale and minimum)."""

@@ -34,9 +34,7 @@ from scheduler.model.gguf_blocks import BlockQuantized
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight, WeightFormat
-
-BLOCK_FORMATS = frozenset({WeightFormat.Q8_0, WeightFormat.Q4_1})
+from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight
 
 
 @dataclass(frozen=True)
@@ -190,7 +188,7 @@ class LlamaModel:
     def has_block_weights(self) -> bool:
         """Whether a matmul weight is in a GGUF block format: unpacking its blocks costs compute per row, so a
         forward's extra rows are not free, as they are when dense weights' reads bound it."""
-        return any(w.format in BLOCK_FORMATS for w in self._packed_weights())
+        return any(w.format.is_block for w in self._packed_weights())
 
     @property
     def weight_formats(self) -> str:
