@@ -102,6 +102,14 @@ def serve(scheduler: Scheduler, requests: list[GenerateReq]) -> list[GenerateOut
     return [finished[request.rid] for request in requests]
 
 
+def serve_in_groups(scheduler: Scheduler, requests: list[GenerateReq], size: int) -> list[GenerateOutput]:
+    """``serve`` ``size`` requests at a time, in order: batches small enough that their drafts fit the runner's token
+    budget beside them, so that drafts are verified."""
+    return [
+        output for start in range(0, len(requests), size) for output in serve(scheduler, requests[start : start + size])
+    ]
+
+
 def request_set(kinds: list[str], temperature: float, copies: int) -> list[dict[str, Any]]:
     """Every constraint kind with several prompts, and free requests (with a stop string, a short length)."""
     requests = []
@@ -179,17 +187,12 @@ def knob_requests() -> list[dict[str, Any]]:
 
 def test_speculation_changes_no_output_with_sampling_knobs(runner: ModelRunner) -> None:
     """Penalties (which count verified drafts as output), bias, min-p, min_new_tokens, stop tokens and ignore_eos:
-    tokens, finish reasons and logprobs exactly as without speculation. Two requests at a time, so that drafts fit the
-    runner's token budget beside them and are verified."""
+    tokens, finish reasons and logprobs exactly as without speculation. Two requests at a time (``serve_in_groups``)."""
     requests = knob_requests()
     results = {}
     for algorithm in ("none", "grammar+ngram"):
         with in_process_scheduler(runner, grammar_backend="xgrammar", speculative_algorithm=algorithm) as scheduler:
-            outputs = [
-                output
-                for start in range(0, len(requests), 2)
-                for output in serve(scheduler, [make_request(**r) for r in requests[start : start + 2]])
-            ]
+            outputs = serve_in_groups(scheduler, [make_request(**r) for r in requests], 2)
             stats = scheduler.executor.stats
         results[algorithm] = ([(o.token_ids, o.finish_reason, o.logprobs) for o in outputs], stats)
     (plain, plain_stats), (fast, fast_stats) = results["none"], results["grammar+ngram"]
@@ -266,13 +269,9 @@ def test_a_prediction_changes_no_output_and_counts_what_the_output_repeated(runn
             middle = len(output.token_ids) // 2
             edited = [*output.token_ids[:middle], output.token_ids[middle] + 1, *output.token_ids[middle + 1 :]]
             predictions += [output.token_ids, edited, UNRELATED_PREDICTION]
-        predicted = [  # one request's three predictions at a time: a batch's drafts share the runner's token budget
-            output
-            for start in range(0, len(predictions), 3)
-            for output in serve(
-                scheduler, [make_request(**requests[start // 3], prediction=p) for p in predictions[start : start + 3]]
-            )
-        ]
+        predicted = serve_in_groups(  # one request's three predictions at a time
+            scheduler, [make_request(**requests[i // 3], prediction=p) for i, p in enumerate(predictions)], 3
+        )
         stats = scheduler.executor.stats
     assert all(output.finish_reason.type != "abort" for output in plain if output.finish_reason is not None)
     for i, output in enumerate(predicted):
