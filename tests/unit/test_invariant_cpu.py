@@ -184,16 +184,21 @@ def test_every_instruction_set_computes_the_same_bits() -> None:
     So a model's outputs are the same on every CPU, not only on each."""
     flags = cpu_flags()
     targets = ["scalar"] + (["avx2"] if "avx2" in flags else []) + (["native"] if "avx512f" in flags else [])
-    results = {}
-    for target in targets:
-        run = subprocess.run(
+    runs = [  # at once: each builds its library (seconds of compiler) and imports torch
+        subprocess.Popen(
             [sys.executable, "-c", CROSS_ISA_SCRIPT, str(ServerArgs().kernel_build_path), target],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            check=True,
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         )
-        result = json.loads(run.stdout.strip().splitlines()[-1])
+        for target in targets
+    ]
+    results = {}
+    for target, run in zip(targets, runs, strict=True):
+        stdout, stderr = run.communicate()
+        assert run.returncode == 0, f"the {target} build failed:\n{stderr[-3000:]}"
+        result = json.loads(stdout.strip().splitlines()[-1])
         results[result["isa"]] = result["bits"]
     assert len(results) == len(targets)
     reference = results.pop("scalar")
