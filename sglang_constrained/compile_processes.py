@@ -52,7 +52,7 @@ def start_fork_server(preload: Sequence[str]) -> None:
 
 def _fork_server_context(preload: Sequence[str]) -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([_main_module_preload(), *preload])
+    context.set_forkserver_preload(["sglang_constrained.fork_server_setup", _main_module_preload(), *preload])
     return context
 
 
@@ -63,8 +63,9 @@ def _main_module_preload() -> str:
     that, and multiprocessing would skip it; each child would then run the module afresh (``python -m
     scheduler.launch``: all of the server's imports, ~0.4 s of CPU a child), and the fork server would import the
     engine without the main module's own settings first (``scheduler.lean_imports``: ~1.5 s of CPU). So it is
-    preloaded by its name, which its ``__main__`` guard keeps from running; a package's ``__main__`` module (``python
-    -m pytest``) is neither preloaded nor run in the children.
+    preloaded by its name, which its ``__main__`` guard keeps from running (each child still runs its body, on
+    imports already done: see ``fork_server_setup``); a package's ``__main__`` module (``python -m pytest``) is
+    neither preloaded nor run in the children.
     """
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = getattr(spec, "name", None)

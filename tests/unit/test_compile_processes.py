@@ -164,12 +164,15 @@ if __name__ == "__main__":
 def test_a_main_module_run_with_dash_m_is_imported_once_by_the_fork_server_not_by_each_child(tmp_path: Path) -> None:
     """``python -m scheduler.launch``: each compile process finds the server's imports done (and its
     ``scheduler.lean_imports`` settings made before the engine's import) in the fork server it forks from, instead
-    of importing them all again (~0.4 s of CPU a child, ~1.5 s more in the fork server)."""
-    (tmp_path / "main_module.py").write_text(MAIN_MODULE)
+    of importing them all again (~0.4 s of CPU a child, ~1.5 s more in the fork server), and prints nothing."""
+    package = tmp_path / "server_package"  # as scheduler.launch is: a package's module
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "main_module.py").write_text(MAIN_MODULE)
     (tmp_path / "imported_by_main.py").write_text("import os\n\nimporter = os.getpid()\n")
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-m", "main_module"],
+        [sys.executable, "-m", "server_package.main_module"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -178,3 +181,4 @@ def test_a_main_module_run_with_dash_m_is_imported_once_by_the_fork_server_not_b
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"], "the child imported the main module's imports itself"
+    assert done.stderr == "", "the fork server or a child printed something (runpy's warning of a module run twice?)"
