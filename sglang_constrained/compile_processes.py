@@ -59,13 +59,13 @@ def _fork_server_context(preload: Sequence[str]) -> multiprocessing.context.Fork
 def _main_module_preload() -> str:
     """How the fork server imports the main module first, so that each child finds it imported.
 
-    A main script (``python path.py``) is preloaded as ``"__main__"``. A main module run with ``-m`` has no path for
-    that, and multiprocessing would skip it; each child would then run the module afresh (``python -m
-    scheduler.launch``: all of the server's imports, ~0.4 s of CPU a child), and the fork server would import the
-    engine without the main module's own settings first (``scheduler.lean_imports``: ~1.5 s of CPU). So it is
+    multiprocessing's own ``"__main__"`` entry imports nothing here (Python 3.11 never passes the fork server the
+    main script's path): each child would run the main module afresh (``python -m scheduler.launch``: all of the
+    server's imports, ~0.4 s of CPU a child), and the fork server would import the engine without the main
+    module's own settings first (``scheduler.lean_imports``: ~1.5 s of CPU). A module run with ``-m`` is therefore
     preloaded by its name, which its ``__main__`` guard keeps from running (each child still runs its body, on
     imports already done: see ``fork_server_setup``); a package's ``__main__`` module (``python -m pytest``) is
-    neither preloaded nor run in the children.
+    neither preloaded nor run in the children, and a main script keeps the ``"__main__"`` entry.
     """
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = getattr(spec, "name", None)
