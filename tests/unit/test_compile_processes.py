@@ -143,7 +143,6 @@ def test_a_slow_compile_drops_to_the_lowest_priority_and_its_child_retires(
 
 MAIN_MODULE = """
 import os
-import sys
 
 import imported_by_main  # what a server's main module imports (its engine, its settings)
 from sglang_constrained.compile_processes import CompileProcesses
