@@ -13,7 +13,7 @@ from scheduler.logits_processing import RowAdjustment, adjust_logits
 from scheduler.request import Req
 from scheduler.sampler import SamplingRows
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from triton_ops import NO_DRAFT, apply_token_bitmask_inplace, start_cpu_bitmask_warm_up
+from triton_ops import NO_DRAFT, apply_token_bitmask_inplace
 from triton_ops.bitmask_format import VocabMaskLayout, reset_rows
 
 
@@ -52,12 +52,6 @@ class SamplingBatchInfo:
         self._mask_buffer: torch.Tensor | None = None
         self._filled_rows: set[int] = set()
         self.fill_errors: dict[int, str] = {}
-
-    def warm_up(self) -> None:
-        """Start compiling the CPU mask kernel in the background (seconds): compiled on first use, it would stall
-        that batch; until it is ready the eager path masks (the same bits), so the server need not wait for it."""
-        if self.device.type == "cpu" and self.mask_layout is not None:
-            start_cpu_bitmask_warm_up(self.vocab_size)
 
     def prepare(self, reqs: list[Req], drafts: Sequence[list[int]] | None = None) -> None:
         """Point at this step's requests and their drafts: ``reqs[i]`` owns ``len(drafts[i]) + 1`` consecutive rows

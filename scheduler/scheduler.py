@@ -44,6 +44,7 @@ from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, T
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend
 from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
 from sglang_constrained.registry import create_grammar_backend
+from triton_ops import load_cpu_bitmask_kernel
 from triton_ops.bitmask_format import VocabMaskLayout
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class Scheduler:
             max_rows_per_request=1 + server_args.max_drafts_per_request,
             eos_token_ids=model_runner.eos_token_ids,
         )
-        sampling_info.warm_up()  # in the background, beside the compile processes' start that the next line waits for
+        if model_runner.device.type == "cpu" and mask_layout is not None:
+            load_cpu_bitmask_kernel(server_args.kernel_build_path)  # loaded already with the default runner's model
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)

@@ -28,14 +28,16 @@ import llguidance.torch
 import torch
 import xgrammar
 
+from scheduler.server_args import ServerArgs
 from sglang_constrained.testing.benchmarking import cpu_pressure
 from triton_ops import (
     apply_token_bitmask_inplace_cpu,
     apply_token_bitmask_inplace_cpu_eager,
     apply_token_bitmask_inplace_reference,
-    warm_up_cpu_bitmask_kernel,
+    load_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import pack_bool_mask
+from triton_ops.cpu_info import describe_cpu
 
 BATCH_SIZES = (1, 8, 32, 128)
 VOCAB_SIZES = (49_280, 248_192)  # SmolLM2 and Qwen3.5, padded as their models' logits are
@@ -107,11 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args(argv)
 
-    warm_up_start = time.perf_counter()
-    is_compiled = warm_up_cpu_bitmask_kernel(VOCAB_SIZES[0], torch.float32)
-    warm_up_seconds = time.perf_counter() - warm_up_start
+    load_start = time.perf_counter()
+    is_loaded = load_cpu_bitmask_kernel(ServerArgs().kernel_build_path)
+    load_seconds = time.perf_counter() - load_start
     print(
-        f"warm-up {warm_up_seconds:.1f} s (compiled kernel in use: {is_compiled}); torch threads "
+        f"{describe_cpu()}\n"
+        f"loading the kernel library {load_seconds:.2f} s (in use: {is_loaded}); torch threads "
         f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, CPU pressure {cpu_pressure()}"
     )
     header = f"{'vocab':>7} {'batch':>5} {'mask':>6} " + " ".join(f"{name:>12}" for name in IMPLEMENTATIONS)
@@ -136,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
         "torch_threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0],
         "cpu_pressure_avg60_after": pressure,
-        "warm_up_seconds": warm_up_seconds,
-        "compiled_kernel_in_use": is_compiled,
+        "cpu": describe_cpu(),
+        "library_load_seconds": load_seconds,
+        "library_in_use": is_loaded,
         "results": results,
     }
     args.output.write_text(json.dumps(report, indent=2) + "\n")

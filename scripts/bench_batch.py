@@ -3,9 +3,9 @@
 Fill: ``SamplingBatchInfo.update_regex_vocab_mask`` over B requests against a plain loop of the engine's own
 per-row calls, on matchers at the same states: each request walks a valid MaskBench instance of a real schema,
 starting partway in, and both sides accept the same next token after every round (so no engine answers a
-repeated state from a cache). Apply: the dispatcher's CPU path (``triton_ops.apply_token_bitmask_inplace``,
-warmed up) against llguidance's shipped ``torch.compile`` kernel, the torch reference and xgrammar's CPU kernel,
-on the filled masks. Sides alternate order every round. Prints tables with ratios and writes JSON.
+repeated state from a cache). Apply: the dispatcher's CPU path (``triton_ops.apply_token_bitmask_inplace``, the
+C++ masking loop) against llguidance's shipped ``torch.compile`` kernel, the torch reference and xgrammar's CPU
+kernel, on the filled masks. Sides alternate order every round. Prints tables with ratios and writes JSON.
 ``scripts/bench_apply_mask.py`` times the same appliers on synthetic sparse and dense masks.
 
     python scripts/bench_batch.py [--batches 1 8 32 128] [--rounds 30] [--per-folder 3]
@@ -45,7 +45,7 @@ from sglang_constrained.testing.benchmarking import (
     sample_cases,
 )
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
-from triton_ops import apply_token_bitmask_inplace, apply_token_bitmask_inplace_reference, warm_up_cpu_bitmask_kernel
+from triton_ops import apply_token_bitmask_inplace, apply_token_bitmask_inplace_reference, load_cpu_bitmask_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WALK_TOKENS = 8
@@ -191,13 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=REPO / "results" / "bench_batch.json")
     args = parser.parse_args(argv)
     server_args = ServerArgs()
+    load_cpu_bitmask_kernel(server_args.kernel_build_path)
     fills, applies = [], []
     print(
         f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, CPU pressure {cpu_pressure()}"
     )
     for tokenizer_name in args.tokenizers:
         setup = load_tokenizer_setup(tokenizer_name, server_args.cache_path)
-        warm_up_cpu_bitmask_kernel(setup.vocab_size)
         masks: dict[int, torch.Tensor] = {}
         for backend_name in args.backends:
             backend = make_backend(server_args.with_overrides(grammar_backend=backend_name), setup)

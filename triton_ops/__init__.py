@@ -1,4 +1,4 @@
-"""Token-bitmask kernels (a Triton kernel for CUDA, a compiled CPU path, the NPU path) and their dispatcher; sampling
+"""Token-bitmask kernels (a Triton kernel for CUDA, a C++ loop on CPU, the NPU path) and their dispatcher; sampling
 with draft verification, dispatched the same way.
 
 The mask format itself (packing, unpacking, row resets) is ``triton_ops.bitmask_format``.
@@ -7,8 +7,7 @@ The mask format itself (packing, unpacking, row resets) is ``triton_ops.bitmask_
 from triton_ops.bitmask_cpu import (
     apply_token_bitmask_inplace_cpu,
     apply_token_bitmask_inplace_cpu_eager,
-    start_cpu_bitmask_warm_up,
-    warm_up_cpu_bitmask_kernel,
+    load_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import unpack_bitmask
 from triton_ops.bitmask_npu import apply_token_bitmask_inplace_npu, is_torch_npu_available
@@ -26,10 +25,9 @@ __all__ = [
     "apply_token_bitmask_inplace_reference",
     "apply_token_bitmask_inplace_triton",
     "is_torch_npu_available",
+    "load_cpu_bitmask_kernel",
     "sample_and_verify",
     "sample_and_verify_npu",
     "sample_and_verify_reference",
-    "start_cpu_bitmask_warm_up",
     "unpack_bitmask",
-    "warm_up_cpu_bitmask_kernel",
 ]

@@ -1,7 +1,7 @@
 """Apply a token bitmask to logits in place, on whatever device the logits live.
 
 Dispatch by ``logits.device.type``: "cuda" → the Triton kernel (the torch reference if triton is not
-installed), "cpu" → the compiled CPU path, "npu" → the NPU path (a CPU round trip), anything else → the
+installed), "cpu" → the CPU path (a C++ loop), "npu" → the NPU path (a CPU round trip), anything else → the
 torch reference. Triton is imported only when CUDA logits first arrive, so the package imports without it.
 """
 

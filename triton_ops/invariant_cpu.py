@@ -1,5 +1,6 @@
 """Batch-invariant CPU kernels for the model forward: matmuls over packed weights, attention over a token KV pool,
-RMSNorm and SiLU-and-multiply (``csrc/invariant_cpu.cpp``, whose header states the mechanism).
+RMSNorm and SiLU-and-multiply (``csrc/invariant_cpu.cpp``, whose header states the mechanism); and the grammar's
+token mask on the logits (``mask_logits``, which ``triton_ops.bitmask_cpu`` serves with).
 
 Why our own kernels: a BLAS picks its kernel per shape, CPU and thread count, and a float32 row's rounding changes
 with it (MKL on an Intel Xeon takes another kernel from 16 rows on; on an AMD EPYC rows 1 and 2-3 differ). Here
@@ -143,6 +144,7 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
         library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
         library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
+        library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
         shape, layer, batch = ctypes.POINTER(_ModelShape), ctypes.POINTER(_LayerRef), ctypes.POINTER(_BatchRef)
         library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
         library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
@@ -155,11 +157,17 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
             "invariant_attention_block",
             "invariant_mlp_block",
             "invariant_decoder",
+            "invariant_mask_logits",
         ):
             getattr(library, name).restype = None
         logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
         _library = library
     return _library
+
+
+def is_loaded() -> bool:
+    """Whether this process has loaded the kernels (``load``)."""
+    return _library is not None
 
 
 def _loaded() -> ctypes.CDLL:
@@ -405,6 +413,46 @@ class DecoderBatch:
     key_rows: torch.Tensor
     key_starts: torch.Tensor
     num_keys: torch.Tensor
+
+
+_NEG_INF_BITS = {
+    torch.float32: int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF,
+    torch.float16: int(torch.tensor(float("-inf"), dtype=torch.float16).view(torch.int16)) & 0xFFFF,
+    torch.bfloat16: int(torch.tensor(float("-inf"), dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF,
+}
+
+
+def mask_logits(
+    logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | None = None, threads: int | None = None
+) -> None:
+    """Set ``logits[r, c] = -inf`` in place where bit ``c % 32`` of ``words[r, c // 32]`` is clear or ``c`` lies past
+    the last word, for every row ``r`` (or those in ``rows``, int64).
+
+    ``logits``: float32, float16 or bfloat16 ``[batch, vocab]``; ``words``: int32 ``[batch, num_words]``; both
+    with unit column stride. The bits written are -inf's or the logit's own, whatever the build or thread count.
+    """
+    if logits.dtype not in _NEG_INF_BITS or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"mask_logits takes float [rows, vocab] logits with unit column stride, got {logits.dtype}")
+    if words.dtype != torch.int32 or words.dim() != 2 or words.stride(1) != 1 or words.shape[0] != logits.shape[0]:
+        raise ValueError(f"mask_logits takes int32 [rows, words] with unit column stride, got {words.dtype}")
+    if rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()):
+        raise ValueError("mask_logits takes contiguous int64 row ids")
+    num_rows = logits.shape[0] if rows is None else rows.numel()
+    if num_rows == 0 or logits.shape[1] == 0:
+        return
+    _loaded().invariant_mask_logits(
+        logits.data_ptr(),
+        logits.element_size(),
+        _NEG_INF_BITS[logits.dtype],
+        logits.shape[1],
+        logits.stride(0),
+        words.data_ptr(),
+        words.shape[1],
+        words.stride(0),
+        None if rows is None else rows.data_ptr(),
+        num_rows,
+        threads or torch.get_num_threads(),
+    )
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

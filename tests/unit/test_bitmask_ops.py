@@ -11,12 +11,14 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler.server_args import ServerArgs
 from triton_ops import (
     apply_token_bitmask_inplace,
     apply_token_bitmask_inplace_cpu,
@@ -25,8 +27,8 @@ from triton_ops import (
     apply_token_bitmask_inplace_reference,
     apply_token_bitmask_inplace_triton,
     bitmask_cpu,
-    start_cpu_bitmask_warm_up,
-    warm_up_cpu_bitmask_kernel,
+    invariant_cpu,
+    load_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import ALL_ALLOWED, pack_bool_mask, unpack_bitmask
 from triton_ops.thread_choice import RECENT_APPLIES
@@ -34,15 +36,18 @@ from triton_ops.thread_choice import RECENT_APPLIES
 Kernel = Callable[..., None]
 IMPLEMENTATIONS: dict[str, Kernel] = {
     "triton_interpreter": apply_token_bitmask_inplace_triton,
-    "cpu_compiled": apply_token_bitmask_inplace_cpu,
+    "cpu_library": apply_token_bitmask_inplace_cpu,
     "cpu_eager": apply_token_bitmask_inplace_cpu_eager,
     "npu_host_round_trip": apply_token_bitmask_inplace_npu,
     "dispatcher": apply_token_bitmask_inplace,
 }
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Raised by torch itself when inductor imports torch.utils.mkldnn; nothing this suite can act on.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+@pytest.fixture(autouse=True, scope="module")
+def cpu_mask_library() -> None:
+    """The C++ masking loop serves the CPU path from here on in this process, as in a server."""
+    assert load_cpu_bitmask_kernel(ServerArgs().kernel_build_path), "the kernels should build on this machine"
 
 
 @pytest.fixture(params=list(IMPLEMENTATIONS))
@@ -197,7 +202,7 @@ def test_each_thread_count_matches_reference(
     monkeypatch: pytest.MonkeyPatch, threads: str, problem: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
     count = 1 if threads == "one" else torch.get_num_threads()
-    monkeypatch.setattr(bitmask_cpu._COMPILED.thread_choice, "threads_for", lambda num_elements, max_threads: count)
+    monkeypatch.setattr(bitmask_cpu._THREAD_CHOICE, "threads_for", lambda num_elements, max_threads: count)
     logits, bitmask = problem
     expected = logits.clone()
     apply_token_bitmask_inplace_reference(expected, bitmask)
@@ -255,20 +260,24 @@ def test_rows_strided_logits_and_bitmask_match_reference(kernel: Kernel) -> None
         assert torch.equal(logits_buffer[:, 1025:].nan_to_num(), untouched[1].nan_to_num())
 
 
-def test_warm_up_covers_every_batch_size_and_vocab(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert warm_up_cpu_bitmask_kernel(1024, torch.float32), "the kernel should compile on this machine"
-
+def refuse_the_eager_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object) -> None:
-        raise AssertionError("called after the warm-up")
+        raise AssertionError("the eager path masked where the library should have")
 
-    # A second compile, or a fall back to the eager path, would call one of these.
-    monkeypatch.setattr(bitmask_cpu, "_compile_kernel", refuse)
     monkeypatch.setattr(bitmask_cpu, "_mask_words_eager", refuse)
-    # The last shape is large enough for the thread choice, repeated until it has timed both kernels.
-    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), *[(520, 4099)] * (2 * RECENT_APPLIES)):
-        logits = make_logits((batch, vocab), torch.float32, seed=batch)
-        bitmask = make_bitmask(Case("warm", batch, vocab), seed=batch)
-        for indices in (None, [0], list(range(batch))):
+    monkeypatch.setattr(bitmask_cpu, "_mask_leftover_columns", refuse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_library_masks_every_batch_size_vocab_and_row_subset(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    refuse_the_eager_path(monkeypatch)
+    # The last shape is large enough for the thread choice, repeated until it has timed both thread counts.
+    for batch, vocab in ((1, 1024), (3, 4096), (17, 4099), (2, 96), (2, 5), *[(520, 4099)] * (2 * RECENT_APPLIES)):
+        logits = make_logits((batch, vocab), dtype, seed=batch)
+        bitmask = make_bitmask(Case("shapes", batch, vocab), seed=batch)
+        for indices in (None, [0], list(range(batch)), [batch - 1, 0, batch - 1]):
             expected = logits.clone()
             apply_token_bitmask_inplace_reference(expected, bitmask, indices)
             actual = logits.clone()
@@ -276,56 +285,59 @@ def test_warm_up_covers_every_batch_size_and_vocab(monkeypatch: pytest.MonkeyPat
             assert_same_logits(actual, expected)
 
 
-@pytest.mark.parametrize("error", [ImportError("no standalone_compile"), RuntimeError("no C++ compiler")], ids=str)
-def test_a_kernel_that_cannot_compile_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
-    def fail(dtype: torch.dtype, threads: int) -> None:
-        raise error
+def test_without_a_cpp_compiler_the_eager_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def no_compiler() -> str:
+        raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(bitmask_cpu, "_compile_kernel", fail)
-    monkeypatch.setattr(bitmask_cpu, "_COMPILED", bitmask_cpu._CompiledKernels())
-    assert not warm_up_cpu_bitmask_kernel(1024, torch.float16), "the eager path serves instead"
-    actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float16)
-    assert_same_logits(actual, expected)
-
-
-def test_a_background_warm_up_leaves_other_threads_on_the_eager_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While the warm-up thread compiles, a call from another thread masks at once on the eager path (the same
-    bits) rather than compiling too; once the warm-up is done, the compiled kernel serves."""
-    release = threading.Event()
-    compiling_threads: list[threading.Thread] = []
-    compile_kernel, mask_eagerly = bitmask_cpu._compile_kernel, bitmask_cpu._mask_words_eager
-    eager_calls: list[threading.Thread] = []
-
-    def held_compile(dtype: torch.dtype, threads: int) -> object:
-        compiling_threads.append(threading.current_thread())
-        assert release.wait(120), "the test never released the compile"
-        return compile_kernel(dtype, threads)
+    monkeypatch.setattr(invariant_cpu, "_library", None)
+    monkeypatch.setattr(invariant_cpu, "_compiler", no_compiler)
+    eager_calls: list[int] = []
+    mask_eagerly = bitmask_cpu._mask_words_eager
 
     def counted_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
-        eager_calls.append(threading.current_thread())
+        eager_calls.append(words.shape[0])
         mask_eagerly(words, bitmask_words)
 
-    monkeypatch.setattr(bitmask_cpu, "_compile_kernel", held_compile)
     monkeypatch.setattr(bitmask_cpu, "_mask_words_eager", counted_eager)
-    monkeypatch.setattr(bitmask_cpu, "_COMPILED", bitmask_cpu._CompiledKernels())
-    warm_up = start_cpu_bitmask_warm_up(1024)
-    try:
-        actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float32)
-        assert_same_logits(actual, expected)
-        assert eager_calls == [threading.current_thread()], "the call did not take the eager path"
-    finally:
-        release.set()
-        warm_up.join(300)
-    assert compiling_threads and set(compiling_threads) == {warm_up}, "only the warm-up thread compiles"
-    eager_calls.clear()
-    actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float32)
+    assert not load_cpu_bitmask_kernel(tmp_path), "the library cannot be built without a compiler"
+    actual, expected = run_case(apply_token_bitmask_inplace_cpu, CASES[1], torch.float16)
     assert_same_logits(actual, expected)
-    assert not eager_calls, "the compiled kernel should serve once the warm-up is done"
+    assert eager_calls, "the eager path should have masked"
 
 
-def test_warm_up_rejects_a_non_positive_vocab() -> None:
-    with pytest.raises(ValueError, match="vocab_size"):
-        warm_up_cpu_bitmask_kernel(0)
+def test_masks_applied_beside_a_running_forward_kernel_are_exact() -> None:
+    """ctypes releases the GIL, so a mask applied on one thread may meet another thread's matmul in the library's
+    thread pool: each call waits its turn, and both results are exact. (Without the turns, measured: the two jobs'
+    claims interleave and neither call returns.)"""
+    generator = torch.Generator().manual_seed(0)
+    weight = invariant_cpu.pack_dense(torch.randn(1536, 576, generator=generator))
+    x = torch.randn(16, 576, generator=generator)
+    expected_product = invariant_cpu.matmul(x, weight, threads=2)
+    case = Case("beside", 8, 49_152, mask="sparse")
+    source = make_logits((case.batch, case.vocab), torch.float32, seed=0)
+    bitmask = make_bitmask(case, seed=0)
+    expected = source.clone()
+    apply_token_bitmask_inplace_reference(expected, bitmask)
+    expected_bits = expected.view(torch.int32)
+    logits = source.clone()
+    wrong_products = []
+
+    def multiply() -> None:
+        for _ in range(400):
+            if not torch.equal(invariant_cpu.matmul(x, weight, threads=2), expected_product):
+                wrong_products.append(1)
+
+    worker = threading.Thread(target=multiply)
+    worker.start()
+    wrong_masks = 0
+    try:
+        while worker.is_alive():
+            logits.copy_(source)
+            invariant_cpu.mask_logits(logits, bitmask, threads=2)
+            wrong_masks += not torch.equal(logits.view(torch.int32), expected_bits)
+    finally:
+        worker.join(120)
+    assert wrong_masks == 0 and not wrong_products, (wrong_masks, len(wrong_products))
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused() -> None:

@@ -174,13 +174,21 @@ for fmt in FORMATS:
 outs.append(run_attention(attention_case(), slice(0, 64)))
 outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 96), 1e-6))
 outs.append(invariant_cpu.silu_mul(x * 10))
-print(json.dumps({"isa": invariant_cpu.isa(), "bits": [o.view(torch.int32).flatten().tolist() for o in outs]}))
+# the grammar mask: masked stores on AVX-512, a select loop elsewhere; a vocab past the last word, and a row subset
+words = torch.randint(-2**31, 2**31, (3, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(6))
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    logits = torch.randn(3, 1300, generator=torch.Generator().manual_seed(7)).to(dtype)
+    invariant_cpu.mask_logits(logits, words, torch.tensor([2, 0]))
+    outs.append(logits)
+bits = [o.view(torch.int32 if o.element_size() == 4 else torch.int16).flatten().tolist() for o in outs]
+print(json.dumps({"isa": invariant_cpu.isa(), "bits": bits}))
 """
 
 
 def test_every_instruction_set_computes_the_same_bits() -> None:
     """The AVX-512, AVX2 and scalar builds (as many as this CPU runs) give identical results: lanes hold different
-    outputs, never parts of one sum, and the fixed reduction trees and exp polynomial are the same in every build.
+    outputs, never parts of one sum, and the fixed reduction trees and exp polynomial are the same in every build;
+    the logits mask stores the same -inf bits.
     So a model's outputs are the same on every CPU, not only on each."""
     flags = cpu_flags()
     targets = ["scalar"] + (["avx2"] if "avx2" in flags else []) + (["native"] if "avx512f" in flags else [])
