@@ -1,0 +1,30 @@
+"""The decoded vocabulary every backend builds on: decoded once per tokenizer in a process, and again only when the
+tokenizer has changed."""
+
+from __future__ import annotations
+
+import copy
+
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.vocabulary import tokenizer_vocabulary
+
+
+def test_backends_on_one_tokenizer_share_its_decoded_vocabulary(smollm2_tokenizer: TokenizerSetup) -> None:
+    setup = smollm2_tokenizer
+    first = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    assert tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, list(setup.eos_token_ids)) is first
+    other_stops = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, [0])
+    assert other_stops.stop_token_ids == (0,) and first.stop_token_ids == tuple(setup.eos_token_ids)
+    padded = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size + 64, setup.eos_token_ids)
+    assert len(padded.decoded_vocab) == len(first.decoded_vocab) + 64 and padded.decoded_vocab[-1] == b""
+
+
+def test_a_tokenizer_grown_by_an_added_token_is_decoded_again(smollm2_tokenizer: TokenizerSetup) -> None:
+    tokenizer = copy.deepcopy(smollm2_tokenizer.tokenizer)
+    vocab_size, stops = smollm2_tokenizer.vocab_size + 64, smollm2_tokenizer.eos_token_ids
+    before = tokenizer_vocabulary(tokenizer, vocab_size, stops)
+    tokenizer.add_tokens(["<grown>"])
+    after = tokenizer_vocabulary(tokenizer, vocab_size, stops)
+    new_id = len(tokenizer) - 1
+    assert before.decoded_vocab[new_id] == b"" and after.decoded_vocab[new_id] == b"<grown>"
+    assert after.tokenizer_vocab_size == before.tokenizer_vocab_size + 1
