@@ -37,6 +37,7 @@ from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.json_whitespace import json_whitespace_pattern
 from sglang_constrained.lark_grammar import is_lark_grammar
+from sglang_constrained.per_tokenizer import per_tokenizer
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
 from sglang_constrained.structural_tag_lark import structural_tag_to_lark
 from triton_ops.bitmask_format import allowed_token_ids, words_per_row
@@ -221,7 +222,11 @@ class GuidanceBackend(BaseGrammarBackend):
             raise ValueError(f"stop token ids {eos_token_ids} must lie within the vocab size {vocab_size}")
         self.json_options = _json_options(server_args)
         super().__init__(server_args, vocab_size)
-        self.ll_tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.ll_tokenizer = per_tokenizer(
+            tokenizer,
+            ("llguidance", vocab_size, tuple(eos_token_ids)),
+            lambda: from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)),
+        )
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         refuse_unsupported_features(schema, LLGUIDANCE_UNSUPPORTED_SCHEMA_FEATURES, self.name)

@@ -8,13 +8,13 @@ allowed by a grammar, except the stop tokens at a point where the grammar may en
 from __future__ import annotations
 
 import json
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import xgrammar
 
 from sglang_constrained.compile_identity import tokens_fingerprint
+from sglang_constrained.per_tokenizer import per_tokenizer
 
 
 @dataclass(frozen=True)
@@ -41,29 +41,18 @@ def tokenizer_special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(flagged | set(tokenizer.all_special_ids))
 
 
-_VocabularyKey = tuple[int, int, tuple[int, ...]]
-
-_DECODED: weakref.WeakKeyDictionary[Any, dict[_VocabularyKey, TokenizerVocabulary]] = weakref.WeakKeyDictionary()
-"""Per tokenizer object (held weakly), its vocabularies by tokenizer length, model vocab size and stop tokens."""
-
-
 def tokenizer_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> TokenizerVocabulary:
     """The vocabulary of ``tokenizer`` for a model with ``vocab_size`` logits and stop tokens ``eos_token_ids``.
 
-    Decoding a 248k vocabulary takes ~2.5 s of CPU, so a process decodes each tokenizer object once for each model
-    vocab size and stop tokens, and every backend built on it (``auto``'s three, a test session's dozens) shares
-    the result, which is immutable. A tokenizer that has grown by added tokens since is decoded again.
+    Decoding a 248k vocabulary takes ~2.5 s of CPU: built once per tokenizer (``per_tokenizer``).
     """
     if not eos_token_ids:
         raise ValueError("a grammar needs at least one stop token id")
-    key = (len(tokenizer), vocab_size, tuple(eos_token_ids))
-    try:
-        known = _DECODED.setdefault(tokenizer, {})
-    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed is decoded every time
-        known = {}
-    if key not in known:
-        known[key] = _decode_vocabulary(tokenizer, vocab_size, eos_token_ids)
-    return known[key]
+    return per_tokenizer(
+        tokenizer,
+        ("vocabulary", vocab_size, tuple(eos_token_ids)),
+        lambda: _decode_vocabulary(tokenizer, vocab_size, eos_token_ids),
+    )
 
 
 def _decode_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> TokenizerVocabulary:

@@ -1,10 +1,12 @@
-"""The decoded vocabulary every backend builds on: decoded once per tokenizer in a process, and again only when the
-tokenizer has changed."""
+"""What backends derive from a tokenizer (the decoded vocabulary, llguidance's tokenizer): built once per tokenizer
+in a process, and again only when the tokenizer has grown."""
 
 from __future__ import annotations
 
 import copy
 
+from scheduler.server_args import ServerArgs
+from sglang_constrained.llguidance_backend import GuidanceBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.vocabulary import tokenizer_vocabulary
 
@@ -28,3 +30,16 @@ def test_a_tokenizer_grown_by_an_added_token_is_decoded_again(smollm2_tokenizer:
     new_id = len(tokenizer) - 1
     assert before.decoded_vocab[new_id] == b"" and after.decoded_vocab[new_id] == b"<grown>"
     assert after.tokenizer_vocab_size == before.tokenizer_vocab_size + 1
+
+
+def test_llguidance_backends_on_one_tokenizer_share_its_engine_tokenizer(smollm2_tokenizer: TokenizerSetup) -> None:
+    setup = smollm2_tokenizer
+    args = ServerArgs(grammar_backend="llguidance")
+    first, second = (GuidanceBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids) for _ in range(2))
+    other_stops = GuidanceBackend(args, setup.tokenizer, setup.vocab_size, [0])
+    try:
+        assert second.ll_tokenizer is first.ll_tokenizer
+        assert other_stops.ll_tokenizer is not first.ll_tokenizer and other_stops.ll_tokenizer.eos_token == 0
+    finally:
+        for backend in (first, second, other_stops):
+            backend.shutdown()
