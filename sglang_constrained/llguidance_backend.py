@@ -328,16 +328,17 @@ def _probe_start(template: LLMatcher, ll_tokenizer: LLTokenizer, what: str) -> N
     """Walk up to ``_PROBE_STEPS`` tokens from the start (each the lowest allowed id that is not a stop token) on a
     copy of ``template``; raises ``GrammarSpecError`` with llguidance's message if a mask or a step fails."""
     probe = template.deep_copy()
+    stops = torch.tensor(ll_tokenizer.eos_tokens, dtype=torch.int64)
     for _ in range(_PROBE_STEPS):
         if probe.is_stopped():
             return
         mask = torch.frombuffer(bytearray(probe.compute_bitmask()), dtype=torch.int32)
         if not probe.is_error():
-            allowed = allowed_token_ids(mask, ll_tokenizer.vocab_size).tolist()
-            regular = [token for token in allowed if token not in ll_tokenizer.eos_tokens]
-            if not regular:
+            allowed = allowed_token_ids(mask, ll_tokenizer.vocab_size)
+            regular = allowed[~torch.isin(allowed, stops)]
+            if not len(regular):
                 return
-            probe.consume_token(regular[0])
+            probe.consume_token(int(regular[0]))
         if probe.is_error():
             message = _clean_message(probe.get_error())
             raise GrammarSpecError(
