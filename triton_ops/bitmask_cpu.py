@@ -32,12 +32,6 @@ _NEG_INF = float("-inf")
 _TO_SIGN_BIT = (BITS_PER_WORD - 1) - torch.arange(BITS_PER_WORD, dtype=torch.int32)
 """Per lane j, the left shift that brings bit j of a word to the sign bit."""
 
-_NEG_INF_BITS = {
-    torch.float32: int(torch.tensor(_NEG_INF, dtype=torch.float32).view(torch.int32)),
-    torch.float16: int(torch.tensor(_NEG_INF, dtype=torch.float16).view(torch.int16)),
-    torch.bfloat16: int(torch.tensor(_NEG_INF, dtype=torch.bfloat16).view(torch.int16)),
-}
-
 _THREAD_CHOICE = ThreadChoice()
 
 
@@ -77,7 +71,7 @@ def _mask_words_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
         keep = keep.to(bits.dtype)
         chunk = bits[start : start + rows_per_chunk]
         chunk &= keep
-        chunk |= keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS[words.dtype])
+        chunk |= keep.bitwise_not_().bitwise_and_(invariant_cpu.NEG_INF_BITS[words.dtype])
 
 
 def _mask_leftover_columns(logits: torch.Tensor, bitmask: torch.Tensor, start: int) -> None:
@@ -114,8 +108,10 @@ def _apply(
     if logits_2d.shape[0] == 0:
         return
     # The loop takes rows with unit column stride (any row stride); other layouts are rare enough for the eager path.
-    if use_library and invariant_cpu.is_loaded() and logits_2d.stride(1) == 1:
-        rows = None if args.rows is None else args.rows.cpu().contiguous()
+    # It trusts its row ids: only CPU ones have been range-checked (``normalize_bitmask_args``).
+    is_checked = args.rows is None or args.rows.device.type == "cpu"
+    if use_library and invariant_cpu.is_loaded() and logits_2d.stride(1) == 1 and is_checked:
+        rows = None if args.rows is None else args.rows.contiguous()
         _mask_with_library(logits_2d, bitmask_2d if bitmask_2d.stride(1) == 1 else bitmask_2d.contiguous(), rows)
         return
     if args.rows is None:

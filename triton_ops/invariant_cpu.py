@@ -415,23 +415,24 @@ class DecoderBatch:
     num_keys: torch.Tensor
 
 
-_NEG_INF_BITS = {
-    torch.float32: int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF,
-    torch.float16: int(torch.tensor(float("-inf"), dtype=torch.float16).view(torch.int16)) & 0xFFFF,
-    torch.bfloat16: int(torch.tensor(float("-inf"), dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF,
+NEG_INF_BITS = {
+    torch.float32: int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32)),
+    torch.float16: int(torch.tensor(float("-inf"), dtype=torch.float16).view(torch.int16)),
+    torch.bfloat16: int(torch.tensor(float("-inf"), dtype=torch.bfloat16).view(torch.int16)),
 }
+"""-inf's bit pattern per logits dtype, as the signed integer of the same width (what a view of the logits holds)."""
 
 
 def mask_logits(
     logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | None = None, threads: int | None = None
 ) -> None:
     """Set ``logits[r, c] = -inf`` in place where bit ``c % 32`` of ``words[r, c // 32]`` is clear or ``c`` lies past
-    the last word, for every row ``r`` (or those in ``rows``, int64).
+    the last word, for every row ``r`` (or those in ``rows``: int64 ids, which the caller has range-checked).
 
     ``logits``: float32, float16 or bfloat16 ``[batch, vocab]``; ``words``: int32 ``[batch, num_words]``; both
     with unit column stride. The bits written are -inf's or the logit's own, whatever the build or thread count.
     """
-    if logits.dtype not in _NEG_INF_BITS or logits.dim() != 2 or logits.stride(1) != 1:
+    if logits.dtype not in NEG_INF_BITS or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"mask_logits takes float [rows, vocab] logits with unit column stride, got {logits.dtype}")
     if words.dtype != torch.int32 or words.dim() != 2 or words.stride(1) != 1 or words.shape[0] != logits.shape[0]:
         raise ValueError(f"mask_logits takes int32 [rows, words] with unit column stride, got {words.dtype}")
@@ -443,7 +444,7 @@ def mask_logits(
     _loaded().invariant_mask_logits(
         logits.data_ptr(),
         logits.element_size(),
-        _NEG_INF_BITS[logits.dtype],
+        NEG_INF_BITS[logits.dtype] & 0xFFFFFFFF,  # the kernel stores its low 16 bits for 16-bit logits
         logits.shape[1],
         logits.stride(0),
         words.data_ptr(),
