@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammarObject
+from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.testing.maskbench import load_case
 from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge, walk_and_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -33,6 +34,7 @@ MIN_FINISHED_SHARE = 0.5
 MASKBENCH_ROOT = Path(__file__).parents[1] / "data" / "maskbench"
 MASKBENCH_PER_FOLDER = 3
 WALKS_PER_MASKBENCH_CASE = 3
+COMPILES_AHEAD = 2
 
 S = {"type": "string"}
 
@@ -142,6 +144,44 @@ def walk_verdicts(
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest, build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> Any:
     return build_backend(request.param, tokenizer_case)
+
+
+@pytest.fixture(autouse=True)
+def compile_ahead(request: pytest.FixtureRequest) -> None:
+    """Queues this test's constraint, then the next tests' on the same backend and tokenizer, on the backend's
+    compile slot: they compile on the other core while this test walks. Only ``COMPILES_AHEAD`` at a time, as
+    ``MaskBenchSweep`` does: a compile that waits for the slot past its deadline fails."""
+    if "backend" not in request.fixturenames:
+        return
+    backend = request.getfixturevalue("backend")
+    items = request.session.items
+    mine = _parameters(request.node)
+    upcoming = (
+        key
+        for item in items[items.index(request.node) :]
+        if item.module is request.module
+        and ((params := _parameters(item)).get("backend"), params.get("tokenizer_case"))
+        == (mine["backend"], mine["tokenizer_case"])
+        and (key := planned_key(params)) is not None
+    )
+    for key, _ in zip(upcoming, range(1 + COMPILES_AHEAD), strict=False):
+        backend.get_cached_or_future_value(key)
+
+
+def planned_key(params: dict[str, Any]) -> GrammarKey | None:
+    """The constraint a test of this module with ``params`` compiles; None for one it skips."""
+    if (params["backend"], params["tokenizer_case"], params.get("probe", params.get("name"))) in SKIPPED:
+        return None
+    if "probe" in params:
+        return make_grammar_key("json", STRING_PROBES[params["probe"]])
+    if "kind" in params:
+        return make_grammar_key(params["kind"], params["spec"])
+    return make_grammar_key("json", load_case(params["path"]).schema)
+
+
+def _parameters(item: pytest.Item) -> dict[str, Any]:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params if callspec is not None else {}
 
 
 @pytest.mark.parametrize("probe", STRING_PROBES)
