@@ -15,7 +15,7 @@ from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.registry import GRAMMAR_BACKEND_REGISTRY
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
-from tests.helpers import launch_scheduler
+from tests.helpers import LAUNCH_AHEAD, launch_scheduler
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +56,16 @@ def clean_registry() -> Iterator[None]:
     yield
     GRAMMAR_BACKEND_REGISTRY.clear()
     GRAMMAR_BACKEND_REGISTRY.update(saved)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    LAUNCH_AHEAD.plan(session.items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    LAUNCH_AHEAD.look_ahead(item)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    LAUNCH_AHEAD.stop_all()

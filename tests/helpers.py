@@ -29,6 +29,7 @@ from scheduler.testing.process import SchedulerProcess, free_port
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from tests.launch_ahead import Launch, LaunchAhead
 from triton_ops.bitmask_format import ALL_ALLOWED, allocate_bitmask, allowed_token_ids, unpack_bitmask
 
 PERSON_SCHEMA = {
@@ -224,6 +225,34 @@ class HttpServer(SchedulerProcess):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
+def http_server(*flags: str) -> HttpServer:
+    """An ``HttpServer`` with these flags: one started ahead (``launch_ahead``), else a new one."""
+    started = LAUNCH_AHEAD.take(Launch(flags, http=True))
+    return started if isinstance(started, HttpServer) else HttpServer(*flags)
+
+
+FREE_PORT = "<a free port>"
+"""A flag value that ``launch_scheduler`` replaces by a free port as it starts the server (``flag_value`` reads it)."""
+
+
+def start_launch(launch: Launch) -> SchedulerProcess:
+    """Start what ``launch`` names as ``launch_scheduler`` or ``http_server`` would, without waiting for it."""
+    flags = tuple(str(free_port()) if flag == FREE_PORT else flag for flag in launch.flags)
+    if launch.http:
+        return HttpServer(*flags)
+    return SchedulerProcess(*TEST_SERVER_FLAGS, *flags, ranks=launch.ranks, extra_paths=launch.extra_paths)
+
+
+def flag_value(process: SchedulerProcess, flag: str) -> str:
+    """The value ``process`` was started with for ``flag``."""
+    return process.command[process.command.index(flag) + 1]
+
+
+LAUNCH_AHEAD = LaunchAhead(start_launch, {"one_rank_server": Launch(()), "server": Launch((), http=True)})
+"""The session's servers started ahead: ``one_rank_server`` (``tests/conftest.py``) and the HTTP tests' ``server``
+(``tests/serving/conftest.py``) by their fixtures' names, the rest by their tests' ``launches`` marks."""
+
+
 @contextlib.contextmanager
 def serving(*servers: HttpServer) -> Iterator[None]:
     """Wait until every server is healthy (their start-ups overlap); stop them all afterwards."""
@@ -243,7 +272,7 @@ def launch_scheduler(
 ) -> Iterator[SchedulerProcess]:
     """A scheduler with the test flags; on exit it gets SIGTERM and (unless the test stopped it otherwise) every
     rank must have stopped cleanly: exit code 0, or under torchrun each rank's own "stopped" line."""
-    launched = SchedulerProcess(*TEST_SERVER_FLAGS, *flags, ranks=ranks, extra_paths=extra_paths)
+    launched = LAUNCH_AHEAD.take(Launch(flags, ranks, extra_paths)) or start_launch(Launch(flags, ranks, extra_paths))
     try:
         launched.wait_until_ready()
         yield launched

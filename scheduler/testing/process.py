@@ -91,6 +91,7 @@ class SchedulerProcess:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
             launcher += ["--master-port", str(free_port()), "-m", "scheduler.launch"]
         command = [*launcher, "--zmq-port", str(self.zmq_port), *flags]
+        self.command = tuple(command)
         python_path = [*map(str, extra_paths), str(root), os.environ.get("PYTHONPATH", "")]
         environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(python_path)}
         with open(self.log_path, "wb") as log:

@@ -22,21 +22,21 @@ import pytest
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput, GenerateReq, Pong
-from scheduler.testing.process import SchedulerProcess, free_port
+from scheduler.testing.process import SchedulerProcess
 from tests.helpers import (
     ANSWER_TAG,
     FEW_SHOT_JSON,
+    FREE_PORT,
     JSON_SCHEMA_FORMAT,
     MODEL,
     QUESTION,
     YES_NO_EBNF,
     YES_NO_EBNF_LANGUAGE,
+    flag_value,
     flush_prefix_cache,
     is_yes_no_json,
     launch_scheduler,
 )
-
-pytestmark = [pytest.mark.model, pytest.mark.multirank]
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -48,6 +48,8 @@ CLOSED_PERSON_SCHEMA = {**PERSON_SCHEMA, "additionalProperties": False}
 PHONE_REGEX = r"\(\d{3}\) \d{3}-\d{4}"
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
 DP_FLAGS = ("--dp-size", "2")
+WITH_HTTP = ("--port", FREE_PORT)
+pytestmark = [pytest.mark.model, pytest.mark.multirank, pytest.mark.launches(*DP_FLAGS, *WITH_HTTP, ranks=2)]
 LONG = {
     "text": "Once upon a time, there was a dragon who",
     "sampling_params": {"max_new_tokens": 400, "temperature": 0},
@@ -103,15 +105,15 @@ def shared_compiles(process: SchedulerProcess) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def http_port() -> int:
-    return free_port()
+def replicas() -> Iterator[SchedulerProcess]:
+    """Two replicas with the default backend (xgrammar) and the HTTP frontend."""
+    with launch_scheduler(*DP_FLAGS, *WITH_HTTP, ranks=2) as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")
-def replicas(http_port: int) -> Iterator[SchedulerProcess]:
-    """Two replicas with the default backend (xgrammar) and the HTTP frontend."""
-    with launch_scheduler(*DP_FLAGS, "--port", str(http_port), ranks=2) as launched:
-        yield launched
+def http_port(replicas: SchedulerProcess) -> int:
+    return int(flag_value(replicas, "--port"))
 
 
 def test_replicas_give_one_ranks_outputs_and_both_serve(
@@ -216,7 +218,13 @@ def test_the_http_frontend_serves_through_the_replicas(replicas: SchedulerProces
     assert "sglang:grammar_shared_compiles_total" in httpx.get(f"{url}/metrics", timeout=30).text
 
 
-@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(name, marks=pytest.mark.launches(*DP_FLAGS, "--grammar-backend", name, ranks=2))
+        for name in ("llguidance", "outlines")
+    ],
+)
 def test_every_grammar_backend_shares_its_grammars(backend: str) -> None:
     with launch_scheduler(*DP_FLAGS, "--grammar-backend", backend, ranks=2) as launched:
         params = {"json_schema": CLOSED_PERSON_SCHEMA, "temperature": 0, "max_new_tokens": 48}
@@ -230,6 +238,7 @@ def test_every_grammar_backend_shares_its_grammars(backend: str) -> None:
         jsonschema.validate(json.loads(output.text), CLOSED_PERSON_SCHEMA)
 
 
+@pytest.mark.launches(*DP_FLAGS, "--grammar-backend", "none", ranks=2)
 def test_a_dead_replica_stops_the_group_and_its_clients_get_aborts() -> None:
     """Without a grammar backend: constrained requests are refused, free ones served; then rank 1 is killed while
     it runs a request."""

@@ -23,9 +23,16 @@ from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
 from tests.helpers import flush_prefix_cache, launch_scheduler
 
-pytestmark = [pytest.mark.model, pytest.mark.multirank]
-
 PLUGINS = Path(__file__).parent / "plugins"
+PLUGIN_SITE = Path(__file__).parent / "plugin_site"
+"""A folder holding an installed distribution that declares ``slow-on-rank-1`` in the backends' entry-point group
+(``sglang_constrained.registry.ENTRY_POINT_GROUP``)."""
+SLOW_ON_RANK_1 = ("--grammar-backend", "slow-on-rank-1", "--import-module", "rank_skewed_backends")
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.multirank,
+    pytest.mark.launches(*SLOW_ON_RANK_1, ranks=2, extra_paths=(PLUGIN_SITE, PLUGINS)),
+]
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -50,27 +57,20 @@ def seeded_requests() -> list[GenerateReq]:
     ]
 
 
-@pytest.fixture(scope="module")
-def entry_point_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding an installed distribution that declares ``slow-on-rank-1`` in the entry-point group."""
-    site = tmp_path_factory.mktemp("site")
-    dist_info = site / "rank_skewed_plugins-0.1.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rank-skewed-plugins\nVersion: 0.1\n")
-    (dist_info / "entry_points.txt").write_text(
-        f"[{ENTRY_POINT_GROUP}]\nslow-on-rank-1 = rank_skewed_backends:make_slow_on_rank_1\n"
-    )
-    return site
+def test_the_plugin_site_declares_slow_on_rank_1_in_the_backends_entry_point_group() -> None:
+    entry_points = (PLUGIN_SITE / "rank_skewed_plugins-0.1.dist-info" / "entry_points.txt").read_text().splitlines()
+    assert entry_points[0] == f"[{ENTRY_POINT_GROUP}]" and entry_points[1].startswith("slow-on-rank-1 = ")
 
 
 @pytest.fixture(scope="module")
-def two_ranks(entry_point_path: Path) -> Iterator[SchedulerProcess]:
-    """Two ranks whose backend compiles 3 s later on rank 1; the module registering fail-on-rank-1 is imported too."""
-    flags = ("--grammar-backend", "slow-on-rank-1", "--import-module", "rank_skewed_backends")
-    with launch_scheduler(*flags, ranks=2, extra_paths=(entry_point_path, PLUGINS)) as launched:
+def two_ranks() -> Iterator[SchedulerProcess]:
+    """Two ranks whose backend compiles 3 s later on rank 1 (found by its entry point); the module registering
+    fail-on-rank-1 is imported too."""
+    with launch_scheduler(*SLOW_ON_RANK_1, ranks=2, extra_paths=(PLUGIN_SITE, PLUGINS)) as launched:
         yield launched
 
 
+@pytest.mark.launches("--speculative-algorithm", "none")
 def test_two_ranks_give_the_same_outputs_as_one(two_ranks: SchedulerProcess, one_rank_server: SchedulerProcess) -> None:
     """Two ranks (rank 0's drafts and tokens broadcast) give one rank's outputs, which are plain decoding's."""
     with two_ranks.client() as client:
@@ -104,13 +104,16 @@ def test_a_grammar_slower_on_one_rank_waits_on_every_rank(two_ranks: SchedulerPr
     assert "ranks ran different batches" not in two_ranks.log()
 
 
+FAIL_ON_RANK_1 = ("--grammar-backend", "fail-on-rank-1", "--import-module", "rank_skewed_backends")
+
+
+@pytest.mark.launches(*FAIL_ON_RANK_1, ranks=2, extra_paths=(PLUGINS,))
 def test_a_compile_failure_on_one_rank_fails_the_request_once_and_a_killed_rank_stops_the_launcher() -> None:
     """Rank 1 refuses one schema: that request alone fails, with its message; then rank 1 is killed and the launcher
     stops with a clear message."""
     refused = {"title": "refused-on-rank-1", "type": "object", "properties": {"a": {"type": "integer"}}}
     accepted = {"title": "fine", "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    flags = ("--grammar-backend", "fail-on-rank-1", "--import-module", "rank_skewed_backends")
-    with launch_scheduler(*flags, ranks=2, extra_paths=(PLUGINS,), check_clean_stop=False) as launched:
+    with launch_scheduler(*FAIL_ON_RANK_1, ranks=2, extra_paths=(PLUGINS,), check_clean_stop=False) as launched:
         with launched.client() as client:
             failed = client.generate(text="JSON:", sampling_params={"json_schema": refused})
             served = client.generate(text="JSON:", sampling_params={"json_schema": accepted, "max_new_tokens": 32})

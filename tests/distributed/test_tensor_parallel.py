@@ -35,10 +35,9 @@ from tests.helpers import (
     matches,
 )
 
-pytestmark = [pytest.mark.model, pytest.mark.multirank]
-
 TP2 = ("--tp-size", "2")
 COMPARED = ("--disable-radix-cache",)
+pytestmark = [pytest.mark.model, pytest.mark.multirank, pytest.mark.launches(*TP2, *COMPARED, ranks=2)]
 CLOSED_PERSON = {**PERSON_SCHEMA, "additionalProperties": False}
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 WEATHER_TAG = {"structures": [{"begin": "<f=weather>", "schema": WEATHER_SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
@@ -199,7 +198,15 @@ def test_each_tp_rank_holds_about_half_of_the_weights(tp2: SchedulerProcess, tp1
     assert all(s > 0.3 * (whole - shard) for s, shard in zip(saved, shards, strict=True)), (rss_one, rss_two)
 
 
-@pytest.mark.parametrize("backend", list(BACKEND_KINDS))
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(
+            name, marks=() if name == "xgrammar" else pytest.mark.launches(*TP2, "--grammar-backend", name, ranks=2)
+        )
+        for name in BACKEND_KINDS
+    ],
+)
 def test_every_grammar_backend_serves_its_constraints_on_two_tp_ranks(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
@@ -230,6 +237,7 @@ def test_every_grammar_backend_serves_its_constraints_on_two_tp_ranks(
         assert_obeys_its_constraint(output)
 
 
+@pytest.mark.launches(*TP2, "--grammar-backend", "none", ranks=2)
 def test_killing_a_tp_rank_mid_generation_aborts_the_request_and_stops_the_group() -> None:
     """On the ``none`` backend, which refuses constraints on two ranks too; then rank 1 dies mid-generation."""
     flags = (*TP2, "--grammar-backend", "none")

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.helpers import HttpServer, serving
+from tests.helpers import HttpServer, http_server, serving
 
 
 @pytest.fixture(scope="package")
 def server() -> Iterator[HttpServer]:
-    live = HttpServer()
+    live = http_server()
     with serving(live):
         yield live
 

@@ -24,6 +24,7 @@ def ask(prompt: str, **constraint: object) -> dict[str, object]:
     }
 
 
+@pytest.mark.launches("--grammar-backend", "auto")
 def test_auto_serves_one_batch_across_backends() -> None:
     requests = [
         ask("Describe a person as JSON with a name and an age.", json_schema=PERSON_SCHEMA),

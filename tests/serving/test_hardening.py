@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import PHONE_REGEX, QUESTION, HttpServer, serving
+from tests.helpers import PHONE_REGEX, QUESTION, HttpServer, http_server, serving
 
 SCHEMA = {"type": "object", "properties": {"metric": {"type": "integer"}}, "required": ["metric"]}
 
@@ -65,10 +65,14 @@ def test_metrics_count_generations_compiles_cache_hits_and_refusals(server: Http
     )
 
 
+FRONTEND_DIES_FLAGS = ("--grammar-backend", "none", "--max-running-requests", "2")
+
+
 @pytest.mark.model
+@pytest.mark.launches(*FRONTEND_DIES_FLAGS, http=True)
 def test_the_launcher_exits_with_the_reason_when_the_frontend_dies() -> None:
     """On the ``none`` backend, which first refuses a constrained request and serves a free one over zmq."""
-    live = HttpServer("--grammar-backend", "none", "--max-running-requests", "2")
+    live = http_server(*FRONTEND_DIES_FLAGS)
     with serving(live):
         with live.client() as client:
             refused = client.generate(

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.helpers import MODEL, QUESTION, HttpServer, serving
+from tests.helpers import MODEL, QUESTION, HttpServer, http_server, serving
 
 
 async def _wait_for_health(http: httpx.AsyncClient, condition: Callable[[dict[str, Any]], bool]) -> None:
@@ -87,12 +87,14 @@ SHUTDOWN_CASES: dict[str, Callable[[HttpServer], None]] = {
     "SIGKILL": lambda live: live.process.send_signal(signal.SIGKILL),
 }
 """How the launcher is stopped: Ctrl-C reaches the frontend as well, the others the launcher alone."""
+DOOMED_FLAGS = ("--grammar-backend", "none", "--max-running-requests", "2")
+pytestmark = pytest.mark.launches(*DOOMED_FLAGS, http=True, count=len(SHUTDOWN_CASES))
 
 
 @pytest.fixture(scope="module")
 def doomed_servers() -> Iterator[dict[str, HttpServer]]:
     """A small server per way of stopping it, started side by side."""
-    servers = {how: HttpServer("--grammar-backend", "none", "--max-running-requests", "2") for how in SHUTDOWN_CASES}
+    servers = {how: http_server(*DOOMED_FLAGS) for how in SHUTDOWN_CASES}
     with serving(*servers.values()):
         yield servers
 

@@ -114,6 +114,7 @@ def test_constrained_requests_validate_and_every_sequence_comes_back(
     assert runner.kv.num_available == runner.kv.capacity
 
 
+@pytest.mark.launches("--model-runner", "llamacpp")
 def test_the_launcher_serves_on_llama_cpp() -> None:
     with launch_scheduler("--model-runner", "llamacpp") as server, server.client() as client:
         output = client.generate(

@@ -182,6 +182,10 @@ def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: Sche
     assert status.num_running_requests == 0 and status.num_free_kv_tokens == free_tokens
 
 
+BOUNDS_FLAGS = ("--max-total-tokens", "160", "--grammar-compile-timeout", "1")
+
+
+@pytest.mark.launches(*BOUNDS_FLAGS)
 def test_requests_beyond_the_kv_bound_wait_and_a_compile_past_the_deadline_times_out() -> None:
     """One server with both bounds. Admission reserves prompt + max_new_tokens, so the KV bound holds two of the
     first requests at a time: four run to the end in turn. One larger than the whole bound is refused with a message
@@ -190,8 +194,7 @@ def test_requests_beyond_the_kv_bound_wait_and_a_compile_past_the_deadline_times
     fits = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 60, "temperature": 0}}
     never = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 200}}
     slow = {"text": "hi", "sampling_params": {"ebnf": SLOW_EBNF}}
-    flags = ("--max-total-tokens", "160", "--grammar-compile-timeout", "1")
-    with launch_scheduler(*flags) as launched, launched.client() as client:
+    with launch_scheduler(*BOUNDS_FLAGS) as launched, launched.client() as client:
         outputs = client.generate_batch([make_request(**fits) for _ in range(4)] + [make_request(**never)])
         status = launched.status()
         timed_out = client.generate(**slow)
@@ -276,7 +279,10 @@ def test_several_constraints_in_one_request_are_refused(one_rank_server: Schedul
     )
 
 
-@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param(name, marks=pytest.mark.launches("--grammar-backend", name)) for name in ("llguidance", "outlines")],
+)
 def test_other_backends_serve_constrained_requests(backend: str) -> None:
     with launch_scheduler("--grammar-backend", backend) as launched, launched.client() as client:
         person, phone = client.generate_batch(

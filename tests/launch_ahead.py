@@ -1,0 +1,128 @@
+"""Servers started ahead of the tests that use them: a start-up (imports, the model's load: ~5 s of one core, ~8 s
+for a rank group under torchrun) then runs beside the tests before it instead of in front of its own.
+
+A test, or a module for its module-scoped server, names what it launches with ``@pytest.mark.launches(...)``
+(the flags after the test flags, ``ranks``, ``extra_paths``, ``http=True`` for ``HttpServer``, ``count`` when it
+starts several alike); a session or package fixture that launches is named in ``FIXTURE_LAUNCHES``. Before each
+test, ``LaunchAhead.look_ahead`` starts what the next tests name, at most ``MAX_WAITING`` launches not yet taken.
+``launch_scheduler`` and ``http_server`` take a started server with the same command line, or start their own:
+a wrong or missing mark costs time, never a check. Servers started for tests that did not take them (a test
+that failed first, a deselected one) are stopped at the session's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from scheduler.testing.process import SchedulerProcess
+
+MAX_WAITING = 2
+"""Launches started and not yet taken: each holds a model's memory and, while starting, a core."""
+LOOK_AHEAD_TESTS = 60
+"""How far ahead (in tests) a launch is started: far enough that short tests do not leave it no time."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One server's command line, as ``launch_scheduler`` or ``http_server`` builds it."""
+
+    flags: tuple[str, ...]
+    ranks: int = 1
+    extra_paths: tuple[Path, ...] = ()
+    http: bool = False
+
+
+def launch_of(mark: pytest.Mark) -> tuple[Launch, int]:
+    """What a ``launches`` mark names, and how many alike."""
+    launch = Launch(
+        tuple(mark.args),
+        mark.kwargs.get("ranks", 1),
+        tuple(mark.kwargs.get("extra_paths", ())),
+        mark.kwargs.get("http", False),
+    )
+    return launch, mark.kwargs.get("count", 1)
+
+
+@dataclass
+class _Started:
+    launch: Launch
+    process: SchedulerProcess
+    owner_ends_at: int
+    group: int
+
+
+class LaunchAhead:
+    """The servers started ahead, and which tests' launches have been seen."""
+
+    def __init__(self, start: Callable[[Launch], SchedulerProcess], fixture_launches: dict[str, Launch]) -> None:
+        self._start = start
+        self._fixture_launches = fixture_launches
+        self._waiting: list[_Started] = []
+        self._seen: set[tuple[str, Launch]] = set()
+        self._items: list[pytest.Item] = []
+        self._position: dict[str, int] = {}
+        self._owner_ends_at: dict[str, int] = {}
+
+    def plan(self, items: list[pytest.Item]) -> None:
+        """The session's tests, in the order they run."""
+        self._items = items
+        self._position = {item.nodeid: position for position, item in enumerate(items)}
+        for position, item in enumerate(items):
+            for owner, _, _ in self._launches(item):
+                self._owner_ends_at[owner] = position
+
+    def look_ahead(self, item: pytest.Item) -> None:
+        """Stop what was started for tests that have passed without taking it; mark ``item``'s own launches seen
+        (it starts them itself if none waits); start those of the next tests while fewer than ``MAX_WAITING``
+        launches wait."""
+        position = self._position.get(item.nodeid)
+        if position is None:
+            return
+        for started in [started for started in self._waiting if started.owner_ends_at < position]:
+            self._waiting.remove(started)
+            _discard(started.process)
+        for owner, launch, _ in self._launches(item):
+            self._seen.add((owner, launch))
+        for upcoming in self._items[position + 1 : position + 1 + LOOK_AHEAD_TESTS]:
+            for owner, launch, count in self._launches(upcoming):
+                if (owner, launch) in self._seen:
+                    continue
+                if len({started.group for started in self._waiting}) >= MAX_WAITING:
+                    return
+                self._seen.add((owner, launch))
+                ends_at, group = self._owner_ends_at[owner], len(self._seen)
+                self._waiting += [_Started(launch, self._start(launch), ends_at, group) for _ in range(count)]
+
+    def take(self, launch: Launch) -> SchedulerProcess | None:
+        """A server started ahead with this command line and still running, or None."""
+        for started in [started for started in self._waiting if started.launch == launch]:
+            self._waiting.remove(started)
+            if started.process.process.poll() is None:
+                return started.process
+            _discard(started.process)
+        return None
+
+    def stop_all(self) -> None:
+        for started in self._waiting:
+            _discard(started.process)
+        self._waiting.clear()
+
+    def _launches(self, item: pytest.Item) -> list[tuple[str, Launch, int]]:
+        """``(owner, launch, count)`` per launch ``item`` makes: the owner is the node its mark is on, or the
+        fixture."""
+        found = [(node.nodeid, *launch_of(mark)) for node, mark in item.iter_markers_with_node("launches")]
+        for name in getattr(item, "fixturenames", ()):
+            if name in self._fixture_launches:
+                found.append((f"fixture {name}", self._fixture_launches[name], 1))
+        return found
+
+
+def _discard(process: SchedulerProcess) -> None:
+    with contextlib.suppress(TimeoutError):  # killed then: nothing was asked of it
+        process.stop()
+    process.log_path.unlink(missing_ok=True)
