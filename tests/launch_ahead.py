@@ -3,11 +3,13 @@ for a rank group under torchrun) then runs beside the tests before it instead of
 
 A test, or a module for its module-scoped server, names what it launches with ``@pytest.mark.launches(...)``
 (the flags after the test flags, ``ranks``, ``extra_paths``, ``http=True`` for ``HttpServer``, ``count`` when it
-starts several alike); a session or package fixture that launches is named in ``FIXTURE_LAUNCHES``. Before each
-test, ``LaunchAhead.look_ahead`` starts what the next tests name, at most ``MAX_WAITING`` launches not yet taken.
-``launch_scheduler`` and ``http_server`` take a started server with the same command line, or start their own:
-a wrong or missing mark costs time, never a check. Servers started for tests that did not take them (a test
-that failed first, a deselected one) are stopped at the session's end.
+starts several alike); a session or package fixture that launches is named where ``tests/helpers.py`` makes
+``LAUNCH_AHEAD``. Before each test, ``LaunchAhead.look_ahead`` starts the next launches the session's tests name,
+however far ahead (the first ones wait through the in-process tests before them, whose walks and compiles leave a
+core idle), while fewer than ``MAX_WAITING`` have not been taken. ``launch_scheduler`` and ``http_server`` take a
+started server with the same command line, or start their own: a wrong or missing mark costs time, never a check.
+What was started for tests that did not take it (a test that failed first, one skipped) is stopped once they have
+passed, the rest at the session's end.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from scheduler.testing.process import SchedulerProcess
 
 MAX_WAITING = 2
 """Launches started and not yet taken: each holds a model's memory and, while starting, a core."""
-LOOK_AHEAD_TESTS = 60
-"""How far ahead (in tests) a launch is started: far enough that short tests do not leave it no time."""
 
 
 @dataclass(frozen=True)
@@ -64,39 +64,40 @@ class LaunchAhead:
         self._fixture_launches = fixture_launches
         self._waiting: list[_Started] = []
         self._seen: set[tuple[str, Launch]] = set()
-        self._items: list[pytest.Item] = []
         self._position: dict[str, int] = {}
-        self._owner_ends_at: dict[str, int] = {}
+        self._planned: list[tuple[int, int, str, Launch, int]] = []
 
     def plan(self, items: list[pytest.Item]) -> None:
-        """The session's tests, in the order they run."""
-        self._items = items
+        """The session's tests, in the order they run: each launch's owner, first and last test."""
         self._position = {item.nodeid: position for position, item in enumerate(items)}
+        spans: dict[tuple[str, Launch], list[int]] = {}
+        counts: dict[tuple[str, Launch], int] = {}
         for position, item in enumerate(items):
-            for owner, _, _ in self._launches(item):
-                self._owner_ends_at[owner] = position
+            for owner, launch, count in self._launches(item):
+                spans.setdefault((owner, launch), [position, position])[1] = position
+                counts[owner, launch] = count
+        planned = [(first, last, *key, counts[key]) for key, (first, last) in spans.items()]
+        self._planned = sorted(planned, key=lambda launch: launch[:3])
 
     def look_ahead(self, item: pytest.Item) -> None:
-        """Stop what was started for tests that have passed without taking it; mark ``item``'s own launches seen
-        (it starts them itself if none waits); start those of the next tests while fewer than ``MAX_WAITING``
-        launches wait."""
+        """Stop what was started for tests that have passed without taking it; mark the launches of ``item`` and
+        of the tests before it seen (a test starts its own if none waits); start the next ones while fewer than
+        ``MAX_WAITING`` launches wait."""
         position = self._position.get(item.nodeid)
         if position is None:
             return
         for started in [started for started in self._waiting if started.owner_ends_at < position]:
             self._waiting.remove(started)
             _discard(started.process)
-        for owner, launch, _ in self._launches(item):
+        for first, last, owner, launch, count in self._planned:
+            if (owner, launch) in self._seen:
+                continue
             self._seen.add((owner, launch))
-        for upcoming in self._items[position + 1 : position + 1 + LOOK_AHEAD_TESTS]:
-            for owner, launch, count in self._launches(upcoming):
-                if (owner, launch) in self._seen:
-                    continue
+            if first > position:
                 if len({started.group for started in self._waiting}) >= MAX_WAITING:
+                    self._seen.discard((owner, launch))
                     return
-                self._seen.add((owner, launch))
-                ends_at, group = self._owner_ends_at[owner], len(self._seen)
-                self._waiting += [_Started(launch, self._start(launch), ends_at, group) for _ in range(count)]
+                self._waiting += [_Started(launch, self._start(launch), last, first) for _ in range(count)]
 
     def take(self, launch: Launch) -> SchedulerProcess | None:
         """A server started ahead with this command line and still running, or None."""

@@ -23,9 +23,9 @@ from scheduler.io_struct import GenerateOutput, GenerateReq
 from scheduler.testing.process import SchedulerProcess
 from tests.helpers import (
     COLORS,
+    LAUNCH_AHEAD,
     PERSON_SCHEMA,
     PHONE_REGEX,
-    TEST_SERVER_FLAGS,
     YES_NO_EBNF,
     YES_NO_EBNF_LANGUAGE,
     flush_prefix_cache,
@@ -33,7 +33,9 @@ from tests.helpers import (
     is_json_object,
     launch_scheduler,
     matches,
+    start_launch,
 )
+from tests.launch_ahead import Launch
 
 TP2 = ("--tp-size", "2")
 COMPARED = ("--disable-radix-cache",)
@@ -260,8 +262,9 @@ def test_killing_a_tp_rank_mid_generation_aborts_the_request_and_stops_the_group
     assert "[rank 0] scheduler.launch: rank 0: a peer rank stopped answering" in log
 
 
+@pytest.mark.launches(*TP2)
 def test_a_tp_size_without_as_many_ranks_is_refused_at_start() -> None:
-    launched = SchedulerProcess(*TEST_SERVER_FLAGS, *TP2)
+    launched = LAUNCH_AHEAD.take(Launch(TP2)) or start_launch(Launch(TP2))
     try:
         exit_code = launched.process.wait(timeout=120)
         log = launched.log()
