@@ -100,12 +100,12 @@ class LaunchAhead:
                 self._waiting += [_Started(launch, self._start(launch), last, first) for _ in range(count)]
 
     def take(self, launch: Launch) -> SchedulerProcess | None:
-        """A server started ahead with this command line and still running, or None."""
-        for started in [started for started in self._waiting if started.launch == launch]:
-            self._waiting.remove(started)
-            if started.process.process.poll() is None:
+        """A server started ahead with this command line, or None. One that has exited meanwhile is taken too: its
+        start-up failed as the test's own would have (or as the test expects), and its log says why."""
+        for started in self._waiting:
+            if started.launch == launch:
+                self._waiting.remove(started)
                 return started.process
-            _discard(started.process)
         return None
 
     def stop_all(self) -> None:
