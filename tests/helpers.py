@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import openai
 import psutil
+import pytest
 import torch
 from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import save_file
@@ -78,6 +79,12 @@ def assert_rows_invariant(compute: Callable[[torch.Tensor], torch.Tensor], input
                 assert not differing, f"{rows} rows on {count} threads: rows {differing} differ from alone"
     finally:
         torch.set_num_threads(threads)
+
+
+def item_parameters(item: pytest.Item) -> dict[str, Any]:
+    """A collected test's parameters by name (none for a test that is not parametrized)."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params if callspec is not None else {}
 
 
 def compile_grammar(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGrammarObject:
@@ -227,8 +234,9 @@ class HttpServer(SchedulerProcess):
 
 def http_server(*flags: str) -> HttpServer:
     """An ``HttpServer`` with these flags: one started ahead (``launch_ahead``), else a new one."""
-    started = LAUNCH_AHEAD.take(Launch(flags, http=True))
-    return started if isinstance(started, HttpServer) else HttpServer(*flags)
+    started = LAUNCH_AHEAD.take_or_start(Launch(flags, http=True))
+    assert isinstance(started, HttpServer)
+    return started
 
 
 FREE_PORT = "<a free port>"
@@ -272,7 +280,7 @@ def launch_scheduler(
 ) -> Iterator[SchedulerProcess]:
     """A scheduler with the test flags; on exit it gets SIGTERM and (unless the test stopped it otherwise) every
     rank must have stopped cleanly: exit code 0, or under torchrun each rank's own "stopped" line."""
-    launched = LAUNCH_AHEAD.take(Launch(flags, ranks, extra_paths)) or start_launch(Launch(flags, ranks, extra_paths))
+    launched = LAUNCH_AHEAD.take_or_start(Launch(flags, ranks, extra_paths))
     try:
         launched.wait_until_ready()
         yield launched

@@ -6,8 +6,9 @@ A test, or a module for its module-scoped server, names what it launches with ``
 starts several alike); a session or package fixture that launches is named where ``tests/helpers.py`` makes
 ``LAUNCH_AHEAD``. Before each test, ``LaunchAhead.look_ahead`` starts the next launches the session's tests name,
 however far ahead (the first ones wait through the in-process tests before them, whose walks and compiles leave a
-core idle), while fewer than ``MAX_WAITING`` have not been taken. ``launch_scheduler`` and ``http_server`` take a
-started server with the same command line, or start their own: a wrong or missing mark costs time, never a check.
+core idle), while fewer than ``MAX_WAITING`` have not been taken. ``launch_scheduler`` and ``http_server``
+(``take_or_start``) take a started server with the same command line, or start their own: a wrong or missing mark
+costs time, never a check.
 What was started for tests that did not take it (a test that failed first, one skipped) is stopped once they have
 passed, the rest at the session's end.
 """
@@ -92,21 +93,20 @@ class LaunchAhead:
         for first, last, owner, launch, count in self._planned:
             if (owner, launch) in self._seen:
                 continue
-            self._seen.add((owner, launch))
             if first > position:
                 if len({started.group for started in self._waiting}) >= MAX_WAITING:
-                    self._seen.discard((owner, launch))
                     return
                 self._waiting += [_Started(launch, self._start(launch), last, first) for _ in range(count)]
+            self._seen.add((owner, launch))
 
-    def take(self, launch: Launch) -> SchedulerProcess | None:
-        """A server started ahead with this command line, or None. One that has exited meanwhile is taken too: its
-        start-up failed as the test's own would have (or as the test expects), and its log says why."""
+    def take_or_start(self, launch: Launch) -> SchedulerProcess:
+        """A server started ahead with this command line, else one started now. One that has exited meanwhile is
+        taken too: its start-up failed as the test's own would have (or as the test expects), and its log says why."""
         for started in self._waiting:
             if started.launch == launch:
                 self._waiting.remove(started)
                 return started.process
-        return None
+        return self._start(launch)
 
     def stop_all(self) -> None:
         for started in self._waiting:

@@ -25,6 +25,7 @@ from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.conformance import KnownOutcomes, MaskBenchSweep, check_constraint
 from sglang_constrained.testing.maskbench import load_case
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup
+from tests.helpers import item_parameters
 
 BACKENDS = ("xgrammar", "llguidance", "outlines")
 MASKBENCH_ROOT = Path(__file__).parents[1] / "data" / "maskbench"
@@ -206,15 +207,10 @@ def maskbench_sweep(
         load_case(params["path"])
         for item in request.session.items
         if getattr(item, "module", None) is request.module
-        and "path" in (params := _parameters(item))
+        and "path" in (params := item_parameters(item))
         and (params["backend"], params["tokenizer_case"]) == (backend.name, tokenizer_case.name)
     ]
     return MaskBenchSweep(backend, tokenizer_case, planned)
-
-
-def _parameters(item: pytest.Item) -> dict[str, object]:
-    callspec = getattr(item, "callspec", None)
-    return callspec.params if callspec is not None else {}
 
 
 def check_maskbench_case(sweep: MaskBenchSweep, path: Path) -> None:

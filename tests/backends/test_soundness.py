@@ -26,7 +26,7 @@ from sglang_constrained.testing.maskbench import load_case
 from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge, walk_and_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder
-from tests.helpers import compile_grammar
+from tests.helpers import compile_grammar, item_parameters
 
 BACKENDS = ("xgrammar", "llguidance", "outlines")
 WALKS_PER_PROBE = 6
@@ -155,12 +155,12 @@ def compile_ahead(request: pytest.FixtureRequest) -> None:
         return
     backend = request.getfixturevalue("backend")
     items = request.session.items
-    mine = _parameters(request.node)
+    mine = item_parameters(request.node)
     upcoming = (
         key
         for item in items[items.index(request.node) :]
         if item.module is request.module
-        and ((params := _parameters(item)).get("backend"), params.get("tokenizer_case"))
+        and ((params := item_parameters(item)).get("backend"), params.get("tokenizer_case"))
         == (mine["backend"], mine["tokenizer_case"])
         and (key := planned_key(params)) is not None
     )
@@ -177,11 +177,6 @@ def planned_key(params: dict[str, Any]) -> GrammarKey | None:
     if "kind" in params:
         return make_grammar_key(params["kind"], params["spec"])
     return make_grammar_key("json", load_case(params["path"]).schema)
-
-
-def _parameters(item: pytest.Item) -> dict[str, Any]:
-    callspec = getattr(item, "callspec", None)
-    return callspec.params if callspec is not None else {}
 
 
 @pytest.mark.parametrize("probe", STRING_PROBES)

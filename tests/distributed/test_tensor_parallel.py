@@ -33,7 +33,6 @@ from tests.helpers import (
     is_json_object,
     launch_scheduler,
     matches,
-    start_launch,
 )
 from tests.launch_ahead import Launch
 
@@ -264,7 +263,7 @@ def test_killing_a_tp_rank_mid_generation_aborts_the_request_and_stops_the_group
 
 @pytest.mark.launches(*TP2)
 def test_a_tp_size_without_as_many_ranks_is_refused_at_start() -> None:
-    launched = LAUNCH_AHEAD.take(Launch(TP2)) or start_launch(Launch(TP2))
+    launched = LAUNCH_AHEAD.take_or_start(Launch(TP2))
     try:
         exit_code = launched.process.wait(timeout=120)
         log = launched.log()
