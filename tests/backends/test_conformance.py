@@ -21,10 +21,10 @@ import pytest
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.conformance import KnownOutcomes, MaskBenchSweep, check_constraint
 from sglang_constrained.testing.maskbench import load_case
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup
+from tests.backends.conftest import new_backend
 from tests.helpers import item_parameters
 
 BACKENDS = ("xgrammar", "llguidance", "outlines")
@@ -185,11 +185,7 @@ SKIPPED = {
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tokenizer_case: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
-    args = ServerArgs(grammar_backend=request.param, grammar_compile_threads=2)
-    built = create_grammar_backend(
-        args, tokenizer_case.tokenizer, tokenizer_case.vocab_size, tokenizer_case.eos_token_ids
-    )
-    assert built is not None
+    built = new_backend(ServerArgs(grammar_backend=request.param, grammar_compile_threads=2), tokenizer_case)
     yield built
     built.shutdown()
 

@@ -117,16 +117,18 @@ def test_a_restarted_backend_loads_the_grammar_and_masks_as_the_compiled_one(
         restarted.shutdown()
 
 
-def test_xgrammar_keeps_its_compile_process_export_for_the_disk(
-    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
-) -> None:
+def test_xgrammar_keeps_its_compile_process_export_for_the_disk(smollm2_tokenizer: TokenizerSetup) -> None:
     """What a compile process sent back is written as it came, not serialised again (seconds for a large grammar)."""
-    backend = build_backend("xgrammar", smollm2_tokenizer)
-    assert isinstance(backend, XGrammarGrammarBackend) and backend.compile_processes is not None
-    grammar, export_later = backend.build_exportable(make_grammar_key("json", PERSON_SCHEMA))
-    export = export_later()
-    assert isinstance(export.payload, str) and export.stats == grammar.grammar_stats
-    assert_masks_agree(backend.import_grammar(export), grammar, smollm2_tokenizer)
+    setup = smollm2_tokenizer
+    backend = XGrammarGrammarBackend(ServerArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    try:
+        assert backend.compile_processes is not None
+        grammar, export_later = backend.build_exportable(make_grammar_key("json", PERSON_SCHEMA))
+        export = export_later()
+        assert isinstance(export.payload, str) and export.stats == grammar.grammar_stats
+        assert_masks_agree(backend.import_grammar(export), grammar, setup)
+    finally:
+        backend.shutdown()
 
 
 def test_a_reasoning_server_loads_what_a_plain_one_stored(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 
@@ -439,7 +438,7 @@ def _http_id(case: Case) -> str:
 @pytest.mark.parametrize("case", HTTP_CASES, ids=_http_id)
 def test_http_refuses_with_a_clear_4xx(server: HttpServer, case: Case) -> None:
     content = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
-    response = httpx.post(f"{server.url}{case.path}", content=content, timeout=120)
+    response = server.http.post(case.path, content=content)
     assert response.status_code == case.status, response.text[:500]
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
@@ -471,6 +470,6 @@ def test_the_corpus_holds_over_300_cases() -> None:
 @pytest.mark.model
 def test_the_server_serves_after_the_corpus(server: HttpServer) -> None:
     """Runs after the corpus (pytest keeps a module's order): a plain request still succeeds."""
-    response = httpx.post(f"{server.url}{CHAT}", json={"messages": MESSAGES, "max_tokens": 2}, timeout=120)
+    response = server.http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2})
     assert response.status_code == 200, response.text
     assert server.health()["running_requests"] == 0

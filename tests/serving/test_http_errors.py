@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -106,7 +105,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     server: HttpServer, path: str, body: bytes | dict[str, Any], status: int, expected: dict[str, Any]
 ) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{server.url}{path}", content=content, timeout=60)
+    response = server.http.post(path, content=content, timeout=60)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
