@@ -12,7 +12,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,17 +65,40 @@ if __name__ == "__main__":
 )
 
 
-def run_script(tmp_path: Path, name: str, source: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / name
-    script.write_text(textwrap.dedent(source))
+SCRIPTS = {"no_guard.py": WITHOUT_GUARD, "with_guard.py": WITH_GUARD}
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """Both scripts, started at once: each is seconds of imports in its processes, which the other core can run while
+    the first test waits for its own script."""
+    folder = tmp_path_factory.mktemp("plain_scripts")
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=environment, cwd=tmp_path
-    )
+    runs = {}
+    for name, source in SCRIPTS.items():
+        (folder / name).write_text(textwrap.dedent(source))
+        runs[name] = subprocess.Popen(
+            [sys.executable, name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+            cwd=folder,
+        )
+    yield runs
+    for run in runs.values():
+        run.kill()
+        run.communicate()
 
 
-def test_a_script_without_a_main_guard_compiles_in_threads(tmp_path: Path) -> None:
-    done = run_script(tmp_path, "no_guard.py", WITHOUT_GUARD)
+def finished(started: dict[str, subprocess.Popen[str]], name: str) -> subprocess.CompletedProcess[str]:
+    run = started[name]
+    stdout, stderr = run.communicate(timeout=600)
+    return subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
+
+
+def test_a_script_without_a_main_guard_compiles_in_threads(started: dict[str, subprocess.Popen[str]]) -> None:
+    done = finished(started, "no_guard.py")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["top level: XGrammarGrammar in threads"]
     [warning] = done.stderr.splitlines()
@@ -80,10 +106,10 @@ def test_a_script_without_a_main_guard_compiles_in_threads(tmp_path: Path) -> No
 
 
 def test_a_pool_worker_and_an_exiting_interpreter_compile_in_threads_and_nothing_prints_a_traceback(
-    tmp_path: Path,
+    started: dict[str, subprocess.Popen[str]],
 ) -> None:
     """The main process compiles in processes and exits without shutdown(); no compile process complains."""
-    done = run_script(tmp_path, "with_guard.py", WITH_GUARD)
+    done = finished(started, "with_guard.py")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "main: XGrammarGrammar in processes",
