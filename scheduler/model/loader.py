@@ -9,6 +9,7 @@ so later starts read it in about a second: with ``--weight-dtype auto`` its Q8_0
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -150,7 +151,8 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
     target = conversion_cache_dir(gguf_file, cache_dir, "blocks" if keep_blocks else "weights")
     if _is_complete(target):
         if not (target / RESOLVED_CONFIG_FILE).is_file():  # converted by an earlier version
-            write_resolved_config(target)
+            with contextlib.suppress(OSError):  # a read-only cache: load_config falls back on AutoConfig
+                write_resolved_config(target)
         return target, f"read the cached converted weights in {target}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(f"{target.name}.lock"), "w") as lock:
