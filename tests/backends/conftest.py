@@ -3,11 +3,12 @@
 Building one decodes the whole vocabulary (0.5 s at 49k tokens, ~5 s at 248k), so test modules split by subject
 share them instead of building their own.
 
-Their xgrammar compiles run on threads (``new_backend``), which xgrammar leaves the GIL to, not in compile
+Their xgrammar compiles run on threads (``new_backend``; xgrammar releases the GIL while it compiles), not in compile
 processes: the compiled grammar is the same, without serialising it back from the process (at 248k tokens ~13 MB of
 JSON for a plain schema: 0.2 s to write and 0.1 s to read, against 0.05 s to compile). Grammars from compile
 processes are checked where that path is the subject: ``test_grammar_sharing`` (an export allows what the compiled
-grammar allows), ``test_compile_processes``, ``test_eager_refusals``, and every test that starts a server.
+grammar allows), ``test_grammar_disk_cache`` (an export kept for the disk), ``test_compile_processes``,
+``test_eager_refusals``, ``test_plain_scripts``, and every test that starts a server.
 """
 
 from __future__ import annotations
