@@ -315,6 +315,17 @@ def flush_prefix_cache(process: SchedulerProcess) -> None:
     asyncio.run(flush())
 
 
+LLAMA3_ROPE_PARAMETERS = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+"""Llama 3's RoPE scaling as the tests' tiny models use it (an original context of 64 positions)."""
+
+
 def write_random_model(config: PretrainedConfig, folder: Path, lm_head_scale: float = 0.1) -> None:
     """A Hugging Face folder with random weights of ``config``'s shapes (q/k/v biases for Qwen2; for Qwen3 an RMSNorm
     weight of each query and key head). A small untied

@@ -29,7 +29,7 @@ from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
-from tests.helpers import assert_rows_invariant
+from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
 from triton_ops import invariant_cpu
 from triton_ops.invariant_cpu import DecoderBatch
 
@@ -437,14 +437,7 @@ TINY_MODELS = {
     "qwen3 untied, head_dim 16": Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False),
     "llama3 rope scaling": LlamaConfig(
         **TINY,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        rope_parameters=LLAMA3_ROPE_PARAMETERS,
     ),
 }
 

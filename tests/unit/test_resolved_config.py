@@ -16,6 +16,7 @@ from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qw
 from scheduler.model.llama import _rope_tables
 from scheduler.model.loader import RESOLVED_CONFIG_FILE, check_supported, load_config, write_resolved_config
 from scheduler.model.tensor_parallel import ShardPlan
+from tests.helpers import LLAMA3_ROPE_PARAMETERS
 
 SMALL = dict(
     vocab_size=1000,
@@ -30,14 +31,7 @@ CONFIGS = {
     "llama tied": LlamaConfig(**SMALL, tie_word_embeddings=True),
     "llama3 rope": LlamaConfig(
         **SMALL,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        rope_parameters=LLAMA3_ROPE_PARAMETERS,
     ),
     "linear rope": LlamaConfig(**SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
     "yarn rope": Qwen2Config(
