@@ -1,9 +1,10 @@
 """``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
 HTTP with ``--port``) until SIGINT/SIGTERM; under ``torchrun`` on every rank (see ``scheduler.serve``).
 
-This module imports no engine, model or torch at its top. With xgrammar, its compile processes' fork server starts
-first and imports xgrammar (~2.5 s of CPU) while this process imports the server's modules (as much again), instead
-of after them; and the fork server, which imports the main module (``compile_processes``), finds this one light.
+With xgrammar, its compile processes' fork server is this process forked once the server's modules are imported
+(``forked_fork_server``), with nothing left to import. Where this Python's fork server cannot be made so, it is
+multiprocessing's own, a new interpreter importing xgrammar (~2.5 s of CPU): it starts first, so that its imports run
+beside this process's own, and finds this module light (it imports no engine, model or torch at its top).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.server_args import WORLD_SIZE, ServerArgs
+from sglang_constrained.forked_fork_server import can_fork_fork_server
 from sglang_constrained.xgrammar_fork_server import start_xgrammar_fork_server
 
 
@@ -22,10 +24,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     server_args = ServerArgs.parse(argv)
     server_args.check_world_size(WORLD_SIZE.get())
     backends = server_args.grammar_backend_order if server_args.grammar_backend == "auto" else ()
-    if "xgrammar" in (server_args.grammar_backend, *backends):
-        start_xgrammar_fork_server()
-    from scheduler.serve import serve  # after the fork server's start: see the module docstring
+    uses_xgrammar = "xgrammar" in (server_args.grammar_backend, *backends)
+    forks_its_fork_server = uses_xgrammar and can_fork_fork_server()
+    if uses_xgrammar and not forks_its_fork_server:
+        start_xgrammar_fork_server()  # a new interpreter, whose imports run beside the next line's
+    from scheduler.serve import serve
 
+    if forks_its_fork_server:
+        start_xgrammar_fork_server()  # this process, forked with its imports done
     return serve(server_args)
 
 

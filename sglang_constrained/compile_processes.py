@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 
 from sglang_constrained.compile_service import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, CompileControl, set_nice
 from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileProcessError, CompileTimeoutError
+from sglang_constrained.forked_fork_server import fork_fork_server
 
 K = TypeVar("K")
 P = TypeVar("P")
@@ -42,12 +43,16 @@ MIB = 2**20
 
 
 def start_fork_server(preload: Sequence[str]) -> None:
-    """Start the fork server that compile processes fork from (importing ``preload``) now, in the background, so
-    that its start overlaps other work (a model's loading) instead of delaying the first compile processes; the
-    ``CompileProcesses`` made later with the same ``preload`` use it. Nothing where processes cannot start."""
+    """Start the fork server that compile processes fork from (importing ``preload``) now, so that its start does not
+    delay the first compile processes; the ``CompileProcesses`` made later with the same ``preload`` use it.
+
+    Where it can (``forked_fork_server``), this process imports ``preload`` and forks itself into the server, which
+    costs no imports of its own; else multiprocessing starts a new interpreter for it, in the background, whose
+    imports overlap what this process does meanwhile. Nothing where processes cannot start."""
     if why_processes_cannot_start() is None:
         _fork_server_context(preload)
-        multiprocessing.forkserver.ensure_running()
+        if not fork_fork_server(preload):
+            multiprocessing.forkserver.ensure_running()
 
 
 def _fork_server_context(preload: Sequence[str]) -> multiprocessing.context.ForkServerContext:

@@ -1,8 +1,9 @@
-"""The fork server of xgrammar's compile processes, started without importing xgrammar.
+"""The fork server of xgrammar's compile processes, started by a launcher that has not imported xgrammar yet.
 
-The fork server spends its ~2.5 s of CPU importing xgrammar (and with it torch and transformers); a launcher that
-starts it before its own imports (``scheduler.launch``) has both run at once, on two cores, instead of one after the
-other. The server's ``XGrammarGrammarBackend`` later forks its compile processes from it.
+Where this process can fork itself into the fork server (``forked_fork_server``), starting it imports xgrammar here
+first; else the fork server is a new interpreter, which spends ~2.5 s of CPU importing xgrammar (and with it torch
+and transformers), and a launcher that starts it before its own imports (``scheduler.launch``) has both run at once,
+on two cores. The server's ``XGrammarGrammarBackend`` later forks its compile processes from it.
 """
 
 from __future__ import annotations
@@ -14,5 +15,5 @@ XGRAMMAR_COMPILE_PRELOAD = ("sglang_constrained.xgrammar_backend",)
 
 
 def start_xgrammar_fork_server() -> None:
-    """Start the fork server now, in the background (see ``compile_processes.start_fork_server``)."""
+    """Start the fork server now (see ``compile_processes.start_fork_server``)."""
     start_fork_server(XGRAMMAR_COMPILE_PRELOAD)

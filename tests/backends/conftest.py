@@ -9,6 +9,8 @@ JSON for a plain schema: 0.2 s to write and 0.1 s to read, against 0.05 s to com
 processes are checked where that path is the subject: ``test_grammar_sharing`` (an export allows what the compiled
 grammar allows), ``test_grammar_disk_cache`` (an export kept for the disk), ``test_compile_processes``,
 ``test_eager_refusals``, ``test_plain_scripts``, and every test that starts a server.
+
+The package's torch ops run on one thread (``one_torch_thread``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend
@@ -34,6 +37,19 @@ BACKEND_CLASSES: dict[str, type[BaseGrammarBackend]] = {
 
 BackendBuilder = Callable[..., Any]
 """``build_backend(name, setup, eos_token_ids=None, **server_arg_overrides)``."""
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """torch's ops on one thread in this package: they are elementwise over a vocabulary row or two (unpacking a
+    mask, weighing a walk's next token), where a team of threads only adds its fork-join, and the other core is
+    busy with the compiles queued ahead (and servers starting for later tests), so that a team's every op waits
+    for a descheduled thread. ``tests/backends`` alone, one run each: 225 s and 305 s of CPU with two threads,
+    211 s and 264 s with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
