@@ -16,6 +16,9 @@ from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.registry import GRAMMAR_BACKEND_REGISTRY
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 from tests.helpers import LAUNCH_AHEAD, launch_scheduler
+from tests.prepare_ahead import PrepareAhead
+
+PREPARE_AHEAD = PrepareAhead()
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +63,7 @@ def clean_registry() -> Iterator[None]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     LAUNCH_AHEAD.plan(session.items)
+    PREPARE_AHEAD.start(session.items)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -69,3 +73,4 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     LAUNCH_AHEAD.stop_all()
+    PREPARE_AHEAD.stop_all()

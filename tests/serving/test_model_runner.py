@@ -33,6 +33,7 @@ from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
 from triton_ops import invariant_cpu
 from triton_ops.invariant_cpu import DecoderBatch
 
+pytestmark = pytest.mark.prepared_ahead("float32 weights")
 NUM_STEPS = 16
 NEAR_TIE = 0.05
 """Float32 logits this close are a tie that bfloat16 weights' rounding (~1e-2 here) may break either way."""

@@ -185,6 +185,7 @@ print(json.dumps({"isa": invariant_cpu.isa(), "bits": bits}))
 """
 
 
+@pytest.mark.prepared_ahead("scalar kernels", "avx2 kernels")
 def test_every_instruction_set_computes_the_same_bits() -> None:
     """The AVX-512, AVX2 and scalar builds (as many as this CPU runs) give identical results: lanes hold different
     outputs, never parts of one sum, and the fixed reduction trees and exp polynomial are the same in every build;

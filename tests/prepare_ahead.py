@@ -1,0 +1,67 @@
+"""First-time preparations started in the background as the session starts, for the tests that need them later.
+
+On a new machine some tests first wait for work whose result the cache then keeps: the float32 weights
+de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (~8 s of compiler each).
+Started at the session's start, at the lowest CPU priority, they take the core that the in-process tests before
+them leave idle, instead of their own tests' time. A test or module names what it needs with
+``@pytest.mark.prepared_ahead(name, ...)``; only what the session's tests name is started. Each preparation is a
+command that does what the test would do first (the same cache, the same lock file), so a test that comes to it
+meanwhile waits for it instead of repeating it, and one whose preparation failed does it again itself and fails
+with its own error. With warm caches each command finds its result and exits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from triton_ops.cpu_info import cpu_flags
+
+_LOWEST_PRIORITY = "import os; os.nice(19)\n"
+_KERNELS = (
+    "from scheduler.server_args import ServerArgs\n"
+    "from triton_ops import invariant_cpu\n"
+    "invariant_cpu.load(ServerArgs().kernel_build_path, {target!r})\n"
+)
+PREPARATIONS: dict[str, str] = {
+    "float32 weights": (
+        "from scheduler.model.loader import load_model\n"
+        "from scheduler.server_args import ServerArgs\n"
+        "load_model(ServerArgs(weight_dtype='float32'))\n"
+    ),
+    "scalar kernels": _KERNELS.format(target="scalar"),
+    "avx2 kernels": _KERNELS.format(target="avx2"),
+}
+"""What each name prepares: a script run in a new interpreter."""
+
+
+def _runs_here(name: str) -> bool:
+    return name != "avx2 kernels" or "avx2" in cpu_flags()
+
+
+class PrepareAhead:
+    """The preparations the session's tests name, started once."""
+
+    def __init__(self) -> None:
+        self._started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, items: list[pytest.Item]) -> None:
+        names = {name for item in items for mark in item.iter_markers("prepared_ahead") for name in mark.args}
+        unknown = names - PREPARATIONS.keys()
+        if unknown:
+            raise pytest.UsageError(f"prepared_ahead names unknown preparations {sorted(unknown)}")
+        for name in sorted(filter(_runs_here, names)):
+            script = _LOWEST_PRIORITY + PREPARATIONS[name]
+            self._started.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+
+    def stop_all(self) -> None:
+        for process in self._started:
+            process.kill()
+            process.wait()
+        self._started.clear()
