@@ -55,9 +55,7 @@ class PrepareAhead:
         for name in sorted(filter(_runs_here, names)):
             script = _LOWEST_PRIORITY + PREPARATIONS[name]
             self._started.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                )
+                subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             )
 
     def stop_all(self) -> None:
