@@ -10,6 +10,7 @@ from typing import Any
 
 import jsonschema
 import msgspec
+import psutil
 import pytest
 import zmq
 
@@ -19,6 +20,7 @@ from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.forked_fork_server import can_fork_fork_server
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -161,6 +163,23 @@ def test_same_schema_twice_is_a_cache_hit_the_second_time(one_rank_server: Sched
         second = client.generate(**request)
     assert first.grammar_cache_hit is False and second.grammar_cache_hit is True
     assert first.text == second.text and json.loads(second.text)["ok"] in (True, False)
+
+
+@pytest.mark.skipif(not can_fork_fork_server(), reason="this Python's fork server is not one the launcher forks")
+def test_the_compile_processes_fork_from_the_scheduler_forked_not_from_a_new_interpreter(
+    one_rank_server: SchedulerProcess,
+) -> None:
+    """The scheduler forks itself into its compile processes' fork server once its imports are done, so that no
+    interpreter imports xgrammar (and torch) again at start-up (~2.5 s of CPU); compiles run in its children."""
+    schema = {"type": "object", "properties": {"forked": {"type": "boolean"}}, "required": ["forked"]}
+    with one_rank_server.client() as client:
+        output = client.generate(text="JSON:", sampling_params={"json_schema": schema, "temperature": 0})
+    assert isinstance(json.loads(output.text)["forked"], bool)
+    scheduler = psutil.Process(one_rank_server.process.pid)
+    children = scheduler.children()
+    (fork_server,) = [child for child in children if child.cmdline() == scheduler.cmdline()]
+    assert fork_server.children(), "the compile processes are the fork server's children"
+    assert not any("multiprocessing.forkserver" in " ".join(child.cmdline()) for child in children)
 
 
 def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: SchedulerProcess) -> None:
