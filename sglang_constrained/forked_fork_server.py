@@ -55,23 +55,24 @@ def fork_fork_server(preload: Sequence[str]) -> bool:
         importlib.import_module(name)
     if threading.active_count() != 1:
         return False
-    with server._lock:
+    with server._lock:  # released before the fork, which would copy it held: no other thread runs meanwhile
         if server._forkserver_pid is not None:
             return False
-        resource_tracker.ensure_running()  # before the fork: its children reach the tracker the parent started
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
-            listener.bind(address)
-            if not util.is_abstract_socket_namespace(address):
-                os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()  # the server exits once every write end (this process's) is closed
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _serve(listener.fileno(), alive_r, alive_w)
-            os.close(alive_r)
+    resource_tracker.ensure_running()  # before the fork: its children reach the tracker the parent started
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server exits once every write end (this process's) is closed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener.fileno(), alive_r, alive_w)
+        os.close(alive_r)
+    with server._lock:
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
