@@ -17,6 +17,7 @@ import functools
 import json
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,9 @@ BYTE_FALLBACK_WEIGHT = 40.0
 CLOSING_BYTES = frozenset(b'"}]')
 SAMPLE_BLOCK = 1024
 EXACT_FLOAT64_INTEGERS = 2**53
+WALK_THREADS = 2
+WALK_SEED_STRIDE = 1_000_003
+"""Walk ``i`` of a batch seeded ``s`` draws from a generator seeded ``s * WALK_SEED_STRIDE + i``."""
 
 Judge = Callable[[str], str | None]
 """Returns why a finished walk's text is not a valid output, or None when it is. A text may hold lone surrogates
@@ -252,12 +256,22 @@ def walk_and_judge(
     seed: int,
     free_text: bool = False,
 ) -> WalkTally:
-    """``num_walks`` seeded walks from fresh copies of ``grammar``, each judged (``judge_walk``); an invalid output is
-    named by its walk's index and seed."""
-    generator = torch.Generator().manual_seed(seed)
+    """``num_walks`` walks from fresh copies of ``grammar``, each judged (``judge_walk``); an invalid output is named
+    by its walk's index and seed.
+
+    Walk ``i`` draws from its own generator, seeded with ``seed`` and ``i``, so that its path does not depend on the
+    other walks; they run ``WALK_THREADS`` at a time (filling a mask and torch's ops leave the GIL)."""
+    token_traits(setup)  # computed once, before the threads
+    copies = [grammar.copy() for _ in range(num_walks)]
+
+    def walk(index: int) -> WalkResult:
+        generator = torch.Generator().manual_seed(seed * WALK_SEED_STRIDE + index)
+        return judge_walk(random_walk(copies[index], setup, generator), judge, free_text)
+
+    with ThreadPoolExecutor(WALK_THREADS) as pool:
+        results = list(pool.map(walk, range(num_walks)))
     tally = WalkTally(num_walks=num_walks)
-    for index in range(num_walks):
-        result = judge_walk(random_walk(grammar.copy(), setup, generator), judge, free_text)
+    for index, result in enumerate(results):
         tally.num_finished += result.finished
         if result.problem is not None:
             tally.invalid_outputs.append(f"walk {index} (seed {seed}): {result.text!r:.200}: {result.problem}")
