@@ -13,11 +13,10 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.fresh_interpreter import REPO_ROOT
 
 COMPILE = """
 from scheduler.server_args import ServerArgs

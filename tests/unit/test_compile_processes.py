@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +18,7 @@ import pytest
 from sglang_constrained.compile_processes import CompileProcesses
 from sglang_constrained.compile_service import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, CompileControl
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
+from tests.fresh_interpreter import run_python_in
 
 
 def start_compiler() -> Callable[[str], tuple[int, int]]:
@@ -182,15 +181,6 @@ def test_a_main_module_run_with_dash_m_is_imported_once_by_the_fork_server_not_b
     (package / "__init__.py").write_text("")
     (package / "main_module.py").write_text(MAIN_MODULE)
     (tmp_path / "imported_by_main.py").write_text("import os\n\nimporter = os.getpid()\n")
-    repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-m", "server_package.main_module"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])},
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_python_in(tmp_path, "-m", "server_package.main_module")
     assert done.stdout.split() == ["True", "True"], "the child imported the main module's imports itself"
     assert done.stderr == "", "the fork server or a child printed something (runpy's warning of a module run twice?)"

@@ -5,15 +5,13 @@ launcher does, since a fork server is one per process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
 from sglang_constrained.forked_fork_server import can_fork_fork_server
+from tests.fresh_interpreter import run_python_in
 
 LAUNCHER = """
 import json
@@ -55,16 +53,7 @@ if __name__ == "__main__":
 def run_launcher(tmp_path: Path, mode: str) -> dict[str, object]:
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     (tmp_path / "imported_by_preload.py").write_text("")
-    repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "launcher.py", mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])},
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_python_in(tmp_path, "launcher.py", mode)
     assert done.stderr == "", "the fork server or a child printed something"
     report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     return report
