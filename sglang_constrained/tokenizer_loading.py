@@ -6,9 +6,12 @@ Every grammar backend takes the same tokenizer type, whatever the source.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +57,24 @@ def load_tokenizer(model_path: Path, cache_dir: Path) -> Any:
     target = conversion_cache_dir(model_path, cache_dir, "tokenizer")
     if (target / "tokenizer.json").exists():
         return _load_converted_tokenizer(target)
-    from transformers import AutoTokenizer
+    with conversion_lock(target):
+        if (target / "tokenizer.json").exists():  # another process converted it while this one waited
+            return _load_converted_tokenizer(target)
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-    save_tokenizer_atomically(tokenizer, target)
-    return tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        save_tokenizer_atomically(tokenizer, target)
+        return tokenizer
+
+
+@contextlib.contextmanager
+def conversion_lock(target: Path) -> Iterator[None]:
+    """Held while converting into ``target``: processes starting together (ranks under torchrun, a server and the
+    tests beside it) wait for one conversion instead of each repeating it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f"{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _load_converted_tokenizer(folder: Path) -> Any:

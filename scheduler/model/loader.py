@@ -10,7 +10,6 @@ so later starts read it in about a second: with ``--weight-dtype auto`` its Q8_0
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -29,7 +28,12 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from scheduler.model.gguf_blocks import BlockQuantized, from_parts, read_gguf_weights, split_part_name
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path, load_tokenizer
+from sglang_constrained.tokenizer_loading import (
+    conversion_cache_dir,
+    conversion_lock,
+    embedded_model_path,
+    load_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +158,7 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
             with contextlib.suppress(OSError):  # a read-only cache: load_config falls back on AutoConfig
                 write_resolved_config(target)
         return target, f"read the cached converted weights in {target}"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f"{target.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with conversion_lock(target):
         if _is_complete(target):
             return target, f"another process converted into {target}"
         for leftover in target.parent.glob(f"{target.name}.tmp-*"):  # from killed processes; we hold the lock

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,8 +25,43 @@ from scheduler.io_struct import Pong
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORTS_BELOW_EPHEMERAL = 10_000
+"""How many ports below the kernel's ephemeral range ``free_port`` picks from."""
+_given_ports: set[int] = set()
+_given_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing listens on right now, and that nothing else is likely to take before the
+    process it is meant for binds it (seconds later, after its imports).
+
+    The port lies below the kernel's ephemeral range, where no outgoing connection (gloo's, torchrun's) and no bind
+    to port 0 lands, and this process never gives it twice. (A port the kernel picked from the ephemeral range
+    was once taken meanwhile by another group's connection, and the scheduler failed to bind it.)"""
+    if not EPHEMERAL_PORTS_FILE.is_file():
+        return _kernel_picked_port()
+    first_ephemeral = int(EPHEMERAL_PORTS_FILE.read_text().split()[0])
+    candidates = list(range(max(1024, first_ephemeral - PORTS_BELOW_EPHEMERAL), first_ephemeral))
+    random.shuffle(candidates)
+    with _given_ports_lock:
+        for port in candidates:
+            if port not in _given_ports and _can_bind(port):
+                _given_ports.add(port)
+                return port
+    return _kernel_picked_port()
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _kernel_picked_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -1,17 +1,25 @@
 """The embedded model's converted tokenizer is loaded as ``AutoTokenizer`` loads it, without importing
-``AutoTokenizer`` (whose module imports torch, which the HTTP frontend does not otherwise need)."""
+``AutoTokenizer`` (whose module imports torch, which the HTTP frontend does not otherwise need); processes starting
+together convert it once."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path, load_tokenizer
+from sglang_constrained.tokenizer_loading import (
+    conversion_cache_dir,
+    conversion_lock,
+    embedded_model_path,
+    load_tokenizer,
+)
 
 TEXTS = ["Hello world", ' ör <|im_start|>user\n{"a": 1}\t', "\u00a0  trailing  "]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,3 +56,44 @@ def test_loading_it_imports_no_torch(server_args: ServerArgs) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False"]
+
+
+def test_a_process_finding_a_conversion_under_way_waits_for_it_and_loads_its_result(
+    server_args: ServerArgs, tmp_path: Path
+) -> None:
+    """While this test holds the conversion's lock, a new process waits on it (the kernel lists it as blocked);
+    once the converted folder is in place and the lock released, it loads that folder without converting (the
+    GGUF reader never imported) and gets the same tokenizer."""
+    load_tokenizer(embedded_model_path(), server_args.cache_path)  # converted, if no test has yet
+    converted = conversion_cache_dir(embedded_model_path(), server_args.cache_path, "tokenizer")
+    target = conversion_cache_dir(embedded_model_path(), tmp_path, "tokenizer")
+    script = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+        from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
+        tokenizer = load_tokenizer(embedded_model_path(), Path(sys.argv[1]))
+        print("gguf" in sys.modules, len(tokenizer))
+        """
+    )
+    with conversion_lock(target):
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT
+        )
+        deadline = time.monotonic() + 120
+        while not blocked_on_a_lock(waiting.pid):
+            assert waiting.poll() is None and time.monotonic() < deadline, "the process did not wait for the lock"
+            time.sleep(0.05)
+        shutil.copytree(converted, target)
+    stdout, _ = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0
+    assert stdout.split() == ["False", str(len(load_tokenizer(embedded_model_path(), server_args.cache_path)))]
+
+
+def blocked_on_a_lock(pid: int) -> bool:
+    """Whether ``pid`` waits for a file lock (``/proc/locks`` lists a waiter with ``->``)."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "->" and fields[5] == str(pid):
+            return True
+    return False
