@@ -204,10 +204,10 @@ def is_color(text: str) -> None:
 class HttpServer(SchedulerProcess):
     """The launcher with ``--port`` (the package's test launcher, plus the HTTP side)."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, idle_priority: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__("--port", str(self.port), *HTTP_SERVER_FLAGS, *flags)
+        super().__init__("--port", str(self.port), *HTTP_SERVER_FLAGS, *flags, idle_priority=idle_priority)
         # One client for the tests' requests: httpx.post makes a client, and its TLS context (20 ms of CPU), each.
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
@@ -249,12 +249,14 @@ FREE_PORT = "<a free port>"
 """A flag value that ``launch_scheduler`` replaces by a free port as it starts the server (``flag_value`` reads it)."""
 
 
-def start_launch(launch: Launch) -> SchedulerProcess:
+def start_launch(launch: Launch, idle_priority: bool = False) -> SchedulerProcess:
     """Start what ``launch`` names as ``launch_scheduler`` or ``http_server`` would, without waiting for it."""
     flags = tuple(str(free_port()) if flag == FREE_PORT else flag for flag in launch.flags)
     if launch.http:
-        return HttpServer(*flags)
-    return SchedulerProcess(*TEST_SERVER_FLAGS, *flags, ranks=launch.ranks, extra_paths=launch.extra_paths)
+        return HttpServer(*flags, idle_priority=idle_priority)
+    return SchedulerProcess(
+        *TEST_SERVER_FLAGS, *flags, ranks=launch.ranks, extra_paths=launch.extra_paths, idle_priority=idle_priority
+    )
 
 
 def flag_value(process: SchedulerProcess, flag: str) -> str:

@@ -6,7 +6,8 @@ A test, or a module for its module-scoped server, names what it launches with ``
 starts several alike); a session or package fixture that launches is named where ``tests/helpers.py`` makes
 ``LAUNCH_AHEAD``. Before each test, ``LaunchAhead.look_ahead`` starts the next launches the session's tests name,
 however far ahead (the first ones wait through the in-process tests before them, whose walks and compiles leave a
-core idle), while fewer than ``MAX_WAITING`` have not been taken. ``launch_scheduler`` and ``http_server``
+core idle), while fewer than ``MAX_WAITING`` have not been taken. They start at idle priority (``SCHED_IDLE``: a
+core only when no test wants it) and get the normal one back when taken. ``launch_scheduler`` and ``http_server``
 (``take_or_start``) take a started server with the same command line, or start their own: a wrong or missing mark
 costs time, never a check.
 What was started for tests that did not take it (a test that failed first, one skipped) is stopped once they have
@@ -22,10 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.testing.process import SchedulerProcess
+from scheduler.testing.process import SchedulerProcess, can_leave_idle_priority
 
-MAX_WAITING = 2
-"""Launches started and not yet taken: each holds a model's memory and, while starting, a core."""
+MAX_WAITING = 6
+"""Launches started and not yet taken, once a test has taken one: each holds a model's memory."""
+MAX_WAITING_BEFORE = 2
+"""Launches waiting while no test has taken one yet (the in-process tests before the first server's, which keep
+both cores busy at times: more starts beside them slowed them more than they saved later), and at any time where a
+launch cannot be started at idle priority (then each start takes a core from the tests)."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,16 @@ class _Started:
     process: SchedulerProcess
     owner_ends_at: int
     group: int
+    idle_priority: bool
 
 
 class LaunchAhead:
     """The servers started ahead, and which tests' launches have been seen."""
 
-    def __init__(self, start: Callable[[Launch], SchedulerProcess], fixture_launches: dict[str, Launch]) -> None:
+    def __init__(self, start: Callable[[Launch, bool], SchedulerProcess], fixture_launches: dict[str, Launch]) -> None:
         self._start = start
+        self._idle_priority: bool | None = None
+        self._taken_any = False
         self._fixture_launches = fixture_launches
         self._waiting: list[_Started] = []
         self._seen: set[tuple[str, Launch]] = set()
@@ -94,19 +102,28 @@ class LaunchAhead:
             if (owner, launch) in self._seen:
                 continue
             if first > position:
-                if len({started.group for started in self._waiting}) >= MAX_WAITING:
+                if self._idle_priority is None:
+                    self._idle_priority = can_leave_idle_priority()
+                max_waiting = MAX_WAITING if self._idle_priority and self._taken_any else MAX_WAITING_BEFORE
+                if len({started.group for started in self._waiting}) >= max_waiting:
                     return
-                self._waiting += [_Started(launch, self._start(launch), last, first) for _ in range(count)]
+                self._waiting += [
+                    _Started(launch, self._start(launch, self._idle_priority), last, first, self._idle_priority)
+                    for _ in range(count)
+                ]
             self._seen.add((owner, launch))
 
     def take_or_start(self, launch: Launch) -> SchedulerProcess:
         """A server started ahead with this command line, else one started now. One that has exited meanwhile is
         taken too: its start-up failed as the test's own would have (or as the test expects), and its log says why."""
+        self._taken_any = True
         for started in self._waiting:
             if started.launch == launch:
                 self._waiting.remove(started)
+                if started.idle_priority:
+                    started.process.leave_idle_priority()
                 return started.process
-        return self._start(launch)
+        return self._start(launch, False)
 
     def stop_all(self) -> None:
         for started in self._waiting:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +27,8 @@ from scheduler.io_struct import Pong
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+IDLE_PRIORITY = ("chrt", "--idle", "0")
+"""A command's prefix that runs it under ``SCHED_IDLE``: it gets a core only when no other task wants it."""
 EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 PORTS_BELOW_EPHEMERAL = 10_000
 """How many ports below the kernel's ephemeral range ``free_port`` picks from."""
@@ -102,6 +106,23 @@ def process_tree_memory(pid: int) -> TreeMemory:
     return TreeMemory(rss / 2**20, pss / 2**20)
 
 
+def can_leave_idle_priority() -> bool:
+    """Whether a child started at idle priority (``SchedulerProcess(idle_priority=True)``) can be given back the normal
+    one: it needs ``chrt`` (util-linux) and ``CAP_SYS_NICE`` (or an ``RLIMIT_NICE`` that allows it), tried on a
+    child of this process's own."""
+    if shutil.which("chrt") is None:
+        return False
+    child = subprocess.Popen([*IDLE_PRIORITY, "sleep", "60"])
+    try:
+        os.sched_setscheduler(child.pid, os.SCHED_OTHER, os.sched_param(0))
+    except PermissionError:
+        return False
+    finally:
+        child.kill()
+        child.wait()
+    return True
+
+
 class SchedulerProcess:
     """``python -m scheduler.launch`` on a free loopback port, its output in a log file.
 
@@ -117,6 +138,7 @@ class SchedulerProcess:
         extra_paths: tuple[Path, ...] = (),
         env: Mapping[str, str] | None = None,
         root: Path = REPO_ROOT,
+        idle_priority: bool = False,
     ) -> None:
         self.zmq_port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
@@ -131,8 +153,26 @@ class SchedulerProcess:
         self.command = tuple(command)
         python_path = [*map(str, extra_paths), str(root), os.environ.get("PYTHONPATH", "")]
         environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(python_path)}
+        started = [*IDLE_PRIORITY, *command] if idle_priority else command
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=environment)
+            self.process = subprocess.Popen(started, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=environment)
+
+    def leave_idle_priority(self) -> None:
+        """Every thread of every process of the tree back to the normal scheduling policy (Linux keeps one per
+        thread; threads and processes started later take their starter's). Passes over the tree until one finds
+        nothing left idle, so that a rank or thread started during a pass is not missed."""
+        if self.process.poll() is not None:
+            return
+        root = psutil.Process(self.process.pid)
+        changed = True
+        while changed:
+            changed = False
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                    for thread in process.threads():
+                        if os.sched_getscheduler(thread.id) == os.SCHED_IDLE:
+                            os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
+                            changed = True
 
     def client(self, timeout_s: float = 600.0) -> SchedulerClient:
         return SchedulerClient(self.endpoint, timeout_s=timeout_s)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llguidance.hf import from_tokenizer
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import (
     TokenRejectedError,
     create_grammar_backend,
 )
-from sglang_constrained.llguidance_backend import GuidanceBackend
+from sglang_constrained.llguidance_backend import GuidanceBackend, ll_tokenizer
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder
@@ -187,3 +188,21 @@ def test_a_trigger_spelled_like_a_special_token_is_matched_as_text(
     case = tokenizer_case
     tokens = case.encode(text, split_special_tokens=True)
     assert walk_tokens(grammar, tokens, case.vocab_size, case.eos_token_ids, forbidden).is_accepted
+
+
+def test_its_tokenizer_is_the_one_llguidance_builds_from_the_hugging_face_tokenizer(
+    smollm2_tokenizer: TokenizerSetup,
+) -> None:
+    """Built without ``from_tokenizer``'s copy of the Rust tokenizer: the same vocabulary size, stop tokens and bytes
+    of every token, and the same tokenisation of text with special tokens, non-ASCII and control characters. (What
+    is built is the same for any tokenizer: the same JSON text reaches ``LLTokenizer``; the 248k one would spend 6 s
+    on ``from_tokenizer`` to show it again.)"""
+    setup = smollm2_tokenizer
+    ours = ll_tokenizer(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    theirs = from_tokenizer(setup.tokenizer, n_vocab=setup.vocab_size, eos_token=list(setup.eos_token_ids))
+    assert (ours.vocab_size, ours.eos_tokens) == (theirs.vocab_size, theirs.eos_tokens)
+    every_token = range(setup.vocab_size)
+    assert [ours.decode_bytes([t]) for t in every_token] == [theirs.decode_bytes([t]) for t in every_token]
+    text = '<|im_start|>user\n{"é": "\t ok"} ünïcode 😀\x01<|im_end|>'
+    assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+    assert [ours.is_special_token(t) for t in every_token] == [theirs.is_special_token(t) for t in every_token]
