@@ -161,18 +161,17 @@ class SchedulerProcess:
         """Every thread of every process of the tree back to the normal scheduling policy (Linux keeps one per
         thread; threads and processes started later take their starter's). Passes over the tree until one finds
         nothing left idle, so that a rank or thread started during a pass is not missed."""
-        if self.process.poll() is not None:
-            return
-        root = psutil.Process(self.process.pid)
         changed = True
-        while changed:
+        while changed and self.process.poll() is None:
             changed = False
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                    for thread in process.threads():
-                        if os.sched_getscheduler(thread.id) == os.SCHED_IDLE:
-                            os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
-                            changed = True
+            with contextlib.suppress(psutil.NoSuchProcess):  # the launcher exited meanwhile (a failed start)
+                root = psutil.Process(self.process.pid)
+                for process in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                        for thread in process.threads():
+                            if os.sched_getscheduler(thread.id) == os.SCHED_IDLE:
+                                os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
+                                changed = True
 
     def client(self, timeout_s: float = 600.0) -> SchedulerClient:
         return SchedulerClient(self.endpoint, timeout_s=timeout_s)

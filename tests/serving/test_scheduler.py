@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -180,6 +181,20 @@ def test_the_compile_processes_fork_from_the_scheduler_forked_not_from_a_new_int
     (fork_server,) = [child for child in children if child.cmdline() == scheduler.cmdline()]
     assert fork_server.children(), "the compile processes are the fork server's children"
     assert not any("multiprocessing.forkserver" in " ".join(child.cmdline()) for child in children)
+
+
+def test_a_server_started_ahead_runs_at_normal_priority_once_taken(one_rank_server: SchedulerProcess) -> None:
+    """The session's server was started ahead, at idle priority where it can be given back (``tests/launch_ahead.py``):
+    taken, every thread of its tree (its fork server and compile processes too) is back under the normal policy, and
+    the compile processes it starts after take that too."""
+    schema = {"type": "object", "properties": {"normal": {"type": "boolean"}}, "required": ["normal"]}
+    with one_rank_server.client() as client:
+        client.generate(text="JSON:", sampling_params={"json_schema": schema, "temperature": 0})
+    scheduler = psutil.Process(one_rank_server.process.pid)
+    threads = [
+        thread.id for process in [scheduler, *scheduler.children(recursive=True)] for thread in process.threads()
+    ]
+    assert len(threads) > 1 and {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_OTHER}
 
 
 def test_client_abort_mid_generation_returns_its_kv_tokens(one_rank_server: SchedulerProcess) -> None:
