@@ -60,7 +60,6 @@ class _Started:
     process: SchedulerProcess
     owner_ends_at: int
     group: int
-    idle_priority: bool
 
 
 class LaunchAhead:
@@ -108,8 +107,7 @@ class LaunchAhead:
                 if len({started.group for started in self._waiting}) >= max_waiting:
                     return
                 self._waiting += [
-                    _Started(launch, self._start(launch, self._idle_priority), last, first, self._idle_priority)
-                    for _ in range(count)
+                    _Started(launch, self._start(launch, self._idle_priority), last, first) for _ in range(count)
                 ]
             self._seen.add((owner, launch))
 
@@ -120,7 +118,7 @@ class LaunchAhead:
         for started in self._waiting:
             if started.launch == launch:
                 self._waiting.remove(started)
-                if started.idle_priority:
+                if self._idle_priority:
                     started.process.leave_idle_priority()
                 return started.process
         return self._start(launch, False)

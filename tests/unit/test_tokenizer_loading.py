@@ -20,9 +20,9 @@ from sglang_constrained.tokenizer_loading import (
     embedded_model_path,
     load_tokenizer,
 )
+from tests.fresh_interpreter import REPO_ROOT, run_python_in
 
 TEXTS = ["Hello world", ' ör <|im_start|>user\n{"a": 1}\t', "\u00a0  trailing  "]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_converted_tokenizer_is_what_autotokenizer_loads(server_args: ServerArgs) -> None:
@@ -53,9 +53,7 @@ def test_loading_it_imports_no_torch(server_args: ServerArgs) -> None:
         print("torch" in sys.modules)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False"]
+    assert run_python_in(REPO_ROOT, "-c", script).stdout.split() == ["False"]
 
 
 def test_a_process_finding_a_conversion_under_way_waits_for_it_and_loads_its_result(
@@ -64,7 +62,7 @@ def test_a_process_finding_a_conversion_under_way_waits_for_it_and_loads_its_res
     """While this test holds the conversion's lock, a new process waits on it (the kernel lists it as blocked);
     once the converted folder is in place and the lock released, it loads that folder without converting (the
     GGUF reader never imported) and gets the same tokenizer."""
-    load_tokenizer(embedded_model_path(), server_args.cache_path)  # converted, if no test has yet
+    expected = load_tokenizer(embedded_model_path(), server_args.cache_path)  # converted, if no test has yet
     converted = conversion_cache_dir(embedded_model_path(), server_args.cache_path, "tokenizer")
     target = conversion_cache_dir(embedded_model_path(), tmp_path, "tokenizer")
     script = textwrap.dedent(
@@ -87,7 +85,7 @@ def test_a_process_finding_a_conversion_under_way_waits_for_it_and_loads_its_res
         shutil.copytree(converted, target)
     stdout, _ = waiting.communicate(timeout=120)
     assert waiting.returncode == 0
-    assert stdout.split() == ["False", str(len(load_tokenizer(embedded_model_path(), server_args.cache_path)))]
+    assert stdout.split() == ["False", str(len(expected))]
 
 
 def blocked_on_a_lock(pid: int) -> bool:
