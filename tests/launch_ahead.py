@@ -17,10 +17,12 @@ passed, the rest at the session's end.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from scheduler.testing.process import SchedulerProcess, can_leave_idle_priority
@@ -28,9 +30,31 @@ from scheduler.testing.process import SchedulerProcess, can_leave_idle_priority
 MAX_WAITING = 6
 """Launches started and not yet taken, once a test has taken one: each holds a model's memory."""
 MAX_WAITING_BEFORE = 2
-"""Launches waiting while no test has taken one yet (the in-process tests before the first server's, which keep
-both cores busy at times: more starts beside them slowed them more than they saved later), and at any time where a
-launch cannot be started at idle priority (then each start takes a core from the tests)."""
+"""Launches waiting while no test has taken one yet and the tests keep every core busy (more starts beside the
+in-process tests at the session's start slowed them more than they saved later), and at any time where a launch
+cannot be started at idle priority (then each start takes a core from the tests)."""
+IDLE_CORES_TO_START = 0.5
+"""Cores left idle since the last look (over ``IDLE_WINDOW_S`` at least) that let launches start up to ``MAX_WAITING``
+before any test has taken one: the in-process tests on a large vocabulary walk on one core for minutes."""
+IDLE_WINDOW_S = 2.0
+
+
+class IdleCores:
+    """How many cores the machine left idle over the last window of at least ``IDLE_WINDOW_S`` (idle-priority
+    launches count as busy: while one starts, no other is added)."""
+
+    def __init__(self) -> None:
+        self._since = (time.monotonic(), psutil.cpu_times())
+        self.last = 0.0
+
+    def update(self) -> float:
+        now, times = time.monotonic(), psutil.cpu_times()
+        then, before = self._since
+        if now - then >= IDLE_WINDOW_S:
+            idle = (times.idle + times.iowait) - (before.idle + before.iowait)
+            self.last = idle / (now - then)
+            self._since = (now, times)
+        return self.last
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,7 @@ class LaunchAhead:
         self._start = start
         self._idle_priority: bool | None = None
         self._taken_any = False
+        self._idle_cores = IdleCores()
         self._fixture_launches = fixture_launches
         self._waiting: list[_Started] = []
         self._seen: set[tuple[str, Launch]] = set()
@@ -103,7 +128,8 @@ class LaunchAhead:
             if first > position:
                 if self._idle_priority is None:
                     self._idle_priority = can_leave_idle_priority()
-                max_waiting = MAX_WAITING if self._idle_priority and self._taken_any else MAX_WAITING_BEFORE
+                busy = not self._taken_any and self._idle_cores.update() < IDLE_CORES_TO_START
+                max_waiting = MAX_WAITING if self._idle_priority and not busy else MAX_WAITING_BEFORE
                 if len({started.group for started in self._waiting}) >= max_waiting:
                     return
                 self._waiting += [
