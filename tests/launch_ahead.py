@@ -28,7 +28,8 @@ import pytest
 from scheduler.testing.process import SchedulerProcess, can_leave_idle_priority
 
 MAX_WAITING = 6
-"""Launches started and not yet taken, once a test has taken one: each holds a model's memory."""
+"""Launches started and not yet taken, once a test has taken one or while the tests leave a core idle
+(``IDLE_CORES_TO_START``): each holds a model's memory."""
 MAX_WAITING_BEFORE = 2
 """Launches waiting while no test has taken one yet and the tests keep every core busy (more starts beside the
 in-process tests at the session's start slowed them more than they saved later), and at any time where a launch
@@ -40,8 +41,9 @@ IDLE_WINDOW_S = 2.0
 
 
 class IdleCores:
-    """How many cores the machine left idle over the last window of at least ``IDLE_WINDOW_S`` (idle-priority
-    launches count as busy: while one starts, no other is added)."""
+    """How many cores the machine left idle over the last window of at least ``IDLE_WINDOW_S``. Idle-priority
+    launches count as busy: one look that finds a core idle starts up to ``MAX_WAITING`` at once, and no look
+    starts more until those have finished starting."""
 
     def __init__(self) -> None:
         self._since = (time.monotonic(), psutil.cpu_times())
