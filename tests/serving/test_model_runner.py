@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -22,7 +24,7 @@ from transformers import (
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch
-from scheduler.model.loader import check_supported, read_weights
+from scheduler.model.loader import check_supported, load_model, read_weights
 from scheduler.model.runner import BLOCK_TOKENS_PER_FORWARD, ModelRunner
 from scheduler.model.runner_contract import TOKENS_PER_FORWARD
 from scheduler.model.tensor_parallel import ShardPlan
@@ -420,6 +422,33 @@ UNSUPPORTED = {
 def test_unsupported_models_are_refused(config: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_supported(config, max_seq_len=256)
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "float32"])
+def test_a_gguf_file_of_an_unsupported_architecture_is_refused_before_its_conversion(
+    tmp_path: Path, weight_dtype: str
+) -> None:
+    """Both conversions (the blocks kept, or de-quantised by transformers) name the architecture, and leave nothing in
+    the cache."""
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "cache"
+    args = ServerArgs(model_path=str(path), weight_dtype=weight_dtype, cache_dir=str(cache))
+    refusal = r"unsupported architecture 'gpt2' in tiny-gpt2\.gguf; the model runner serves"
+    with pytest.raises(ValueError, match=refusal):
+        load_model(args)
+    assert [entry.name for entry in cache.iterdir() if not entry.name.endswith(".lock")] == []
 
 
 TINY = dict(
