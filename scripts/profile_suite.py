@@ -5,10 +5,11 @@
 By default the cache (``SGLANG_CONSTRAINED_CACHE_DIR``) starts empty, as on a new machine and in ``.ci/run``: the
 model's conversion, the tokenizers' and the narrower kernels' builds happen during the run; only the native kernels
 are built first, as ``scripts/setup.sh`` does. ``--warm`` keeps this machine's cache, which hides that work (runs
-of one commit measured 465-470 s warm and 491-551 s cold here, 2026-11-26): the budget is for the cold run.
+of one commit's tests measured 470.9 s and 472.6 s warm, 491-551 s cold here, 2026-11-26): the budget is for the
+cold run.
 
 Prints the CPU, pytest's summary and slowest tests, and per package its wall time, the machine's busy CPU
-meanwhile (every process's, from ``/proc/stat``: ``scripts/suite_probe.py``) and the cores that kept busy. The
+meanwhile (every process's: ``scripts/suite_probe.py``) and the cores that kept busy. The
 per-test figures stay in ``DIR/tests.tsv``, pytest's output in ``DIR/pytest.txt``. The machine may be shared:
 compare runs of two commits one after the other, more than once.
 """
@@ -42,11 +43,11 @@ def package_table(rows: list[tuple[str, float, float]]) -> list[str]:
         package = parts[1] if len(parts) > 2 else parts[0]
         wall[package] += seconds
         cpu[package] += busy
+    totals = [(package, wall[package], cpu[package]) for package in sorted(wall, key=lambda name: -wall[name])]
+    totals.append(("all tests", sum(wall.values()), sum(cpu.values())))
     lines = [f"{'package':<14}{'wall s':>9}{'CPU s':>9}{'cores':>7}"]
-    for package in sorted(wall, key=lambda name: -wall[name]):
-        lines.append(f"{package:<14}{wall[package]:9.1f}{cpu[package]:9.1f}{cpu[package] / wall[package]:7.2f}")
-    total_wall, total_cpu = sum(wall.values()), sum(cpu.values())
-    lines.append(f"{'all tests':<14}{total_wall:9.1f}{total_cpu:9.1f}{total_cpu / max(total_wall, 1e-9):7.2f}")
+    for name, seconds, busy in totals:
+        lines.append(f"{name:<14}{seconds:9.1f}{busy:9.1f}{busy / max(seconds, 1e-9):7.2f}")
     return lines
 
 

@@ -1,8 +1,9 @@
 """A pytest plugin for ``scripts/profile_suite.py``: per test, its wall time and the machine's busy CPU meanwhile.
 
-Busy CPU is read from ``/proc/stat`` (every process: the tests' servers, compile processes and anything started in
-the background count), so that a test's ratio of CPU to wall says how many cores were busy while it ran. Written
-as tab-separated lines (node id, wall s, busy CPU s) to the file ``$SUITE_PROBE_OUT``.
+Busy CPU is the whole machine's (psutil's ``cpu_times``, outside idle and I/O wait): the tests' servers, compile
+processes and anything started in the background count, so that a test's ratio of CPU to wall says how many cores
+were busy while it ran. Written as tab-separated lines (node id, wall s, busy CPU s) to the file
+``$SUITE_PROBE_OUT``.
 """
 
 from __future__ import annotations
@@ -12,18 +13,16 @@ import time
 from collections.abc import Generator
 from typing import IO
 
+import psutil
 import pytest
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _out: IO[str] | None = None
 
 
 def busy_cpu_seconds() -> float:
     """CPU seconds the whole machine has spent outside idle and I/O wait since boot."""
-    with open("/proc/stat") as stat:
-        ticks = [int(field) for field in stat.readline().split()[1:9]]
-    idle = ticks[3] + ticks[4]
-    return (sum(ticks) - idle) / _TICKS_PER_S
+    times = psutil.cpu_times()
+    return times.user + times.nice + times.system + times.irq + times.softirq + times.steal
 
 
 def pytest_configure(config: pytest.Config) -> None:
