@@ -7,9 +7,11 @@ xgrammar, llguidance and vLLM share, so a batch can mix the masks of every backe
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 BITS_PER_WORD = 32
@@ -45,11 +47,17 @@ def to_int32_words(words: torch.Tensor) -> torch.Tensor:
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool ``[..., vocab_size]``: True where ``bitmask`` ``[..., words]`` allows the token.
 
-    Tokens past ``32 * words`` (a mask narrower than the vocabulary) are disallowed.
+    Tokens past ``32 * words`` (a mask narrower than the vocabulary) are disallowed. On the CPU the words' bytes are
+    unpacked by numpy (little-endian, so bit ``t % 8`` of byte ``t // 8`` is token ``t``'s): ~5x faster at 248k
+    tokens than the shifts, which serve other devices.
     """
-    shifts = torch.arange(BITS_PER_WORD, dtype=BITMASK_DTYPE, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.reshape(*bitmask.shape[:-1], bitmask.shape[-1] * BITS_PER_WORD).bool()
+    if bitmask.device.type == "cpu" and bitmask.dtype == BITMASK_DTYPE and sys.byteorder == "little":
+        word_bytes = bitmask.contiguous().numpy().view(numpy.uint8)
+        allowed = torch.from_numpy(numpy.unpackbits(word_bytes, axis=-1, bitorder="little")).view(torch.bool)
+    else:
+        shifts = torch.arange(BITS_PER_WORD, dtype=BITMASK_DTYPE, device=bitmask.device)
+        bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+        allowed = bits.reshape(*bitmask.shape[:-1], bitmask.shape[-1] * BITS_PER_WORD).bool()
     if allowed.shape[-1] >= vocab_size:
         return allowed[..., :vocab_size]
     padding = torch.zeros(*allowed.shape[:-1], vocab_size - allowed.shape[-1], dtype=torch.bool, device=bitmask.device)

@@ -59,6 +59,10 @@ def test_packing_and_unpacking_are_inverse(allowed: list[bool], rows: int) -> No
     assert packed.shape == (rows, words_per_row(len(allowed)))
     assert torch.equal(unpack_bitmask(packed, len(allowed)), bools)
     assert all(definition_allows(packed[0].tolist(), t) == a for t, a in enumerate(allowed))
+    # the shifts that unpack on other devices (and wider words) read the same bits as numpy's bytes on the CPU
+    assert torch.equal(unpack_bitmask(packed.to(torch.int64), len(allowed)), bools)
+    beside_other_words = torch.cat([packed, torch.full_like(packed, ALL_ALLOWED)], dim=-1)[:, : packed.shape[-1]]
+    assert torch.equal(unpack_bitmask(beside_other_words, len(allowed)), bools)
 
 
 def test_all_allowed_and_none_allowed_rows() -> None:
