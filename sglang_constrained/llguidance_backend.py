@@ -40,7 +40,7 @@ from sglang_constrained.lark_grammar import is_lark_grammar
 from sglang_constrained.per_tokenizer import per_tokenizer
 from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
 from sglang_constrained.structural_tag_lark import structural_tag_to_lark
-from triton_ops.bitmask_format import allowed_token_ids, words_per_row
+from triton_ops.bitmask_format import clear_token_bits, lowest_allowed_token, token_word_bits, words_per_row
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict that exists only in llguidance's stub
@@ -340,17 +340,17 @@ def _probe_start(template: LLMatcher, ll_tokenizer: LLTokenizer, what: str) -> N
     """Walk up to ``_PROBE_STEPS`` tokens from the start (each the lowest allowed id that is not a stop token) on a
     copy of ``template``; raises ``GrammarSpecError`` with llguidance's message if a mask or a step fails."""
     probe = template.deep_copy()
-    stops = torch.tensor(ll_tokenizer.eos_tokens, dtype=torch.int64)
+    stop_bits = token_word_bits(ll_tokenizer.eos_tokens)
     for _ in range(_PROBE_STEPS):
         if probe.is_stopped():
             return
         mask = torch.frombuffer(bytearray(probe.compute_bitmask()), dtype=torch.int32)
         if not probe.is_error():
-            allowed = allowed_token_ids(mask, ll_tokenizer.vocab_size)
-            regular = allowed[~torch.isin(allowed, stops)]
-            if not len(regular):
+            clear_token_bits(mask, stop_bits)
+            token = lowest_allowed_token(mask, ll_tokenizer.vocab_size)
+            if token is None:
                 return
-            probe.consume_token(int(regular[0]))
+            probe.consume_token(token)
         if probe.is_error():
             message = _clean_message(probe.get_error())
             raise GrammarSpecError(

@@ -106,6 +106,18 @@ def only_allowed_token(row: torch.Tensor, vocab_size: int) -> int | None:
     return token if token < vocab_size else None
 
 
+def lowest_allowed_token(row: torch.Tensor, vocab_size: int) -> int | None:
+    """The lowest token id one mask row allows, or None when it allows none below ``vocab_size`` (reads the words up
+    to the first nonzero one, not every token)."""
+    nonzero = row.nonzero()
+    if not len(nonzero):
+        return None
+    word_index = int(nonzero[0, 0])
+    word = int(row[word_index]) & 0xFFFFFFFF
+    token = word_index * BITS_PER_WORD + (word & -word).bit_length() - 1
+    return token if token < vocab_size else None
+
+
 def token_word_bits(token_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
     """``(word, bits)`` pairs that set ``token_ids`` in a row, ``bits`` as int32 values; for ``set_token_bits``."""
     words: dict[int, int] = {}
@@ -118,6 +130,12 @@ def set_token_bits(row: torch.Tensor, word_bits: tuple[tuple[int, int], ...]) ->
     """Allow the tokens of ``token_word_bits`` in one mask row, in place (the row's other bits are kept)."""
     for word, bits in word_bits:
         row[word] |= bits
+
+
+def clear_token_bits(row: torch.Tensor, word_bits: tuple[tuple[int, int], ...]) -> None:
+    """Disallow the tokens of ``token_word_bits`` in one mask row, in place (the row's other bits are kept)."""
+    for word, bits in word_bits:
+        row[word] &= ~bits
 
 
 @dataclass(frozen=True)

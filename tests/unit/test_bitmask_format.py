@@ -11,7 +11,9 @@ from triton_ops.bitmask_format import (
     allocate_bitmask,
     allowed_token_ids,
     bitmask_from_token_ids,
+    clear_token_bits,
     is_token_allowed,
+    lowest_allowed_token,
     only_allowed_token,
     pack_bool_mask,
     reset_rows,
@@ -40,15 +42,21 @@ def test_a_row_of_token_ids_follows_the_definition(case: tuple[int, set[int]]) -
     assert set(allowed_token_ids(row, vocab).tolist()) == tokens
     assert all(is_token_allowed(row, t) == (t in tokens) for t in range(vocab + 40))
     assert only_allowed_token(row, vocab) == (next(iter(tokens)) if len(tokens) == 1 else None)
+    assert lowest_allowed_token(row, vocab) == min(tokens, default=None)
+    cleared = set(sorted(tokens)[::2])
+    clear_token_bits(row, token_word_bits(cleared))
+    assert set(allowed_token_ids(row, vocab).tolist()) == tokens - cleared
+    assert lowest_allowed_token(row, vocab) == min(tokens - cleared, default=None)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 300).flatmap(lambda vocab: st.tuples(st.just(vocab), st.integers(0, vocab - 1))))
-def test_a_token_past_the_vocabulary_is_never_the_only_allowed_one(case: tuple[int, int]) -> None:
-    """A row allowing one token at or past ``vocab_size`` (padding words) forces nothing."""
+def test_a_token_past_the_vocabulary_is_never_the_only_or_lowest_allowed_one(case: tuple[int, int]) -> None:
+    """A row allowing one token at or past ``vocab_size`` (padding words) forces nothing and offers nothing."""
     vocab, token = case
     assert only_allowed_token(bitmask_from_token_ids([token], vocab), vocab) == token
     assert only_allowed_token(bitmask_from_token_ids([token], vocab + 64), token) is None
+    assert lowest_allowed_token(bitmask_from_token_ids([token], vocab + 64), token) is None
 
 
 @settings(max_examples=80, deadline=None)
