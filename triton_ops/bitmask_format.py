@@ -107,8 +107,8 @@ def only_allowed_token(row: torch.Tensor, vocab_size: int) -> int | None:
 
 
 def lowest_allowed_token(row: torch.Tensor, vocab_size: int) -> int | None:
-    """The lowest token id one mask row allows, or None when it allows none below ``vocab_size`` (reads the words up
-    to the first nonzero one, not every token)."""
+    """The lowest token id one mask row allows, or None when it allows none below ``vocab_size`` (finds the first
+    nonzero word, without unpacking every token: 7.8k words at 248k tokens)."""
     nonzero = row.nonzero()
     if not len(nonzero):
         return None
