@@ -1,5 +1,5 @@
-"""What backends derive from a tokenizer (the decoded vocabulary, llguidance's tokenizer): built once per tokenizer
-in a process, and again only when the tokenizer has grown."""
+"""What backends derive from a tokenizer (the decoded vocabulary, llguidance's tokenizer, outlines-core's vocabulary):
+built once per tokenizer in a process, and again only when the tokenizer has grown."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import copy
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.llguidance_backend import GuidanceBackend
+from sglang_constrained.outlines_backend import OutlinesGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.vocabulary import tokenizer_vocabulary
 
@@ -40,6 +41,23 @@ def test_llguidance_backends_on_one_tokenizer_share_its_engine_tokenizer(smollm2
     try:
         assert second.ll_tokenizer is first.ll_tokenizer
         assert other_stops.ll_tokenizer is not first.ll_tokenizer and other_stops.ll_tokenizer.eos_token == 0
+    finally:
+        for backend in (first, second, other_stops):
+            backend.shutdown()
+
+
+def test_outlines_backends_on_one_tokenizer_share_its_engine_vocabulary(smollm2_tokenizer: TokenizerSetup) -> None:
+    setup = smollm2_tokenizer
+    args = ServerArgs(grammar_backend="outlines")
+    first, second = (
+        OutlinesGrammarBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids) for _ in range(2)
+    )
+    other_stops = OutlinesGrammarBackend(args, setup.tokenizer, setup.vocab_size, [0])
+    try:
+        assert second.vocabulary is first.vocabulary
+        assert other_stops.vocabulary is not first.vocabulary
+        assert other_stops.vocabulary.get_eos_token_id() == 0
+        assert first.vocabulary.get_eos_token_id() == setup.eos_token_ids[0]
     finally:
         for backend in (first, second, other_stops):
             backend.shutdown()
