@@ -1,13 +1,17 @@
 """First-time preparations started in the background as the session starts, for the tests that need them later.
 
 On a new machine some tests first wait for work whose result the cache then keeps: the float32 weights
-de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (~8 s of compiler each).
+de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (~8 s of compiler each),
+and the any-JSON index outlines-core builds for ``json_object`` at the model's vocabulary (~7 s), which the grammar
+disk cache keeps for the in-process schedulers of ``test_speculative`` (test servers compile theirs:
+``COLD_GRAMMARS``).
 Started at the session's start, at the lowest CPU priority, they take the core that the in-process tests before
 them leave idle, instead of their own tests' time. A test or module names what it needs with
 ``@pytest.mark.prepared_ahead(name, ...)``; only what the session's tests name is started. Each preparation is a
 command that does what the test would do first (the same cache, the same lock file), so a test that comes to it
-meanwhile waits for it instead of repeating it, and one whose preparation failed does it again itself and fails
-with its own error. With warm caches each command finds its result and exits.
+meanwhile waits for it instead of repeating it (a grammar has no lock: such a test compiles its own), and one whose
+preparation failed does it again itself and fails with its own error. With warm caches each command finds its
+result and exits.
 """
 
 from __future__ import annotations
@@ -30,6 +34,21 @@ PREPARATIONS: dict[str, str] = {
         "from scheduler.model.loader import load_model\n"
         "from scheduler.server_args import ServerArgs\n"
         "load_model(ServerArgs(weight_dtype='float32'))\n"
+    ),
+    "outlines any-JSON grammar": (
+        "from scheduler.model.runner import ModelRunner\n"
+        "from scheduler.server_args import ServerArgs\n"
+        "from sglang_constrained.constraint_spec import make_grammar_key\n"
+        "from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache\n"
+        "from sglang_constrained.registry import create_grammar_backend\n"
+        "args = ServerArgs(grammar_backend='outlines')\n"
+        "runner = ModelRunner(args)\n"
+        "disk_cache = open_grammar_disk_cache(args.grammar_disk_cache_path, args.grammar_disk_cache_max_bytes)\n"
+        "backend = create_grammar_backend(args, runner.tokenizer, runner.vocab_size, runner.eos_token_ids,\n"
+        "                                 disk_cache=disk_cache)\n"
+        "grammar, is_cache_hit = backend.get_cached_or_future_value(make_grammar_key('json_object', None))\n"
+        "is_cache_hit or grammar.result()\n"
+        "backend.shutdown()\n"
     ),
     "scalar kernels": _KERNELS.format(target="scalar"),
     "avx2 kernels": _KERNELS.format(target="avx2"),
