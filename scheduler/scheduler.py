@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 
@@ -41,7 +42,7 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, common_prefix_length
 from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
 from sglang_constrained.registry import create_grammar_backend
 from triton_ops import load_cpu_bitmask_kernel
@@ -52,6 +53,10 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
 SHUTDOWN = Abort(AbortCause.SHUTDOWN, "the server is shutting down")
+SHARED_PREFIX_MIN_TOKENS = 32
+"""Tokens of a prompt's start, computed by a request admitted before it in the same turn, for which a request waits a
+turn and takes them from the prefix cache (SGLang's in-batch prefix caching threshold): tools or a long system
+prompt sent with many requests at once are computed once."""
 
 
 class Scheduler:
@@ -163,7 +168,7 @@ class Scheduler:
         if prefill_batch:
             self.running.extend(prefill_batch)
             self.executor.prefill(prefill_batch)
-            self._share_repeated_prompts(prefill_batch)
+            self._share_prefixes(prefill_batch)
             self._after_batch(prefill_batch)
         if decode_batch:
             self.executor.decode(decode_batch)
@@ -287,12 +292,30 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[Req]:
         """Requests admitted into KV memory this turn, in arrival order (the first that does not fit waits, and
-        those behind it with it, so that a long prompt is never starved by short ones)."""
+        those behind it with it, so that a long prompt is never starved by short ones). One whose prompt begins with
+        ``SHARED_PREFIX_MIN_TOKENS`` or more tokens that a request admitted before it computes this turn waits too:
+        the next turn takes them from the prefix cache (``_share_prefixes``) instead of computing them again."""
         batch: list[Req] = []
         room = self.server_args.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room and self._reserve_kv(self.waiting_queue[0]):
+        while self.waiting_queue and len(batch) < room:
+            req = self.waiting_queue[0]
+            if self._computes_again(req, batch) or not self._reserve_kv(req):
+                break
             batch.append(self.waiting_queue.popleft())
         return batch
+
+    def _computes_again(self, req: Req, batch: list[Req]) -> bool:
+        """Whether ``req`` would compute a prefix that a request of ``batch`` computes, and could take from the prefix
+        cache a turn later (a repeated prompt is not: the prefill shares it within the batch)."""
+        if self.kv.radix is None:
+            return False
+        for leader in batch:
+            assert leader.kv is not None
+            common = common_prefix_length(req.prompt_ids, leader.prompt_ids)
+            is_repeated = common == len(req.prompt_ids) == len(leader.prompt_ids)
+            if not is_repeated and common - leader.kv.num_cached >= SHARED_PREFIX_MIN_TOKENS:
+                return True
+        return False
 
     def _reserve_kv(self, req: Req) -> bool:
         """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
@@ -306,13 +329,20 @@ class Scheduler:
         """The output tokens a request reserves KV for: ``max_new_tokens``, within the context."""
         return max(1, min(max_new_tokens, self.max_seq_len - len(prompt_ids)))
 
-    def _share_repeated_prompts(self, batch: list[Req]) -> None:
-        """Cache, right after their prefill, the prompts of ``batch`` that waiting requests repeat (``n`` samples
-        admitted while the first runs)."""
-        waiting = {tuple(req.prompt_ids) for req in self.waiting_queue}
+    def _share_prefixes(self, batch: list[Req]) -> None:
+        """Cache, right after their prefill, what waiting requests share of the prompts of ``batch``: a prompt they
+        repeat (``n`` samples admitted while the first runs), or its first ``SHARED_PREFIX_MIN_TOKENS`` or more
+        tokens (the requests ``_schedule_prefill`` held back for them, such as a system prompt or tools). Only the
+        waiting requests the next turn can admit are compared."""
+        next_turn = list(itertools.islice(self.waiting_queue, self.server_args.max_running_requests))
+        if self.kv.radix is None or not next_turn:
+            return
         for req in batch:
-            if req.kv is not None and tuple(req.prompt_ids) in waiting:
-                self.kv.share_prefix(req.kv, len(req.prompt_ids))
+            if req.kv is None:
+                continue
+            shared = max(common_prefix_length(req.prompt_ids, other.prompt_ids) for other in next_turn)
+            if shared == len(req.prompt_ids) or shared - req.kv.num_cached >= SHARED_PREFIX_MIN_TOKENS:
+                self.kv.share_prefix(req.kv, shared)
 
     def _after_batch(self, batch: list[Req]) -> None:
         """Finish who finished; stream what is new to the others."""

@@ -17,7 +17,7 @@ import pytest
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput, GenerateReq, encode
 from scheduler.model.runner import ModelRunner
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import SHARED_PREFIX_MIN_TOKENS, Scheduler
 from scheduler.server_args import ServerArgs
 
 pytestmark = pytest.mark.model
@@ -227,6 +227,34 @@ def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone
             scheduler.kv.flush()
             (alone,) = serve(scheduler, [seeded(seed)])
             assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
+
+
+SYSTEM_PROMPT = (
+    "You are the booking assistant of a small hotel by the sea. Answer in one short sentence, politely, and never "
+    "promise a room: say that the front desk confirms every booking by email within a day. The hotel has twelve "
+    "rooms, a garden, a restaurant open from seven to ten, and bicycles that guests may borrow for free."
+)
+"""A system prompt long enough (over ``SHARED_PREFIX_MIN_TOKENS`` tokens) for requests sent together to share it."""
+
+
+def test_requests_sharing_a_long_prefix_compute_it_once_and_equal_each_alone(runner: ModelRunner) -> None:
+    """Four seeded chats sent at once with one long system prompt: the first computes it, the others wait a turn
+    and take it from the prefix cache (their cached tokens say so), and each is token for token the output it gives
+    alone on an empty cache."""
+    questions = ["Do you have a room on Friday?", "When is breakfast?", "Can I bring a dog?", "Is there parking?"]
+
+    def chat(question: str, seed: int) -> GenerateReq:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        return make_request(messages=messages, sampling_params={"temperature": 0.9, "max_new_tokens": 10, "seed": seed})
+
+    with in_process_scheduler(runner, grammar_backend="none") as scheduler:
+        together = serve(scheduler, [chat(question, seed) for seed, question in enumerate(questions)])
+        assert together[0].usage.cached_tokens == 0
+        assert all(output.usage.cached_tokens >= SHARED_PREFIX_MIN_TOKENS for output in together[1:]), together
+        for seed, (question, output) in enumerate(zip(questions, together, strict=True)):
+            scheduler.kv.flush()
+            (alone,) = serve(scheduler, [chat(question, seed)])
+            assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, question
 
 
 def test_the_ngram_cache_drafts_the_layout_earlier_answers_had_and_changes_no_output(runner: ModelRunner) -> None:
