@@ -2,7 +2,8 @@
 and on give the same tokens, greedy and seeded, one at a time and in mixed batches, on every grammar backend.
 
 The schedulers run in this process over one model runner (two loops, one model load); the batch-invariant forward
-makes the comparison exact, so any difference is a bug, never rounding.
+makes the comparison exact, so any difference is a bug, never rounding. The prefill's sharing of prompts (``n``
+samples of one prompt, requests that begin alike) is checked here too, on the same runner, by the same equality.
 """
 
 from __future__ import annotations

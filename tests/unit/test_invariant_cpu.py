@@ -19,36 +19,17 @@ from hypothesis import strategies as st
 
 from scheduler.server_args import ServerArgs
 from tests.helpers import THREAD_COUNTS, assert_rows_invariant
+from tests.unit.invariant_cases import FORMATS, attention_case, random_weight, run_attention
 from triton_ops import invariant_cpu
 from triton_ops.cpu_info import cpu_flags
-from triton_ops.invariant_cpu import PackedWeight
 
 MODEL_SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 """SmolLM2-135M's decoder matmuls, (in_features, out_features)."""
-FORMATS = ("float32", "bfloat16", "q8_0", "q4_1")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
     invariant_cpu.load(ServerArgs().kernel_build_path)
-
-
-def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
-    """A packed weight and the float64 matrix it stands for."""
-    generator = torch.Generator().manual_seed(seed)
-    if fmt in ("float32", "bfloat16"):
-        dense = torch.randn(out_features, in_features, generator=generator) * 0.05
-        dtype = getattr(torch, fmt)
-        return invariant_cpu.pack_dense(dense, dtype), dense.to(dtype).double()
-    blocks = in_features // invariant_cpu.BLOCK
-    scales = (torch.rand(out_features, blocks, generator=generator) * 0.01).half()
-    expand = lambda t: t.double().repeat_interleave(invariant_cpu.BLOCK, dim=1)  # noqa: E731
-    if fmt == "q8_0":
-        quants = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
-        return invariant_cpu.pack_q8_0(scales, quants), expand(scales) * quants.double()
-    mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
-    quants = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-    return invariant_cpu.pack_q4_1(scales, mins, quants), expand(scales) * quants.double() + expand(mins)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -89,32 +70,6 @@ def test_matmul_computes_the_product_for_any_shape(
     assert out.shape == (rows, out_features)
     assert torch.allclose(out.double(), x.double() @ exact.T, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[-1:], invariant_cpu.matmul(x[-1:], weight))
-
-
-def attention_case(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A pool of 300 rows with SmolLM2's heads (9 query heads over 3 KV heads of 64), and 64 query tokens of four
-    sequences at various positions: token t attends to the first ``num_keys[t]`` rows of its sequence."""
-    generator = torch.Generator().manual_seed(seed)
-    k_pool, v_pool = torch.randn(2, 300, 3, 64, generator=generator)
-    sequences = [torch.randperm(299, generator=generator)[:length] + 1 for length in (250, 37, 120, 5)]
-    key_rows = torch.cat(sequences)
-    starts = torch.tensor([0, 250, 287, 407])
-    owner = torch.arange(64) % 4
-    num_keys = torch.tensor([1 + (7 * t) % len(sequences[owner[t]]) for t in range(64)])
-    q = torch.randn(64, 9, 64, generator=generator)
-    return {"q": q, "k": k_pool, "v": v_pool, "rows": key_rows, "starts": starts[owner], "keys": num_keys}
-
-
-def run_attention(case: dict[str, torch.Tensor], tokens: slice) -> torch.Tensor:
-    return invariant_cpu.attention(
-        case["q"][tokens].contiguous(),
-        case["k"],
-        case["v"],
-        case["rows"],
-        case["starts"][tokens].contiguous(),
-        case["keys"][tokens].contiguous(),
-        64**-0.5,
-    )
 
 
 def test_attention_of_a_token_does_not_depend_on_the_batch() -> None:
@@ -164,7 +119,7 @@ CROSS_ISA_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
 from triton_ops import invariant_cpu
-from tests.unit.test_invariant_cpu import FORMATS, attention_case, random_weight, run_attention
+from tests.unit.invariant_cases import FORMATS, attention_case, random_weight, run_attention
 invariant_cpu.load(Path(sys.argv[1]), sys.argv[2])
 x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
 outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 96)[0]) for fmt in FORMATS]

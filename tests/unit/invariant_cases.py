@@ -1,0 +1,58 @@
+"""The kernels' test inputs: random packed weights in every format, and an attention case over a token KV pool.
+
+Apart from ``test_invariant_cpu`` so that its cross-ISA runs, one new interpreter per instruction set, import only
+torch and the kernels, not the test helpers' engines and clients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triton_ops import invariant_cpu
+from triton_ops.invariant_cpu import PackedWeight
+
+FORMATS = ("float32", "bfloat16", "q8_0", "q4_1")
+
+
+def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
+    """A packed weight and the float64 matrix it stands for."""
+    generator = torch.Generator().manual_seed(seed)
+    if fmt in ("float32", "bfloat16"):
+        dense = torch.randn(out_features, in_features, generator=generator) * 0.05
+        dtype = getattr(torch, fmt)
+        return invariant_cpu.pack_dense(dense, dtype), dense.to(dtype).double()
+    blocks = in_features // invariant_cpu.BLOCK
+    scales = (torch.rand(out_features, blocks, generator=generator) * 0.01).half()
+    expand = lambda t: t.double().repeat_interleave(invariant_cpu.BLOCK, dim=1)  # noqa: E731
+    if fmt == "q8_0":
+        quants = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        return invariant_cpu.pack_q8_0(scales, quants), expand(scales) * quants.double()
+    mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
+    quants = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    return invariant_cpu.pack_q4_1(scales, mins, quants), expand(scales) * quants.double() + expand(mins)
+
+
+def attention_case(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A pool of 300 rows with SmolLM2's heads (9 query heads over 3 KV heads of 64), and 64 query tokens of four
+    sequences at various positions: token t attends to the first ``num_keys[t]`` rows of its sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = torch.randn(2, 300, 3, 64, generator=generator)
+    sequences = [torch.randperm(299, generator=generator)[:length] + 1 for length in (250, 37, 120, 5)]
+    key_rows = torch.cat(sequences)
+    starts = torch.tensor([0, 250, 287, 407])
+    owner = torch.arange(64) % 4
+    num_keys = torch.tensor([1 + (7 * t) % len(sequences[owner[t]]) for t in range(64)])
+    q = torch.randn(64, 9, 64, generator=generator)
+    return {"q": q, "k": k_pool, "v": v_pool, "rows": key_rows, "starts": starts[owner], "keys": num_keys}
+
+
+def run_attention(case: dict[str, torch.Tensor], tokens: slice) -> torch.Tensor:
+    return invariant_cpu.attention(
+        case["q"][tokens].contiguous(),
+        case["k"],
+        case["v"],
+        case["rows"],
+        case["starts"][tokens].contiguous(),
+        case["keys"][tokens].contiguous(),
+        64**-0.5,
+    )
