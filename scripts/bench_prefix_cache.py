@@ -111,8 +111,10 @@ def main() -> None:
             for round_index in range(args.rounds):
                 order = ("shared", "distinct") if round_index % 2 == 0 else ("distinct", "shared")
                 for kind in order:
-                    firsts = [f"Burst{round_index}"] * args.burst if kind == "shared" else None
-                    firsts = firsts or [f"Burst{round_index}x{i}" for i in range(args.burst)]
+                    if kind == "shared":
+                        firsts = [f"Burst{round_index}"] * args.burst
+                    else:
+                        firsts = [f"Burst{round_index}x{i}" for i in range(args.burst)]
                     systems = [system_prompt(first, args.system_words) for first in firsts]
                     occupier = system_prompt(f"Occupier{kind}{round_index}", args.system_words)
                     ms, cached = burst_ms(server, client, systems, occupier)

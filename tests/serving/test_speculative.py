@@ -209,25 +209,30 @@ def test_speculation_changes_no_output_with_sampling_knobs(runner: ModelRunner) 
     assert all(logprobs is not None for _, _, logprobs in plain[::2])
 
 
+def assert_each_equals_its_output_alone(
+    scheduler: Scheduler, requests: list[dict[str, Any]], outputs: list[GenerateOutput]
+) -> None:
+    """Each request, sent again alone on an empty prefix cache (so it computes its whole prompt), gives its output
+    token for token."""
+    for request, output in zip(requests, outputs, strict=True):
+        scheduler.kv.flush()
+        (alone,) = serve(scheduler, [make_request(**request)])
+        assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, request
+
+
 def test_n_samples_of_one_prompt_share_its_prefill_and_equal_their_samples_alone(runner: ModelRunner) -> None:
     """Four seeded samples of one prompt sent together (as ``n`` sends them): the first computes the prompt, the
     others take all of its KV and its first logits, and each is token for token the sample its seed gives alone on
     an empty cache."""
-
-    def seeded(seed: int) -> GenerateReq:
-        return make_request(
-            text=FREE_PROMPTS[0], sampling_params={"temperature": 0.9, "max_new_tokens": 12, "seed": seed}
-        )
-
-    seeds = [50, 51, 52, 53]
+    requests = [
+        {"text": FREE_PROMPTS[0], "sampling_params": {"temperature": 0.9, "max_new_tokens": 12, "seed": seed}}
+        for seed in (50, 51, 52, 53)
+    ]
     with in_process_scheduler(runner, grammar_backend="none") as scheduler:
-        together = serve(scheduler, [seeded(seed) for seed in seeds])
+        together = serve(scheduler, [make_request(**request) for request in requests])
         num_prompt_tokens = together[0].usage.prompt_tokens
         assert [o.usage.cached_tokens for o in together] == [0] + [num_prompt_tokens] * 3
-        for seed, output in zip(seeds, together, strict=True):
-            scheduler.kv.flush()
-            (alone,) = serve(scheduler, [seeded(seed)])
-            assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, seed
+        assert_each_equals_its_output_alone(scheduler, requests, together)
 
 
 SYSTEM_PROMPT = (
@@ -243,19 +248,18 @@ def test_requests_sharing_a_long_prefix_compute_it_once_and_equal_each_alone(run
     and take it from the prefix cache (their cached tokens say so), and each is token for token the output it gives
     alone on an empty cache."""
     questions = ["Do you have a room on Friday?", "When is breakfast?", "Can I bring a dog?", "Is there parking?"]
-
-    def chat(question: str, seed: int) -> GenerateReq:
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        return make_request(messages=messages, sampling_params={"temperature": 0.9, "max_new_tokens": 10, "seed": seed})
-
+    requests = [
+        {
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            "sampling_params": {"temperature": 0.9, "max_new_tokens": 10, "seed": seed},
+        }
+        for seed, question in enumerate(questions)
+    ]
     with in_process_scheduler(runner, grammar_backend="none") as scheduler:
-        together = serve(scheduler, [chat(question, seed) for seed, question in enumerate(questions)])
+        together = serve(scheduler, [make_request(**request) for request in requests])
         assert together[0].usage.cached_tokens == 0
         assert all(output.usage.cached_tokens >= SHARED_PREFIX_MIN_TOKENS for output in together[1:]), together
-        for seed, (question, output) in enumerate(zip(questions, together, strict=True)):
-            scheduler.kv.flush()
-            (alone,) = serve(scheduler, [chat(question, seed)])
-            assert alone.usage.cached_tokens == 0 and alone.token_ids == output.token_ids, question
+        assert_each_equals_its_output_alone(scheduler, requests, together)
 
 
 def test_the_ngram_cache_drafts_the_layout_earlier_answers_had_and_changes_no_output(runner: ModelRunner) -> None:
