@@ -16,11 +16,13 @@ from collections.abc import Sequence
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.server_args import WORLD_SIZE, ServerArgs
+from scheduler.session_priority import keep_launch_priority
 from sglang_constrained.forked_fork_server import can_fork_fork_server
 from sglang_constrained.xgrammar_fork_server import start_xgrammar_fork_server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    keep_launch_priority()  # first: a rank in a session of its own (torchrun's) runs at its launch priority
     server_args = ServerArgs.parse(argv)
     server_args.check_world_size(WORLD_SIZE.get())
     backends = server_args.grammar_backend_order if server_args.grammar_backend == "auto" else ()

@@ -7,9 +7,10 @@ starts several alike); a session or package fixture that launches is named where
 ``LAUNCH_AHEAD``. Before each test, ``LaunchAhead.look_ahead`` starts the next launches the session's tests name,
 however far ahead (the first ones wait through the in-process tests before them, whose walks and compiles leave a
 core idle), while fewer than ``MAX_WAITING`` have not been taken. They start at idle priority (``SCHED_IDLE``: a
-core only when no test wants it) and get the normal one back when taken. ``launch_scheduler`` and ``http_server``
-(``take_or_start``) take a started server with the same command line, or start their own: a wrong or missing mark
-costs time, never a check.
+core only when no test wants it; a rank group's ranks, each in a session of its own, put their sessions at the
+lowest nice: ``scheduler.session_priority``) and get the normal one back when taken. ``launch_scheduler`` and
+``http_server`` (``take_or_start``) take a started server with the same command line, or start their own: a wrong or
+missing mark costs time, never a check.
 What was started for tests that did not take it (a test that failed first, one skipped) is stopped once they have
 passed, the rest at the session's end.
 """

@@ -23,6 +23,7 @@ import psutil
 
 from scheduler.client import SchedulerClient
 from scheduler.io_struct import Pong
+from scheduler.session_priority import autogroup_nice, set_autogroup_nice
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,8 +160,9 @@ class SchedulerProcess:
 
     def leave_idle_priority(self) -> None:
         """Every thread of every process of the tree back to the normal scheduling policy (Linux keeps one per
-        thread; threads and processes started later take their starter's). Passes over the tree until one finds
-        nothing left idle, so that a rank or thread started during a pass is not missed."""
+        thread; threads and processes started later take their starter's), and each rank's session of its own back
+        to the normal nice (``keep_launch_priority``). Passes over the tree until one finds nothing left idle, so
+        that a rank or thread started during a pass is not missed."""
         changed = True
         while changed and self.process.poll() is None:
             changed = False
@@ -168,6 +170,8 @@ class SchedulerProcess:
                 root = psutil.Process(self.process.pid)
                 for process in [root, *root.children(recursive=True)]:
                     with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                        if os.getsid(process.pid) == process.pid and (autogroup_nice(process.pid) or 0) > 0:
+                            changed |= set_autogroup_nice(process.pid, 0)
                         for thread in process.threads():
                             if os.sched_getscheduler(thread.id) == os.SCHED_IDLE:
                                 os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
