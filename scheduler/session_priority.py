@@ -26,7 +26,7 @@ def autogroup_path(pid: int) -> Path:
 
 
 def set_autogroup_nice(pid: int, nice: int) -> bool:
-    """The nice value of ``pid``'s autogroup; False where the kernel has no autogroups or refuses."""
+    """Set the nice value of ``pid``'s autogroup; False where the kernel has no autogroups or refuses."""
     for _ in range(AUTOGROUP_ATTEMPTS):
         try:
             autogroup_path(pid).write_text(f"{nice}\n")

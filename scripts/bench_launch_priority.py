@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compare", type=Path, help="another checkout, whose group is timed in turn with this one's")
     args = parser.parse_args()
-    roots = {"this checkout": REPO} | ({f"{args.compare}": args.compare.resolve()} if args.compare else {})
+    roots = {"this checkout": REPO} | ({str(args.compare): args.compare.resolve()} if args.compare else {})
     alone: list[float] = []
     beside: dict[str, list[float]] = {name: [] for name in roots}
     for _ in range(args.rounds):
