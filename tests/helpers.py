@@ -53,9 +53,11 @@ it to llguidance."""
 
 COLD_GRAMMARS = ("--disable-grammar-disk-cache",)
 """Test servers compile every grammar they serve, as the tests expect (an auto choice in the log, a compile's time),
-whatever an earlier run left in the grammar disk cache; ``tests/backends/test_grammar_disk_cache.py`` tests it."""
-TEST_SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640", *COLD_GRAMMARS)
+whatever an earlier run left in the grammar disk cache; ``tests/backends/test_grammar_disk_cache.py`` tests it.
+``launch_scheduler(..., warm_grammars=True)`` keeps the cache, for a server whose tests check none of that."""
+TEST_SERVER_LIMITS = ("--max-running-requests", "48", "--max-seq-len", "640")
 """Enough slots for the concurrency tests, a KV cache small enough to start in seconds."""
+TEST_SERVER_FLAGS = (*TEST_SERVER_LIMITS, *COLD_GRAMMARS)
 
 COMPILE_TIMEOUT_S = 300.0
 
@@ -254,8 +256,9 @@ def start_launch(launch: Launch, idle_priority: bool = False) -> SchedulerProces
     flags = tuple(str(free_port()) if flag == FREE_PORT else flag for flag in launch.flags)
     if launch.http:
         return HttpServer(*flags, idle_priority=idle_priority)
+    test_flags = TEST_SERVER_LIMITS if launch.warm_grammars else TEST_SERVER_FLAGS
     return SchedulerProcess(
-        *TEST_SERVER_FLAGS, *flags, ranks=launch.ranks, extra_paths=launch.extra_paths, idle_priority=idle_priority
+        *test_flags, *flags, ranks=launch.ranks, extra_paths=launch.extra_paths, idle_priority=idle_priority
     )
 
 
@@ -284,11 +287,16 @@ def serving(*servers: HttpServer) -> Iterator[None]:
 
 @contextlib.contextmanager
 def launch_scheduler(
-    *flags: str, ranks: int = 1, extra_paths: tuple[Path, ...] = (), check_clean_stop: bool = True
+    *flags: str,
+    ranks: int = 1,
+    extra_paths: tuple[Path, ...] = (),
+    warm_grammars: bool = False,
+    check_clean_stop: bool = True,
 ) -> Iterator[SchedulerProcess]:
-    """A scheduler with the test flags; on exit it gets SIGTERM and (unless the test stopped it otherwise) every
-    rank must have stopped cleanly: exit code 0, or under torchrun each rank's own "stopped" line."""
-    launched = LAUNCH_AHEAD.take_or_start(Launch(flags, ranks, extra_paths))
+    """A scheduler with the test flags (with ``warm_grammars``, but for ``COLD_GRAMMARS``); on exit it gets SIGTERM
+    and (unless the test stopped it otherwise) every rank must have stopped cleanly: exit code 0, or under torchrun
+    each rank's own "stopped" line."""
+    launched = LAUNCH_AHEAD.take_or_start(Launch(flags, ranks, extra_paths, warm_grammars=warm_grammars))
     try:
         launched.wait_until_ready()
         yield launched

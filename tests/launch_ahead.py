@@ -1,16 +1,16 @@
 """Servers started ahead of the tests that use them: a start-up (imports, the model's load: ~5 s of one core, ~8 s
 for a rank group under torchrun) then runs beside the tests before it instead of in front of its own.
 
-A test, or a module for its module-scoped server, names what it launches with ``@pytest.mark.launches(...)``
-(the flags after the test flags, ``ranks``, ``extra_paths``, ``http=True`` for ``HttpServer``, ``count`` when it
-starts several alike); a session or package fixture that launches is named where ``tests/helpers.py`` makes
-``LAUNCH_AHEAD``. Before each test, ``LaunchAhead.look_ahead`` starts the next launches the session's tests name,
-however far ahead (the first ones wait through the in-process tests before them, whose walks and compiles leave a
-core idle), while fewer than ``MAX_WAITING`` have not been taken. They start at idle priority (``SCHED_IDLE``: a
-core only when no test wants it; a rank group's ranks, each in a session of its own, put their sessions at the
-lowest nice: ``scheduler.session_priority``) and get the normal one back when taken. ``launch_scheduler`` and
-``http_server`` (``take_or_start``) take a started server with the same command line, or start their own: a wrong or
-missing mark costs time, never a check.
+A test, or a module for its module-scoped server, names what it launches with ``@pytest.mark.launches(...)`` (the flags
+after the test flags, ``ranks``, ``extra_paths``, ``http=True`` for ``HttpServer``, ``warm_grammars=True`` for a
+scheduler that keeps the grammar disk cache, ``count`` when it starts several alike); a session or package fixture that
+launches is named where ``tests/helpers.py`` makes ``LAUNCH_AHEAD``. Before each test, ``LaunchAhead.look_ahead`` starts
+the next launches the session's tests name, however far ahead (the first ones wait through the in-process tests before
+them, whose walks and compiles leave a core idle), while fewer than ``MAX_WAITING`` have not been taken. They start at
+idle priority (``SCHED_IDLE``: a core only when no test wants it; a rank group's ranks, each in a session of its own,
+put their sessions at the lowest nice: ``scheduler.session_priority``) and get the normal one back when taken.
+``launch_scheduler`` and ``http_server`` (``take_or_start``) take a started server with the same command line, or start
+their own: a wrong or missing mark costs time, never a check.
 What was started for tests that did not take it (a test that failed first, one skipped) is stopped once they have
 passed, the rest at the session's end.
 """
@@ -68,6 +68,7 @@ class Launch:
     ranks: int = 1
     extra_paths: tuple[Path, ...] = ()
     http: bool = False
+    warm_grammars: bool = False
 
 
 def launch_of(mark: pytest.Mark) -> tuple[Launch, int]:
@@ -77,6 +78,7 @@ def launch_of(mark: pytest.Mark) -> tuple[Launch, int]:
         mark.kwargs.get("ranks", 1),
         tuple(mark.kwargs.get("extra_paths", ())),
         mark.kwargs.get("http", False),
+        mark.kwargs.get("warm_grammars", False),
     )
     return launch, mark.kwargs.get("count", 1)
 

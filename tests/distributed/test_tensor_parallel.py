@@ -199,15 +199,24 @@ def test_each_tp_rank_holds_about_half_of_the_weights(tp2: SchedulerProcess, tp1
     assert all(s > 0.3 * (whole - shard) for s, shard in zip(saved, shards, strict=True)), (rss_one, rss_two)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param(
-            name, marks=() if name == "xgrammar" else pytest.mark.launches(*TP2, "--grammar-backend", name, ranks=2)
+WARM_GRAMMARS = {"outlines"}
+"""Backends whose two-rank group keeps the grammar disk cache: outlines' any-JSON index (~7 s of a core, built on
+both ranks at once) then comes from the session's preparation. Its compile is checked by ``test_outlines_backend``
+and walked by ``test_soundness``; here what counts is two ranks serving what it allows."""
+
+
+def backend_marks(name: str) -> tuple[pytest.MarkDecorator, ...]:
+    if name == "xgrammar":
+        return ()
+    if name in WARM_GRAMMARS:
+        return (
+            pytest.mark.launches(*TP2, "--grammar-backend", name, ranks=2, warm_grammars=True),
+            pytest.mark.prepared_ahead("outlines any-JSON grammar"),
         )
-        for name in BACKEND_KINDS
-    ],
-)
+    return (pytest.mark.launches(*TP2, "--grammar-backend", name, ranks=2),)
+
+
+@pytest.mark.parametrize("backend", [pytest.param(name, marks=backend_marks(name)) for name in BACKEND_KINDS])
 def test_every_grammar_backend_serves_its_constraints_on_two_tp_ranks(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
@@ -232,7 +241,9 @@ def test_every_grammar_backend_serves_its_constraints_on_two_tp_ranks(
         with launched.client() as client:
             outputs = client.generate_batch(sampled)
     else:
-        with launch_scheduler(*TP2, "--grammar-backend", backend, ranks=2) as launched, launched.client() as client:
+        flags = (*TP2, "--grammar-backend", backend)
+        warm = backend in WARM_GRAMMARS
+        with launch_scheduler(*flags, ranks=2, warm_grammars=warm) as launched, launched.client() as client:
             outputs = client.generate_batch(sampled)
     for output in outputs:
         assert_obeys_its_constraint(output)
