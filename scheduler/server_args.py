@@ -166,6 +166,11 @@ class ServerArgs:
         return self.cache_path / "grammars" if self.grammar_cache_dir is None else Path(self.grammar_cache_dir)
 
     @property
+    def vocabulary_cache_path(self) -> Path:
+        """Where decoded tokenizer vocabularies are kept across restarts (``vocabulary_disk_cache``)."""
+        return self.cache_path / "vocabularies"
+
+    @property
     def kernel_build_path(self) -> Path:
         """Where the model's CPU kernels are compiled, once per machine (``triton_ops.invariant_cpu``)."""
         return self.cache_path / "kernels"

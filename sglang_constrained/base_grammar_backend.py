@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -67,6 +68,8 @@ class GrammarBackendArgs(Protocol):
     def grammar_compile_max_memory(self) -> int | None: ...
     @property
     def grammar_auto_allow_narrowing(self) -> bool: ...
+    @property
+    def vocabulary_cache_path(self) -> Path | None: ...
 
 
 @dataclass(frozen=True)

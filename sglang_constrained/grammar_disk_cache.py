@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sglang_constrained.atomic_file import write_atomically
 from sglang_constrained.base_grammar_backend import GrammarExport, GrammarStats
 from sglang_constrained.compile_service import COMPILE_NICENESS, set_nice, thread_nice
 from sglang_constrained.constraint_spec import GrammarKey
@@ -124,16 +124,7 @@ class GrammarDiskCache:
         pieces = _encode(export, digest)
         if sum(map(len, pieces)) > self.max_bytes:
             return
-        descriptor, temporary = tempfile.mkstemp(dir=self.directory, prefix=TEMPORARY_PREFIX)
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                file.writelines(pieces)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, self._path(digest))
-        except BaseException:
-            _unlink(temporary)
-            raise
+        write_atomically(self._path(digest), pieces, TEMPORARY_PREFIX)
         with self._lock:
             self.num_writes += 1
         self.evict()

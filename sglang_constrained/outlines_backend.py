@@ -152,7 +152,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         self.whitespace_pattern = json_whitespace_pattern(server_args, OUTLINES_JSON_WHITESPACE_PATTERN)
         if any(not 0 <= token < vocab_size for token in eos_token_ids):
             raise ValueError(f"stop token ids {eos_token_ids} must lie in the model's vocabulary [0, {vocab_size})")
-        vocab = tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
+        vocab = tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids, server_args.vocabulary_cache_path)
         self.vocabulary = per_tokenizer(
             tokenizer,
             ("outlines", vocab_size, tuple(eos_token_ids)),

@@ -167,7 +167,9 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             )
         check_grammar_format()
         super().__init__(server_args, vocab_size)
-        self.vocabulary = vocabulary or tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids)
+        self.vocabulary = vocabulary or tokenizer_vocabulary(
+            tokenizer, vocab_size, eos_token_ids, server_args.vocabulary_cache_path
+        )
         self.tokenizer_info = xgrammar.TokenizerInfo.from_vocab_and_metadata(
             list(self.vocabulary.decoded_vocab), self.vocabulary.xgrammar_metadata
         )
