@@ -293,9 +293,9 @@ def launch_scheduler(
     warm_grammars: bool = False,
     check_clean_stop: bool = True,
 ) -> Iterator[SchedulerProcess]:
-    """A scheduler with the test flags (with ``warm_grammars``, but for ``COLD_GRAMMARS``); on exit it gets SIGTERM
-    and (unless the test stopped it otherwise) every rank must have stopped cleanly: exit code 0, or under torchrun
-    each rank's own "stopped" line."""
+    """A scheduler with the test flags (``warm_grammars``: all but ``COLD_GRAMMARS``); on exit it gets SIGTERM and
+    (unless the test stopped it otherwise) every rank must have stopped cleanly: exit code 0, or under torchrun each
+    rank's own "stopped" line."""
     launched = LAUNCH_AHEAD.take_or_start(Launch(flags, ranks, extra_paths, warm_grammars=warm_grammars))
     try:
         launched.wait_until_ready()
