@@ -8,11 +8,14 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+TEMPORARY_PREFIX = ".writing-"
+"""How a file being written is named until it is renamed: a folder's owner can remove such files a writer left."""
 
-def write_atomically(path: Path, pieces: Iterable[bytes], temporary_prefix: str) -> None:
-    """Write ``pieces`` to a temporary file beside ``path`` (its name starts with ``temporary_prefix``), flush it to
+
+def write_atomically(path: Path, pieces: Iterable[bytes]) -> None:
+    """Write ``pieces`` to a temporary file beside ``path`` (its name starts with ``TEMPORARY_PREFIX``), flush it to
     the disk, then rename it to ``path``. On any failure the temporary file is removed and the error raised."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=TEMPORARY_PREFIX)
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.writelines(pieces)

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sglang_constrained.atomic_file import write_atomically
+from sglang_constrained.atomic_file import TEMPORARY_PREFIX, write_atomically
 from sglang_constrained.base_grammar_backend import GrammarExport, GrammarStats
 from sglang_constrained.compile_service import COMPILE_NICENESS, set_nice, thread_nice
 from sglang_constrained.constraint_spec import GrammarKey
@@ -50,7 +50,6 @@ MAGIC = b"SGLGRAM\x01"
 HEADER = struct.Struct("<8s32sQ32s")
 """magic, the entry's digest (its file name), the body's length, the body's SHA-256."""
 ENTRY_SUFFIX = ".grammar"
-TEMPORARY_PREFIX = ".writing-"
 STALE_TEMPORARY_S = 3600.0
 """A temporary file this old belongs to a writer that died: eviction removes it."""
 MAX_PENDING_WRITES = 16
@@ -124,7 +123,7 @@ class GrammarDiskCache:
         pieces = _encode(export, digest)
         if sum(map(len, pieces)) > self.max_bytes:
             return
-        write_atomically(self._path(digest), pieces, TEMPORARY_PREFIX)
+        write_atomically(self._path(digest), pieces)
         with self._lock:
             self.num_writes += 1
         self.evict()

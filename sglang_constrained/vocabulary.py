@@ -71,7 +71,7 @@ def _kept_or_decoded(
     special_ids = tokenizer_special_token_ids(tokenizer)
     name = None if cache_dir is None else _entry_name(tokenizer, vocab_size, eos_token_ids, special_ids)
     if cache_dir is None or name is None:
-        return _decode_vocabulary(tokenizer, vocab_size, eos_token_ids)
+        return _decode_vocabulary(tokenizer, vocab_size, eos_token_ids, special_ids)
     path = cache_dir / f"{name}{ENTRY_SUFFIX}"
     entry = read_token_table(path)
     if entry is not None and len(entry[1]) == vocab_size and isinstance(entry[0].get("xgrammar_metadata"), str):
@@ -83,7 +83,7 @@ def _kept_or_decoded(
             special_token_ids=special_ids,
             xgrammar_metadata=entry[0]["xgrammar_metadata"],
         )
-    vocabulary = _decode_vocabulary(tokenizer, vocab_size, eos_token_ids)
+    vocabulary = _decode_vocabulary(tokenizer, vocab_size, eos_token_ids, special_ids)
     write_token_table(path, {"xgrammar_metadata": vocabulary.xgrammar_metadata}, vocabulary.decoded_vocab)
     return vocabulary
 
@@ -110,13 +110,14 @@ def _decoding_code() -> tuple[str, ...]:
     return (*(engine_version(name) for name in ("xgrammar", "tokenizers", "transformers")), source)
 
 
-def _decode_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> TokenizerVocabulary:
+def _decode_vocabulary(
+    tokenizer: Any, vocab_size: int, eos_token_ids: list[int], special_ids: frozenset[int]
+) -> TokenizerVocabulary:
     tokenizer_vocab_size = len(tokenizer)
     if vocab_size < tokenizer_vocab_size:
         raise ValueError(
             f"the model's vocab size {vocab_size} is smaller than the tokenizer's ({tokenizer_vocab_size} tokens)"
         )
-    special_ids = tokenizer_special_token_ids(tokenizer)
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
     decoded = tuple(
         b"" if token_id in special_ids or token_id >= tokenizer_vocab_size else token_bytes

@@ -21,8 +21,6 @@ from sglang_constrained.atomic_file import write_atomically
 
 logger = logging.getLogger(__name__)
 
-TEMPORARY_PREFIX = ".writing-"
-
 
 def _lengths_array() -> array[int]:
     return array("I")
@@ -56,6 +54,6 @@ def write_token_table(path: Path, header: dict[str, Any], tokens: Sequence[bytes
     pieces = [json.dumps({**header, "num_tokens": len(tokens)}).encode() + b"\n", lengths.tobytes(), b"".join(tokens)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, pieces, TEMPORARY_PREFIX)
+        write_atomically(path, pieces)
     except OSError as error:
         logger.warning("the decoded vocabulary is not kept in %s: %s", path.parent, error)

@@ -93,11 +93,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and its descendants now."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def process_tree_memory(pid: int) -> TreeMemory:
     """``pid``'s and its descendants' memory now (processes that exit meanwhile are left out)."""
-    root = psutil.Process(pid)
     rss = pss = 0
-    for process in [root, *root.children(recursive=True)]:
+    for process in process_tree(pid):
         try:
             info = process.memory_full_info()
         except psutil.Error:
@@ -167,8 +172,7 @@ class SchedulerProcess:
         while changed and self.process.poll() is None:
             changed = False
             with contextlib.suppress(psutil.NoSuchProcess):  # the launcher exited meanwhile (a failed start)
-                root = psutil.Process(self.process.pid)
-                for process in [root, *root.children(recursive=True)]:
+                for process in process_tree(self.process.pid):
                     with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                         if os.getsid(process.pid) == process.pid and (autogroup_nice(process.pid) or 0) > 0:
                             changed |= set_autogroup_nice(process.pid, 0)

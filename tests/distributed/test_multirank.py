@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
-import psutil
 import pytest
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateReq
 from scheduler.session_priority import autogroup_nice
-from scheduler.testing.process import SchedulerProcess
+from scheduler.testing.process import SchedulerProcess, process_tree
 from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
 from tests.helpers import flush_prefix_cache, launch_scheduler
 
@@ -157,8 +156,7 @@ def test_ranks_run_at_the_normal_priority_once_a_test_has_their_group(two_ranks:
     """A group started ahead at idle priority (``tests/launch_ahead.py``) has it back when taken: every thread at
     the normal policy and each rank's session of its own (torchrun's) at nice 0, so that the ranks' turns keep
     pace with the tests' requests. A group started by its test never left it."""
-    root = psutil.Process(two_ranks.process.pid)
-    processes = [root, *root.children(recursive=True)]
+    processes = process_tree(two_ranks.process.pid)
     session_leaders = [process.pid for process in processes if os.getsid(process.pid) == process.pid]
     assert len(session_leaders) == 2
     assert [autogroup_nice(pid) for pid in session_leaders] in ([0, 0], [None, None])

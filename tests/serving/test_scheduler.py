@@ -18,7 +18,7 @@ import zmq
 from scheduler.client import make_request
 from scheduler.io_struct import AbortCause, GenerateOutput, decode_server_message, encode
 from scheduler.server_args import ServerArgs
-from scheduler.testing.process import SchedulerProcess
+from scheduler.testing.process import SchedulerProcess, process_tree
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.forked_fork_server import can_fork_fork_server
@@ -190,10 +190,7 @@ def test_a_server_started_ahead_runs_at_normal_priority_once_taken(one_rank_serv
     schema = {"type": "object", "properties": {"normal": {"type": "boolean"}}, "required": ["normal"]}
     with one_rank_server.client() as client:
         client.generate(text="JSON:", sampling_params={"json_schema": schema, "temperature": 0})
-    scheduler = psutil.Process(one_rank_server.process.pid)
-    threads = [
-        thread.id for process in [scheduler, *scheduler.children(recursive=True)] for thread in process.threads()
-    ]
+    threads = [thread.id for process in process_tree(one_rank_server.process.pid) for thread in process.threads()]
     assert len(threads) > 1 and {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_OTHER}
 
 
