@@ -306,9 +306,10 @@ class ServerArgs:
             "--weight-dtype",
             default=d.weight_dtype,
             choices=WEIGHT_DTYPES,
-            help="the matmul weights: auto keeps a GGUF file's own Q8_0/Q4_1 blocks (a model folder's weights stay "
-            "float32); float32 de-quantises them once, to exactly the weights transformers computes with; bfloat16 "
-            "halves float32's bytes but rounds the weights",
+            help="the matmul weights: auto keeps a GGUF file's own Q8_0/Q4_1 blocks, multiplied by activations "
+            "quantised to int8 per 32-block as llama.cpp does (a model folder's weights stay float32); float32 "
+            "de-quantises them once, to exactly the weights transformers computes with, and keeps float32 "
+            "activations; bfloat16 halves float32's bytes but rounds the weights",
         )
         parser.add_argument(
             "--model-runner",

@@ -1,12 +1,13 @@
 """What a weight format does to the model's answers: each ``--weight-dtype`` against float32 (transformers' own
 de-quantised weights), on the embedded model.
 
-    python scripts/model_quality.py [--steps 48] [--output PATH]
+    python scripts/model_quality.py [--steps 48] [--llamacpp] [--output PATH]
 
 Prints, per format: perplexity on a fixed English text; the mean KL divergence of its next-token distribution from
 float32's over that text's positions, and the largest logit difference; and, for the demo's prompts as chats, in how
-many greedy steps it picks float32's token (the first step where they part, if any). Writes JSON (default:
-results/model_quality.json).
+many greedy steps it picks float32's token (the first step where they part, if any). ``--llamacpp`` (the
+``llamacpp`` extra) adds llama.cpp on the same GGUF file, whose matmuls quantise activations to 8 bits as ``auto``
+does: the yardstick for what that costs. Writes JSON (default: results/model_quality.json).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from scheduler.model import llamacpp_runner
 from scheduler.model.runner import ModelRunner
+from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
 from scheduler.testing.runner_greedy import greedy_tokens
@@ -44,7 +47,7 @@ PROMPTS = (
 """The demo's questions, and two more."""
 
 
-def text_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+def text_logits(runner: BaseModelRunner, tokens: list[int]) -> torch.Tensor:
     """Next-token logits after each token of ``tokens`` but the last, from one prefill."""
     seq = runner.kv.admit(tokens, 1)
     assert seq is not None
@@ -57,11 +60,18 @@ def text_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=48, help="greedy steps per prompt")
+    parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the GGUF file")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
     base = ServerArgs(max_running_requests=1, max_seq_len=512, max_total_tokens=1024, disable_radix_cache=True)
-    runners = {dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)}
+    runners: dict[str, BaseModelRunner] = {
+        dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
+    }
+    if args.llamacpp:
+        if not llamacpp_runner.is_available():
+            parser.error("--llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
+        runners["llamacpp"] = llamacpp_runner.LlamaCppModelRunner(base.with_overrides(model_runner="llamacpp"))
     print(f"CPU {describe_cpu()}")
     reference = runners[BASELINE]
     tokens = reference.tokenizer.encode(TEXT)

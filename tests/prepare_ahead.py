@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from triton_ops.cpu_info import cpu_flags
+from triton_ops import invariant_cpu
 
 _LOWEST_PRIORITY = "import os; os.nice(19)\n"
 _KERNELS = (
@@ -50,14 +50,13 @@ PREPARATIONS: dict[str, str] = {
         "is_cache_hit or grammar.result()\n"
         "backend.shutdown()\n"
     ),
-    "scalar kernels": _KERNELS.format(target="scalar"),
-    "avx2 kernels": _KERNELS.format(target="avx2"),
+    **{f"{target} kernels": _KERNELS.format(target=target) for target in ("scalar", "avx2", "avx2-vnni", "avx512")},
 }
 """What each name prepares: a script run in a new interpreter."""
 
 
 def _runs_here(name: str) -> bool:
-    return name != "avx2 kernels" or "avx2" in cpu_flags()
+    return not name.endswith(" kernels") or invariant_cpu.runs_here(name.removesuffix(" kernels"))
 
 
 class PrepareAhead:

@@ -35,6 +35,8 @@ from triton_ops.cpu_info import cpu_flags, cpu_model
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
+HEADERS = (SOURCE.with_name("int8_blocks.h"),)
+"""What SOURCE includes: part of the build's key."""
 COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
 """``-ffp-contract=off``: the compiler may not fuse a multiply and an add the source keeps apart (nor split an fma)."""
 LANES = 16
@@ -53,7 +55,7 @@ class WeightFormat(enum.IntEnum):
 
     @property
     def is_block(self) -> bool:
-        """A GGUF block format: the kernels unpack its blocks for every row, so each row costs compute."""
+        """A GGUF block format: multiplied as integer dot products with activations quantised per 32-block."""
         return self in (WeightFormat.Q8_0, WeightFormat.Q4_1)
 
 
@@ -91,8 +93,23 @@ def _compiler() -> str:
     )
 
 
-TARGETS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c")}
-"""Builds: the CPU at hand, or a narrower instruction set (to show that every build computes the same bits)."""
+TARGETS = {
+    "native": (),
+    "avx512": ("-mno-avx512vnni", "-mno-avxvnni"),
+    "avx2-vnni": ("-mno-avx512f",),
+    "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+    "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c"),
+}
+"""Builds: the CPU at hand, or a narrower instruction set (to show that every build computes the same bits): AVX-512
+and AVX2 without their 8-bit dot products (VNNI), and AVX2 with AVX-VNNI's."""
+TARGET_NEEDS = {"avx512": "avx512bw", "avx2-vnni": "avx_vnni", "avx2": "avx2"}
+"""The CPU flag (as /proc/cpuinfo names it) each narrower build needs to run; the scalar build runs anywhere."""
+
+
+def runs_here(target: str) -> bool:
+    """Whether this CPU runs the ``target`` build (the native one always)."""
+    needed = TARGET_NEEDS.get(target)
+    return needed is None or needed in cpu_flags()
 
 
 def _build(build_dir: Path, target: str) -> Path:
@@ -102,7 +119,15 @@ def _build(build_dir: Path, target: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         b"\0".join(
-            x.encode() for x in (SOURCE.read_text(), version, " ".join(flags), cpu_model(), *sorted(cpu_flags()))
+            x.encode()
+            for x in (
+                SOURCE.read_text(),
+                *(header.read_text() for header in HEADERS),
+                version,
+                " ".join(flags),
+                cpu_model(),
+                *sorted(cpu_flags()),
+            )
         )
     ).hexdigest()[:16]
     library = build_dir / f"invariant_cpu-{target}-{key}.so"
@@ -177,7 +202,8 @@ def _loaded() -> ctypes.CDLL:
 
 
 def isa() -> str:
-    """The instruction set the loaded build uses: ``avx512``, ``avx2`` or ``scalar``."""
+    """The instruction set the loaded build uses: ``avx512-vnni``, ``avx512``, ``avx2-vnni``, ``avx2`` or
+    ``scalar`` (the block formats' 8-bit dot products: VNNI, or vpmaddubsw and vpmaddwd)."""
     return str(_loaded().invariant_isa().decode())
 
 
@@ -214,8 +240,8 @@ def pack_q8_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
     """
     out_features, in_features = quants.shape
     blocks = in_features // BLOCK
-    q = _panels(quants.reshape(out_features, blocks, BLOCK))  # [P, blocks, 16, 32]
-    q = q.permute(0, 1, 3, 2).contiguous().view(torch.uint8).reshape(q.shape[0], blocks, -1)  # [P, blocks, 32 x 16]
+    q = _panels(quants.reshape(out_features, blocks, BLOCK // 4, 4))  # [P, blocks, 16 lanes, 8 quads, 4]
+    q = q.permute(0, 1, 3, 2, 4).contiguous().view(torch.uint8).reshape(q.shape[0], blocks, -1)  # [.., 8, 16, 4]
     d = _panels(scales.to(torch.float16)).contiguous().view(torch.uint8)  # [P, blocks, 16 x 2 bytes]
     d = d.reshape(q.shape[0], blocks, -1)
     data = torch.cat([q, d], dim=2).reshape(q.shape[0], -1)
@@ -229,8 +255,8 @@ def pack_q4_1(scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor) ->
     """
     out_features, in_features = quants.shape
     blocks = in_features // BLOCK
-    q = _panels(quants.reshape(out_features, blocks, BLOCK // 2, 2))  # [P, blocks, 16 lanes, 16 pairs, 2]
-    nibbles = (q[..., 0] | (q[..., 1] << 4)).permute(0, 1, 3, 2).contiguous()  # [P, blocks, 16 pairs, 16 lanes]
+    q = _panels(quants.reshape(out_features, blocks, 2, BLOCK // 8, 4))  # [P, blocks, 16 lanes, halves, 4 quads, 4]
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 1, 3, 2, 4).contiguous()  # [P, blocks, 4, 16, 4]
     nibbles = nibbles.reshape(nibbles.shape[0], blocks, -1)
     d = _panels(scales.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)
     m = _panels(mins.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)

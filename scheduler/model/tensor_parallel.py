@@ -10,7 +10,8 @@ full row. Norms are replicated. Counts that do not divide are split as evenly as
 more (SmolLM2's 3 KV heads over 2 ranks: 2 and 1).
 
 Partial sums of o_proj and down reduce in another order than one full matmul, so logits differ from one rank's by
-rounding; every rank of the group gets the same bits.
+rounding (with GGUF block weights, by what that rounding moves across the next layer's int8 activation steps:
+greedy outputs may part where one rank's top two are near a tie); every rank of the group gets the same bits.
 """
 
 from __future__ import annotations

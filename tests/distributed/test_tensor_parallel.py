@@ -73,12 +73,16 @@ FREE_PROMPTS = (
     "Write a short poem about the sea.",
     "Invent a person as JSON.",
 )
-GREEDY_DIVERGENCES = 0
-"""Greedy outputs (of the requests of ``greedy_requests``) in which two tensor-parallel ranks choose another token
-than one rank, as measured: the reduction order of o_proj and down moves logits by rounding only."""
-LOGPROB_TOLERANCE = 1e-4
-"""Largest difference of a token's log-probability between tp=2 and tp=1: rounding (measured 3.3e-5 on this test's
-prompt; raw logits, which reach ~40, at most 4.6e-5 apart over two chat prompts and 21 steps)."""
+NEAR_TIE = 0.25
+"""The largest gap between one rank's two most likely tokens (log-probability) at which two ranks may choose the other
+one. The reduction order of o_proj and down moves their outputs by rounding only, but the GGUF blocks quantise the
+next layer's activations to int8 per block, and a rounding that moves a value across a quantisation step moves it by
+a step: measured, 4 of 8 greedy outputs part at gaps of 0.055-0.18 (float32 weights, float32 activations: none)."""
+CHOSEN_LOGPROB_TOLERANCE = 0.15
+TOP_LOGPROB_TOLERANCE = 0.6
+"""Largest difference between tp=2 and tp=1, before their outputs part, of the chosen token's log-probability and of
+any of the top 20's: int8 activation steps (above; measured 0.084 and 0.43, the latter at the 20th token's -9; with
+float32 activations it was rounding, 3.3e-5)."""
 
 
 def greedy_requests() -> list[GenerateReq]:
@@ -159,11 +163,11 @@ def test_greedy_outputs_of_two_tp_ranks_are_one_ranks_and_obey_their_constraints
         assert_obeys_its_constraint(output)
     assert [o.token_ids for o in again] == [o.token_ids for o in two], "a rerun on two ranks gives the same tokens"
     diverged = divergences(one, two)
-    assert len(diverged) == GREEDY_DIVERGENCES, f"(rid, first differing token, tp=1 top-2 logprob gap): {diverged}"
+    assert all(gap < NEAR_TIE for _, _, gap in diverged), f"(rid, first differing token, tp=1 top-2 gap): {diverged}"
     assert "ranks ran different batches" not in tp2.log()
 
 
-def test_log_probabilities_of_two_tp_ranks_are_one_ranks_within_rounding(
+def test_log_probabilities_of_two_tp_ranks_are_one_ranks_within_int8_activation_noise(
     tp2: SchedulerProcess, tp1: SchedulerProcess
 ) -> None:
     request = {
@@ -176,15 +180,17 @@ def test_log_probabilities_of_two_tp_ranks_are_one_ranks_within_rounding(
         two = client.generate(**request)
     with tp1.client() as client:
         one = client.generate(**request)
-    assert two.token_ids == one.token_ids
     assert one.logprobs is not None and two.logprobs is not None
-    largest = 0.0
-    for a, b in zip(one.logprobs, two.logprobs, strict=True):
+    (diverged,) = divergences([one], [two]) or [(one.rid, len(one.token_ids), 0.0)]
+    assert diverged[1] == len(one.token_ids) or diverged[2] < NEAR_TIE
+    chosen, largest = 0.0, 0.0
+    for a, b in zip(one.logprobs[: diverged[1]], two.logprobs[: diverged[1]], strict=True):
         theirs = dict(b.top)
         common = [(token, logprob) for token, logprob in a.top if token in theirs]
-        assert len(common) >= 18, "the top 20 tokens are the same but for ties at the edge"
-        largest = max([largest, abs(a.logprob - b.logprob), *(abs(lp - theirs[t]) for t, lp in common)])
-    assert largest < LOGPROB_TOLERANCE
+        assert len(common) >= 16, "the top 20 tokens are the same but for near ties at the edge"
+        chosen = max(chosen, abs(a.logprob - b.logprob))
+        largest = max([largest, *(abs(lp - theirs[t]) for t, lp in common)])
+    assert chosen < CHOSEN_LOGPROB_TOLERANCE and largest < TOP_LOGPROB_TOLERANCE
 
 
 def test_each_tp_rank_holds_about_half_of_the_weights(tp2: SchedulerProcess, tp1: SchedulerProcess) -> None:

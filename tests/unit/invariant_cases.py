@@ -32,6 +32,18 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
     return invariant_cpu.pack_q4_1(scales, mins, quants), expand(scales) * quants.double() + expand(mins)
 
 
+def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` as the kernels multiply it by a weight of ``fmt``, in float64: dense formats take it as it is; the block
+    formats quantise each 32-block to int8 (d = amax / 127, q = round-half-even(x * (127 / amax)), float32 steps)."""
+    if fmt in ("float32", "bfloat16"):
+        return x.double()
+    blocks = x.reshape(x.shape[0], -1, invariant_cpu.BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # 127 / amax is reciprocal() * 127
+    quants = torch.round(blocks * inverse).clamp(-127, 127)
+    return (quants.double() * (amax / 127).double()).reshape(x.shape)
+
+
 def attention_case(seed: int = 0) -> dict[str, torch.Tensor]:
     """A pool of 300 rows with SmolLM2's heads (9 query heads over 3 KV heads of 64), and 64 query tokens of four
     sequences at various positions: token t attends to the first ``num_keys[t]`` rows of its sequence."""

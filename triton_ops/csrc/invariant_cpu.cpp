@@ -404,14 +404,10 @@ static void parallel_for(int64_t total, int64_t grain, int threads, const F& f) 
 
 // ---- matmuls over packed weights -------------------------------------------------------------------------------
 //
-// Weights [N, K] are packed in panels of 16 columns: panel p holds columns 16p..16p+15 (zero past N), k-major, so
-// one vector load gives one k of 16 columns. Formats (per panel; K a multiple of 32 for the block formats):
-// - F32: float [K][16];  BF16: bfloat16 [K][16]
-// - Q8_0: per 32-block: int8 q[32][16], then float16 d[16]:                       w = d * q
-// - Q4_1: per 32-block: uint8 qq[16][16] (k = 2i in the low nibble, 2i+1 in the high), float16 d[16], m[16]:
-//   w = d * q + m
-// A y[m][n] of the block formats is, per block, s = fma chain of x * q over the block's k in order, then
-// acc = fma(d, s, acc) (Q4_1: then acc = fma(m, sum of the block's x in order, acc)).
+// Weights [N, K] are packed in panels of 16 columns: panel p holds columns 16p..16p+15 (zero past N), so that one
+// vector load gives 16 columns. Dense formats, k-major: F32 float [K][16], BF16 bfloat16 [K][16]; a y[m][n] is one
+// fma chain over k in order. The GGUF block formats Q8_0 (w = d * q) and Q4_1 (w = d * q + m), K a multiple of 32,
+// are integer dot products with x quantised per block: int8_blocks.h, which states their layout and arithmetic.
 
 enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3 };
 
@@ -457,65 +453,6 @@ static void tile_dense(int32_t format, const float* x, int64_t ldx, const uint8_
     }
 }
 
-template <int MR, int NP>
-static void tile_blocks(int32_t format, const float* x, int64_t ldx, const float* xsums, int64_t ldsum,
-                        const uint8_t* panels, int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
-  const int64_t block_bytes = pbytes / (K / kBlock);
-  V16 acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    V16 s[MR][NP];
-    for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < NP; ++p) s[r][p] = vzero();
-    const float* xb = x + b * kBlock;
-    if (format == kQ8_0) {
-      for (int k = 0; k < kBlock; ++k) {
-        V16 w[NP];
-        for (int p = 0; p < NP; ++p)
-          w[p] = vfrom_i8(reinterpret_cast<const int8_t*>(panels + p * pbytes + b * block_bytes) + k * kLanes);
-        for (int r = 0; r < MR; ++r) {
-          V16 xv = vset1(xb[r * ldx + k]);
-          for (int p = 0; p < NP; ++p) s[r][p] = vfma(xv, w[p], s[r][p]);
-        }
-      }
-      for (int p = 0; p < NP; ++p) {
-        const uint8_t* block = panels + p * pbytes + b * block_bytes;
-        V16 d = vfrom_f16(reinterpret_cast<const uint16_t*>(block + kBlock * kLanes));
-        for (int r = 0; r < MR; ++r) acc[r][p] = vfma(d, s[r][p], acc[r][p]);
-      }
-    } else {
-      for (int i = 0; i < kBlock / 2; ++i) {
-        V16 lo[NP], hi[NP];
-        for (int p = 0; p < NP; ++p) vfrom_u4x2(panels + p * pbytes + b * block_bytes + i * kLanes, &lo[p], &hi[p]);
-        for (int r = 0; r < MR; ++r) {
-          V16 x0 = vset1(xb[r * ldx + 2 * i]);
-          for (int p = 0; p < NP; ++p) s[r][p] = vfma(x0, lo[p], s[r][p]);
-          V16 x1 = vset1(xb[r * ldx + 2 * i + 1]);
-          for (int p = 0; p < NP; ++p) s[r][p] = vfma(x1, hi[p], s[r][p]);
-        }
-      }
-      for (int p = 0; p < NP; ++p) {
-        const uint8_t* block = panels + p * pbytes + b * block_bytes;
-        const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + kBlock / 2 * kLanes);
-        V16 d = vfrom_f16(scales), m = vfrom_f16(scales + kLanes);
-        for (int r = 0; r < MR; ++r) {
-          acc[r][p] = vfma(d, s[r][p], acc[r][p]);
-          acc[r][p] = vfma(m, vset1(xsums[r * ldsum + b]), acc[r][p]);
-        }
-      }
-    }
-  }
-  alignas(64) float out[kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      int n = std::min(kLanes, cols - p * kLanes);
-      if (n <= 0) break;
-      vstore(out, acc[r][p]);
-      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
-    }
-}
-
 // Tile shapes: accumulators MR x NP vectors must fit the register file with the weights (32 zmm or 16 ymm).
 #if defined(__AVX512F__)
 constexpr int kMR = 6, kNP = 2, kWideNP = 8;
@@ -526,109 +463,21 @@ constexpr int kMR = 4, kNP = 1, kWideNP = 1;
 #endif
 constexpr int kRowBlock = 96;  // rows of x per pass over a column group: they stay in cache while it streams
 
-template <int MR, int NP>
-static void run_tile(int32_t format, const float* x, int64_t ldx, const float* xsums, int64_t ldsum,
-                     const uint8_t* panels, int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
-  if (format == kF32 || format == kBF16)
-    tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
-  else
-    tile_blocks<MR, NP>(format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
-}
-
 // A tile of 1..kMR rows and 1..kNP panels, each with the code compiled for exactly that many (a tile never reads
 // past the last panel).
 template <int MR = kMR, int NP = kNP>
-static void run_rows(int rows, int panels_here, int32_t format, const float* x, int64_t ldx, const float* xsums,
-                     int64_t ldsum, const uint8_t* panels, int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
+static void run_rows(int rows, int panels_here, int32_t format, const float* x, int64_t ldx, const uint8_t* panels,
+                     int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
   if constexpr (MR > 1) {
-    if (rows < MR)
-      return run_rows<MR - 1, NP>(rows, panels_here, format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+    if (rows < MR) return run_rows<MR - 1, NP>(rows, panels_here, format, x, ldx, panels, pbytes, K, y, ldy, cols);
   }
   if constexpr (NP > 1) {
-    if (panels_here < NP)
-      return run_rows<MR, NP - 1>(rows, panels_here, format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+    if (panels_here < NP) return run_rows<MR, NP - 1>(rows, panels_here, format, x, ldx, panels, pbytes, K, y, ldy, cols);
   }
-  run_tile<MR, NP>(format, x, ldx, xsums, ldsum, panels, pbytes, K, y, ldy, cols);
+  tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
 }
 
-// Block formats over more rows than a tile: each block of a column group is unpacked once (its quants as floats,
-// k in order) into `scratch` [32][NP][16], and every row tile runs over it, keeping its accumulators in `acc`
-// (rows ldacc apart) from block to block. Each output element gets the operations of tile_blocks, in its order.
-template <int MR, int NP>
-static void scratch_tile(const float* x, int64_t ldx, const float* xsums, int64_t ldsum, const float* scratch,
-                         const V16* d, const V16* mins, float* acc, int64_t ldacc) {
-  V16 s[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) s[r][p] = vzero();
-  for (int k = 0; k < kBlock; ++k) {
-    V16 w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = vload(scratch + (k * kNP + p) * kLanes);
-    for (int r = 0; r < MR; ++r) {
-      V16 xv = vset1(x[r * ldx + k]);
-      for (int p = 0; p < NP; ++p) s[r][p] = vfma(xv, w[p], s[r][p]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      float* a = acc + r * ldacc + p * kLanes;
-      V16 value = vfma(d[p], s[r][p], vload(a));
-      if (mins != nullptr) value = vfma(mins[p], vset1(xsums[r * ldsum]), value);
-      vstore(a, value);
-    }
-}
-
-template <int MR = kMR, int NP = kNP>
-static void run_scratch_rows(int rows, int panels_here, const float* x, int64_t ldx, const float* xsums,
-                             int64_t ldsum, const float* scratch, const V16* d, const V16* mins, float* acc,
-                             int64_t ldacc) {
-  if constexpr (MR > 1) {
-    if (rows < MR)
-      return run_scratch_rows<MR - 1, NP>(rows, panels_here, x, ldx, xsums, ldsum, scratch, d, mins, acc, ldacc);
-  }
-  if constexpr (NP > 1) {
-    if (panels_here < NP)
-      return run_scratch_rows<MR, NP - 1>(rows, panels_here, x, ldx, xsums, ldsum, scratch, d, mins, acc, ldacc);
-  }
-  scratch_tile<MR, NP>(x, ldx, xsums, ldsum, scratch, d, mins, acc, ldacc);
-}
-
-// Rows m0..m1 of one column group in a block format, through the scratch of unpacked blocks (see scratch_tile).
-static void block_rows_via_scratch(int32_t format, const float* x, int64_t ldx, int64_t m0, int64_t m1,
-                                   const float* sums, int64_t nblocks, const uint8_t* panels, int64_t pbytes,
-                                   int panels_here, float* y, int64_t ldy, int cols) {
-  constexpr int64_t ldacc = kNP * kLanes;
-  alignas(64) float acc[kRowBlock * ldacc];
-  alignas(64) float scratch[kBlock * kNP * kLanes];
-  const int64_t rows = m1 - m0, block_bytes = pbytes / nblocks;
-  std::fill(acc, acc + rows * ldacc, 0.0f);
-  V16 d[kNP], mins[kNP];
-  for (int64_t b = 0; b < nblocks; ++b) {
-    for (int p = 0; p < panels_here; ++p) {
-      const uint8_t* block = panels + p * pbytes + b * block_bytes;
-      if (format == kQ8_0) {
-        for (int k = 0; k < kBlock; ++k)
-          vstore(scratch + (k * kNP + p) * kLanes, vfrom_i8(reinterpret_cast<const int8_t*>(block) + k * kLanes));
-        d[p] = vfrom_f16(reinterpret_cast<const uint16_t*>(block + kBlock * kLanes));
-      } else {
-        for (int i = 0; i < kBlock / 2; ++i) {
-          V16 lo, hi;
-          vfrom_u4x2(block + i * kLanes, &lo, &hi);
-          vstore(scratch + (2 * i * kNP + p) * kLanes, lo);
-          vstore(scratch + ((2 * i + 1) * kNP + p) * kLanes, hi);
-        }
-        const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + kBlock / 2 * kLanes);
-        d[p] = vfrom_f16(scales);
-        mins[p] = vfrom_f16(scales + kLanes);
-      }
-    }
-    for (int64_t m = m0; m < m1; m += kMR) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(kMR, m1 - m));
-      run_scratch_rows(tile_rows, panels_here, x + m * ldx + b * kBlock, ldx, sums + m * nblocks + b, nblocks,
-                       scratch, d, format == kQ4_1 ? mins : nullptr, acc + (m - m0) * ldacc, ldacc);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) memcpy(y + (m0 + r) * ldy, acc + r * ldacc, cols * sizeof(float));
-}
+#include "int8_blocks.h"
 
 // Attention for one (token, KV head) item (see invariant_attention): GROUP query heads of CHUNKS 16-float chunks,
 // in registers. `scores` holds GROUP x L floats.
@@ -703,15 +552,13 @@ static AttendFn attend_for_group(int64_t group) {
   }
 }
 
-// The column groups of one matmul, NP panels each, rows in tiles of MR (the block formats' larger row counts through
-// the scratch of unpacked blocks, which holds kNP panels).
+// The column groups of one dense matmul, NP panels each, rows in tiles of MR.
 template <int MR, int NP>
-static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const float* sums,
-                          const uint8_t* packed, int64_t N, float* y, int64_t ldy, int32_t threads) {
+static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+                          int64_t N, float* y, int64_t ldy, int32_t threads) {
   const int64_t pbytes = panel_bytes(format, K);
   const int64_t num_panels = (N + kLanes - 1) / kLanes;
   const int64_t num_groups = (num_panels + NP - 1) / NP;
-  const int64_t nblocks = K / kBlock;
   parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
       const uint8_t* panels = packed + g * NP * pbytes;
@@ -719,19 +566,10 @@ static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, 
       const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const int64_t m1 = std::min(M, m0 + kRowBlock);
-        if constexpr (NP == kNP) {
-          if ((format == kQ8_0 || format == kQ4_1) && m1 - m0 > kMR) {  // unpack each block once for every row tile
-            block_rows_via_scratch(format, x, ldx, m0, m1, sums, nblocks, panels, pbytes, panels_here,
-                                   y + g * NP * kLanes, ldy, cols);
-            continue;
-          }
-        }
         for (int64_t m = m0; m < m1; m += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          const float* xm = x + m * ldx;
-          float* ym = y + m * ldy + g * NP * kLanes;
-          const float* sm = sums + m * nblocks;
-          run_rows<MR, NP>(rows, panels_here, format, xm, ldx, sm, nblocks, panels, pbytes, K, ym, ldy, cols);
+          run_rows<MR, NP>(rows, panels_here, format, x + m * ldx, ldx, panels, pbytes, K, y + m * ldy + g * NP * kLanes,
+                           ldy, cols);
         }
       }
     }
@@ -800,43 +638,25 @@ extern "C" {
 
 int32_t invariant_row_tile() { return kMR; }
 
-const char* invariant_isa() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+const char* invariant_isa() { return kDotIsa; }
 
 // y[M, N] = x[M, K] @ W.T with W packed (see above); x rows ldx apart, y rows ldy apart.
-// One or two rows (a decode step, a short draft) take wider column groups on AVX-512: a tile's accumulators are its
-// only independent fma chains, and two panels' would leave the fma units waiting on their latency (decode B=1 on an
-// AMD EPYC: 5.9 ms against 6.6). The AVX2 build keeps one panel, which measured faster there than two or four.
+// Dense formats: one or two rows (a decode step, a short draft) take wider column groups on AVX-512: a tile's
+// accumulators are its only independent fma chains, and two panels' would leave the fma units waiting on their
+// latency (decode B=1 on an AMD EPYC: 5.9 ms against 6.6). The AVX2 build keeps one panel, which measured faster there
+// than two or four.
 void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                       int64_t N, float* y, int64_t ldy, int32_t threads) {
-  std::vector<float> xsums;
-  const int64_t nblocks = K / kBlock;
-  if (format == kQ4_1) {  // each row's per-block sums of x, in order: shared by every column
-    xsums.resize(M * nblocks);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nblocks; ++b) {
-        float s = 0.0f;
-        for (int k = 0; k < kBlock; ++k) s += x[m * ldx + b * kBlock + k];
-        xsums[m * nblocks + b] = s;
-      }
-  }
-  const float* sums = xsums.data();
+  if (format == kQ8_0 || format == kQ4_1) return int8_matmul(format, x, M, K, ldx, packed, N, y, ldy, threads);
   if constexpr (kWideNP > kNP) {
     const int64_t num_panels = (N + kLanes - 1) / kLanes;
     const bool many_groups = num_panels >= kWideNP * 4 * threads;  // enough wide groups to keep every thread busy
     if (M == 1)
-      return many_groups ? matmul_groups<1, kWideNP>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads)
-                         : matmul_groups<1, kWideNP / 2>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads);
-    if (M == 2) return matmul_groups<2, kWideNP / 2>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads);
+      return many_groups ? matmul_groups<1, kWideNP>(format, x, M, K, ldx, packed, N, y, ldy, threads)
+                         : matmul_groups<1, kWideNP / 2>(format, x, M, K, ldx, packed, N, y, ldy, threads);
+    if (M == 2) return matmul_groups<2, kWideNP / 2>(format, x, M, K, ldx, packed, N, y, ldy, threads);
   }
-  matmul_groups<kMR, kNP>(format, x, M, K, ldx, sums, packed, N, y, ldy, threads);
+  matmul_groups<kMR, kNP>(format, x, M, K, ldx, packed, N, y, ldy, threads);
 }
 
 // Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64 or 128, at most 8

@@ -1,0 +1,345 @@
+// Matmuls over GGUF block weights (Q8_0, Q4_1) as integer dot products with activations quantised per block, as
+// llama.cpp multiplies its quantised weights: included by invariant_cpu.cpp, whose vectors, pool and formats it uses.
+//
+// Each row of x is quantised per 32-block: amax = max |x|, d = amax / 127, q = round-half-even(x * (127 / amax)) in
+// [-127, 127] (q = 0 where amax is 0). A weight block's product with it is an integer sum, exact in any order, so the
+// SIMD width, the instruction (AVX512-VNNI vpdpbusd, AVX-VNNI, or vpmaddubsw and vpmaddwd), the tiling and the threads
+// cannot change it. Then, per output element and per block b in order, one fixed float sequence:
+//   acc = fma(d_w * d_x, float(sum of q_w q_x), acc)            (the sum is exact in float: |sum| < 2^24)
+//   Q4_1: acc = fma(m_w, d_x * float(sum of q_x), acc)          (the block minimum times the block's sum of x)
+// so every build computes the same bits for a row, whatever else shares the call.
+//
+// Packed layout per panel of 16 columns, per 32-block (Python's pack_q8_0 and pack_q4_1): the quants as 16 lanes of
+// 4 consecutive k, lane = column, so that one 32-bit broadcast of 4 quantised x values feeds 16 columns:
+// - Q8_0: int8 q[8 quads][16 lanes][4], then float16 d[16]                              (544 bytes)
+// - Q4_1: uint8 [4][16 lanes][4]: byte j of lane l in vector i holds k = 4i + j in its low nibble and k = 16 + 4i + j
+//   in its high nibble; then float16 d[16], m[16]                                          (320 bytes)
+
+// ---- 64 bytes as 16 lanes of 4, and 16 int32 sums ----------------------------------------------------------------
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct B64 {
+  __m512i r;
+};
+struct I16 {
+  __m512i r;
+};
+static inline I16 izero() { return {_mm512_setzero_si512()}; }
+static inline B64 bload(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+static inline B64 bbroadcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return {_mm512_set1_epi32(v)};
+}
+static inline B64 blow(B64 b) { return {_mm512_and_si512(b.r, _mm512_set1_epi8(15))}; }
+static inline B64 bhigh(B64 b) { return {_mm512_and_si512(_mm512_srli_epi16(b.r, 4), _mm512_set1_epi8(15))}; }
+static inline V16 vfrom_i32(I16 a) { return {_mm512_cvtepi32_ps(a.r)}; }
+static inline I16 isub_scalar(I16 a, int32_t b) { return {_mm512_sub_epi32(a.r, _mm512_set1_epi32(b))}; }
+#if defined(__AVX512VNNI__)
+constexpr int32_t kSignedBias = 128;  // signed weights enter vpdpbusd as unsigned w + 128
+static inline B64 bsigned(B64 w) { return {_mm512_xor_si512(w.r, _mm512_set1_epi8(static_cast<char>(0x80)))}; }
+static inline I16 dot_u(I16 acc, B64 u, B64 s) { return {_mm512_dpbusd_epi32(acc.r, u.r, s.r)}; }
+static inline I16 dot_s(I16 acc, B64 w, B64 s) { return dot_u(acc, w, s); }
+static const char* const kDotIsa = "avx512-vnni";
+#else
+constexpr int32_t kSignedBias = 0;
+static inline B64 bsigned(B64 w) { return w; }
+// u * s in pairs: below 2 * 128 * 127, so vpmaddubsw never saturates
+static inline I16 dot_u(I16 acc, B64 u, B64 s) {
+  return {_mm512_add_epi32(acc.r, _mm512_madd_epi16(_mm512_maddubs_epi16(u.r, s.r), _mm512_set1_epi16(1)))};
+}
+static inline I16 dot_s(I16 acc, B64 w, B64 s) {  // |w| * (s with w's sign)
+  const __mmask64 negative = _mm512_movepi8_mask(w.r);
+  const __m512i signed_s = _mm512_mask_sub_epi8(s.r, negative, _mm512_setzero_si512(), s.r);
+  return dot_u(acc, {_mm512_abs_epi8(w.r)}, {signed_s});
+}
+static const char* const kDotIsa = "avx512";
+#endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct B64 {
+  __m256i lo, hi;
+};
+struct I16 {
+  __m256i lo, hi;
+};
+static inline I16 izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline B64 bload(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+static inline B64 bbroadcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  const __m256i b = _mm256_set1_epi32(v);
+  return {b, b};
+}
+static inline B64 blow(B64 b) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(b.lo, m), _mm256_and_si256(b.hi, m)};
+}
+static inline B64 bhigh(B64 b) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(_mm256_srli_epi16(b.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(b.hi, 4), m)};
+}
+static inline V16 vfrom_i32(I16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+static inline I16 isub_scalar(I16 a, int32_t b) {
+  const __m256i v = _mm256_set1_epi32(b);
+  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
+}
+#if defined(__AVXVNNI__)
+constexpr int32_t kSignedBias = 128;
+static inline B64 bsigned(B64 w) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  return {_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
+}
+static inline I16 dot_u(I16 acc, B64 u, B64 s) {
+  return {_mm256_dpbusd_avx_epi32(acc.lo, u.lo, s.lo), _mm256_dpbusd_avx_epi32(acc.hi, u.hi, s.hi)};
+}
+static inline I16 dot_s(I16 acc, B64 w, B64 s) { return dot_u(acc, w, s); }
+static const char* const kDotIsa = "avx2-vnni";
+#else
+constexpr int32_t kSignedBias = 0;
+static inline B64 bsigned(B64 w) { return w; }
+static inline __m256i dot_u8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline I16 dot_u(I16 acc, B64 u, B64 s) { return {dot_u8(acc.lo, u.lo, s.lo), dot_u8(acc.hi, u.hi, s.hi)}; }
+static inline I16 dot_s(I16 acc, B64 w, B64 s) {
+  return {dot_u8(acc.lo, _mm256_abs_epi8(w.lo), _mm256_sign_epi8(s.lo, w.lo)),
+          dot_u8(acc.hi, _mm256_abs_epi8(w.hi), _mm256_sign_epi8(s.hi, w.hi))};
+}
+static const char* const kDotIsa = "avx2";
+#endif
+#else
+struct B64 {
+  int8_t b[4 * kLanes];
+};
+struct I16 {
+  int32_t v[kLanes];
+};
+static inline I16 izero() { return {}; }
+static inline B64 bload(const uint8_t* p) {
+  B64 out;
+  memcpy(out.b, p, sizeof out.b);
+  return out;
+}
+static inline B64 bbroadcast4(const int8_t* p) {
+  B64 out;
+  for (int l = 0; l < kLanes; ++l) memcpy(out.b + 4 * l, p, 4);
+  return out;
+}
+static inline B64 blow(B64 b) {
+  for (auto& v : b.b) v = static_cast<int8_t>(static_cast<uint8_t>(v) & 15);
+  return b;
+}
+static inline B64 bhigh(B64 b) {
+  for (auto& v : b.b) v = static_cast<int8_t>(static_cast<uint8_t>(v) >> 4);
+  return b;
+}
+static inline V16 vfrom_i32(I16 a) {
+  V16 out;
+  for (int l = 0; l < kLanes; ++l) out.v[l] = static_cast<float>(a.v[l]);
+  return out;
+}
+static inline I16 isub_scalar(I16 a, int32_t b) {
+  for (auto& v : a.v) v -= b;
+  return a;
+}
+constexpr int32_t kSignedBias = 0;
+static inline B64 bsigned(B64 w) { return w; }
+static inline I16 dot_u(I16 acc, B64 u, B64 s) {
+  for (int l = 0; l < kLanes; ++l)
+    for (int j = 0; j < 4; ++j) acc.v[l] += static_cast<uint8_t>(u.b[4 * l + j]) * s.b[4 * l + j];
+  return acc;
+}
+static inline I16 dot_s(I16 acc, B64 w, B64 s) {
+  for (int l = 0; l < kLanes; ++l)
+    for (int j = 0; j < 4; ++j) acc.v[l] += w.b[4 * l + j] * s.b[4 * l + j];
+  return acc;
+}
+static const char* const kDotIsa = "scalar";
+#endif
+
+// 16 integral floats in [-127, 127] to int8
+static inline void vstore_i8(int8_t* p, V16 a) {
+#if defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.r)));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const __m256i words = _mm256_permute4x64_epi64(
+      _mm256_packs_epi32(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)), 0xD8);  // 16 int16 in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+#else
+  for (int l = 0; l < kLanes; ++l) p[l] = static_cast<int8_t>(a.v[l]);
+#endif
+}
+
+// ---- the activations, quantised ----------------------------------------------------------------------------------
+
+// Rows of x quantised per 32-block: q [M][K], and per row and block d_x, d_x * sum(q) and kSignedBias * sum(q).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;
+  std::vector<int32_t> bias;
+  int64_t K = 0, nblocks = 0;
+};
+
+static void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* scale, float* scaled_sum, int32_t* bias) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const V16 x0 = vload(x + b * kBlock), x1 = vload(x + b * kBlock + kLanes);
+    const V16 magnitudes = vmax(vmax(x0, vsub(vzero(), x0)), vmax(x1, vsub(vzero(), x1)));
+    const float amax = tree_max(magnitudes);  // max is exact in any order
+    const V16 inverse = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const V16 q0 = vround(vmul(x0, inverse)), q1 = vround(vmul(x1, inverse));
+    vstore_i8(q + b * kBlock, q0);
+    vstore_i8(q + b * kBlock + kLanes, q1);
+    const float sum = tree_sum(vadd(q0, q1));  // integers below 2^24: exact
+    scale[b] = amax / 127.0f;
+    scaled_sum[b] = scale[b] * sum;
+    bias[b] = kSignedBias * static_cast<int32_t>(sum);
+  }
+}
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int threads, QuantizedRows* out) {
+  const int64_t nblocks = K / kBlock;
+  out->K = K;
+  out->nblocks = nblocks;
+  out->q.resize(M * K);
+  out->scale.resize(M * nblocks);
+  out->scaled_sum.resize(M * nblocks);
+  out->bias.resize(M * nblocks);
+  parallel_for(M, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m)
+      quantize_row(x + m * ldx, nblocks, out->q.data() + m * K, out->scale.data() + m * nblocks,
+                   out->scaled_sum.data() + m * nblocks, out->bias.data() + m * nblocks);
+  });
+}
+
+// ---- the tiles ---------------------------------------------------------------------------------------------------
+
+static inline int64_t int8_block_bytes(int32_t format) { return format == kQ8_0 ? 8 * 64 + 32 : 4 * 64 + 64; }
+
+// MR rows from `row` on, times NP panels, every block.
+template <int MR, int NP>
+static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const uint8_t* panels, int64_t pbytes,
+                      float* y, int64_t ldy, int cols) {
+  const int64_t block_bytes = int8_block_bytes(format), K = x.K, nblocks = x.nblocks;
+  V16 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    I16 s[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NP; ++p) s[r][p] = izero();
+    const int8_t* xq = x.q.data() + row * K + b * kBlock;
+    const uint8_t* block = panels + b * block_bytes;
+    if (format == kQ8_0) {
+      for (int i = 0; i < 8; ++i) {
+        B64 w[NP];
+        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * pbytes + i * 64));
+        for (int r = 0; r < MR; ++r) {
+          const B64 xv = bbroadcast4(xq + r * K + 4 * i);
+          for (int p = 0; p < NP; ++p) s[r][p] = dot_s(s[r][p], w[p], xv);
+        }
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        B64 lo[NP], hi[NP];
+        for (int p = 0; p < NP; ++p) {
+          const B64 packed = bload(block + p * pbytes + i * 64);
+          lo[p] = blow(packed);
+          hi[p] = bhigh(packed);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
+          for (int p = 0; p < NP; ++p) s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+        }
+      }
+    }
+    const int64_t scales_at = format == kQ8_0 ? 8 * 64 : 4 * 64;
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * pbytes + scales_at);
+      const V16 d = vfrom_f16(scales);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (row + r) * nblocks + b;
+        const I16 sum = format == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
+        acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
+      }
+      if (format == kQ4_1) {
+        const V16 mins = vfrom_f16(scales + kLanes);
+        for (int r = 0; r < MR; ++r)
+          acc[r][p] = vfma(mins, vset1(x.scaled_sum[(row + r) * nblocks + b]), acc[r][p]);
+      }
+    }
+  }
+  alignas(64) float out[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int n = std::min(kLanes, cols - p * kLanes);
+      if (n <= 0) break;
+      vstore(out, acc[r][p]);
+      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+    }
+}
+
+// A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
+template <int MR, int NP>
+static void int8_rows(int rows, int panels_here, int32_t format, const QuantizedRows& x, int64_t row,
+                      const uint8_t* panels, int64_t pbytes, float* y, int64_t ldy, int cols) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return int8_rows<MR - 1, NP>(rows, panels_here, format, x, row, panels, pbytes, y, ldy, cols);
+  }
+  if constexpr (NP > 1) {
+    if (panels_here < NP) return int8_rows<MR, NP - 1>(rows, panels_here, format, x, row, panels, pbytes, y, ldy, cols);
+  }
+  int8_tile<MR, NP>(format, x, row, panels, pbytes, y, ldy, cols);
+}
+
+// Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm). On an
+// AMD EPYC (AVX512-VNNI), SmolLM2's four matmuls at 512 rows: 4 x 2 1.14-1.21 TOP/s, 3 x 3 1.06-1.11, 2 x 4 ~1.0,
+// 4 x 3 and 8 x 1 ~0.92-0.94, 6 x 2 0.82-0.89 (the larger tiles spill).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kInt8MR = 4, kInt8NP = 2;
+#elif defined(__AVX2__)
+constexpr int kInt8MR = 2, kInt8NP = 1;
+#else
+constexpr int kInt8MR = 4, kInt8NP = 1;
+#endif
+constexpr int64_t kInt8RowBlock = 64;  // rows per pass over a column group: their quants stay in cache
+
+template <int MR, int NP>
+static void int8_groups(int32_t format, const QuantizedRows& x, int64_t M, const uint8_t* packed, int64_t N,
+                        float* y, int64_t ldy, int threads) {
+  const int64_t pbytes = x.nblocks * int8_block_bytes(format);
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t num_groups = (num_panels + NP - 1) / NP;
+  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const uint8_t* panels = packed + g * NP * pbytes;
+      const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
+      const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
+      for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock)
+        for (int64_t m = m0; m < std::min(M, m0 + kInt8RowBlock); m += MR) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+          int8_rows<MR, NP>(rows, panels_here, format, x, m, panels, pbytes, y + m * ldy + g * NP * kLanes, ldy,
+                            cols);
+        }
+    }
+  });
+}
+
+// y[M, N] = x[M, K] @ W.T for block weights: x quantised, then the tiles. One row (a decode step) takes wider column
+// groups where the registers hold them: a tile's sums are its only independent dot-product chains.
+static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+                        int64_t N, float* y, int64_t ldy, int threads) {
+  QuantizedRows quantized;
+  quantize_rows(x, M, K, ldx, threads, &quantized);
+  if constexpr (kInt8NP > 1) {
+    const bool many_groups = (N + kLanes - 1) / kLanes >= 8 * 4 * threads;  // enough wide groups for every thread
+    if (M == 1)
+      return many_groups ? int8_groups<1, 8>(format, quantized, M, packed, N, y, ldy, threads)
+                         : int8_groups<1, 4>(format, quantized, M, packed, N, y, ldy, threads);
+    if (M == 2) return int8_groups<2, 4>(format, quantized, M, packed, N, y, ldy, threads);
+  }
+  int8_groups<kInt8MR, kInt8NP>(format, quantized, M, packed, N, y, ldy, threads);
+}
