@@ -1,0 +1,117 @@
+"""Forwards of the default runner, this checkout against another, side by side: a long new prompt's prefill, decode
+steps at B = 1, 8, 32 and a k = 8 extend; and the block-format matmuls' rates on the model's shapes.
+
+    python scripts/bench_forward.py --compare <other checkout> [--rounds 2] [--prompt 1550]
+
+Each round runs one process per checkout, alternating which goes first, so that both share the machine's
+conditions; per measurement it prints each checkout's median over rounds and this one's over the other's. Each
+process loads the embedded model as the server would (``--weight-dtype auto``, the machine's threads) and prints
+one JSON line: the fastest of 3 prefills of ``--prompt`` new tokens, and medians of decode steps and extends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from triton_ops.cpu_info import describe_cpu
+
+MEASURE = """
+import json, statistics, sys, time, torch
+from scheduler.model.runner import ModelRunner
+from scheduler.server_args import ServerArgs
+from tests.unit.invariant_cases import random_weight
+from triton_ops import invariant_cpu
+
+prompt_length = int(sys.argv[1])
+runner = ModelRunner(ServerArgs(max_running_requests=40, disable_radix_cache=True))
+prompt = lambda n, salt: [(i * 7919 + salt * 31) % 40000 + 100 for i in range(n)]
+out = {}
+times = []
+for salt in range(3):
+    tokens = prompt(prompt_length, salt)
+    seq = runner.kv.admit(tokens, 1)
+    started = time.perf_counter()
+    runner.prefill([seq], [tokens])
+    times.append(time.perf_counter() - started)
+    runner.kv.release(seq)
+out[f"prefill {prompt_length}"] = min(times)
+for batch in (1, 8, 32):
+    seqs = []
+    for b in range(batch):
+        tokens = prompt(100, 100 + b)
+        seq = runner.kv.admit(tokens, 64)
+        runner.prefill([seq], [tokens])
+        seqs.append(seq)
+    times = []
+    for step in range(6):
+        started = time.perf_counter()
+        runner.decode(seqs, [5 + step] * batch)
+        times.append(time.perf_counter() - started)
+    out[f"decode B={batch}"] = statistics.median(times)
+    if batch == 1:
+        times = []
+        for _ in range(4):
+            started = time.perf_counter()
+            runner.extend(seqs[0], [7] * 8, all_logits=True)
+            times.append(time.perf_counter() - started)
+        out["extend k=8"] = statistics.median(times)
+    for seq in seqs:
+        runner.kv.release(seq)
+shapes = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # SmolLM2's qkv, o_proj, gate_up, down: (K, N)
+for fmt in ("q4_1", "q8_0"):
+    weights = [(random_weight(fmt, n, k)[0], k, n) for k, n in shapes]
+    for rows in (8, 512):
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for weight, k, n in weights:
+                invariant_cpu.matmul(torch.randn(rows, k), weight)
+            best = min(best, time.perf_counter() - started)
+        operations = sum(2 * rows * k * n for _, k, n in weights)
+        out[f"{fmt} matmuls M={rows} (GOP/s)"] = operations / best / 1e9
+print(json.dumps(out))
+"""
+
+
+def measure(checkout: Path, prompt_length: int) -> dict[str, float]:
+    """One process's figures from ``checkout``."""
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(prompt_length)],
+        cwd=checkout,
+        env={**os.environ, "PYTHONPATH": str(checkout)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", type=Path, required=True, help="another checkout of this repository")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=1550, help="new tokens of the prefill")
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parents[1]
+    figures: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
+    for round_index in range(args.rounds):
+        order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
+        for side in order:
+            figures[side].append(measure(here if side == "this" else args.compare, args.prompt))
+    print(f"CPU {describe_cpu()}; this checkout against {args.compare}, {args.rounds} rounds")
+    for name in figures["this"][0]:
+        ours, theirs = (statistics.median(run[name] for run in figures[side]) for side in ("this", "other"))
+        unit = "" if "GOP/s" in name else " ms"
+        scale = 1 if "GOP/s" in name else 1e3
+        sides = f"this {ours * scale:8.1f}{unit}  other {theirs * scale:8.1f}{unit}"
+        print(f"{name:>28}  {sides}  this/other {ours / theirs:.2f}")
+
+
+if __name__ == "__main__":
+    main()
