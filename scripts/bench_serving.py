@@ -11,6 +11,9 @@ the scheduler sends one chunk per step in which a request gained tokens, and eac
 forward that request took part in. ``--profile`` runs the scheduler under cProfile and prints where its time went.
 ``--peer llamacpp`` (where llama-cpp-python is installed: the ``llamacpp`` extra) also runs the free and JSON
 requests through llama.cpp on the same GGUF file, each round right after ours, and prints ours over it;
+``--peer vllm --vllm-venv PATH`` runs our server's HTTP API against vLLM's (from that virtual environment), phase by
+phase, at vLLM's defaults and with both cores bound, and prints a table of ours over vLLM (``scripts/vllm_peer.py``,
+whose docstring has vLLM's set-up);
 ``--model-runner llamacpp`` runs our schedulers on llama.cpp's kernels too (``scheduler.model.llamacpp_runner``).
 ``--ranks`` runs the benchmarks of several ranks instead: data parallel (``scripts/bench_dp.py``: 2 replicas x 1
 thread against 1 rank x 2 threads, JSON at concurrency 16, and grammar compiles per distinct schema) and tensor
@@ -21,6 +24,7 @@ draft source, the acceptance rate and mean accepted run (from the schedulers' co
 
     python -m scripts.bench_serving [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
                                     [--peer llamacpp] [--model-runner llamacpp] [--compare-speculation]
+                                    [--peer vllm --vllm-venv /tmp/vllm-venv]
                                     [--temperature 0.7]
     python -m scripts.bench_serving --ranks
 
@@ -46,6 +50,7 @@ from typing import Any
 from scheduler.client import AsyncSchedulerClient
 from scheduler.server_args import MODEL_RUNNERS
 from scheduler.testing.process import free_port
+from scripts import vllm_peer
 from scripts.bench_dp import run_dp_benchmark
 from scripts.bench_tp import run_tp_benchmark
 from scripts.serving_speculation import (
@@ -218,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds over the three kinds, in rotated order")
     parser.add_argument("--profile", action="store_true", help="run the scheduler under cProfile and print the top")
     parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="torch", help="the schedulers' engine")
-    parser.add_argument("--peer", choices=["llamacpp"], default=None, help="also run the requests through llama.cpp")
+    parser.add_argument(
+        "--peer", choices=["llamacpp", "vllm"], default=None, help="also run the requests through llama.cpp or vLLM"
+    )
+    parser.add_argument("--vllm-venv", type=Path, default=None, help="--peer vllm: the virtual environment of vLLM")
     parser.add_argument(
         "--compare-speculation", action="store_true", help="speculation off and on, two schedulers side by side"
     )
@@ -230,7 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         for line in [*run_dp_benchmark(backend=args.backend), *run_tp_benchmark()]:
             print(line)
         return
+    if args.peer == "vllm" and (args.vllm_venv is None or args.compare_speculation):
+        parser.error("--peer vllm needs --vllm-venv PATH (set-up: scripts/vllm_peer.py), not --compare-speculation")
     needed = sum(args.rounds * len(KINDS) * max(args.min_requests, args.waves * c) for c in args.concurrency)
+    if args.peer == "vllm":
+        needed = vllm_peer.requests_per_server(args)
     if needed >= WARM_UP_INDEX:
         parser.error(
             f"{needed} requests per scheduler, but only {WARM_UP_INDEX} distinct prompts: fewer rounds or waves"
@@ -238,9 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     results_dir = REPO / "results"
     results_dir.mkdir(exist_ok=True)
     runner_suffix = "" if args.model_runner == "torch" else f"_{args.model_runner}"
-    output = args.output or results_dir / f"bench_serving_{args.backend}{runner_suffix}.json"
+    peer_suffix = "_vllm" if args.peer == "vllm" else ""
+    output = args.output or results_dir / f"bench_serving_{args.backend}{runner_suffix}{peer_suffix}.json"
     labels = SPECULATION_LABELS if args.compare_speculation else ("",)
     ports = {label: free_port() for label in labels}
+    http_port = free_port()  # --peer vllm: both servers are driven over HTTP
     profile_path = results_dir / f"bench_serving_{args.backend}.prof"
     log_path = results_dir / f"bench_serving_{args.backend}.log"
     servers = []
@@ -249,13 +263,18 @@ def main(argv: list[str] | None = None) -> None:
             flags = ["--zmq-port", str(port), "--grammar-backend", args.backend]
             flags += ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
             flags += ["--model-runner", args.model_runner]
+            if args.peer == "vllm":
+                flags += ["--port", str(http_port)]
             if label in SPECULATION_LABELS:
                 flags += ["--speculative-algorithm", "none" if label == SPECULATION_LABELS[0] else "grammar+ngram"]
             is_profiled = args.profile and label == labels[-1]
             launch = ["-c", PROFILED_LAUNCH, str(profile_path)] if is_profiled else ["-m", "scheduler.launch"]
             servers.append(subprocess.Popen([sys.executable, *launch, *flags], cwd=REPO, stderr=log))
         try:
-            rows = asyncio.run(bench({label: f"tcp://127.0.0.1:{port}" for label, port in ports.items()}, args))
+            if args.peer == "vllm":
+                rows = asyncio.run(vllm_peer.compare(f"http://127.0.0.1:{http_port}", args, results_dir))
+            else:
+                rows = asyncio.run(bench({label: f"tcp://127.0.0.1:{port}" for label, port in ports.items()}, args))
         finally:
             for server in servers:
                 server.send_signal(signal.SIGTERM)
@@ -267,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": args.max_new_tokens,
         "profiled": args.profile,
     }
-    report |= {"temperature": args.temperature, "compare_speculation": args.compare_speculation}
+    report |= {"temperature": args.temperature, "compare_speculation": args.compare_speculation, "peer": args.peer}
     report |= {
         "load_average_1min": os.getloadavg()[0],
         "cpu_pressure_avg60": cpu_pressure(),
