@@ -149,18 +149,24 @@ def test_gguf_blocks_are_the_weights_transformers_computes_with(
         assert torch.equal(weights, float32[name]), name
 
 
+def greedy_beside_transformers(
+    runner: ModelRunner, hf_model: Any, prompt: list[int]
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The runner's 20 greedy tokens after ``prompt``, its logits at each step, and transformers' logits there."""
+    runner.kv.flush()
+    tokens, logits = greedy_alone(runner, prompt, 20)
+    with torch.inference_mode():
+        reference = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return tokens, torch.stack(logits), reference
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("index", range(3))
 def test_logits_and_greedy_tokens_match_transformers(
     runner: ModelRunner, hf_model: Any, prompts: list[list[int]], index: int
 ) -> None:
     """float32 weights and activations: transformers' logits to float rounding."""
-    prompt = prompts[index]
-    runner.kv.flush()
-    tokens, logits = greedy_alone(runner, prompt, 20)
-    with torch.inference_mode():
-        reference = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    ours = torch.stack(logits)
+    tokens, ours, reference = greedy_beside_transformers(runner, hf_model, prompts[index])
     assert (ours - reference).abs().max().item() < 1e-3
     assert reference.argmax(-1).tolist() == tokens  # transformers' greedy choice at every one of 20 steps
 
@@ -173,12 +179,7 @@ def test_gguf_blocks_follow_transformers_within_int8_activation_noise(
     """The GGUF blocks multiply activations quantised to int8 per 32-block, as llama.cpp does: fed the blocks'
     greedy tokens, transformers' next-token distribution (float32 activations on the same weights) stays close to
     theirs, and picks the same tokens except where its own top two are a near tie."""
-    prompt = prompts[index]
-    blocks_runner.kv.flush()
-    tokens, logits = greedy_alone(blocks_runner, prompt, 20)
-    with torch.inference_mode():
-        reference = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    ours = torch.stack(logits)
+    tokens, ours, reference = greedy_beside_transformers(blocks_runner, hf_model, prompts[index])
     kl = F.kl_div(ours.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     assert kl.mean().item() < 0.01 and kl.max().item() < 0.1  # measured: means 0.0014-0.0039, at most 0.025
     for step, (picked, token) in enumerate(zip(reference.argmax(-1).tolist(), tokens, strict=True)):

@@ -311,21 +311,11 @@ template <int MR, int NP>
 static void int8_groups(int32_t format, const QuantizedRows& x, int64_t M, const uint8_t* packed, int64_t N,
                         float* y, int64_t ldy, int threads) {
   const int64_t pbytes = x.nblocks * int8_block_bytes(format);
-  const int64_t num_panels = (N + kLanes - 1) / kLanes;
-  const int64_t num_groups = (num_panels + NP - 1) / NP;
-  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g) {
-      const uint8_t* panels = packed + g * NP * pbytes;
-      const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
-      const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
-      for (int64_t m0 = 0; m0 < M; m0 += kInt8RowBlock)
-        for (int64_t m = m0; m < std::min(M, m0 + kInt8RowBlock); m += MR) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-          int8_rows<MR, NP>(rows, panels_here, format, x, m, panels, pbytes, y + m * ldy + g * NP * kLanes, ldy,
-                            cols);
-        }
-    }
-  });
+  for_each_tile<MR, NP>(M, N, pbytes, kInt8RowBlock, threads,
+                        [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
+                          int8_rows<MR, NP>(rows, panels_here, format, x, m, packed + panel * pbytes, pbytes,
+                                            y + m * ldy + column, ldy, cols);
+                        });
 }
 
 // y[M, N] = x[M, K] @ W.T for block weights: x quantised, then the tiles. One row (a decode step) takes wider column

@@ -5,9 +5,10 @@
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
 // depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
 // hidden size), never on the number of rows, the other rows, the tiling or the thread count:
-// - a matmul output y[m][n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 (per 32-block for the
-//   block formats, then one fma per block). SIMD lanes hold different columns n, never parts of one sum, so an
-//   AVX-512 lane, an AVX2 lane and the scalar fallback run the same chain and give the same bits;
+// - a matmul output y[m][n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1; for the block formats,
+//   an exact integer sum per 32-block of x quantised to int8, then one fixed float sequence per block
+//   (int8_blocks.h). SIMD lanes hold different columns n, never parts of one float sum, so an AVX-512 lane, an AVX2
+//   lane and the scalar fallback run the same chain and give the same bits;
 // - reductions along a row (a dot product of q and k, a sum of squares) accumulate into 16 partial sums, lane l
 //   taking the indices equal to l modulo 16, which are then added in one fixed tree;
 // - exp is one polynomial evaluated with the same fma sequence in every lane and in the scalar tail;
@@ -64,15 +65,6 @@ static inline V16 vexp2i(V16 n) {
   __m512i i = _mm512_cvtps_epi32(n.r);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23))};
 }
-static inline V16 vfrom_i8(const int8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
-// 16 bytes, each holding two 4-bit values: low nibbles to lo, high nibbles to hi
-static inline void vfrom_u4x2(const uint8_t* p, V16* lo, V16* hi) {
-  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lo->r = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  hi->r = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
 static inline V16 vfrom_f16(const uint16_t* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
@@ -107,19 +99,6 @@ static inline __m256 exp2i8(__m256 n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23));
 }
 static inline V16 vexp2i(V16 n) { return {exp2i8(n.lo), exp2i8(n.hi)}; }
-static inline V16 vfrom_i8(const int8_t* p) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
-}
-static inline void vfrom_u4x2(const uint8_t* p, V16* lo, V16* hi) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-  __m256i m = _mm256_set1_epi32(15);
-  lo->lo = _mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
-  lo->hi = _mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
-  hi->lo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-  hi->hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-}
 static inline V16 vfrom_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
@@ -157,13 +136,6 @@ static inline float exp2i1(float n) {
   return f;
 }
 static inline V16 vexp2i(V16 n) { LANEWISE(exp2i1(n.v[l])); }
-static inline V16 vfrom_i8(const int8_t* p) { LANEWISE(static_cast<float>(p[l])); }
-static inline void vfrom_u4x2(const uint8_t* p, V16* lo, V16* hi) {
-  for (int l = 0; l < kLanes; ++l) {
-    lo->v[l] = static_cast<float>(p[l] & 15);
-    hi->v[l] = static_cast<float>(p[l] >> 4);
-  }
-}
 static inline float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
   if (exponent == 0x1f) {
@@ -477,8 +449,6 @@ static void run_rows(int rows, int panels_here, int32_t format, const float* x, 
   tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
 }
 
-#include "int8_blocks.h"
-
 // Attention for one (token, KV head) item (see invariant_attention): GROUP query heads of CHUNKS 16-float chunks,
 // in registers. `scores` holds GROUP x L floats.
 template <int GROUP, int CHUNKS>
@@ -552,29 +522,40 @@ static AttendFn attend_for_group(int64_t group) {
   }
 }
 
+// The tiles of one matmul over N columns of packed panels (pbytes each): threads take column groups of NP panels;
+// each group runs its rows in blocks of `row_block` (they stay in cache while the group streams), in tiles of MR.
+// tile(rows, panels_here, m, panel, column, cols) computes rows m.. of panels `panel`.. (columns `column`..).
+template <int MR, int NP, class Tile>
+static void for_each_tile(int64_t M, int64_t N, int64_t pbytes, int64_t row_block, int threads, const Tile& tile) {
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t num_groups = (num_panels + NP - 1) / NP;
+  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
+      const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
+      for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+        const int64_t m1 = std::min(M, m0 + row_block);
+        for (int64_t m = m0; m < m1; m += MR)
+          tile(static_cast<int>(std::min<int64_t>(MR, m1 - m)), panels_here, m, g * NP,
+               g * NP * kLanes, cols);
+      }
+    }
+  });
+}
+
 // The column groups of one dense matmul, NP panels each, rows in tiles of MR.
 template <int MR, int NP>
 static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                           int64_t N, float* y, int64_t ldy, int32_t threads) {
   const int64_t pbytes = panel_bytes(format, K);
-  const int64_t num_panels = (N + kLanes - 1) / kLanes;
-  const int64_t num_groups = (num_panels + NP - 1) / NP;
-  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g) {
-      const uint8_t* panels = packed + g * NP * pbytes;
-      const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
-      const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int64_t m1 = std::min(M, m0 + kRowBlock);
-        for (int64_t m = m0; m < m1; m += MR) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-          run_rows<MR, NP>(rows, panels_here, format, x + m * ldx, ldx, panels, pbytes, K, y + m * ldy + g * NP * kLanes,
-                           ldy, cols);
-        }
-      }
-    }
-  });
+  for_each_tile<MR, NP>(M, N, pbytes, kRowBlock, threads,
+                        [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
+                          run_rows<MR, NP>(rows, panels_here, format, x + m * ldx, ldx, packed + panel * pbytes, pbytes,
+                                           K, y + m * ldy + column, ldy, cols);
+                        });
 }
+
+#include "int8_blocks.h"
 
 // ---- the grammar's token mask on the logits --------------------------------------------------------------------
 //
