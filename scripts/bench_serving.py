@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from typing import Any
 
 from scheduler.client import AsyncSchedulerClient
 from scheduler.server_args import MODEL_RUNNERS
-from scheduler.testing.process import free_port
+from scheduler.testing.process import free_port, wait_until_healthy
 from scripts import vllm_peer
 from scripts.bench_dp import run_dp_benchmark
 from scripts.bench_tp import run_tp_benchmark
@@ -272,7 +273,11 @@ def main(argv: list[str] | None = None) -> None:
             servers.append(subprocess.Popen([sys.executable, *launch, *flags], cwd=REPO, stderr=log))
         try:
             if args.peer == "vllm":
-                rows = asyncio.run(vllm_peer.compare(f"http://127.0.0.1:{http_port}", args, results_dir))
+                url = f"http://127.0.0.1:{http_port}"
+                started = functools.partial(
+                    wait_until_healthy, url, servers[0], log_path.read_text, vllm_peer.HEALTH_TIMEOUT_S
+                )
+                rows = asyncio.run(vllm_peer.compare(url, started, args, results_dir))
             else:
                 rows = asyncio.run(bench({label: f"tcp://127.0.0.1:{port}" for label, port in ports.items()}, args))
         finally:

@@ -40,7 +40,13 @@ from typing import Any
 import httpx
 import jsonschema
 
-from scheduler.testing.process import SchedulerProcess, cpu_model, free_port, process_tree_memory
+from scheduler.testing.process import (
+    SchedulerProcess,
+    cpu_model,
+    free_port,
+    process_tree_memory,
+    wait_until_healthy,
+)
 
 PERSON = {
     "type": "object",
@@ -372,7 +378,7 @@ def main() -> None:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores (shared with other work: compare runs side by side)")
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_until_healthy(server, url)
+        wait_until_healthy(url, server.process, server.log, 600.0)
         for line in asyncio.run(run_compile_cases(url, args, server.log)):
             print(line, flush=True)
         if args.skip_load:
@@ -401,18 +407,6 @@ def main() -> None:
         f"{percentile(beside, 0.5):.2f}/{percentile(beside, 0.99):.2f} s (n={len(beside)}); p50 ratio {ratio:.2f} "
         f"(target <= 1.5); server {'alive' if is_alive else 'DEAD'}, exit code {exit_code}"
     )
-
-
-def _wait_until_healthy(server: SchedulerProcess, url: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        if server.process.poll() is not None:
-            raise RuntimeError(f"the server exited at start-up:\n{server.log()[-3000:]}")
-        time.sleep(0.5)
-    raise TimeoutError(f"the server was not healthy within {timeout_s:g} s")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from scheduler.model.loader import load_model
 from scheduler.server_args import ServerArgs
-from scheduler.testing.process import free_port
+from scheduler.testing.process import free_port, wait_until_healthy
 from scripts.bench_prefix_cache import system_prompt
 from scripts.serving_workload import PERSON_SCHEMA, WARM_UP_INDEX, Outcome, format_row, is_valid, prompt_for, summarise
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
@@ -152,7 +152,7 @@ def vllm_server(venv: Path, model: Path, tokenizer: Path, env: dict[str, str], l
     with log_path.open("w") as log:
         process = subprocess.Popen(command, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_for_health(base_url, process, log_path)
+            wait_until_healthy(base_url, process, lambda: log_path.read_text(errors="replace"), HEALTH_TIMEOUT_S)
             yield base_url
         finally:
             process.send_signal(signal.SIGTERM)
@@ -161,20 +161,6 @@ def vllm_server(venv: Path, model: Path, tokenizer: Path, env: dict[str, str], l
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def wait_for_health(base_url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Until GET /health answers 200; fails at once if the server exits (its log says why)."""
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"vLLM exited with code {process.returncode} before it was ready ({log_path}):\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(2)
-    raise TimeoutError(f"vLLM did not answer {base_url}/health within {HEALTH_TIMEOUT_S:.0f} s ({log_path})")
 
 
 async def connect(http: httpx.AsyncClient, base_url: str) -> Server:
@@ -342,16 +328,19 @@ def table(runs: dict[str, dict[str, dict[str, Tally]]]) -> list[str]:
     return [*lines, f"CPU: {describe_cpu()}"]
 
 
-async def compare(our_base_url: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
-    """Our server (already started, HTTP at ``our_base_url``) against vLLM at each of ``VLLM_CONFIGS``; prints the
-    phase rows of each run and the table; returns the rows for the JSON report."""
+async def compare(
+    our_base_url: str, ours_started: Callable[[], None], args: argparse.Namespace, log_dir: Path
+) -> list[dict[str, Any]]:
+    """Our server (HTTP at ``our_base_url``; ``ours_started`` returns once it answers) against vLLM at each of
+    ``VLLM_CONFIGS``; prints the phase rows of each run and the table; returns the rows for the JSON report."""
     limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
     runs: dict[str, dict[str, dict[str, Tally]]] = {}
     with tempfile.TemporaryDirectory(prefix="vllm-model-") as copy:
         model, tokenizer = vllm_model_folders(ServerArgs().cache_path, Path(copy))
         print(f"vLLM reads {model} (tokenizer {tokenizer})")
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
-            ours = await connect_when_ready(http, our_base_url)
+            ours_started()  # its first start converts the model: minutes
+            ours = await connect(http, our_base_url)
             for config_index, (config, env) in enumerate(VLLM_CONFIGS.items()):
                 log_path = log_dir / f"bench_serving_vllm_{config_index}.log"
                 with vllm_server(args.vllm_venv, model, tokenizer, env, log_path) as vllm_url:
@@ -377,17 +366,6 @@ def report_row(tally: Tally) -> dict[str, Any]:
         return {"ttft_ms": [t * 1e3 for t in tally.ttfts_s], "prompt_tokens": tally.prompt_tokens}
     summary = summarise(tally.outcomes[0].kind, tally.outcomes, tally.wall_s)
     return summary | {"concurrency": tally.concurrency, "invalid_finished": invalid_finished(tally)}
-
-
-async def connect_when_ready(http: httpx.AsyncClient, base_url: str) -> Server:
-    """Our server once its HTTP frontend answers /health (its first start converts the model: minutes)."""
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if (await http.get(f"{base_url}/health", timeout=5)).status_code == 200:
-                return await connect(http, base_url)
-        await asyncio.sleep(1)
-    raise TimeoutError(f"our server did not answer {base_url}/health within {HEALTH_TIMEOUT_S:.0f} s")
 
 
 def print_run(config: str, tallies: dict[str, dict[str, Tally]]) -> None:

@@ -15,10 +15,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 
 from scheduler.client import SchedulerClient
@@ -35,6 +36,19 @@ PORTS_BELOW_EPHEMERAL = 10_000
 """How many ports below the kernel's ephemeral range ``free_port`` picks from."""
 _given_ports: set[int] = set()
 _given_ports_lock = threading.Lock()
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float) -> None:
+    """Until ``GET {url}/health`` answers 200; fails at once, with the tail of ``log()``, if ``process`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} at start-up:\n{log()[-3000:]}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer within {timeout_s:g} s")
 
 
 def free_port() -> int:
