@@ -1,5 +1,6 @@
 """Forwards of the default runner, this checkout against another, side by side: a long new prompt's prefill, decode
-steps at B = 1, 8, 32 and a k = 8 extend; and the block-format matmuls' rates on the model's shapes.
+steps at B = 1, 8, 32 and a k = 8 extend; the block-format matmuls' rates on the model's shapes; and one layer's
+attention over a 1,550-token sequence (its prefill's rate, extends of 8 and 16 tokens at its end).
 
     python scripts/bench_forward.py --compare <other checkout> [--rounds 2] [--prompt 1550]
 
@@ -65,16 +66,33 @@ for batch in (1, 8, 32):
         runner.kv.release(seq)
 shapes = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # SmolLM2's qkv, o_proj, gate_up, down: (K, N)
 for fmt in ("q4_1", "q8_0"):
-    weights = [(random_weight(fmt, n, k)[0], k, n) for k, n in shapes]
+    weights = [(random_weight(fmt, n, k)[0], torch.randn(512, k), k, n) for k, n in shapes]
     for rows in (8, 512):
         best = float("inf")
         for _ in range(3):
             started = time.perf_counter()
-            for weight, k, n in weights:
-                invariant_cpu.matmul(torch.randn(rows, k), weight)
+            for weight, x, _, _ in weights:
+                invariant_cpu.matmul(x[:rows], weight)
             best = min(best, time.perf_counter() - started)
-        operations = sum(2 * rows * k * n for _, k, n in weights)
+        operations = sum(2 * rows * k * n for _, _, k, n in weights)
         out[f"{fmt} matmuls M={rows} (GOP/s)"] = operations / best / 1e9
+# one layer's attention with SmolLM2's heads over a 1,550-token sequence: its causal prefill, and extends at its end
+context = 1550
+q, k_pool, v_pool = torch.randn(context, 9, 64), torch.randn(context, 3, 64), torch.randn(context, 3, 64)
+rows, scale = torch.arange(context), 64**-0.5
+for tokens in (context, 8, 16):
+    positions = torch.arange(context - tokens, context)
+    queries, starts, keys = q[positions].contiguous(), torch.zeros(tokens, dtype=torch.long), positions + 1
+    times = []
+    for _ in range(3 if tokens == context else 30):
+        started = time.perf_counter()
+        invariant_cpu.attention(queries, k_pool, v_pool, rows, starts, keys, scale)
+        times.append(time.perf_counter() - started)
+    pairs = int((positions + 1).sum())
+    if tokens == context:
+        out[f"attention, prefill {context} (GOP/s)"] = 4 * pairs * 9 * 64 / min(times) / 1e9
+    else:
+        out[f"attention, {tokens} at {context}"] = statistics.median(times)
 print(json.dumps(out))
 """
 

@@ -35,7 +35,7 @@ from triton_ops.cpu_info import cpu_flags, cpu_model
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
-HEADERS = (SOURCE.with_name("int8_blocks.h"),)
+HEADERS = (SOURCE.with_name("int8_blocks.h"), SOURCE.with_name("attention.h"))
 """What SOURCE includes: part of the build's key."""
 COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
 """``-ffp-contract=off``: the compiler may not fuse a multiply and an add the source keeps apart (nor split an fma)."""

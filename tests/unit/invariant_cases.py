@@ -44,21 +44,34 @@ def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return (quants.double() * (amax / 127).double()).reshape(x.shape)
 
 
-def attention_case(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A pool of 300 rows with SmolLM2's heads (9 query heads over 3 KV heads of 64), and 64 query tokens of four
-    sequences at various positions: token t attends to the first ``num_keys[t]`` rows of its sequence."""
+ATTENTION_SHAPES = {"smollm2": (9, 3, 64), "group 8, head_dim 128": (16, 2, 128), "group 1, head_dim 32": (4, 4, 32)}
+"""(query heads, KV heads, head_dim): SmolLM2's, and shapes whose tiles split their query rows differently."""
+
+
+def attention_case(seed: int = 0, shape: str = "smollm2", runs: bool = False) -> dict[str, torch.Tensor]:
+    """A pool of 300 rows and 64 query tokens of four sequences: token t attends to the first ``num_keys[t]`` rows of
+    its sequence. Interleaved, every token is alone in its sequence (decode steps); with ``runs``, the tokens come
+    as a 37-token prefill, one decode step, an 8-token extend at position 100 and an 18-token extend at 12, each run
+    of consecutive positions (runs of 12 tokens or more are the layout whose keys the kernel transposes and tiles)."""
+    heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
     generator = torch.Generator().manual_seed(seed)
-    k_pool, v_pool = torch.randn(2, 300, 3, 64, generator=generator)
-    sequences = [torch.randperm(299, generator=generator)[:length] + 1 for length in (250, 37, 120, 5)]
+    k_pool, v_pool = torch.randn(2, 300, kv_heads, head_dim, generator=generator)
+    lengths = (250, 37, 120, 5) if not runs else (37, 120, 108, 30)
+    sequences = [torch.randperm(299, generator=generator)[:length] + 1 for length in lengths]
     key_rows = torch.cat(sequences)
-    starts = torch.tensor([0, 250, 287, 407])
-    owner = torch.arange(64) % 4
-    num_keys = torch.tensor([1 + (7 * t) % len(sequences[owner[t]]) for t in range(64)])
-    q = torch.randn(64, 9, 64, generator=generator)
+    starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0)
+    if runs:
+        owner = torch.tensor([0] * 37 + [1] + [2] * 8 + [3] * 18)
+        num_keys = torch.cat([torch.arange(1, 38), torch.tensor([120]), torch.arange(101, 109), torch.arange(13, 31)])
+    else:
+        owner = torch.arange(64) % 4
+        num_keys = torch.tensor([1 + (7 * t) % lengths[owner[t]] for t in range(64)])
+    q = torch.randn(64, heads, head_dim, generator=generator)
     return {"q": q, "k": k_pool, "v": v_pool, "rows": key_rows, "starts": starts[owner], "keys": num_keys}
 
 
 def run_attention(case: dict[str, torch.Tensor], tokens: slice) -> torch.Tensor:
+    head_dim = case["q"].shape[-1]
     return invariant_cpu.attention(
         case["q"][tokens].contiguous(),
         case["k"],
@@ -66,5 +79,5 @@ def run_attention(case: dict[str, torch.Tensor], tokens: slice) -> torch.Tensor:
         case["rows"],
         case["starts"][tokens].contiguous(),
         case["keys"][tokens].contiguous(),
-        64**-0.5,
+        head_dim**-0.5,
     )

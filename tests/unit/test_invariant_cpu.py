@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from scheduler.server_args import ServerArgs
 from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from tests.unit.invariant_cases import (
+    ATTENTION_SHAPES,
     FORMATS,
     activations_as_multiplied,
     attention_case,
@@ -94,8 +95,14 @@ def test_block_formats_quantise_activations_with_little_error(fmt: str) -> None:
     assert torch.allclose(invariant_cpu.matmul(constant, weight).double(), constant.double() @ exact.T, atol=1e-4)
 
 
-def test_attention_of_a_token_does_not_depend_on_the_batch() -> None:
-    case = attention_case()
+ATTENTION_LAYOUTS = [("smollm2", False), *((shape, True) for shape in ATTENTION_SHAPES)]
+
+
+@pytest.mark.parametrize(("shape", "runs"), ATTENTION_LAYOUTS)
+def test_attention_of_a_token_does_not_depend_on_the_batch(shape: str, runs: bool) -> None:
+    """Alone, a token takes the head_dim-in-lanes path; in a run of its sequence (a prefill, an extend, cut by the
+    slice at every length, so across every tile size) the keys-in-lanes tiles: the same bits."""
+    case = attention_case(shape=shape, runs=runs)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -110,14 +117,16 @@ def test_attention_of_a_token_does_not_depend_on_the_batch() -> None:
         torch.set_num_threads(threads)
 
 
-def test_attention_computes_softmax_attention() -> None:
-    case = attention_case(seed=3)
-    out = run_attention(case, slice(0, 64)).view(64, 9, 64).double()
+@pytest.mark.parametrize(("shape", "runs"), ATTENTION_LAYOUTS)
+def test_attention_computes_softmax_attention(shape: str, runs: bool) -> None:
+    case = attention_case(seed=3, shape=shape, runs=runs)
+    heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
+    out = run_attention(case, slice(0, 64)).view(64, heads, head_dim).double()
     for t in range(64):
         rows = case["rows"][case["starts"][t] : case["starts"][t] + case["keys"][t]]
-        keys = case["k"][rows].double().transpose(0, 1).repeat_interleave(3, dim=0)  # [9, L, 64]
-        values = case["v"][rows].double().transpose(0, 1).repeat_interleave(3, dim=0)
-        scores = case["q"][t].double()[:, None, :] @ keys.transpose(1, 2) * 64**-0.5
+        keys = case["k"][rows].double().transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [H, L, D]
+        values = case["v"][rows].double().transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        scores = case["q"][t].double()[:, None, :] @ keys.transpose(1, 2) * head_dim**-0.5
         expected = (torch.softmax(scores, dim=-1) @ values)[:, 0]
         assert torch.allclose(out[t], expected, atol=2e-6), t
 
@@ -141,7 +150,7 @@ CROSS_ISA_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
 from triton_ops import invariant_cpu
-from tests.unit.invariant_cases import FORMATS, attention_case, random_weight, run_attention
+from tests.unit.invariant_cases import ATTENTION_SHAPES, FORMATS, attention_case, random_weight, run_attention
 invariant_cpu.load(Path(sys.argv[1]), sys.argv[2])
 x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
 outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 96)[0]) for fmt in FORMATS]
@@ -155,7 +164,9 @@ outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q4_1(scales, mins, ni
 # one and two rows take wider tiles, narrow and wide weights other groupings: the same bits in every build
 for fmt in FORMATS:
     outs += [invariant_cpu.matmul(x[:m], random_weight(fmt, n, 96)[0]) for m in (1, 2) for n in (40, 1100)]
-outs.append(run_attention(attention_case(), slice(0, 64)))
+# attention of tokens alone (head_dim in lanes) and in runs (keys in lanes), for each shape's tiles
+for shape in ATTENTION_SHAPES:
+    outs += [run_attention(attention_case(shape=shape, runs=runs), slice(0, 64)) for runs in (False, True)]
 outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 96), 1e-6))
 outs.append(invariant_cpu.silu_mul(x * 10))
 # the grammar mask: masked stores on AVX-512, a select loop elsewhere; a vocab past the last word, and a row subset

@@ -449,79 +449,6 @@ static void run_rows(int rows, int panels_here, int32_t format, const float* x, 
   tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
 }
 
-// Attention for one (token, KV head) item (see invariant_attention): GROUP query heads of CHUNKS 16-float chunks,
-// in registers. `scores` holds GROUP x L floats.
-template <int GROUP, int CHUNKS>
-static void attend(const float* q, const float* k_pool, const float* v_pool, int64_t row_stride, const int64_t* rows,
-                   int64_t L, float scale, float* scores, float* out) {
-  V16 query[GROUP][CHUNKS];
-  for (int h = 0; h < GROUP; ++h)
-    for (int c = 0; c < CHUNKS; ++c) query[h][c] = vload(q + (h * CHUNKS + c) * kLanes);
-  V16 partials[GROUP][kLanes];
-  for (int64_t j0 = 0; j0 < L; j0 += kLanes) {  // 16 keys at a time
-    const int64_t n = std::min<int64_t>(kLanes, L - j0);
-    for (int64_t jj = 0; jj < kLanes; ++jj) {
-      if (jj >= n) {
-        for (int h = 0; h < GROUP; ++h) partials[h][jj] = vzero();
-        continue;
-      }
-      const float* key = k_pool + rows[j0 + jj] * row_stride;
-      V16 k[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) k[c] = vload(key + c * kLanes);
-      for (int h = 0; h < GROUP; ++h) {
-        V16 partial = vzero();
-        for (int c = 0; c < CHUNKS; ++c) partial = vfma(query[h][c], k[c], partial);
-        partials[h][jj] = partial;
-      }
-    }
-    for (int h = 0; h < GROUP; ++h) vstore_at(scores + h * L, j0, L, vmul(tree_sum16(partials[h]), vset1(scale)));
-  }
-  float inverse[GROUP];
-  for (int h = 0; h < GROUP; ++h) {
-    float* s = scores + h * L;
-    V16 peaks = vset1(-INFINITY);  // max is exact in any order
-    for (int64_t j = 0; j < L; j += kLanes) peaks = vmax(peaks, vload_head_fill(s + j, std::min<int64_t>(kLanes, L - j), -INFINITY));
-    const V16 peak = vset1(tree_max(peaks));
-    V16 totals = vzero();  // lane l sums p_j for j = l mod 16, in order of j; then the fixed tree
-    for (int64_t j = 0; j < L; j += kLanes) {
-      const V16 p = vexp(vsub(vload_at(s, j, L), peak));
-      vstore_at(s, j, L, p);
-      totals = vadd(totals, j + kLanes <= L ? p : vload_head(s + j, L - j));
-    }
-    inverse[h] = 1.0f / tree_sum(totals);
-  }
-  V16 acc[GROUP][CHUNKS];
-  for (int h = 0; h < GROUP; ++h)
-    for (int c = 0; c < CHUNKS; ++c) acc[h][c] = vzero();
-  for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j, each row loaded once
-    const float* value = v_pool + rows[j] * row_stride;
-    for (int c = 0; c < CHUNKS; ++c) {
-      const V16 v = vload(value + c * kLanes);
-      for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
-    }
-  }
-  for (int h = 0; h < GROUP; ++h)
-    for (int c = 0; c < CHUNKS; ++c) vstore(out + (h * CHUNKS + c) * kLanes, vmul(acc[h][c], vset1(inverse[h])));
-}
-
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*,
-                          float*);
-
-template <int CHUNKS>
-static AttendFn attend_for_group(int64_t group) {
-  switch (group) {
-    case 1: return attend<1, CHUNKS>;
-    case 2: return attend<2, CHUNKS>;
-    case 3: return attend<3, CHUNKS>;
-    case 4: return attend<4, CHUNKS>;
-    case 5: return attend<5, CHUNKS>;
-    case 6: return attend<6, CHUNKS>;
-    case 7: return attend<7, CHUNKS>;
-    case 8: return attend<8, CHUNKS>;
-    default: return nullptr;
-  }
-}
-
 // The tiles of one matmul over N columns of packed panels (pbytes each): threads take column groups of NP panels;
 // each group runs its rows in blocks of `row_block` (they stay in cache while the group streams), in tiles of MR.
 // tile(rows, panels_here, m, panel, column, cols) computes rows m.. of panels `panel`.. (columns `column`..).
@@ -556,6 +483,7 @@ static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, 
 }
 
 #include "int8_blocks.h"
+#include "attention.h"
 
 // ---- the grammar's token mask on the logits --------------------------------------------------------------------
 //
@@ -643,32 +571,12 @@ void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int6
 // Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64 or 128, at most 8
 // query heads per KV head: invariant_attention_supports).
 // q [T, H, D]; k_pool, v_pool [R, Hkv, D]; token t attends to the pool rows rows[row_start[t] + j],
-// j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing one KV head.
-// Per token and head: s_j = (q . k_j) * scale (16 partial sums of q[d] k[d], lane d mod 16, each a chain over d
-// in order, then the fixed tree), p_j = exp(s_j - max s), the sum of p_j as 16 partial sums (lane j mod 16, in
-// order of j) and the fixed tree, then out = (sum over j in order of p_j v_j) * (1 / that sum).
+// j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing one KV head. Tokens that
+// share row_start are one sequence's; attention.h states the arithmetic, the same for every token in any call.
 void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
                          int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys,
                          float scale, float* out, int32_t threads) {
-  const int64_t group = H / Hkv;
-  AttendFn attend_one = nullptr;  // the caller pads head_dim to a multiple of 16 and groups to at most 8 heads
-  switch (D) {
-    case 16: attend_one = attend_for_group<1>(group); break;
-    case 32: attend_one = attend_for_group<2>(group); break;
-    case 64: attend_one = attend_for_group<4>(group); break;
-    case 128: attend_one = attend_for_group<8>(group); break;
-  }
-  if (attend_one == nullptr) return;
-  int64_t max_keys = 0;
-  for (int64_t t = 0; t < T; ++t) max_keys = std::max(max_keys, num_keys[t]);
-  parallel_for(T * Hkv, 1, threads, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(group * max_keys);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t t = item / Hkv, g = item % Hkv;
-      attend_one(q + (t * H + g * group) * D, k_pool + g * D, v_pool + g * D, Hkv * D, rows + row_start[t],
-                 num_keys[t], scale, scores.data(), out + (t * H + g * group) * D);
-    }
-  });
+  attention(q, T, H, D, k_pool, v_pool, Hkv, rows, row_start, num_keys, scale, out, threads);
 }
 
 int32_t invariant_attention_supports(int64_t head_dim, int64_t group) {

@@ -1,0 +1,343 @@
+// Causal attention over a token KV pool: included by invariant_cpu.cpp, whose vectors, pool, tree_sum and exp it
+// uses.
+//
+// Per query token and head, over its keys j = 0 .. L - 1, one fixed sequence whatever else is in the call:
+//   s_j = (q . k_j) * scale, where q . k_j is 16 partial sums P_l = chain over c of q[l + 16c] * k_j[l + 16c]
+//         (from 0, c in order), added in tree_sum's fixed tree;
+//   p_j = exp(s_j - max s); Z = 16 partial sums of p_j (lane j mod 16, in order of j), added in the same tree;
+//   out = (chain over j of p_j v_j) * (1 / Z).
+// Two layouts compute those bits:
+// - a token alone in its sequence (a decode step): head_dim in lanes. One key's 16 partial sums fill a vector;
+//   tree_sum16 adds 16 keys' at once with shuffles.
+// - a run of consecutive tokens of one sequence (a prefill, an extend, a speculative verification): keys in lanes,
+//   over the sequence's keys transposed once per call. Lane j's P_l are then whole vectors and the tree is vertical
+//   additions, no shuffles; a tile of tokens (times the query heads of a KV head) shares every key and value load,
+//   which a token alone cannot (docs/benchmarks.md: a 1,550-token prompt's attention 1.5x faster).
+
+// Accumulator budgets (vectors) of the two tiled loops: the register file is 32 zmm, or 16 ymm holding 8 vectors.
+#if defined(__AVX512F__)
+constexpr int kScoreRows = 4;  // a key block's scores are built for 4 query rows at once (5 live vectors each)
+constexpr int kValueAccumulators = 24;
+#else
+constexpr int kScoreRows = 1;
+constexpr int kValueAccumulators = 6;
+#endif
+constexpr int kTileQueryRows = 12;  // query rows (tokens x heads of a KV head) per work item of a run, at least
+constexpr int kMaxTileRows = kTileQueryRows + 7;  // whole tokens of up to 8 heads
+// Shorter runs take the head_dim-in-lanes path token by token: transposing the keys costs more than the tiles save
+// (measured break-even between 8 and 16 tokens, docs/benchmarks.md).
+constexpr int64_t kMinRunTokens = 12;
+
+// exp(s_j - max s) in place over s[0..L); returns 1 / Z.
+static inline float softmax_numerators(float* s, int64_t L) {
+  V16 peaks = vset1(-INFINITY);  // max is exact in any order
+  for (int64_t j = 0; j < L; j += kLanes) peaks = vmax(peaks, vload_head_fill(s + j, std::min<int64_t>(kLanes, L - j), -INFINITY));
+  const V16 peak = vset1(tree_max(peaks));
+  V16 totals = vzero();  // lane l sums p_j for j = l mod 16, in order of j; then the fixed tree
+  for (int64_t j = 0; j < L; j += kLanes) {
+    const V16 p = vexp(vsub(vload_at(s, j, L), peak));
+    vstore_at(s, j, L, p);
+    totals = vadd(totals, j + kLanes <= L ? p : vload_head(s + j, L - j));
+  }
+  return 1.0f / tree_sum(totals);
+}
+
+// ---- a token alone: head_dim in lanes --------------------------------------------------------------------------
+
+// GROUP query heads of CHUNKS 16-float chunks (in registers) over one KV head. `scores` holds GROUP x L floats.
+template <int GROUP, int CHUNKS>
+static void attend(const float* q, const float* k_pool, const float* v_pool, int64_t row_stride, const int64_t* rows,
+                   int64_t L, float scale, float* scores, float* out) {
+  V16 query[GROUP][CHUNKS];
+  for (int h = 0; h < GROUP; ++h)
+    for (int c = 0; c < CHUNKS; ++c) query[h][c] = vload(q + (h * CHUNKS + c) * kLanes);
+  V16 partials[GROUP][kLanes];
+  for (int64_t j0 = 0; j0 < L; j0 += kLanes) {  // 16 keys at a time
+    const int64_t n = std::min<int64_t>(kLanes, L - j0);
+    for (int64_t jj = 0; jj < kLanes; ++jj) {
+      if (jj >= n) {
+        for (int h = 0; h < GROUP; ++h) partials[h][jj] = vzero();
+        continue;
+      }
+      const float* key = k_pool + rows[j0 + jj] * row_stride;
+      V16 k[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) k[c] = vload(key + c * kLanes);
+      for (int h = 0; h < GROUP; ++h) {
+        V16 partial = vzero();
+        for (int c = 0; c < CHUNKS; ++c) partial = vfma(query[h][c], k[c], partial);
+        partials[h][jj] = partial;
+      }
+    }
+    for (int h = 0; h < GROUP; ++h) vstore_at(scores + h * L, j0, L, vmul(tree_sum16(partials[h]), vset1(scale)));
+  }
+  float inverse[GROUP];
+  for (int h = 0; h < GROUP; ++h) inverse[h] = softmax_numerators(scores + h * L, L);
+  V16 acc[GROUP][CHUNKS];
+  for (int h = 0; h < GROUP; ++h)
+    for (int c = 0; c < CHUNKS; ++c) acc[h][c] = vzero();
+  for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j, each row loaded once
+    const float* value = v_pool + rows[j] * row_stride;
+    for (int c = 0; c < CHUNKS; ++c) {
+      const V16 v = vload(value + c * kLanes);
+      for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
+    }
+  }
+  for (int h = 0; h < GROUP; ++h)
+    for (int c = 0; c < CHUNKS; ++c) vstore(out + (h * CHUNKS + c) * kLanes, vmul(acc[h][c], vset1(inverse[h])));
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*,
+                          float*);
+
+template <int CHUNKS>
+static AttendFn attend_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend<1, CHUNKS>;
+    case 2: return attend<2, CHUNKS>;
+    case 3: return attend<3, CHUNKS>;
+    case 4: return attend<4, CHUNKS>;
+    case 5: return attend<5, CHUNKS>;
+    case 6: return attend<6, CHUNKS>;
+    case 7: return attend<7, CHUNKS>;
+    case 8: return attend<8, CHUNKS>;
+    default: return nullptr;
+  }
+}
+
+// ---- a run of tokens: keys in lanes ----------------------------------------------------------------------------
+
+// A key block: 16 keys transposed, kt[d][lane] = k_{16b + lane}[d] (zero past the run's last key).
+
+// The node of tree_sum's tree that starts at partial l and pairs l with l + WIDTH, for R query rows and one key
+// block: T(l, 16) = P_l, T(l, w) = T(l, 2w) + T(l + w, 2w); the whole sum is T(0, 1).
+template <int R, int CHUNKS, int WIDTH>
+static inline void score_tree(const float* const* q, const float* kt, int l, V16* out) {
+  if constexpr (WIDTH == kLanes) {
+    for (int r = 0; r < R; ++r) out[r] = vzero();
+    for (int c = 0; c < CHUNKS; ++c) {
+      const V16 k = vload(kt + (l + c * kLanes) * kLanes);
+      for (int r = 0; r < R; ++r) out[r] = vfma(vset1(q[r][l + c * kLanes]), k, out[r]);
+    }
+  } else {
+    V16 other[R];
+    score_tree<R, CHUNKS, WIDTH * 2>(q, kt, l, out);
+    score_tree<R, CHUNKS, WIDTH * 2>(q, kt, l + WIDTH, other);
+    for (int r = 0; r < R; ++r) out[r] = vadd(out[r], other[r]);
+  }
+}
+
+// scores[r][16b ..] = (q_r . k_j) * scale for the 16 keys of each block b < blocks, R <= kScoreRows rows at a time.
+template <int CHUNKS, int R = kScoreRows>
+static void score_rows(int rows, const float* const* q, const float* kt, int64_t blocks, float scale,
+                       float* const* scores) {
+  if constexpr (R > 1) {
+    if (rows < R) return score_rows<CHUNKS, R - 1>(rows, q, kt, blocks, scale, scores);
+  }
+  for (int r0 = 0; r0 + R <= rows; r0 += R) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      V16 s[R];
+      score_tree<R, CHUNKS, 1>(q + r0, kt + b * CHUNKS * kLanes * kLanes, 0, s);
+      for (int r = 0; r < R; ++r) vstore(scores[r0 + r] + b * kLanes, vmul(s[r], vset1(scale)));
+    }
+  }
+  if constexpr (R > 1) {
+    const int done = rows / R * R;
+    if (done < rows) score_rows<CHUNKS, R - 1>(rows - done, q + done, kt, blocks, scale, scores + done);
+  }
+}
+
+// out_r = (chain over j < L_r of p_rj v_j) * inverse_r for R rows at a time; every row's keys are a prefix of the
+// run's, so one value load serves every row that attends to it.
+template <int CHUNKS, int R = std::max(1, std::min(kTileQueryRows, kValueAccumulators / CHUNKS))>
+static void weigh_values(int rows, const float* v_pool, int64_t row_stride, const int64_t* keys, const int64_t* L,
+                         const float* const* p, const float* inverse, float* const* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return weigh_values<CHUNKS, R - 1>(rows, v_pool, row_stride, keys, L, p, inverse, out);
+  }
+  for (int r0 = 0; r0 + R <= rows; r0 += R) {
+    int64_t shared = L[r0], longest = L[r0];
+    for (int r = 1; r < R; ++r) shared = std::min(shared, L[r0 + r]), longest = std::max(longest, L[r0 + r]);
+    V16 acc[R][CHUNKS];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CHUNKS; ++c) acc[r][c] = vzero();
+    for (int64_t j = 0; j < shared; ++j) {
+      const float* value = v_pool + keys[j] * row_stride;
+      for (int c = 0; c < CHUNKS; ++c) {
+        const V16 v = vload(value + c * kLanes);
+        for (int r = 0; r < R; ++r) acc[r][c] = vfma(vset1(p[r0 + r][j]), v, acc[r][c]);
+      }
+    }
+    for (int64_t j = shared; j < longest; ++j) {  // the keys that only the later tokens see
+      const float* value = v_pool + keys[j] * row_stride;
+      for (int c = 0; c < CHUNKS; ++c) {
+        const V16 v = vload(value + c * kLanes);
+        for (int r = 0; r < R; ++r)
+          if (j < L[r0 + r]) acc[r][c] = vfma(vset1(p[r0 + r][j]), v, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CHUNKS; ++c) vstore(out[r0 + r] + c * kLanes, vmul(acc[r][c], vset1(inverse[r0 + r])));
+  }
+  if constexpr (R > 1) {
+    const int done = rows / R * R;
+    if (done < rows)
+      weigh_values<CHUNKS, R - 1>(rows - done, v_pool, row_stride, keys, L + done, p + done, inverse + done,
+                                  out + done);
+  }
+}
+
+// One work item of a run: `rows` query rows (q pointers, their key counts L, out pointers) over one KV head whose
+// keys are transposed in `kt`; `scores` has room for rows x (L rounded up to 16).
+template <int CHUNKS>
+static void attend_tile(int rows, const float* const* q, const float* kt, const float* v_pool, int64_t row_stride,
+                        const int64_t* keys, const int64_t* L, float scale, float* scores, float* const* out) {
+  int64_t longest = 0;
+  for (int r = 0; r < rows; ++r) longest = std::max(longest, L[r]);
+  const int64_t blocks = (longest + kLanes - 1) / kLanes;
+  const float* row_scores[kMaxTileRows];
+  float* writable[kMaxTileRows];
+  float inverse[kMaxTileRows];
+  for (int r = 0; r < rows; ++r) writable[r] = scores + r * blocks * kLanes, row_scores[r] = writable[r];
+  score_rows<CHUNKS>(rows, q, kt, blocks, scale, writable);
+  for (int r = 0; r < rows; ++r) inverse[r] = softmax_numerators(writable[r], L[r]);
+  weigh_values<CHUNKS>(rows, v_pool, row_stride, keys, L, row_scores, inverse, out);
+}
+
+using AttendTileFn = void (*)(int, const float* const*, const float*, const float*, int64_t, const int64_t*,
+                              const int64_t*, float, float*, float* const*);
+
+// The runs of a call: consecutive tokens that share a sequence (the same key_starts), longest key list `keys`.
+struct Run {
+  int64_t first, tokens, keys, kt_offset;
+};
+
+// 16 keys' head_dim chunk of 16 floats (rows[lane], null past the run's end) as kt[d][lane]: data movement only.
+static inline void transpose_chunk(const float* const* rows, float* kt) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = rows[i] != nullptr ? _mm512_loadu_ps(rows[i]) : _mm512_setzero_ps();
+  for (int i = 0; i < 8; ++i) {  // the 16x16 transpose of unpacks, then 128-bit blocks, then 256-bit halves
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    _mm512_storeu_ps(kt + i * kLanes, _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+    _mm512_storeu_ps(kt + (i + 8) * kLanes, _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
+  }
+#else
+  for (int d = 0; d < kLanes; ++d)
+    for (int lane = 0; lane < kLanes; ++lane) kt[d * kLanes + lane] = rows[lane] != nullptr ? rows[lane][d] : 0.0f;
+#endif
+}
+
+// Transposes each run's keys, per KV head, into blocks of 16 (kt[g][b][d][lane]), threads taking blocks.
+static void transpose_keys(const std::vector<Run>& runs, const float* k_pool, int64_t Hkv, int64_t D,
+                           const int64_t* rows, const int64_t* row_start, float* kt, int threads) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (run, block)
+  for (size_t i = 0; i < runs.size(); ++i)
+    for (int64_t b = 0; b < (runs[i].keys + kLanes - 1) / kLanes; ++b) blocks.emplace_back(i, b);
+  parallel_for(static_cast<int64_t>(blocks.size()), 8, threads, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const Run& run = runs[blocks[item].first];
+      const int64_t b = blocks[item].second, num_blocks = (run.keys + kLanes - 1) / kLanes;
+      const int64_t* keys = rows + row_start[run.first];
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const float* key[kLanes];
+        for (int lane = 0; lane < kLanes; ++lane) {
+          const int64_t j = b * kLanes + lane;
+          key[lane] = j < run.keys ? k_pool + (keys[j] * Hkv + g) * D : nullptr;
+        }
+        float* block = kt + run.kt_offset + (g * num_blocks + b) * D * kLanes;
+        for (int64_t c = 0; c < D; c += kLanes) {
+          transpose_chunk(key, block + c * kLanes);
+          for (int lane = 0; lane < kLanes; ++lane)
+            if (key[lane] != nullptr) key[lane] += kLanes;
+        }
+      }
+    }
+  });
+}
+
+// Causal attention of query tokens over their own rows of a token KV pool; see invariant_attention.
+static void attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
+                      int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys, float scale,
+                      float* out, int threads) {
+  const int64_t group = H / Hkv;
+  AttendFn attend_one = nullptr;  // the caller pads head_dim to a multiple of 16 and groups to at most 8 heads
+  AttendTileFn attend_run = nullptr;
+  switch (D) {
+    case 16: attend_one = attend_for_group<1>(group), attend_run = attend_tile<1>; break;
+    case 32: attend_one = attend_for_group<2>(group), attend_run = attend_tile<2>; break;
+    case 64: attend_one = attend_for_group<4>(group), attend_run = attend_tile<4>; break;
+    case 128: attend_one = attend_for_group<8>(group), attend_run = attend_tile<8>; break;
+  }
+  if (attend_one == nullptr) return;
+  std::vector<Run> runs;
+  int64_t kt_floats = 0, max_keys = 0;
+  for (int64_t t = 0; t < T; ++t) max_keys = std::max(max_keys, num_keys[t]);
+  for (int64_t t = 0, end; t < T; t = end) {
+    int64_t keys = num_keys[t];
+    for (end = t + 1; end < T && row_start[end] == row_start[t]; ++end) keys = std::max(keys, num_keys[end]);
+    if (end - t < kMinRunTokens) {
+      for (int64_t u = t; u < end; ++u) runs.push_back({u, 1, num_keys[u], -1});
+      continue;
+    }
+    runs.push_back({t, end - t, keys, kt_floats});
+    kt_floats += Hkv * (keys + kLanes - 1) / kLanes * kLanes * D;
+  }
+  std::vector<Run> tiled;
+  for (const Run& run : runs)
+    if (run.kt_offset >= 0) tiled.push_back(run);
+  std::vector<float> kt(kt_floats);
+  transpose_keys(tiled, k_pool, Hkv, D, rows, row_start, kt.data(), threads);
+  // Work items, longest first (a run's later tokens see more keys): (run, first token, tokens, KV head).
+  const int64_t tile_tokens = (kTileQueryRows + group - 1) / group;
+  struct Item {
+    const Run* run;
+    int64_t first, tokens, g;
+  };
+  std::vector<Item> items;
+  for (const Run& run : runs)
+    for (int64_t t = run.first; t < run.first + run.tokens; t += tile_tokens)
+      for (int64_t g = 0; g < Hkv; ++g)
+        items.push_back({&run, t, std::min(tile_tokens, run.first + run.tokens - t), g});
+  std::sort(items.begin(), items.end(),
+            [&](const Item& a, const Item& b) { return num_keys[a.first] > num_keys[b.first]; });
+  parallel_for(static_cast<int64_t>(items.size()), 1, threads, [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> scores;  // each thread's, kept between calls: no allocation per claim
+    const size_t need = std::max(group, tile_tokens * group) * ((max_keys + kLanes - 1) / kLanes) * kLanes;
+    if (scores.size() < need) scores.resize(need);
+    for (int64_t i = first; i < last; ++i) {
+      const Item& item = items[i];
+      const int64_t g = item.g;
+      if (item.run->kt_offset < 0) {
+        const int64_t t = item.first;
+        attend_one(q + (t * H + g * group) * D, k_pool + g * D, v_pool + g * D, Hkv * D, rows + row_start[t],
+                   num_keys[t], scale, scores.data(), out + (t * H + g * group) * D);
+        continue;
+      }
+      const float* queries[kMaxTileRows];
+      float* outs[kMaxTileRows];
+      int64_t L[kMaxTileRows];
+      int n = 0;
+      for (int64_t t = item.first; t < item.first + item.tokens; ++t)
+        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++n)
+          queries[n] = q + (t * H + h) * D, outs[n] = out + (t * H + h) * D, L[n] = num_keys[t];
+      const int64_t num_blocks = (item.run->keys + kLanes - 1) / kLanes;
+      attend_run(n, queries, kt.data() + item.run->kt_offset + g * num_blocks * D * kLanes, v_pool + g * D, Hkv * D,
+                 rows + row_start[item.first], L, scale, scores.data(), outs);
+    }
+  });
+}
