@@ -102,6 +102,7 @@ class Scheduler:
             row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
             tokens_per_forward=model_runner.tokens_per_forward,
+            lookup_max_batch=model_runner.lookup_max_batch,
             max_prediction_tokens=server_args.speculative_num_prediction_tokens,
         )
         mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None

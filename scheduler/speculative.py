@@ -31,8 +31,9 @@ k adapts: each request's lookup length (prompt lookup and the cache share it) do
 halves after a rejected first draft (pausing at 0, then probing again), its prediction length likewise (from the
 most, never below 1), and a batch's drafts share a token budget that
 shrinks as the batch grows (a full batch is already compute-bound: drafts would slow it). Lookup drafts (prompt lookup,
-right about half the time, and the cache) stop at ``NGRAM_MAX_BATCH`` requests; below it, the rows that fill the model
-runner's row multiple (``free_rows``) always take lookup drafts, paused or not, since they cost no more weight reads.
+right about half the time, and the cache) stop at the runner's ``lookup_max_batch`` requests; below it, the rows that
+fill the model runner's row multiple (``free_rows``) always take lookup drafts, paused or not, since they cost no more
+weight reads.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 from scheduler.grammar_steps import Lookahead
-from scheduler.model.runner_contract import TOKENS_PER_FORWARD
+from scheduler.model.runner_contract import LOOKUP_MAX_BATCH, TOKENS_PER_FORWARD
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
@@ -55,10 +56,6 @@ NGRAM_MIN_CONTEXT = 8
 """Below this many context tokens a lookup finds nothing worth a draft."""
 PROBE_INTERVAL = 8
 """Steps a request whose prompt-lookup drafts kept failing waits before it tries one again."""
-NGRAM_MAX_BATCH = 16
-"""From this many requests on, a batch takes no prompt-lookup drafts. Measured at 32 requests: a forward costs ~2.7 ms
-more per token there, while a lookup draft saved less (acceptance 0.27 on free text, 0.56 on JSON, against 0.94-1.00
-for grammar drafts): lookup drafts made free text 0.91x as fast."""
 
 
 LOOKUP_SOURCES = ("ngram", "ngram_cache")
@@ -104,15 +101,18 @@ class DraftProposer:
         ngram_cache: NgramCache | None = None,
         tokens_per_forward: int = TOKENS_PER_FORWARD,
         max_prediction_tokens: int = 0,
+        lookup_max_batch: int = LOOKUP_MAX_BATCH,
     ) -> None:
         """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the model
         runner's (rows up to a multiple of it cost no more weight reads); ``ngram_cache``:
         outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none);
         ``tokens_per_forward``: the model runner's (most tokens a decode forward takes: pending and drafts over the
         batch; drafts fill what the batch leaves); ``max_prediction_tokens``: the most drafts per forward of a request
-        with a prediction, where they come from it (the other sources keep to ``max_draft_tokens``)."""
+        with a prediction, where they come from it (the other sources keep to ``max_draft_tokens``);
+        ``lookup_max_batch``: the model runner's (from this many requests on, no lookup drafts)."""
         self.row_multiple = row_multiple
         self.tokens_per_forward = tokens_per_forward
+        self.lookup_max_batch = lookup_max_batch
         self.use_grammar = algorithm in ("grammar", "grammar+ngram")
         self.use_ngram = algorithm in ("ngram", "grammar+ngram")
         self.enabled = algorithm != "none" and max_draft_tokens > 0
@@ -136,7 +136,7 @@ class DraftProposer:
         num_pending = sum(len(tokens) for tokens in pending)
         free_rows = -num_pending % self.row_multiple
         budget = max(self.tokens_per_forward - num_pending, free_rows)
-        use_ngram = self.use_ngram and len(batch) < NGRAM_MAX_BATCH
+        use_ngram = self.use_ngram and len(batch) < self.lookup_max_batch
         proposals = []
         for req, tokens, limit in zip(batch, pending, room, strict=True):
             most = max(self.max_draft_tokens, self.max_prediction_tokens if req.prediction else 0)

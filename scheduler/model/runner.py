@@ -23,12 +23,15 @@ from triton_ops import invariant_cpu
 
 logger = logging.getLogger(__name__)
 
-BLOCK_TOKENS_PER_FORWARD = 8
+BLOCK_TOKENS_PER_FORWARD = 48
 """The tokens a decode forward takes (pending and drafts over the batch) when its weights are GGUF blocks. Their rows
-cost compute, not weight reads: an extend of k = 2, 4, 8, 16 tokens costs 1.15, 1.8, 3.3, 6x a decode step, so no row
-is free (``row_multiple`` 1). Chosen by ``bench_serving.py --concurrency 1 8 --temperature 0`` over budgets of 4, 8,
-12, 16 and the dense runner's 40 (AMD EPYC, AVX-512): 8 gave the most output tokens/s for free, JSON and regex at
-both concurrencies (docs/benchmarks.md)."""
+cost compute, not weight reads (a k = 8 extend ~2.3x a decode step), so no row is free (``row_multiple`` 1); but the
+grammar's drafts, right 0.96-1.00 of the time in batches, pay for their rows at any batch size measured. Chosen with
+``BLOCK_LOOKUP_MAX_BATCH`` by ``bench_serving.py --concurrency 1 8 32 --temperature 0`` over budgets of 8, 24, 32
+and 48 (docs/benchmarks.md)."""
+BLOCK_LOOKUP_MAX_BATCH = 4
+"""On block weights a batch of this many requests takes no lookup drafts: right 0.3-0.45 of the time, at 8 requests
+they made free text 0.96x and JSON 0.95x as fast as no speculation (docs/benchmarks.md)."""
 
 
 class ModelRunner(BaseModelRunner):
@@ -58,6 +61,7 @@ class ModelRunner(BaseModelRunner):
         self.max_seq_len = server_args.max_seq_len
         if self.model.has_block_weights:
             self.row_multiple, self.tokens_per_forward = 1, BLOCK_TOKENS_PER_FORWARD
+            self.lookup_max_batch = BLOCK_LOOKUP_MAX_BATCH
         else:
             self.row_multiple = invariant_cpu.row_tile()
         pool = TokenKVPool(

@@ -103,6 +103,34 @@ def test_prompt_lookup_drafts_that_leave_the_grammar_are_cut(
     assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids)
 
 
+def test_a_batch_of_lookup_max_batch_requests_takes_only_the_grammar_s_drafts(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """Below the runner's ``lookup_max_batch`` every request of a batch drafts from prompt lookup too; from it on,
+    only from the grammar (lookups are right less often than a batch's extra rows cost)."""
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    proposer = DraftProposer(
+        "grammar+ngram", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, lookup_max_batch=4
+    )
+    prompt = smollm2_tokenizer.encode("12 apples and 12 pears, then 12 pears again")
+    output = smollm2_tokenizer.encode("12")
+
+    def sources(batch_size: int) -> set[str]:
+        batch = []
+        for i in range(batch_size):
+            grammar = compile_grammar(backend, make_grammar_key("regex", r"[0-9]+ (apples|pears)( again)?"))
+            for token in output:
+                grammar.accept_token(token)
+            req = Req(rid=f"r{i}", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+            req.output_ids = list(output)
+            batch.append(req)
+        drafts = proposer.propose(batch, [output[-1:]] * batch_size, [8] * batch_size)
+        return {source for proposal in drafts for source in proposal.sources}
+
+    assert sources(3) == {"ngram"}
+    assert sources(4) <= {"grammar", "follower"}
+
+
 def test_the_ngram_cache_drafts_what_an_earlier_output_held_cut_by_the_grammar(
     build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
 ) -> None:

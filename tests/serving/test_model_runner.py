@@ -26,8 +26,8 @@ from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch
 from scheduler.model.loader import check_supported, load_model, read_weights
-from scheduler.model.runner import BLOCK_TOKENS_PER_FORWARD, ModelRunner
-from scheduler.model.runner_contract import TOKENS_PER_FORWARD
+from scheduler.model.runner import BLOCK_LOOKUP_MAX_BATCH, BLOCK_TOKENS_PER_FORWARD, ModelRunner
+from scheduler.model.runner_contract import LOOKUP_MAX_BATCH, TOKENS_PER_FORWARD
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
@@ -117,16 +117,24 @@ def test_model_facts(runner: ModelRunner) -> None:
 
 
 @pytest.mark.model
-def test_block_weights_plan_forwards_of_few_tokens_and_dense_ones_of_many(
+def test_block_weights_plan_forwards_by_what_their_rows_cost(
     runner: ModelRunner, blocks_runner: ModelRunner, compact_runner: ModelRunner
 ) -> None:
     """Speculation's budget follows what a forward's rows cost: with block weights every row costs compute (no row
-    is free, few tokens per forward); dense weights' forwards are bound by their reads, so rows up to the kernels' row
-    tile are free and many tokens cost little more."""
-    assert (blocks_runner.row_multiple, blocks_runner.tokens_per_forward) == (1, BLOCK_TOKENS_PER_FORWARD)
+    is free) and lookup drafts stop at small batches; dense weights' forwards are bound by their reads, so rows up to
+    the kernels' row tile are free and lookups pay up to larger batches."""
+    assert (blocks_runner.row_multiple, blocks_runner.tokens_per_forward, blocks_runner.lookup_max_batch) == (
+        1,
+        BLOCK_TOKENS_PER_FORWARD,
+        BLOCK_LOOKUP_MAX_BATCH,
+    )
     for dense in (runner, compact_runner):
-        assert (dense.row_multiple, dense.tokens_per_forward) == (invariant_cpu.row_tile(), TOKENS_PER_FORWARD)
-    assert BLOCK_TOKENS_PER_FORWARD < TOKENS_PER_FORWARD
+        assert (dense.row_multiple, dense.tokens_per_forward, dense.lookup_max_batch) == (
+            invariant_cpu.row_tile(),
+            TOKENS_PER_FORWARD,
+            LOOKUP_MAX_BATCH,
+        )
+    assert BLOCK_LOOKUP_MAX_BATCH < LOOKUP_MAX_BATCH
 
 
 @pytest.mark.model
