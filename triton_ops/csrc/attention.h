@@ -106,8 +106,7 @@ static AttendFn attend_for_group(int64_t group) {
 
 // ---- a run of tokens: keys in lanes ----------------------------------------------------------------------------
 
-// A key block: 16 keys transposed, kt[d][lane] = k_{16b + lane}[d] (zero past the run's last key).
-
+// A key block b holds 16 keys transposed, kt[d][lane] = k_{16b + lane}[d] (zero past the run's last key).
 // The node of tree_sum's tree that starts at partial l and pairs l with l + WIDTH, for R query rows and one key
 // block: T(l, 16) = P_l, T(l, w) = T(l, 2w) + T(l + w, 2w); the whole sum is T(0, 1).
 template <int R, int CHUNKS, int WIDTH>
@@ -206,7 +205,8 @@ static void attend_tile(int rows, const float* const* q, const float* kt, const 
 using AttendTileFn = void (*)(int, const float* const*, const float*, const float*, int64_t, const int64_t*,
                               const int64_t*, float, float*, float* const*);
 
-// The runs of a call: consecutive tokens that share a sequence (the same key_starts), longest key list `keys`.
+// The runs of a call: consecutive tokens that share a sequence (the same key_starts), longest key list `keys`, their
+// transposed keys at kt_offset in the call's buffer; a token alone (or in a run too short to tile) has kt_offset -1.
 struct Run {
   int64_t first, tokens, keys, kt_offset;
 };
