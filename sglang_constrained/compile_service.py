@@ -1,9 +1,11 @@
 """Compiling off the caller's thread: slots for compiles, a deadline per compile, a bounded cache, one compile per key.
 
 ``CompileService.get`` answers a cached key with a copy at once and any other key with a ``Future`` of a copy of
-its own; identical keys asked for while one compiles share that compile. A compile waits for one of ``threads``
-slots and runs on a thread of its own at a lower CPU priority; its deadline counts from its start, so that a
-compile queued behind others is not failed for their slowness. A compile still running after ``slow_after_s``
+its own; identical keys asked for while one compiles share that compile, and each one asked for gives it its full
+deadline again: a compile whose first requester left (a client that disconnected) keeps running for the one who
+asked again, instead of failing it at the first one's deadline. A compile waits for one of ``threads`` slots and
+runs on a thread of its own at a lower CPU priority; its deadline counts from its start, so that a compile queued
+behind others is not failed for their slowness. A compile still running after ``slow_after_s``
 leaves its slot for the slow lane (at most ``max_slow`` at once; a compile process drops to the lowest CPU
 priority), so that one slow constraint never holds up the new ones behind it. A compile past its deadline fails
 its futures with ``CompileTimeoutError``; one that could not start within the deadline fails with
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -74,6 +77,7 @@ class CompileControl:
         self._is_slow = False
         self._on_cancel: list[Callable[[str], None]] = []
         self._on_slow: list[Callable[[], None]] = []
+        self._children: list[CompileControl] = []
 
     @property
     def cancel_reason(self) -> str | None:
@@ -96,6 +100,15 @@ class CompileControl:
             callbacks, self._on_cancel = self._on_cancel, []
         for callback in callbacks:
             callback(reason)
+
+    def extend_deadline(self, deadline: float) -> None:
+        """Someone else now waits for the result, until ``deadline``: this compile and the work done for it
+        (``child``) may run until then."""
+        with self._lock:
+            self.deadline = max(self.deadline, deadline)
+            children = list(self._children)
+        for child in children:
+            child.extend_deadline(deadline)
 
     def mark_slow(self) -> None:
         """The compile left its slot: whatever works on it lowers its CPU priority."""
@@ -122,9 +135,11 @@ class CompileControl:
         callback()
 
     def child(self) -> CompileControl:
-        """A control for work done for this compile: the same deadline, cancelled when this one is (slowness is
-        each one's own: work started after this one turned slow is not slow yet)."""
+        """A control for work done for this compile: the same deadline (extended with it), cancelled when this one
+        is (slowness is each one's own: work started after this one turned slow is not slow yet)."""
         child = CompileControl(self.timeout_s, self.deadline)
+        with self._lock:
+            self._children.append(child)
         self.on_cancel(child.cancel)
         return child
 
@@ -136,6 +151,7 @@ class _Job(Generic[K, V]):
     key: K
     shared: Future[V]
     queued_at: float
+    start_by: float
     parent: CompileControl | None = None
     control: CompileControl | None = None
     is_slow: bool = False
@@ -197,14 +213,17 @@ class CompileService(Generic[K, V]):
             if cached is not None:
                 return self._copy(cached, True), True
             shared = self._in_flight.get(key)
+            now = time.monotonic()
             if shared is None:
                 shared = Future()
                 self._in_flight[key] = shared
                 if self._fetch is not None:
                     self._fetch(key).add_done_callback(lambda done: _relay(done, shared))
-                    self._timers.call_at(time.monotonic() + self.timeout_s, lambda: self._expire_fetch(key, shared))
+                    self._timers.call_at(now + self.timeout_s, lambda: self._expire_fetch(key, shared))
                 else:
-                    self._enqueue(_Job(key, shared, time.monotonic()))
+                    self._enqueue(_Job(key, shared, now, now + self.timeout_s))
+            else:
+                self._extend(shared, now + self.timeout_s)
         self._dispatch()
         return map_future(shared, lambda value: self._copy(value, False)), False
 
@@ -215,7 +234,8 @@ class CompileService(Generic[K, V]):
         shared: Future[V] = Future()
         with self._lock:
             self._refuse_after_shutdown()
-            self._enqueue(_Job(key, shared, time.monotonic(), parent=parent))
+            now = time.monotonic()
+            self._enqueue(_Job(key, shared, now, parent.deadline, parent=parent))
         parent.on_cancel(lambda _: _cancel(shared))
         self._dispatch()
         return shared
@@ -266,8 +286,20 @@ class CompileService(Generic[K, V]):
         self._queue.append(job)
         self.num_compilations += 1
         job.shared.add_done_callback(lambda done: self._on_settled(job, done))
-        start_by = job.parent.deadline if job.parent is not None else job.queued_at + self.timeout_s
-        self._timers.call_at(start_by, lambda: self._expire_waiting(job))
+        self._timers.call_at(job.start_by, lambda: self._expire_waiting(job))
+
+    def _extend(self, shared: Future[V], deadline: float) -> None:
+        """Under the lock: the compile that settles ``shared`` (queued or running) may now take until ``deadline``
+        (to start, or to finish)."""
+        job = next((job for job in [*self._queue, *self._running] if job.shared is shared), None)
+        if job is None or job.parent is not None:
+            return
+        if job.control is None and deadline > job.start_by:
+            job.start_by = deadline
+            self._timers.call_at(deadline, functools.partial(self._expire_waiting, job))
+        elif job.control is not None and deadline > job.control.deadline:
+            job.control.extend_deadline(deadline)
+            self._timers.call_at(deadline, functools.partial(self._expire_running, job))
 
     def _dispatch(self) -> None:
         """Start queued compiles while a slot is free (a compile in the slow lane holds none)."""
@@ -343,8 +375,8 @@ class CompileService(Generic[K, V]):
 
     def _expire_waiting(self, job: _Job[K, V]) -> None:
         with self._lock:
-            if job.control is not None or job.shared.done():
-                return
+            if job.control is not None or job.shared.done() or time.monotonic() < job.start_by:
+                return  # started, settled, or given a later deadline by a request that joined it
             with contextlib.suppress(ValueError):
                 self._queue.remove(job)
             if self._in_flight.get(job.key) is job.shared:
@@ -361,9 +393,10 @@ class CompileService(Generic[K, V]):
         )
 
     def _expire_running(self, job: _Job[K, V]) -> None:
+        assert job.control is not None
         with self._lock:
-            if job.shared.done():
-                return
+            if job.shared.done() or job.control.remaining_s() > 0:
+                return  # settled, or given a later deadline by a request that joined it
             if self._in_flight.get(job.key) is job.shared:
                 del self._in_flight[job.key]
         _settle(job.shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))

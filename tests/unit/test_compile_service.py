@@ -100,6 +100,56 @@ def test_a_compile_past_its_deadline_fails_every_waiter_and_is_compiled_anew_nex
     service.shutdown()
 
 
+def test_a_request_that_joins_a_compile_gives_it_its_own_full_deadline() -> None:
+    """The first requester left (its client disconnected); the same key asked again joins the compile, which keeps
+    running past the first one's deadline and answers the second (and lands in the cache), not failing it then."""
+    compiler = Compiler(closed={"slow"})
+    service = make_service(compiler, timeout_s=0.6)
+    service.get("slow")  # the first request, abandoned
+    time.sleep(0.4)
+    again, is_hit = service.get("slow")
+    time.sleep(0.4)  # past the first request's deadline, within the second's
+    assert isinstance(again, Future) and not again.done()
+    compiler.open("slow")
+    compiled = result(again)
+    assert compiled.key == "slow" and compiler.counts == {"slow": 1} and not is_hit
+    service.store("slow", compiled)
+    assert service.get("slow")[1]
+    service.shutdown()
+
+
+def test_a_joined_compile_still_fails_at_the_last_requester_s_deadline() -> None:
+    compiler = Compiler(closed={"slow"})
+    service = make_service(compiler, timeout_s=0.3)
+    first = service.get("slow")[0]
+    time.sleep(0.2)
+    second = service.get("slow")[0]
+    started = time.monotonic()
+    for waiter in (first, second):
+        assert isinstance(waiter, Future)
+        with pytest.raises(CompileTimeoutError):
+            waiter.result(timeout=10)
+    assert 0.05 < time.monotonic() - started < 2
+    compiler.open("slow")
+    service.shutdown()
+
+
+def test_a_queued_compile_joined_later_may_start_later() -> None:
+    """With every slot busy, a queued compile asked for again waits for a slot until the later request's deadline."""
+    compiler = Compiler(closed={"busy1", "busy2", "queued"})
+    service = make_service(compiler, timeout_s=0.6)
+    service.get("busy1"), service.get("busy2")
+    service.get("queued")
+    time.sleep(0.4)
+    again = service.get("queued")[0]
+    time.sleep(0.4)
+    compiler.open("busy1")
+    compiler.open("queued")
+    assert result(again).key == "queued"
+    compiler.open("busy2")
+    service.shutdown()
+
+
 def test_an_engine_exception_fails_the_waiters_without_killing_the_pool() -> None:
     service = make_service(Compiler())
     broken = service.get("broken")[0]
