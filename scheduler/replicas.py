@@ -13,8 +13,10 @@ process group, grammars compiled once for all replicas; see the README's "Severa
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -61,12 +63,20 @@ class Replica:
     restarts: int = 0
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command)
+        # a session (and process group) of its own: what is left of it once it has exited (its HTTP frontend, which
+        # would hold the port a moment longer) is killed by group before it is restarted
+        self.process = subprocess.Popen(self.command, start_new_session=True)
         self.started_at = time.monotonic()
         logger.info("replica %d (pid %d) starting on %s", self.index, self.process.pid, self.url)
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+    def kill_remains(self) -> None:
+        """Kill what is left of the replica's process group (its launcher has exited)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def replica_argv(argv: Sequence[str]) -> list[str]:
@@ -135,6 +145,7 @@ def serve_replicas(server_args: ServerArgs, argv: Sequence[str]) -> int:
         for replica in replicas:
             if replica.process is not None:
                 _wait(replica.process, f"replica {replica.index}")
+                replica.kill_remains()
 
 
 def _supervise(replicas: list[Replica], router: subprocess.Popen[bytes], stop_requested: list[int]) -> int:
@@ -150,6 +161,7 @@ def _supervise(replicas: list[Replica], router: subprocess.Popen[bytes], stop_re
                 continue
             if time.monotonic() - replica.started_at < RESTART_AFTER_S:
                 continue
+            replica.kill_remains()
             replica.restarts += 1
             logger.warning(
                 "replica %d exited with code %d: restarting it (restart %d); the router sends its requests to the "
@@ -212,6 +224,10 @@ def _router_command(server_args: ServerArgs, replica_urls: list[str]) -> list[st
         "--prometheus-port",
         str(_free_port(server_args.host)),
         "--health-check-interval-secs",
+        interval,
+        # a replica whose requests failed while it died is tried again as soon as it is back, not a minute later
+        # (the router's circuit breaker stays open 60 s by default)
+        "--cb-timeout-duration-secs",
         interval,
         "--log-level",
         ROUTER_LOG_LEVELS[server_args.log_level],
