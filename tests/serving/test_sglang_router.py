@@ -5,7 +5,8 @@ server and one more. The router re-serialises every request with the fields of i
 taken with SGLang's meaning, and a constraint of every kind the router forwards holds on the three endpoints, streamed
 and not. What the router itself drops (chat's ``structural_tag``, ``guided_*`` and ``structured_outputs``;
 ``/generate``'s ``structural_tag``, ``choice`` and ``json_object``) never reaches a worker: README, "Behind SGLang's
-router". Skipped where the ``router`` extra is not installed.
+router". Last, the one command (``--dp-size 2 --router sglang``) and a replica's death under load. Skipped where the
+``router`` extra is not installed.
 """
 
 from __future__ import annotations
