@@ -31,6 +31,7 @@ NOT_IMPORTED = {
     "mypy": "a check in .ci/run",
     "import-linter": "a check in .ci/run",
     "deptry": "this check",
+    "sglang-router": "run as a process (python -m sglang_router.launch_router), never imported",
 }
 
 

@@ -1,5 +1,6 @@
 """``python -m scheduler.launch --grammar-backend xgrammar [--port 30000]``: load the model and serve (zmq, and
-HTTP with ``--port``) until SIGINT/SIGTERM; under ``torchrun`` on every rank (see ``scheduler.serve``).
+HTTP with ``--port``) until SIGINT/SIGTERM; under ``torchrun`` on every rank (see ``scheduler.serve``). With
+``--dp-size N --router sglang``: N independent servers behind SGLang's router (see ``scheduler.replicas``).
 
 With xgrammar, its compile processes' fork server is this process forked once the server's modules are imported
 (``forked_fork_server``), with nothing left to import. Where this Python's fork server cannot be made so, it is
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
+from scheduler.replicas import serve_replicas
 from scheduler.server_args import WORLD_SIZE, ServerArgs
 from scheduler.session_priority import keep_launch_priority
 from sglang_constrained.forked_fork_server import can_fork_fork_server
@@ -25,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_launch_priority()  # first: a rank in a session of its own (torchrun's) runs at its launch priority
     server_args = ServerArgs.parse(argv)
     server_args.check_world_size(WORLD_SIZE.get())
+    if server_args.router is not None:
+        return serve_replicas(server_args, sys.argv[1:] if argv is None else argv)
     backends = server_args.grammar_backend_order if server_args.grammar_backend == "auto" else ()
     uses_xgrammar = "xgrammar" in (server_args.grammar_backend, *backends)
     forks_its_fork_server = uses_xgrammar and can_fork_fork_server()

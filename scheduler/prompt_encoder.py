@@ -33,9 +33,12 @@ class PromptEncoder:
         messages: list[dict[str, str]] | None = None,
         input_ids: list[int] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of exactly one prompt source; raises ValueError naming what is wrong. ``chat_template_kwargs``:
-        variables the chat template of ``messages`` reads (Qwen3's ``enable_thinking``)."""
+        variables the chat template of ``messages`` reads (Qwen3's ``enable_thinking``). ``continue_final_message``:
+        a final assistant message is continued, as SGLang does it: the messages before it go through the template
+        with the generation prompt, and its text follows, tokenised without special tokens."""
         sources = (("text", text), ("messages", messages), ("input_ids", input_ids))
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:
@@ -43,6 +46,14 @@ class PromptEncoder:
         self._check_prompt_bytes(text, messages)
         if text is not None:
             ids = list(self.tokenizer.encode(text))
+        elif messages is not None and continue_final_message and messages and _role(messages[-1]) == "assistant":
+            if len(messages) == 1:
+                raise ValueError(
+                    "continue_final_message continues a final assistant message after the messages before it: "
+                    "give at least one message before it"
+                )
+            ids = self._apply_chat_template(messages[:-1], chat_template_kwargs or {})
+            ids += self._continued_text(messages[-1])
         elif messages is not None:
             ids = self._apply_chat_template(messages, chat_template_kwargs or {})
         else:
@@ -95,6 +106,12 @@ class PromptEncoder:
                 f"tokens can be ({self.max_prompt_bytes:,} bytes): shorten it"
             )
 
+    def _continued_text(self, message: dict[str, str]) -> list[int]:
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"each message needs a 'role' and a 'content' string; got {message!r}"[:200])
+        return list(self.tokenizer.encode(content, add_special_tokens=False))
+
     def _apply_chat_template(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
         if not messages:
             raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
@@ -114,3 +131,7 @@ class PromptEncoder:
             messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
         )
         return list(ids)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None

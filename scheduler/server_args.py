@@ -22,6 +22,9 @@ MODEL_RUNNERS = ("torch", "llamacpp")
 ``llamacpp`` extra: the GGUF's quantised weights, faster on CPU, no prefix reuse, and a multi-token forward's logits
 differ from one-token steps)."""
 MAX_DRAFT_TOKENS = 16
+ROUTERS = ("sglang",)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+"""SGLang's router's policies (``sglang_router.launch_router --policy``) for ``--router sglang``."""
 SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "grammar", "grammar+ngram")
 """Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
 n-gram cache of earlier outputs, ``--speculative-ngram-capacity``), the grammar's forced continuation (with
@@ -119,6 +122,10 @@ class ServerArgs:
     zmq_port: int = 30010
     seed: int = 0
     dp_size: int = 1
+    router: str | None = None
+    router_policy: str = "cache_aware"
+    router_health_check_interval: int = 5
+    worker_urls: tuple[str, ...] = ()
     log_level: str = "info"
     poll_interval: float | None = None
     cache_dir: str | None = None
@@ -224,11 +231,31 @@ class ServerArgs:
             raise ValueError("--grammar-compile-max-memory must be positive (MiB)")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+        if self.router is not None and self.router not in ROUTERS:
+            raise ValueError(f"--router must be one of {ROUTERS}")
+        if self.router is not None and self.port is None:
+            raise ValueError("--router sglang serves on --port: give it")
+        if self.router is None and self.worker_urls:
+            raise ValueError("--worker-urls are servers for the router to join: give --router sglang")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"--router-policy must be one of {ROUTER_POLICIES}")
+        if self.router_health_check_interval <= 0:
+            raise ValueError("--router-health-check-interval must be positive (seconds)")
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless the ranks launched fit the parallel layout: ``--tp-size N`` needs N ranks, each
         holding a shard of the model; ``--dp-size N`` needs N ranks, each a whole-model replica; the two do not combine
-        yet. With both 1, any number of ranks each run the whole model in lockstep."""
+        yet. With both 1, any number of ranks each run the whole model in lockstep. With ``--router`` the launcher
+        is one process starting ``--dp-size`` servers of its own (``scheduler.replicas``)."""
+        if self.router is not None:
+            if world_size != 1:
+                raise ValueError(
+                    f"--router {self.router} starts --dp-size independent servers itself: run it as one process, not "
+                    f"under torchrun ({world_size} ranks were launched)"
+                )
+            if self.tp_size > 1:
+                raise ValueError("--router with --tp-size: each replica would be a rank group; not supported yet")
+            return
         if self.tp_size > 1 and self.dp_size > 1:
             raise ValueError(
                 f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: tensor and data parallelism do not combine "
@@ -447,7 +474,29 @@ class ServerArgs:
             default=d.dp_size,
             help="data-parallel replicas, one per rank under torchrun (the world size must equal it): each a whole "
             "model running its own batches; rank 0 routes each request to the least-loaded replica and compiles "
-            "each grammar once for all. 1: every rank runs the same batch in lockstep",
+            "each grammar once for all. 1: every rank runs the same batch in lockstep. With --router: that many "
+            "independent server processes behind the router",
+        )
+        parser.add_argument(
+            "--router",
+            default=d.router,
+            choices=ROUTERS,
+            help="start --dp-size independent servers (each its own process: one that dies does not stop the others, "
+            "and is restarted) and SGLang's router in front of them on --port (the router extra: "
+            'pip install -e ".[router]")',
+        )
+        parser.add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES)
+        parser.add_argument(
+            "--router-health-check-interval",
+            type=int,
+            default=d.router_health_check_interval,
+            help="seconds between the router's health checks of each server (SGLang's router defaults to 60)",
+        )
+        parser.add_argument(
+            "--worker-urls",
+            nargs="+",
+            default=list(d.worker_urls),
+            help="with --router: servers started elsewhere (other machines) that the router sends requests to as well",
         )
         parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
         parser.add_argument(
@@ -461,6 +510,7 @@ class ServerArgs:
             importlib.import_module(module)
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         values["import_modules"] = tuple(args.import_modules)
+        values["worker_urls"] = tuple(args.worker_urls)
         return cls(**values)
 
     @classmethod

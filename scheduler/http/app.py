@@ -123,7 +123,9 @@ async def chat_completions(request: Request) -> Response:
     calls = await frontend.tokenized(chat_calls(body, completion_id, frontend.limits, plan))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = ChatStreamChunks(completion_id, frontend.model_name, body.n, include_usage, frontend.token_text, plan)
+        chunks = ChatStreamChunks(
+            completion_id, frontend.model_name, body.n, include_usage, frontend.token_text, plan, body.stream_reasoning
+        )
         return await stream_response(request, frontend, calls, chunks)
     outputs = await collect_outputs(request, frontend, calls)
     body_out = chat_completion_body(completion_id, frontend.model_name, outputs, frontend.token_text, plan)
@@ -151,6 +153,7 @@ async def generate(request: Request) -> Response:
     choices in turn) for a batch (``text`` or ``input_ids`` lists) or ``n`` > 1."""
     body = parse_body(GenerateRequest, await read_body(request))
     frontend = frontend_of(request)
+    frontend.check_model(body.model)
     calls = await frontend.tokenized(generate_calls(body, frontend.limits))
     num_top = body.top_logprobs_num if body.return_logprob else None
     logprob_text = frontend.token_text if body.return_text_in_logprobs else None

@@ -21,6 +21,10 @@ from scheduler.prompt_encoder import PromptEncoder
 
 logger = logging.getLogger("scheduler.http")
 
+ROUTER_UNNAMED_MODEL = "unknown"
+"""The model SGLang's router (0.3) writes into a chat request that names none: its id for workers registered without
+a model name."""
+
 
 @dataclass
 class FrontendState:
@@ -76,7 +80,10 @@ class FrontendState:
     def _encode(self, call: SchedulerCall) -> list[int]:
         try:
             return self.prompt_encoder.encode(
-                text=call.text, messages=call.messages, chat_template_kwargs=call.chat_template_kwargs
+                text=call.text,
+                messages=call.messages,
+                chat_template_kwargs=call.chat_template_kwargs,
+                continue_final_message=call.continue_final_message,
             )
         except ValueError as e:
             param = "prompt" if call.text is not None else "messages"
@@ -85,8 +92,9 @@ class FrontendState:
             raise ProtocolError(str(e), param=param) from e
 
     def check_model(self, model: str | None) -> None:
-        """Accept the served model's name, or no name; anything else is OpenAI's 404 ``model_not_found``."""
-        if model is not None and model != self.model_name:
+        """Accept the served model's name, or no name; anything else is OpenAI's 404 ``model_not_found``. SGLang's
+        router names no model ``"unknown"`` (``ROUTER_UNNAMED_MODEL``) when its workers do not tell it theirs."""
+        if model is not None and model not in (self.model_name, ROUTER_UNNAMED_MODEL):
             raise ProtocolError(
                 f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                 status_code=404,

@@ -24,10 +24,32 @@ from scheduler.http.request_conversion import (
 )
 from scheduler.io_struct import SamplingParams
 
+GENERATE_BOOKKEEPING_FIELDS: dict[str, str] = {
+    "model": "the served model's name or null (any other name is a 404, as on the OpenAI endpoints)",
+    "log_metrics": "the server's Prometheus counters count every request alike; none are kept per request",
+    "no_logs": "no request's text is logged here (a request's log line holds its rid, token counts and timings)",
+}
+"""Top-level ``/generate`` fields of SGLang's that cannot change the answer, with the reason (SGLang's router sends
+them on every request)."""
+
+GENERATE_REFUSED_FIELDS: dict[str, str] = {
+    "return_hidden_states": "the model's hidden states are not returned by this server",
+    "background": "requests run in the background (answered later by id) are not implemented",
+    "return_bytes": "the output tokens' bytes are not returned by this server",
+    "return_entropy": "the output tokens' entropy is not computed by this server",
+}
+"""Top-level ``/generate`` fields refused (400, ``unsupported_parameter``) when true: SGLang's router sends them false
+on every request, and ignoring a true one would withhold what was asked for."""
+
 
 def generate_calls(request: GenerateRequest, limits: RequestLimits) -> list[SchedulerCall]:
     """``n`` scheduler requests per prompt of a native ``/generate`` body (a batch when ``text`` is a list), in
     prompt-major order; choice ``i`` of a seeded request is seeded ``seed + i``."""
+    for name, reason in GENERATE_REFUSED_FIELDS.items():
+        if getattr(request, name):
+            raise ProtocolError(
+                f"{name} is not supported by this server: {reason}", param=name, code="unsupported_parameter"
+            )
     sources = [name for name in ("text", "input_ids") if getattr(request, name) is not None]
     if len(sources) != 1:
         raise ProtocolError(f"give exactly one of text or input_ids (got {', '.join(sources) or 'neither'})")

@@ -40,6 +40,7 @@ REFUSED_FIELDS: dict[str, str] = {
     "suffix": "inserting text before a suffix is not implemented",
     "best_of": "use n",
     "guided_whitespace_pattern": WHITESPACE_PATTERN_REFUSAL,
+    "return_hidden_states": "the model's hidden states are not returned by this server (SGLang's field)",
 }
 """Refused when set to anything but their neutral value, because ignoring them would change the answer."""
 

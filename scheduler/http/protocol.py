@@ -234,6 +234,8 @@ class CommonRequest(Body):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     no_stop_trim: bool | None = None
+    # SGLang's; its router sends false (``openai_fields.REFUSED_FIELDS``)
+    return_hidden_states: bool | None = None
 
 
 class FunctionCall(Body):
@@ -307,6 +309,11 @@ class ChatCompletionRequest(CommonRequest):
     # reasoning models (``--reasoning-parser``; ``scheduler.http.reasoning_fields``)
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    """SGLang's: stream the think block as it is generated; false sends it in one delta once it has closed."""
+    continue_final_message: bool = False
+    """SGLang's: a final assistant message is continued (its text follows the generation prompt) instead of being
+    answered."""
     thinking_token_budget: int | None = Field(None, ge=0)
     custom_params: dict[str, Any] | None = None
 
@@ -336,6 +343,15 @@ class GenerateRequest(Body):
     return_text_in_logprobs: bool = False
     separate_reasoning: bool = False
     prediction: str | list[int] | None = None
+    # SGLang's, which its router sends with their defaults (``generate_conversion.GENERATE_REFUSED_FIELDS`` and
+    # ``GENERATE_BOOKKEEPING_FIELDS``)
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: bool = False
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
     @property
     def is_batch(self) -> bool:

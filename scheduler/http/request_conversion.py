@@ -47,7 +47,8 @@ class SchedulerCall:
 
     ``fills_context``: no token limit was asked for, so the output may take whatever room the prompt leaves.
     ``top_logprobs_num``: None for no logprobs, else the alternatives wanted per output token.
-    ``chat_template_kwargs``: variables for the chat template of ``messages``; ``separate_reasoning``: report the
+    ``chat_template_kwargs``: variables for the chat template of ``messages``; ``continue_final_message``: a final
+    assistant message is continued (``PromptEncoder.encode``); ``separate_reasoning``: report the
     think block apart (``--reasoning-parser``); ``prediction``: a predicted output, text until the frontend tokenises
     it (``FrontendState.tokenized``).
     """
@@ -60,6 +61,7 @@ class SchedulerCall:
     fills_context: bool = False
     top_logprobs_num: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
     separate_reasoning: bool = False
     prediction: str | list[int] | None = None
 
@@ -144,6 +146,7 @@ def chat_calls(
             fills_context=max_tokens is None,
             top_logprobs_num=top_logprobs_num,
             chat_template_kwargs=request.chat_template_kwargs,
+            continue_final_message=request.continue_final_message,
             separate_reasoning=request.separate_reasoning,
             prediction=request.prediction.text if request.prediction is not None else None,
         )

@@ -64,7 +64,9 @@ class StreamChunks:
 
 class ChatStreamChunks(StreamChunks):
     """``chat.completion.chunk``: the role first, then content deltas, then an empty delta with the finish reason.
-    A think block reported apart (``--reasoning-parser``) comes first, as ``reasoning_content`` deltas.
+    A think block reported apart (``--reasoning-parser``) comes first, as ``reasoning_content`` deltas; without
+    ``stream_reasoning`` (SGLang's field) it is held back and sent in one delta once it has closed (before the
+    answer's first delta, or with the finish).
 
     With tools (``plan``) each call comes as OpenAI streams it (``tool_call_parser.ToolCallStream``): its ``index``,
     ``id``, ``type`` and ``name`` first, then its arguments in deltas as they are generated; the text outside calls
@@ -80,11 +82,14 @@ class ChatStreamChunks(StreamChunks):
         include_usage: bool,
         token_text: TokenText,
         plan: ToolPlan | None = None,
+        stream_reasoning: bool = True,
     ) -> None:
         super().__init__(completion_id, model, n, include_usage)
         self.token_text = token_text
         self.started: set[int] = set()
         self.plan = plan
+        self.stream_reasoning = stream_reasoning
+        self.held_reasoning: dict[int, str] = {}
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.num_calls: dict[int, int] = {}
 
@@ -96,8 +101,14 @@ class ChatStreamChunks(StreamChunks):
             # with tools the message may be calls only, whose content is null (as OpenAI streams it)
             role = {"role": "assistant", "content": "" if self.plan is None else None}
             chunks.append(self._choice(index, role, None))
-        if output.reasoning_text:
-            chunks.append(self._choice(index, {"reasoning_content": output.reasoning_text}, None))
+        reasoning = output.reasoning_text
+        if reasoning and not self.stream_reasoning:
+            self.held_reasoning[index] = self.held_reasoning.get(index, "") + reasoning
+            reasoning = None
+        if index in self.held_reasoning and (output.text or output.finished):
+            reasoning = self.held_reasoning.pop(index)
+        if reasoning:
+            chunks.append(self._choice(index, {"reasoning_content": reasoning}, None))
         logprobs = chat_logprobs(output.logprobs, self.token_text) if output.logprobs is not None else None
         if self.plan is not None:
             deltas = self._tool_deltas(index, output, self.plan)

@@ -128,23 +128,33 @@ def test_a_model_that_opens_its_thinking_itself(reasoning_server: HttpServer, bi
     assert whole["output_ids"] == result["output_ids"] and "reasoning_text" not in whole
 
 
-def test_streamed_reasoning_and_answer_add_up_to_the_whole_answer(reasoning_server: HttpServer, bias: Any) -> None:
-    common = {"temperature": 1.0, "seed": 1, "logit_bias": bias(close=10.0), "regex": ANSWER}
-    whole = chat(reasoning_server, **common)["choices"][0]["message"]
+def stream_deltas(server: HttpServer, **body: Any) -> list[dict[str, Any]]:
+    """The deltas of a streamed chat completion of ``MESSAGES``."""
     with httpx.stream(
         "POST",
-        f"{reasoning_server.url}/v1/chat/completions",
-        json={"messages": MESSAGES, "max_tokens": 64, "stream": True, **common},
+        f"{server.url}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 64, "stream": True, **body},
         timeout=600,
     ) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    deltas = [event["choices"][0]["delta"] for event in events if event["choices"]]
+    return [event["choices"][0]["delta"] for event in events if event["choices"]]
+
+
+def test_streamed_reasoning_and_answer_add_up_to_the_whole_answer(reasoning_server: HttpServer, bias: Any) -> None:
+    common = {"temperature": 1.0, "seed": 1, "logit_bias": bias(close=10.0), "regex": ANSWER}
+    whole = chat(reasoning_server, **common)["choices"][0]["message"]
+    deltas = stream_deltas(reasoning_server, **common)
     reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     content = "".join(d.get("content") or "" for d in deltas)
     assert (reasoning, content) == (whole["reasoning_content"], whole["content"])
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert all(not d.get("reasoning_content") for d in deltas[first_content:]), "the answer follows the reasoning"
     assert sum(bool(d.get("reasoning_content")) for d in deltas) > 1, "reasoning is streamed, not held back"
+    held = stream_deltas(reasoning_server, stream_reasoning=False, **common)
+    assert [d["reasoning_content"] for d in held if d.get("reasoning_content")] == [whole["reasoning_content"]]
+    assert "".join(d.get("content") or "" for d in held) == whole["content"]
+    first_held_content = next(i for i, d in enumerate(held) if d.get("content"))
+    assert any(d.get("reasoning_content") for d in held[:first_held_content]), "SGLang's stream_reasoning=false"
 
 
 def test_n_choices_each_think_and_answer(reasoning_server: HttpServer, bias: Any) -> None:

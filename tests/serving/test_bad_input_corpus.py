@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from scheduler.http.generate_conversion import GENERATE_REFUSED_FIELDS
 from scheduler.io_struct import GenerateOutput, decode_server_message
 from tests.helpers import HTTP_SERVER_FLAGS, QUESTION, HttpServer
 
@@ -193,9 +194,21 @@ HTTP_CASES: list[Case] = [
         for make, fields in (
             (chat, {"functions": [{"name": "f"}], "function_call": "auto", "guided_whitespace_pattern": " *"}),
             (completion, {"echo": True, "suffix": "x", "best_of": 2}),
+            (chat, {"return_hidden_states": True}),
+            (completion, {"return_hidden_states": True}),
+            (generate, dict.fromkeys(GENERATE_REFUSED_FIELDS, True)),
         )
         for name, value in fields.items()
     ),
+    chat(
+        400,
+        "continue_final_message",
+        "at least one message before it",
+        messages=[{"role": "assistant", "content": "Yes"}],
+        continue_final_message=True,
+    ),
+    chat(400, "Invalid type for 'stream_reasoning'", stream_reasoning="no"),
+    generate(400, "Invalid type for 'background'", background=1),
     chat(
         400,
         "messages[0].tool_calls",
@@ -278,6 +291,7 @@ HTTP_CASES: list[Case] = [
     # the model's name, routes and methods
     chat(404, "does not exist", model="gpt-4"),
     completion(404, "does not exist", model="SmolLM2"),
+    generate(404, "does not exist", model="gpt-4"),
     Case("/v1/nothing", {}, 404, ("Not Found",)),
     Case("/v1/embeddings", {"input": "x"}, 404, ("Not Found",)),
     # one constraint at most
