@@ -35,7 +35,7 @@ from triton_ops.cpu_info import cpu_flags, cpu_model
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
-HEADERS = (SOURCE.with_name("int8_blocks.h"), SOURCE.with_name("attention.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("int8_blocks.h", "kquant_blocks.h", "attention.h"))
 """What SOURCE includes: part of the build's key."""
 COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
 """``-ffp-contract=off``: the compiler may not fuse a multiply and an add the source keeps apart (nor split an fma)."""
@@ -43,6 +43,9 @@ LANES = 16
 """Columns per packed panel; also the partial sums of a row reduction."""
 BLOCK = 32
 """The GGUF block formats' k values per scale."""
+SUPER_BLOCK = 256
+"""The k-quants' (Q4_K, Q5_K, Q6_K) k values per super-block: its float16 scale (and minimum) times each 32-block's
+(Q6_K: 16-block's) integer scale."""
 
 
 class WeightFormat(enum.IntEnum):
@@ -52,15 +55,33 @@ class WeightFormat(enum.IntEnum):
     BF16 = 1
     Q8_0 = 2
     Q4_1 = 3
+    Q4_0 = 4
+    Q5_0 = 5
+    Q5_1 = 6
+    Q4_K = 7
+    Q5_K = 8
+    Q6_K = 9
 
     @property
     def is_block(self) -> bool:
         """A GGUF block format: multiplied as integer dot products with activations quantised per 32-block."""
-        return self in (WeightFormat.Q8_0, WeightFormat.Q4_1)
+        return self not in (WeightFormat.F32, WeightFormat.BF16)
 
 
-BYTES_PER_BLOCK = {WeightFormat.F32: 128, WeightFormat.BF16: 64, WeightFormat.Q8_0: 34, WeightFormat.Q4_1: 20}
-"""Bytes of 32 weights in each format (the block formats with their float16 scale and minimum)."""
+BYTES_PER_BLOCK = {
+    WeightFormat.F32: 128,
+    WeightFormat.BF16: 64,
+    WeightFormat.Q8_0: 34,
+    WeightFormat.Q4_1: 20,
+    WeightFormat.Q4_0: 18,
+    WeightFormat.Q5_0: 22,
+    WeightFormat.Q5_1: 24,
+    WeightFormat.Q4_K: 144 / 8,
+    WeightFormat.Q5_K: 176 / 8,
+    WeightFormat.Q6_K: 210 / 8,
+}
+"""Bytes of 32 weights in each format as GGUF stores them (their scales and minimums included; a k-quant's
+super-block of 256 shared by 8 blocks)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +101,7 @@ class PackedWeight:
     @property
     def num_weight_bytes(self) -> int:
         """The bytes of the ``out_features x in_features`` weights themselves in this format (no padding)."""
-        return self.out_features * self.in_features * BYTES_PER_BLOCK[self.format] // BLOCK
+        return int(self.out_features * self.in_features * BYTES_PER_BLOCK[self.format] // BLOCK)
 
 
 def _compiler() -> str:
@@ -262,6 +283,104 @@ def pack_q4_1(scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor) ->
     m = _panels(mins.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)
     data = torch.cat([nibbles, d, m], dim=2).reshape(nibbles.shape[0], -1)
     return PackedWeight(WeightFormat.Q4_1, data, out_features, in_features)
+
+
+def _lanes(values: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Per-block values ``[N, blocks, ...]`` -> ``[P, blocks, bytes]``: a block's 16 columns' values in lane order."""
+    lanes = _panels(values.reshape(values.shape[0], blocks, -1)).transpose(2, 3).contiguous()  # [P, blocks, v, 16]
+    return lanes.view(torch.uint8).reshape(lanes.shape[0], blocks, -1)
+
+
+def _quant_vectors(quants: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-bit quants ``[N, K]`` -> ``[P, K / 32, bytes]``: per 32-block the nibbles as pack_q4_1 lays
+    them out, then the planes of the bits above them (kquant_blocks.h)."""
+    out_features, in_features = quants.shape
+    blocks = in_features // BLOCK
+    q = _panels(quants.reshape(out_features, blocks, 2, BLOCK // 8, 4))  # [P, blocks, 16 lanes, halves, 4 quads, 4]
+    q = q.permute(0, 1, 4, 3, 2, 5).reshape(q.shape[0], blocks, 8, 4 * LANES)  # [P, blocks, combination 2i + h, 64]
+    parts = [((q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)).reshape(q.shape[0], blocks, -1)]
+    high = q >> 4
+    if bits == 5:
+        parts.append(_bit_fields([high[:, :, c] & 1 for c in range(8)], 1))
+    elif bits == 6:
+        parts += [_bit_fields([high[:, :, 4 * plane + c] & 3 for c in range(4)], 2) for plane in range(2)]
+    return torch.cat(parts, dim=2)
+
+
+def _bit_fields(fields: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Bytes holding ``fields[i]`` (each below ``2 ** width``) in bits ``width * i`` on."""
+    out = torch.zeros_like(fields[0])
+    for i, field in enumerate(fields):
+        out |= field << (width * i)
+    return out
+
+
+def _pack_blocks(fmt: WeightFormat, quants: torch.Tensor, bits: int, *per_block: torch.Tensor) -> PackedWeight:
+    """A 32-block format: per block its quant vectors, then the 16 columns' values of each of ``per_block``."""
+    out_features, in_features = quants.shape
+    blocks = in_features // BLOCK
+    parts = [_quant_vectors(quants, bits), *(_lanes(values, blocks) for values in per_block)]
+    data = torch.cat(parts, dim=2)
+    return PackedWeight(fmt, data.reshape(data.shape[0], -1), out_features, in_features)
+
+
+def pack_q4_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
+    """Pack GGUF Q4_0 blocks, ``w[n, 32 b + i] = scales[n, b] * (quants[n, 32 b + i] - 8)``.
+
+    ``scales``: float16 ``[N, K / 32]``; ``quants``: uint8 ``[N, K]`` holding 0..15.
+    """
+    return _pack_blocks(WeightFormat.Q4_0, quants, 4, scales.to(torch.float16))
+
+
+def pack_q5_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
+    """Pack GGUF Q5_0 blocks, ``w[n, 32 b + i] = scales[n, b] * (quants[n, 32 b + i] - 16)``; quants uint8 0..31."""
+    return _pack_blocks(WeightFormat.Q5_0, quants, 5, scales.to(torch.float16))
+
+
+def pack_q5_1(scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
+    """Pack GGUF Q5_1 blocks, ``w[n, 32 b + i] = scales[n, b] * quants[n, 32 b + i] + mins[n, b]``; quants 0..31."""
+    return _pack_blocks(WeightFormat.Q5_1, quants, 5, scales.to(torch.float16), mins.to(torch.float16))
+
+
+def _pack_super_blocks(
+    fmt: WeightFormat, quants: torch.Tensor, bits: int, head: list[torch.Tensor], per_block: list[torch.Tensor]
+) -> PackedWeight:
+    """A k-quant: per super-block of 256 its head (``head``: float16 ``[N, K / 256]`` each, in lane order), then
+    its 8 blocks as ``_pack_blocks`` lays them out."""
+    out_features, in_features = quants.shape
+    blocks, supers = in_features // BLOCK, in_features // SUPER_BLOCK
+    parts = [_quant_vectors(quants, bits), *(_lanes(values, blocks) for values in per_block)]
+    body = torch.cat(parts, dim=2)
+    body = body.reshape(body.shape[0], supers, -1)
+    data = torch.cat([*(_lanes(values.to(torch.float16), supers) for values in head), body], dim=2)
+    return PackedWeight(fmt, data.reshape(data.shape[0], -1), out_features, in_features)
+
+
+def pack_q4_k(
+    d: torch.Tensor, dmin: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor
+) -> PackedWeight:
+    """Pack GGUF Q4_K super-blocks, ``w[n, 32 j + i] = d[n, j // 8] * scales[n, j] * quants[n, 32 j + i]
+    - dmin[n, j // 8] * mins[n, j]``.
+
+    ``d``, ``dmin``: float16 ``[N, K / 256]``; ``scales``, ``mins``: uint8 ``[N, K / 32]`` holding 0..63;
+    ``quants``: uint8 ``[N, K]`` holding 0..15.
+    """
+    return _pack_super_blocks(WeightFormat.Q4_K, quants, 4, [d, dmin], [scales, mins])
+
+
+def pack_q5_k(
+    d: torch.Tensor, dmin: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor
+) -> PackedWeight:
+    """Pack GGUF Q5_K super-blocks: as ``pack_q4_k`` with quants 0..31."""
+    return _pack_super_blocks(WeightFormat.Q5_K, quants, 5, [d, dmin], [scales, mins])
+
+
+def pack_q6_k(d: torch.Tensor, scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
+    """Pack GGUF Q6_K super-blocks, ``w[n, 16 j + i] = d[n, j // 16] * scales[n, j] * (quants[n, 16 j + i] - 32)``.
+
+    ``d``: float16 ``[N, K / 256]``; ``scales``: int8 ``[N, K / 16]``; ``quants``: uint8 ``[N, K]`` holding 0..63.
+    """
+    return _pack_super_blocks(WeightFormat.Q6_K, quants, 6, [d], [scales.to(torch.int8)])
 
 
 def _check_rows(x: torch.Tensor, width: int, what: str) -> None:

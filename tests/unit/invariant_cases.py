@@ -11,7 +11,15 @@ import torch
 from triton_ops import invariant_cpu
 from triton_ops.invariant_cpu import PackedWeight
 
-FORMATS = ("float32", "bfloat16", "q8_0", "q4_1")
+FORMATS = ("float32", "bfloat16", "q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+K_FORMATS = ("q4_k", "q5_k", "q6_k")
+"""Formats in super-blocks of 256: a weight's in_features is a multiple of 256 (``fitted_width``)."""
+
+
+def fitted_width(fmt: str, in_features: int) -> int:
+    """``in_features``, rounded up to whole super-blocks for a k-quant."""
+    unit = invariant_cpu.SUPER_BLOCK if fmt in K_FORMATS else 1
+    return -(-in_features // unit) * unit
 
 
 def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
@@ -23,13 +31,32 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
         return invariant_cpu.pack_dense(dense, dtype), dense.to(dtype).double()
     blocks = in_features // invariant_cpu.BLOCK
     scales = (torch.rand(out_features, blocks, generator=generator) * 0.01).half()
-    expand = lambda t: t.double().repeat_interleave(invariant_cpu.BLOCK, dim=1)  # noqa: E731
+    mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
+    expand = lambda t, n=invariant_cpu.BLOCK: t.double().repeat_interleave(n, dim=1)  # noqa: E731
+    unsigned = lambda bits: torch.randint(0, 2**bits, (out_features, in_features), generator=generator).byte()  # noqa: E731
     if fmt == "q8_0":
         quants = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
         return invariant_cpu.pack_q8_0(scales, quants), expand(scales) * quants.double()
-    mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
-    quants = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-    return invariant_cpu.pack_q4_1(scales, mins, quants), expand(scales) * quants.double() + expand(mins)
+    if fmt in ("q4_1", "q5_1"):
+        quants = unsigned(4 if fmt == "q4_1" else 5)
+        return getattr(invariant_cpu, f"pack_{fmt}")(scales, mins, quants), expand(scales) * quants + expand(mins)
+    if fmt in ("q4_0", "q5_0"):
+        quants = unsigned(4 if fmt == "q4_0" else 5)
+        offset = 8 if fmt == "q4_0" else 16
+        return getattr(invariant_cpu, f"pack_{fmt}")(scales, quants), expand(scales) * (quants.double() - offset)
+    supers = in_features // invariant_cpu.SUPER_BLOCK
+    d = (torch.rand(out_features, supers, generator=generator) * 2e-4).half()
+    if fmt == "q6_k":
+        sub_scales = torch.randint(-128, 128, (out_features, 2 * blocks), generator=generator, dtype=torch.int8)
+        quants = unsigned(6)
+        exact = expand(d, invariant_cpu.SUPER_BLOCK) * expand(sub_scales, 16) * (quants.double() - 32)
+        return invariant_cpu.pack_q6_k(d, sub_scales, quants), exact
+    dmin = (torch.rand(out_features, supers, generator=generator) * 2e-4).half()
+    sub_scales, sub_mins = torch.randint(0, 64, (2, out_features, blocks), generator=generator).byte()
+    quants = unsigned(4 if fmt == "q4_k" else 5)
+    exact = expand(d, invariant_cpu.SUPER_BLOCK) * expand(sub_scales) * quants.double()
+    exact -= expand(dmin, invariant_cpu.SUPER_BLOCK) * expand(sub_mins)
+    return getattr(invariant_cpu, f"pack_{fmt}")(d, dmin, sub_scales, sub_mins, quants), exact
 
 
 def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:

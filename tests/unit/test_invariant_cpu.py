@@ -23,8 +23,10 @@ from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from tests.unit.invariant_cases import (
     ATTENTION_SHAPES,
     FORMATS,
+    K_FORMATS,
     activations_as_multiplied,
     attention_case,
+    fitted_width,
     random_weight,
     run_attention,
 )
@@ -45,6 +47,7 @@ def kernels() -> None:
 @pytest.mark.parametrize("name", MODEL_SHAPES)
 def test_matmul_rows_do_not_depend_on_the_batch(fmt: str, name: str) -> None:
     in_features, out_features = MODEL_SHAPES[name]
+    in_features = fitted_width(fmt, in_features)
     weight, exact = random_weight(fmt, out_features, in_features)
     x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(1))
     assert_rows_invariant(lambda rows: invariant_cpu.matmul(rows, weight), x, 64)
@@ -72,7 +75,7 @@ def test_matmul_computes_the_product_for_any_shape(
 ) -> None:
     """Widths that leave part of a 16-column panel empty, and any row count, give the product of the weights the
     format stands for, and each row as it is alone."""
-    in_features = blocks * invariant_cpu.BLOCK
+    in_features = blocks * (invariant_cpu.SUPER_BLOCK if fmt in K_FORMATS else invariant_cpu.BLOCK)
     weight, exact = random_weight(fmt, out_features, in_features, seed)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
     out = invariant_cpu.matmul(x, weight)
@@ -81,7 +84,7 @@ def test_matmul_computes_the_product_for_any_shape(
     assert torch.equal(out[-1:], invariant_cpu.matmul(x[-1:], weight))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt not in ("float32", "bfloat16")])
 def test_block_formats_quantise_activations_with_little_error(fmt: str) -> None:
     """Against the exact product of float32 activations, the int8 activations of a block format cost about what
     llama.cpp's do: a relative error of ~0.5 % per output (quantisation noise of 1/254 of each block's largest value),
@@ -93,6 +96,19 @@ def test_block_formats_quantise_activations_with_little_error(fmt: str) -> None:
     constant = torch.zeros(2, 1536)
     constant[1] = -0.375  # |x| = amax everywhere: q = -127 exactly
     assert torch.allclose(invariant_cpu.matmul(constant, weight).double(), constant.double() @ exact.T, atol=1e-4)
+
+
+@pytest.mark.parametrize(("fmt", "offset"), [("q4_0", 8), ("q5_0", 16)])
+def test_offset_formats_compute_what_q8_0_computes(fmt: str, offset: int) -> None:
+    """Q4_0 and Q5_0 blocks give the bits of Q8_0 blocks holding their integers ``q - offset``: one integer sum,
+    then one fma per block, so a stack of these formats with Q8_0 ones can be packed as Q8_0 without a changed bit."""
+    generator = torch.Generator().manual_seed(9)
+    scales = (torch.rand(50, 6, generator=generator) * 0.01).half()
+    quants = torch.randint(0, 2 * offset, (50, 192), generator=generator).byte()
+    x = torch.randn(5, 192, generator=generator)
+    as_q8_0 = invariant_cpu.pack_q8_0(scales, (quants.short() - offset).to(torch.int8))
+    packed = getattr(invariant_cpu, f"pack_{fmt}")(scales, quants)
+    assert torch.equal(invariant_cpu.matmul(x, packed), invariant_cpu.matmul(x, as_q8_0))
 
 
 ATTENTION_LAYOUTS = [("smollm2", False), *((shape, True) for shape in ATTENTION_SHAPES)]
@@ -152,22 +168,31 @@ from pathlib import Path
 from triton_ops import invariant_cpu
 from tests.unit.invariant_cases import ATTENTION_SHAPES, FORMATS, attention_case, random_weight, run_attention
 invariant_cpu.load(Path(sys.argv[1]), sys.argv[2])
-x = torch.randn(7, 96, generator=torch.Generator().manual_seed(5))
-outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 96)[0]) for fmt in FORMATS]
+x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5))
+outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 256)[0]) for fmt in FORMATS]
 # the extremes of 8-bit products (-128 and 127 weights times +-127 quants): no build's pairwise sums saturate
-extreme = torch.tensor([-128, 127, -128, -128, 127, 127, -128, 127], dtype=torch.int8).repeat(40, 12)
-signs = torch.tensor([1.0, -1.0, -1.0, 1.0]).repeat(7, 24)
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q8_0(torch.ones(40, 3).half(), extreme)))
+wide = torch.tensor([-128, 127, -128, -128, 127, 127, -128, 127], dtype=torch.int8).repeat(40, 32)
+extreme, signs = wide[:, :96], torch.tensor([1.0, -1.0, -1.0, 1.0]).repeat(7, 64)
+outs.append(invariant_cpu.matmul(signs[:, :96], invariant_cpu.pack_q8_0(torch.ones(40, 3).half(), extreme)))
 nibbles = (extreme.to(torch.int16) & 15).to(torch.uint8)
 scales, mins = torch.ones(40, 3).half(), torch.zeros(40, 3).half()
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q4_1(scales, mins, nibbles)))
+outs.append(invariant_cpu.matmul(signs[:, :96], invariant_cpu.pack_q4_1(scales, mins, nibbles)))
+# and the other formats' largest quants (every high bit set) against zeros, with the largest sub-block scales
+top = lambda bits: (wide >= 0).byte() * (2**bits - 1)
+ones, sub = torch.ones(40, 8).half(), torch.full((40, 8), 63).byte()
+outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q4_0(ones, top(4))))
+outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q5_0(ones, top(5))))
+outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q5_1(ones, -ones, top(5))))
+outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q4_k(ones[:, :1], ones[:, :1], sub, sub, top(4))))
+outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q5_k(ones[:, :1], ones[:, :1], sub, sub, top(5))))
+outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q6_k(ones[:, :1], wide[:, :16], top(6))))
 # one and two rows take wider tiles, narrow and wide weights other groupings: the same bits in every build
 for fmt in FORMATS:
-    outs += [invariant_cpu.matmul(x[:m], random_weight(fmt, n, 96)[0]) for m in (1, 2) for n in (40, 1100)]
+    outs += [invariant_cpu.matmul(x[:m], random_weight(fmt, n, 256)[0]) for m in (1, 2) for n in (40, 1100)]
 # attention of tokens alone (head_dim in lanes) and in runs (keys in lanes), for each shape's tiles
 for shape in ATTENTION_SHAPES:
     outs += [run_attention(attention_case(shape=shape, runs=runs), slice(0, 64)) for runs in (False, True)]
-outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 96), 1e-6))
+outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 256), 1e-6))
 outs.append(invariant_cpu.silu_mul(x * 10))
 # the grammar mask: masked stores on AVX-512, a select loop elsewhere; a vocab past the last word, and a row subset
 words = torch.randint(-2**31, 2**31, (3, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(6))

@@ -1,5 +1,5 @@
 // Batch-invariant CPU kernels for the model forward: matmuls over packed weights (float32, bfloat16, and the
-// GGUF block formats Q8_0 and Q4_1), attention over a token KV pool, RMSNorm and SiLU-and-multiply; and the
+// GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the k-quants Q4_K, Q5_K, Q6_K), attention over a token KV pool, RMSNorm and SiLU-and-multiply; and the
 // grammar's token mask applied to the logits.
 //
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
@@ -379,9 +379,14 @@ static void parallel_for(int64_t total, int64_t grain, int threads, const F& f) 
 // Weights [N, K] are packed in panels of 16 columns: panel p holds columns 16p..16p+15 (zero past N), so that one
 // vector load gives 16 columns. Dense formats, k-major: F32 float [K][16], BF16 bfloat16 [K][16]; a y[m][n] is one
 // fma chain over k in order. The GGUF block formats Q8_0 (w = d * q) and Q4_1 (w = d * q + m), K a multiple of 32,
-// are integer dot products with x quantised per block: int8_blocks.h, which states their layout and arithmetic.
+// are integer dot products with x quantised per block: int8_blocks.h, which states their layout and arithmetic;
+// the other block formats (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) likewise in kquant_blocks.h.
 
-enum Format : int32_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3 };
+enum Format : int32_t {
+  kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_0 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9
+};
+
+static int64_t kquant_panel_bytes(int32_t format, int64_t K);  // kquant_blocks.h
 
 static inline int64_t panel_bytes(int32_t format, int64_t K) {
   switch (format) {
@@ -391,8 +396,10 @@ static inline int64_t panel_bytes(int32_t format, int64_t K) {
       return K * kLanes * 2;
     case kQ8_0:
       return K / kBlock * (kBlock * kLanes + kLanes * 2);
-    default:
+    case kQ4_1:
       return K / kBlock * (kBlock / 2 * kLanes + 2 * kLanes * 2);
+    default:
+      return kquant_panel_bytes(format, K);
   }
 }
 
@@ -483,6 +490,7 @@ static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, 
 }
 
 #include "int8_blocks.h"
+#include "kquant_blocks.h"
 #include "attention.h"
 
 // ---- the grammar's token mask on the logits --------------------------------------------------------------------
@@ -557,6 +565,7 @@ const char* invariant_isa() { return kDotIsa; }
 void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                       int64_t N, float* y, int64_t ldy, int32_t threads) {
   if (format == kQ8_0 || format == kQ4_1) return int8_matmul(format, x, M, K, ldx, packed, N, y, ldy, threads);
+  if (is_kquant_format(format)) return kquant_matmul(format, x, M, K, ldx, packed, N, y, ldy, threads);
   if constexpr (kWideNP > kNP) {
     const int64_t num_panels = (N + kLanes - 1) / kLanes;
     const bool many_groups = num_panels >= kWideNP * 4 * threads;  // enough wide groups to keep every thread busy

@@ -1,0 +1,279 @@
+// Matmuls over the other GGUF block formats (Q4_0, Q5_0, Q5_1 in blocks of 32; the k-quants Q4_K, Q5_K, Q6_K in
+// super-blocks of 256) as integer dot products with activations quantised per 32-block, exactly as int8_blocks.h
+// does for Q8_0 and Q4_1: included by invariant_cpu.cpp after it, whose quantised rows, byte vectors and tile
+// shapes it uses.
+//
+// Every quant enters the dot product unsigned (0..15, 0..31 or 0..63: vpmaddubsw's pairs stay below 2 * 63 * 127,
+// so no build saturates), and a format's offset comes off the exact integer sum: s = sum(q_w q_x) - offset * sum(q_x).
+// With d_x, X = sum(q_x) and scaled_sum = d_x * float(X) per x block (int8_blocks.h), per output element and per
+// 32-block b in order, one fixed float sequence:
+//   Q4_0 (w = d (q - 8)), Q5_0 (w = d (q - 16)):
+//     acc = fma(d * d_x, float(s), acc)                      the same bits as Q8_0 holding the integers q - offset
+//   Q5_1 (w = d q + m):
+//     acc = fma(d * d_x, float(s), acc); acc = fma(m, scaled_sum, acc)                   as Q4_1
+//   Q4_K, Q5_K (w = d sc_j q - dmin m_j, sub-block j of 32 of a super-block, sc_j and m_j 6-bit integers):
+//     d_j = d * float(sc_j), m_j = dmin * float(m_j)        (exact: an 11-bit mantissa times 6 bits)
+//     acc = fma(d_j * d_x, float(s), acc); acc = fma(m_j, -scaled_sum, acc)
+//   Q6_K (w = d sc_h (q - 32), two sub-blocks h of 16 per x block, sc_h int8): s_0, s_1 the halves' integer sums,
+//     c = fma(float(sc_0), float(s_0), float(sc_1) * float(s_1))      (exact: each product < 2^23, the sum < 2^24)
+//     acc = fma(d * d_x, c, acc)
+// so, as for the other formats, a row's bits do not depend on the batch, the tiles, the threads or the build.
+//
+// Packed layout per panel of 16 columns (Python's pack_q4_0 ... pack_q6_k). A 32-block's quants, as the Q4_1 panel:
+// 4 vectors of 16 lanes of 4 bytes, byte j of lane l in vector i holding k = 4i + j in its low nibble and
+// k = 16 + 4i + j in its high nibble (combination c = 2i for the low, 2i + 1 for the high nibble); then the bits
+// above the nibble, per byte position of those vectors:
+// - 5-bit quants: one plane of 64 bytes, bit c of byte p = bit 4 of the quant at byte p of combination c;
+// - 6-bit quants: two planes, bits 2(c % 4) and 2(c % 4) + 1 of plane c / 4's byte p = bits 4 and 5 of that quant.
+// Then per block:       Q4_0 float16 d[16] (288 bytes); Q5_0 d[16] (352); Q5_1 d[16], m[16] (384);
+//                       Q4_K uint8 sc[16], m[16] (288); Q5_K sc[16], m[16] (352); Q6_K int8 sc_0[16], sc_1[16] (416).
+// A k-quant super-block is a head, Q4_K and Q5_K float16 d[16], dmin[16], Q6_K d[16], then its 8 blocks.
+
+// ---- the bits above the nibble, and 16 small integers as floats ----------------------------------------------
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline B64 bor(B64 a, B64 b) { return {_mm512_or_si512(a.r, b.r)}; }
+// per byte, (h << shift) & mask (h >> -shift for a negative shift): the 16-bit shifts carry bits across bytes only
+// where the mask clears them
+static inline B64 bplane(B64 h, int shift, uint8_t mask) {
+  const __m512i shifted = shift >= 0 ? _mm512_slli_epi16(h.r, shift) : _mm512_srli_epi16(h.r, -shift);
+  return {_mm512_and_si512(shifted, _mm512_set1_epi8(static_cast<char>(mask)))};
+}
+static inline V16 vfrom_u8(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+static inline V16 vfrom_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline B64 bor(B64 a, B64 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+static inline B64 bplane(B64 h, int shift, uint8_t mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  if (shift >= 0)
+    return {_mm256_and_si256(_mm256_slli_epi16(h.lo, shift), m), _mm256_and_si256(_mm256_slli_epi16(h.hi, shift), m)};
+  return {_mm256_and_si256(_mm256_srli_epi16(h.lo, -shift), m), _mm256_and_si256(_mm256_srli_epi16(h.hi, -shift), m)};
+}
+static inline V16 vfrom_u8(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+static inline V16 vfrom_i8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+#else
+static inline B64 bor(B64 a, B64 b) {
+  for (int i = 0; i < 4 * kLanes; ++i) a.b[i] = static_cast<int8_t>(a.b[i] | b.b[i]);
+  return a;
+}
+static inline B64 bplane(B64 h, int shift, uint8_t mask) {
+  for (auto& v : h.b) {
+    const unsigned u = static_cast<uint8_t>(v);
+    v = static_cast<int8_t>((shift >= 0 ? u << shift : u >> -shift) & mask);
+  }
+  return h;
+}
+static inline V16 vfrom_u8(const uint8_t* p) {
+  V16 out;
+  for (int l = 0; l < kLanes; ++l) out.v[l] = static_cast<float>(p[l]);
+  return out;
+}
+static inline V16 vfrom_i8(const int8_t* p) {
+  V16 out;
+  for (int l = 0; l < kLanes; ++l) out.v[l] = static_cast<float>(p[l]);
+  return out;
+}
+#endif
+
+// ---- the formats' shapes -----------------------------------------------------------------------------------------
+
+static constexpr bool is_k_format(int32_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K; }
+static constexpr int quant_bits(int32_t format) {
+  return format == kQ4_0 || format == kQ4_K ? 4 : format == kQ6_K ? 6 : 5;
+}
+static constexpr int32_t quant_offset(int32_t format) {
+  return format == kQ4_0 ? 8 : format == kQ5_0 ? 16 : format == kQ6_K ? 32 : 0;
+}
+static constexpr int64_t kQuantBytes = 4 * 64;  // a block's nibbles
+static constexpr int64_t kquant_block_bytes(int32_t format) {
+  const int64_t planes = (quant_bits(format) - 4) * 64;
+  if (is_k_format(format)) return kQuantBytes + planes + 2 * kLanes;  // sc and m, or Q6_K's sc_0 and sc_1
+  return kQuantBytes + planes + (format == kQ5_1 ? 2 : 1) * kLanes * 2;
+}
+static constexpr int64_t kquant_head_bytes(int32_t format) {
+  return format == kQ6_K ? kLanes * 2 : is_k_format(format) ? 2 * kLanes * 2 : 0;
+}
+static constexpr int64_t kquant_blocks_per_super(int32_t format) { return is_k_format(format) ? 8 : 1; }
+
+static int64_t kquant_panel_bytes(int32_t format, int64_t K) {
+  const int64_t per_super = kquant_blocks_per_super(format);
+  return K / (kBlock * per_super) * (kquant_head_bytes(format) + per_super * kquant_block_bytes(format));
+}
+
+// Per row and 16-element half of each x block, the sum of its quants: [M][2 * nblocks].
+static std::vector<int32_t> half_block_sums(const QuantizedRows& x, int64_t M) {
+  std::vector<int32_t> sums(M * 2 * x.nblocks);
+  for (int64_t i = 0; i < static_cast<int64_t>(sums.size()); ++i) {
+    const int8_t* q = x.q.data() + i * (kBlock / 2);
+    int32_t s = 0;
+    for (int j = 0; j < kBlock / 2; ++j) s += q[j];
+    sums[i] = s;
+  }
+  return sums;
+}
+
+// ---- the tiles ---------------------------------------------------------------------------------------------------
+
+// MR rows from `row` on, times NP panels, every block.
+template <int32_t F, int MR, int NP>
+static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t row, const uint8_t* panels,
+                        int64_t pbytes, float* y, int64_t ldy, int cols) {
+  constexpr int bits = quant_bits(F);
+  constexpr int32_t offset = quant_offset(F);
+  constexpr bool two_sums = F == kQ6_K;
+  constexpr int64_t block_bytes = kquant_block_bytes(F), head_bytes = kquant_head_bytes(F);
+  constexpr int64_t per_super = kquant_blocks_per_super(F), super_bytes = head_bytes + per_super * block_bytes;
+  const int64_t K = x.K, nblocks = x.nblocks;
+  V16 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* head = panels + (b / per_super) * super_bytes;
+    const uint8_t* block = head + head_bytes + (b % per_super) * block_bytes;
+    const int8_t* xq = x.q.data() + row * K + b * kBlock;
+    I16 s[MR][NP], t[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NP; ++p) s[r][p] = t[r][p] = izero();
+    B64 plane[NP][2];
+    if constexpr (bits > 4)
+      for (int p = 0; p < NP; ++p)
+        for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(block + p * pbytes + kQuantBytes + h * 64);
+    for (int i = 0; i < 4; ++i) {
+      B64 lo[NP], hi[NP];
+      for (int p = 0; p < NP; ++p) {
+        const B64 packed = bload(block + p * pbytes + i * 64);
+        lo[p] = blow(packed);
+        hi[p] = bhigh(packed);
+        if constexpr (bits == 5) {
+          lo[p] = bor(lo[p], bplane(plane[p][0], 4 - 2 * i, 0x10));
+          hi[p] = bor(hi[p], bplane(plane[p][0], 3 - 2 * i, 0x10));
+        } else if constexpr (bits == 6) {
+          const B64 h = plane[p][i / 2];
+          lo[p] = bor(lo[p], bplane(h, 4 - 4 * (i % 2), 0x30));
+          hi[p] = bor(hi[p], bplane(h, 2 - 4 * (i % 2), 0x30));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
+        for (int p = 0; p < NP; ++p) {
+          if constexpr (two_sums) {
+            s[r][p] = dot_u(s[r][p], lo[p], x_lo);
+            t[r][p] = dot_u(t[r][p], hi[p], x_hi);
+          } else {
+            s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+          }
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* scales = block + p * pbytes + kQuantBytes + (bits - 4) * 64;
+      const uint16_t* supers = reinterpret_cast<const uint16_t*>(head + p * pbytes);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (row + r) * nblocks + b;
+        const int32_t half0 = halves[2 * at], half1 = halves[2 * at + 1];
+        const V16 dx = vset1(x.scale[at]);
+        if constexpr (F == kQ4_0 || F == kQ5_0) {
+          const V16 d = vfrom_f16(reinterpret_cast<const uint16_t*>(scales));
+          acc[r][p] = vfma(vmul(d, dx), vfrom_i32(isub_scalar(s[r][p], offset * (half0 + half1))), acc[r][p]);
+        } else if constexpr (F == kQ5_1) {
+          const V16 d = vfrom_f16(reinterpret_cast<const uint16_t*>(scales));
+          const V16 m = vfrom_f16(reinterpret_cast<const uint16_t*>(scales) + kLanes);
+          acc[r][p] = vfma(vmul(d, dx), vfrom_i32(s[r][p]), acc[r][p]);
+          acc[r][p] = vfma(m, vset1(x.scaled_sum[at]), acc[r][p]);
+        } else if constexpr (F == kQ4_K || F == kQ5_K) {
+          const V16 d = vmul(vfrom_f16(supers), vfrom_u8(scales));
+          const V16 m = vmul(vfrom_f16(supers + kLanes), vfrom_u8(scales + kLanes));
+          acc[r][p] = vfma(vmul(d, dx), vfrom_i32(s[r][p]), acc[r][p]);
+          acc[r][p] = vfma(m, vset1(-x.scaled_sum[at]), acc[r][p]);
+        } else {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(scales);
+          const V16 c = vfma(vfrom_i8(sc), vfrom_i32(isub_scalar(s[r][p], offset * half0)),
+                             vmul(vfrom_i8(sc + kLanes), vfrom_i32(isub_scalar(t[r][p], offset * half1))));
+          acc[r][p] = vfma(vmul(vfrom_f16(supers), dx), c, acc[r][p]);
+        }
+      }
+    }
+  }
+  alignas(64) float out[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int n = std::min(kLanes, cols - p * kLanes);
+      if (n <= 0) break;
+      vstore(out, acc[r][p]);
+      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+    }
+}
+
+// A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
+template <int32_t F, int MR, int NP>
+static void kquant_rows(int rows, int panels_here, const QuantizedRows& x, const int32_t* halves, int64_t row,
+                        const uint8_t* panels, int64_t pbytes, float* y, int64_t ldy, int cols) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return kquant_rows<F, MR - 1, NP>(rows, panels_here, x, halves, row, panels, pbytes, y, ldy, cols);
+  }
+  if constexpr (NP > 1) {
+    if (panels_here < NP)
+      return kquant_rows<F, MR, NP - 1>(rows, panels_here, x, halves, row, panels, pbytes, y, ldy, cols);
+  }
+  kquant_tile<F, MR, NP>(x, halves, row, panels, pbytes, y, ldy, cols);
+}
+
+template <int32_t F, int MR, int NP>
+static void kquant_groups(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
+                          float* y, int64_t ldy, int threads) {
+  const int64_t pbytes = kquant_panel_bytes(F, x.K);
+  for_each_tile<MR, NP>(M, N, pbytes, kInt8RowBlock, threads,
+                        [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
+                          kquant_rows<F, MR, NP>(rows, panels_here, x, halves, m, packed + panel * pbytes, pbytes,
+                                                 y + m * ldy + column, ldy, cols);
+                        });
+}
+
+// The tile shapes of int8_matmul: one row takes wider column groups where there are enough of them.
+template <int32_t F>
+static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
+                          float* y, int64_t ldy, int threads) {
+  if constexpr (kInt8NP > 1) {
+    const bool many_groups = (N + kLanes - 1) / kLanes >= 8 * 4 * threads;
+    if (M == 1)
+      return many_groups ? kquant_groups<F, 1, 8>(x, halves, M, packed, N, y, ldy, threads)
+                         : kquant_groups<F, 1, 4>(x, halves, M, packed, N, y, ldy, threads);
+    if (M == 2) return kquant_groups<F, 2, 4>(x, halves, M, packed, N, y, ldy, threads);
+  }
+  kquant_groups<F, kInt8MR, kInt8NP>(x, halves, M, packed, N, y, ldy, threads);
+}
+
+static constexpr bool is_kquant_format(int32_t format) { return format >= kQ4_0 && format <= kQ6_K; }
+
+// y[M, N] = x[M, K] @ W.T for the formats above: x quantised as for Q8_0, then the tiles.
+static void kquant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+                          int64_t N, float* y, int64_t ldy, int threads) {
+  QuantizedRows quantized;
+  quantize_rows(x, M, K, ldx, threads, &quantized);
+  const std::vector<int32_t> halves = half_block_sums(quantized, M);
+  const int32_t* h = halves.data();
+  switch (format) {
+    case kQ4_0:
+      return kquant_shapes<kQ4_0>(quantized, h, M, packed, N, y, ldy, threads);
+    case kQ5_0:
+      return kquant_shapes<kQ5_0>(quantized, h, M, packed, N, y, ldy, threads);
+    case kQ5_1:
+      return kquant_shapes<kQ5_1>(quantized, h, M, packed, N, y, ldy, threads);
+    case kQ4_K:
+      return kquant_shapes<kQ4_K>(quantized, h, M, packed, N, y, ldy, threads);
+    case kQ5_K:
+      return kquant_shapes<kQ5_K>(quantized, h, M, packed, N, y, ldy, threads);
+    default:
+      return kquant_shapes<kQ6_K>(quantized, h, M, packed, N, y, ldy, threads);
+  }
+}
