@@ -1,93 +1,132 @@
-"""A GGUF file's quantised weights as they are: its Q8_0 and Q4_1 blocks, never de-quantised to float.
+"""A GGUF file's quantised weights as they are: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 blocks and Q4_K, Q5_K, Q6_K
+super-blocks, never de-quantised to float.
 
-The model runner multiplies these blocks directly (``triton_ops.invariant_cpu``), so it streams the file's ~0.6 bytes
-per weight instead of a float32 copy's 4, and computes with exactly the weights transformers de-quantises to.
+The model runner multiplies these blocks directly (``triton_ops.invariant_cpu``), so it streams the file's ~0.5-0.8
+bytes per weight instead of a float32 copy's 4, and computes with exactly the weights transformers de-quantises to.
 Tensors of other types (norms in F32, other quantisations) are read as float32.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
 BLOCK = 32
-"""Weights per block along the input dimension; each block has its own float16 scale (and Q4_1 minimum)."""
-FORMATS = ("q8_0", "q4_1")
+"""Weights per block along the input dimension; each block has its own scale (and minimum)."""
+SUPER_BLOCK = 256
+"""Weights per k-quant super-block: a float16 scale (and minimum) times each sub-block's integer scale (and minimum)."""
+FORMATS = ("q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+OFFSETS = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
+"""What comes off a stored (unsigned) quant before its scale multiplies it."""
+PARTS = ("quants", "scales", "mins", "super_scales", "super_mins")
 
 
 @dataclass(frozen=True)
 class BlockQuantized:
-    """A ``[out_features, in_features]`` matrix in GGUF blocks of 32 along ``in_features``:
-    ``w[n, 32 b + i] = scales[n, b] * quants[n, 32 b + i]`` (``+ mins[n, b]`` for Q4_1).
+    """A ``[out_features, in_features]`` matrix in GGUF blocks along ``in_features``, as its file stores it:
+    ``w[n, k] = scale * (quants[n, k] - offset) + min``, with per block (of ``in_features / scales.shape[1]``)
+    ``scale = scales[n, b]`` and ``min = mins[n, b]`` (0 without mins); for a k-quant ``scale = super_scales[n, s] *
+    scales[n, b]`` and ``min = -super_mins[n, s] * mins[n, b]`` for its super-block ``s`` of 256.
 
-    ``quants`` are int8 (Q8_0) or uint8 in 0..15 (Q4_1), one per weight; ``scales`` and ``mins`` float16.
+    ``quants`` are int8 (Q8_0) or the stored unsigned integers (uint8), one per weight; ``offset`` is
+    ``OFFSETS[format]`` or 0. ``scales`` and ``mins`` are float16, except a k-quant's integers (uint8 6-bit scales
+    and mins per 32 for Q4_K and Q5_K, int8 scales per 16 for Q6_K); ``super_scales`` and ``super_mins`` float16.
     """
 
     format: str
     scales: torch.Tensor
     quants: torch.Tensor
     mins: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.quants.shape[0], self.quants.shape[1]
 
+    @property
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold the matrix, by name (``PARTS``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def with_parts(self, parts: dict[str, torch.Tensor]) -> BlockQuantized:
+        """This matrix with ``parts`` in place of its own of the same names."""
+        return from_parts(self.format, {**self.parts, **parts})
+
     def dequantize(self) -> torch.Tensor:
-        """float32 weights, computed as the GGUF reference does (scale times quant, plus the minimum)."""
-        weights = self.scales.float().repeat_interleave(BLOCK, dim=1) * self.quants.float()
+        """float32 weights, computed in the order and rounding of ``gguf.quants.dequantize``."""
+        in_features = self.shape[1]
+        offset = OFFSETS.get(self.format, 0)
+        quants = (self.quants.to(torch.int16) - offset).float() if offset else self.quants.float()
+        scales = _times_super(self.super_scales, self.scales)
+        weights = scales.repeat_interleave(in_features // scales.shape[1], dim=1) * quants
         if self.mins is not None:
-            weights = weights + self.mins.float().repeat_interleave(BLOCK, dim=1)
+            mins = -_times_super(self.super_mins, self.mins) if self.super_mins is not None else self.mins.float()
+            weights = weights + mins.repeat_interleave(in_features // mins.shape[1], dim=1)
         return weights
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:
         """float32 rows ``indices`` (an embedding lookup), as ``dequantize()[indices]`` gives them."""
-        return replace(
-            self,
-            scales=self.scales[indices],
-            quants=self.quants[indices],
-            mins=None if self.mins is None else self.mins[indices],
-        ).dequantize()
+        return self.with_parts({name: part[indices] for name, part in self.parts.items()}).dequantize()
 
     def narrow(self, dim: int, start: int, stop: int) -> BlockQuantized:
-        """Rows (``dim`` 0) or whole blocks of columns (``dim`` 1) ``start:stop``."""
+        """Rows (``dim`` 0) or whole (super-)blocks of columns (``dim`` 1) ``start:stop``."""
         if dim == 0:
-            return BlockQuantized(
-                self.format,
-                self.scales[start:stop],
-                self.quants[start:stop],
-                None if self.mins is None else self.mins[start:stop],
-            )
-        if start % BLOCK or stop % BLOCK:
-            raise ValueError(f"columns {start}:{stop} split a block of {BLOCK}")
-        blocks = slice(start // BLOCK, stop // BLOCK)
-        return BlockQuantized(
-            self.format,
-            self.scales[:, blocks],
-            self.quants[:, start:stop],
-            None if self.mins is None else self.mins[:, blocks],
-        )
+            return self.with_parts({name: part[start:stop] for name, part in self.parts.items()})
+        narrowed = {}
+        for name, part in self.parts.items():
+            unit = self.shape[1] // part.shape[1]
+            if start % unit or stop % unit:
+                raise ValueError(f"columns {start}:{stop} split a block of {unit}")
+            narrowed[name] = part[:, start // unit : stop // unit]
+        return self.with_parts(narrowed)
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The parts under names derived from ``name``, for a safetensors file (``from_tensors`` reads them back)."""
-        parts = {f"{name}.{self.format}.quants": self.quants, f"{name}.{self.format}.scales": self.scales}
-        if self.mins is not None:
-            parts[f"{name}.{self.format}.mins"] = self.mins
-        return parts
+        return {f"{name}.{self.format}.{part}": tensor for part, tensor in self.parts.items()}
+
+
+def _times_super(supers: torch.Tensor | None, subs: torch.Tensor) -> torch.Tensor:
+    """Per block, float32 ``supers`` (of the block's super-block) times ``subs``, or ``subs`` alone."""
+    if supers is None:
+        return subs.float()
+    return supers.float().repeat_interleave(subs.shape[1] // supers.shape[1], dim=1) * subs.float()
+
+
+def stack_blocks(blocks: list[BlockQuantized]) -> BlockQuantized:
+    """Matrices of one format stacked by rows."""
+    names = blocks[0].parts
+    return blocks[0].with_parts({name: torch.cat([b.parts[name] for b in blocks]) for name in names})
+
+
+AS_Q8_0 = ("q8_0", "q4_0", "q5_0")
+"""The formats whose weights Q8_0 holds exactly (same scale, the integers ``q - offset``)."""
+
+
+def as_q8_0(blocks: BlockQuantized) -> BlockQuantized:
+    """Q4_0 or Q5_0 blocks as the Q8_0 blocks of the same weights."""
+    if blocks.format == "q8_0":
+        return blocks
+    if blocks.format not in AS_Q8_0:
+        raise ValueError(f"{blocks.format} blocks are not Q8_0 blocks of the same weights")
+    quants = (blocks.quants.to(torch.int16) - OFFSETS[blocks.format]).to(torch.int8)
+    return BlockQuantized("q8_0", blocks.scales, quants)
 
 
 def split_part_name(stored: str) -> tuple[str, str, str] | None:
     """``(name, format, part)`` of a name ``BlockQuantized.tensors`` made, else None."""
     pieces = stored.rsplit(".", 2)
-    if len(pieces) == 3 and pieces[1] in FORMATS and pieces[2] in ("quants", "scales", "mins"):
+    if len(pieces) == 3 and pieces[1] in FORMATS and pieces[2] in PARTS:
         return pieces[0], pieces[1], pieces[2]
     return None
 
 
 def from_parts(fmt: str, parts: dict[str, torch.Tensor]) -> BlockQuantized:
-    return BlockQuantized(fmt, parts["scales"], parts["quants"], parts.get("mins"))
+    get = parts.get
+    return BlockQuantized(fmt, parts["scales"], parts["quants"], get("mins"), get("super_scales"), get("super_mins"))
 
 
 def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
@@ -114,10 +153,9 @@ def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
 
 
 def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
-    """Every tensor a ``gguf.GGUFReader`` reads, under its Hugging Face name: Q8_0 and Q4_1 as blocks, the rest
-    de-quantised to float32. Llama's q and k rows are put back in Hugging Face's order (llama.cpp's converter
-    interleaves the two halves of each head's rotary pairs)."""
-    from gguf import GGMLQuantizationType
+    """Every tensor a ``gguf.GGUFReader`` reads, under its Hugging Face name: the block formats (``FORMATS``) as
+    blocks, the rest de-quantised to float32. Llama's q and k rows are put back in Hugging Face's order (llama.cpp's
+    converter interleaves the two halves of each head's rotary pairs)."""
     from gguf.quants import dequantize
 
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -130,23 +168,77 @@ def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
         if tensor.name not in hf_names:
             raise ValueError(f"the GGUF file holds a tensor {tensor.name!r} this model runner does not know")
         raw = np.asarray(tensor.data)
+        blocks = read_blocks(raw, tensor.tensor_type)
         value: torch.Tensor | BlockQuantized
-        if tensor.tensor_type == GGMLQuantizationType.Q8_0:
-            blocks = torch.from_numpy(raw.copy()).view(raw.shape[0], -1, 34)
-            value = BlockQuantized(
-                "q8_0", _halves(blocks[..., :2]), blocks[..., 2:].reshape(raw.shape[0], -1).view(torch.int8)
-            )
-        elif tensor.tensor_type == GGMLQuantizationType.Q4_1:
-            blocks = torch.from_numpy(raw.copy()).view(raw.shape[0], -1, 20)
-            packed = blocks[..., 4:]  # element i in the low nibble of byte i, element i + 16 in its high nibble
-            quants = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(raw.shape[0], -1)
-            value = BlockQuantized("q4_1", _halves(blocks[..., :2]), quants, _halves(blocks[..., 2:4]))
+        if blocks is not None:
+            value = blocks
         else:
             value = torch.from_numpy(np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32))
         if architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             value = _take_rows(value, _rotary_order(value.shape[0], heads if "attn_q" in tensor.name else kv_heads))
         weights[hf_names[tensor.name]] = value
     return weights
+
+
+BLOCK_BYTES = {"q8_0": 34, "q4_1": 20, "q4_0": 18, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+"""Bytes of one stored block (a k-quant: one super-block of 256)."""
+
+
+def read_blocks(raw: np.ndarray, tensor_type: int) -> BlockQuantized | None:
+    """A GGUF tensor's bytes ``[N, row bytes]`` of a block format as ``BlockQuantized`` (None for other types),
+    unpacked as ``gguf.quants`` de-quantises them."""
+    from gguf import GGMLQuantizationType
+
+    fmt = GGMLQuantizationType(tensor_type).name.lower()
+    if fmt not in FORMATS:
+        return None
+    rows = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(rows, -1, BLOCK_BYTES[fmt])  # a copy of the map
+    flat = lambda t: t.reshape(rows, -1)  # noqa: E731
+    if fmt == "q8_0":
+        return BlockQuantized(fmt, _halves(blocks[..., :2]), flat(blocks[..., 2:]).view(torch.int8))
+    if fmt in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        head = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[fmt]
+        quants = _nibbles(blocks[..., head:])  # element i in the low nibble of byte i, element i + 16 in its high
+        if fmt.startswith("q5"):
+            quants |= _bits(blocks[..., head - 4 : head], 32) << 4
+        mins = _halves(blocks[..., 2:4]) if fmt.endswith("_1") else None
+        return BlockQuantized(fmt, _halves(blocks[..., :2]), flat(quants), mins)
+    if fmt in ("q4_k", "q5_k"):
+        from gguf.quants import Q4_K
+
+        sc, m = (torch.from_numpy(part) for part in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12).numpy()))
+        # 4 chunks of 32 bytes: sub-block 2c in the low nibbles of chunk c, 2c + 1 in the high ones
+        low = blocks[..., -128:].reshape(rows, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+        quants = (low & 15).reshape(rows, -1, 8, 32)
+        if fmt == "q5_k":  # bit j of byte i: element i of sub-block j
+            high = blocks[..., 16:48].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+            quants = quants | ((high & 1) << 4)
+        return BlockQuantized(
+            fmt,
+            sc.reshape(rows, -1),
+            flat(quants),
+            m.reshape(rows, -1),
+            _halves(blocks[..., :2]),
+            _halves(blocks[..., 2:4]),
+        )
+    # q6_k: low nibbles of 2 x 128 elements in 2 x 64 bytes (low then high nibbles), their 2 high bits in 2 x 32
+    low = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    quants = (low & 15).reshape(rows, -1, 256) | ((high & 3) << 4).reshape(rows, -1, 256)
+    scales = flat(blocks[..., 192:208]).view(torch.int8)
+    return BlockQuantized(fmt, scales, flat(quants), super_scales=_halves(blocks[..., 208:210]))
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``[N, blocks, 16]`` bytes -> ``[N, blocks, 32]``: the low nibbles, then the high ones."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
+def _bits(little_endian: torch.Tensor, count: int) -> torch.Tensor:
+    """``[N, blocks, count / 8]`` bytes -> uint8 ``[N, blocks, count]``: bit i of the little-endian integer."""
+    bits = little_endian.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)  # [.., byte, bit]
+    return (bits & 1).reshape(*little_endian.shape[:-1], count)
 
 
 def _halves(two_bytes: torch.Tensor) -> torch.Tensor:
@@ -162,9 +254,4 @@ def _rotary_order(rows: int, heads: int) -> torch.Tensor:
 def _take_rows(value: torch.Tensor | BlockQuantized, order: torch.Tensor) -> torch.Tensor | BlockQuantized:
     if isinstance(value, torch.Tensor):
         return value[order]
-    return BlockQuantized(
-        value.format,
-        value.scales[order],
-        value.quants[order],
-        None if value.mins is None else value.mins[order],
-    )
+    return value.with_parts({name: part[order] for name, part in value.parts.items()})

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from scheduler.model.gguf_blocks import BlockQuantized
+from scheduler.model.gguf_blocks import AS_Q8_0, BlockQuantized, as_q8_0, stack_blocks
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
@@ -175,7 +175,7 @@ class LlamaModel:
         tensors = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
         optional = [t for layer in self.layers for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
         tensors += [t for t in optional if t is not None]
-        tensors += [embed.quants, embed.scales] if isinstance(embed, BlockQuantized) else [embed]
+        tensors += list(embed.parts.values()) if isinstance(embed, BlockQuantized) else [embed]
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
         return matmuls + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -253,20 +253,34 @@ def one_torch_thread() -> Iterator[None]:
 
 
 def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dtype) -> PackedWeight:
-    """Matrices stacked by rows, packed for the kernels: GGUF blocks of one format as those blocks, anything else as
-    float ``dtype`` panels."""
+    """Matrices stacked by rows, packed for the kernels: GGUF blocks of one format as those blocks, of Q8_0, Q4_0 and
+    Q5_0 mixed as Q8_0 (the same weights and the same bits: kquant_blocks.h), anything else as float ``dtype``
+    panels."""
     formats = {part.format if isinstance(part, BlockQuantized) else None for part in parts}
+    blocks = [part for part in parts if isinstance(part, BlockQuantized)]
     if len(formats) == 1 and None not in formats:
-        blocks = [part for part in parts if isinstance(part, BlockQuantized)]
-        scales = torch.cat([part.scales for part in blocks])
-        quants = torch.cat([part.quants for part in blocks])
-        if blocks[0].format == "q8_0":
-            return invariant_cpu.pack_q8_0(scales, quants)
-        return invariant_cpu.pack_q4_1(
-            scales, torch.cat([part.mins for part in blocks if part.mins is not None]), quants
-        )
+        return pack_blocks(stack_blocks(blocks))
+    if None not in formats and formats <= set(AS_Q8_0):
+        return pack_blocks(stack_blocks([as_q8_0(part) for part in blocks]))
     dense = [part.dequantize() if isinstance(part, BlockQuantized) else part.to(torch.float32) for part in parts]
     return invariant_cpu.pack_dense(torch.cat(dense), dtype)
+
+
+def pack_blocks(blocks: BlockQuantized) -> PackedWeight:
+    """GGUF blocks packed for the kernels in their own format."""
+    b, parts = blocks, blocks.parts
+    if b.format in ("q8_0", "q4_0", "q5_0"):
+        pack = {"q8_0": invariant_cpu.pack_q8_0, "q4_0": invariant_cpu.pack_q4_0, "q5_0": invariant_cpu.pack_q5_0}
+        return pack[b.format](b.scales, b.quants)
+    if b.format in ("q4_1", "q5_1") and "mins" in parts:
+        pack_with_mins = invariant_cpu.pack_q4_1 if b.format == "q4_1" else invariant_cpu.pack_q5_1
+        return pack_with_mins(b.scales, parts["mins"], b.quants)
+    if b.format in ("q4_k", "q5_k") and {"mins", "super_scales", "super_mins"} <= parts.keys():
+        pack_k = invariant_cpu.pack_q4_k if b.format == "q4_k" else invariant_cpu.pack_q5_k
+        return pack_k(parts["super_scales"], parts["super_mins"], b.scales, parts["mins"], b.quants)
+    if b.format == "q6_k" and "super_scales" in parts:
+        return invariant_cpu.pack_q6_k(parts["super_scales"], b.scales, b.quants)
+    raise ValueError(f"{b.format} blocks without the parts of their format: {sorted(parts)}")
 
 
 def _rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

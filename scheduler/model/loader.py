@@ -3,7 +3,7 @@
 Sources: ``ServerArgs.model_path`` is ``None`` (the embedded SmolLM2-135M-Instruct GGUF), another ``.gguf``
 file, or a local Hugging Face model folder. A GGUF file is converted once (tens of seconds on 2 cores) into a Hugging
 Face folder (``config.json``, ``generation_config.json``, ``model.safetensors``) under ``ServerArgs.cache_path``,
-so later starts read it in about a second: with ``--weight-dtype auto`` its Q8_0 and Q4_1 blocks as they are
+so later starts read it in about a second: with ``--weight-dtype auto`` its quantised blocks as they are
 (``scheduler.model.gguf_blocks``), otherwise de-quantised to float32 by transformers.
 """
 
@@ -43,6 +43,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # What the attention kernel runs (triton_ops.invariant_cpu.attention).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8
+BLOCKS_KIND = "blocks2"
+"""The cache folders of GGUF files' blocks (``conversion_cache_dir``'s kind): since the k-quants, whose tensors the
+earlier "blocks" folders hold de-quantised."""
 RESOLVED_CONFIG_FILE = "resolved_config.json"
 """In a converted folder: its config with every attribute ``AutoConfig`` gives it (the model type's defaults
 included), read back as a plain ``PretrainedConfig``. ``AutoConfig`` imports the model type's config module, and
@@ -152,7 +155,7 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
     A lock file makes concurrent processes (ranks under torchrun) wait for one conversion instead of
     repeating it; the folder appears by an atomic rename, so a killed process never leaves a partial cache.
     """
-    target = conversion_cache_dir(gguf_file, cache_dir, "blocks" if keep_blocks else "weights")
+    target = conversion_cache_dir(gguf_file, cache_dir, BLOCKS_KIND if keep_blocks else "weights")
     if _is_complete(target):
         if not (target / RESOLVED_CONFIG_FILE).is_file():  # converted by an earlier version
             with contextlib.suppress(OSError):  # a read-only cache: load_config falls back on AutoConfig
@@ -288,12 +291,7 @@ def _owned_blocks(blocks: BlockQuantized, where: tuple[int, tuple[int, int]] | N
             raise ValueError(
                 f"this rank's slice of {name} {e}: run these tensor-parallel ranks with --weight-dtype float32"
             ) from e
-    return BlockQuantized(
-        blocks.format,
-        blocks.scales.contiguous().clone(),
-        blocks.quants.contiguous().clone(),
-        None if blocks.mins is None else blocks.mins.contiguous().clone(),
-    )
+    return blocks.with_parts({name: part.contiguous().clone() for name, part in blocks.parts.items()})
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

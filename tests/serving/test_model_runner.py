@@ -25,7 +25,7 @@ from transformers import (
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch
-from scheduler.model.loader import check_supported, load_model, read_weights
+from scheduler.model.loader import BLOCKS_KIND, check_supported, load_model, read_weights
 from scheduler.model.runner import BLOCK_LOOKUP_MAX_BATCH, BLOCK_TOKENS_PER_FORWARD, ModelRunner
 from scheduler.model.runner_contract import LOOKUP_MAX_BATCH, TOKENS_PER_FORWARD
 from scheduler.model.tensor_parallel import ShardPlan
@@ -145,10 +145,10 @@ def test_gguf_blocks_are_the_weights_transformers_computes_with(
     (both runners have written their conversions of the GGUF file)."""
     folders = {
         kind: conversion_cache_dir(embedded_model_path(), server_args.cache_path, kind)
-        for kind in ("blocks", "weights")
+        for kind in (BLOCKS_KIND, "weights")
     }
     shard = ShardPlan.build(AutoConfig.from_pretrained(folders["weights"]))
-    blocks, float32 = (read_weights(folders[kind], shard) for kind in ("blocks", "weights"))
+    blocks, float32 = (read_weights(folders[kind], shard) for kind in (BLOCKS_KIND, "weights"))
     assert blocks.keys() == float32.keys()
     formats = {type(value).__name__ if isinstance(value, torch.Tensor) else value.format for value in blocks.values()}
     assert formats == {"Tensor", "q4_1", "q8_0"}

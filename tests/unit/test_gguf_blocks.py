@@ -1,0 +1,173 @@
+"""GGUF blocks kept as the file stores them (``scheduler.model.gguf_blocks``): every block format's unpacking gives,
+tensor by tensor, the weights of gguf's reference de-quantisation (``gguf.quants.dequantize``), on bytes of every
+bit pattern and on bytes the quantizers make (gguf's own; llama.cpp's for the k-quants, where it is installed); the
+kernels multiply them as those weights; and they survive the cache's safetensors names and a GGUF file."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from scheduler.model.gguf_blocks import (
+    FORMATS,
+    BlockQuantized,
+    from_parts,
+    read_blocks,
+    read_gguf_weights,
+    split_part_name,
+)
+from scheduler.model.llama import pack_blocks, pack_weight
+from scheduler.server_args import ServerArgs
+from tests.unit.invariant_cases import activations_as_multiplied
+from triton_ops import invariant_cpu
+
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+FLOAT16_FIELDS = {
+    "q8_0": (0,),
+    "q4_0": (0,),
+    "q5_0": (0,),
+    "q4_1": (0, 2),
+    "q5_1": (0, 2),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208,),
+}
+"""Byte offsets of each stored block's float16 scales and minimums."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    invariant_cpu.load(ServerArgs().kernel_build_path)
+
+
+def gguf_type(fmt: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[fmt.upper()]
+
+
+def random_bytes(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Stored blocks of random bytes (every quant, scale and high-bit pattern), their float16 fields finite."""
+    block_size, type_size = GGML_QUANT_SIZES[gguf_type(fmt)]
+    generator = np.random.default_rng(seed)
+    blocks = generator.integers(0, 256, (rows, columns // block_size, type_size), dtype=np.uint8)
+    for offset in FLOAT16_FIELDS[fmt]:
+        halves = (generator.uniform(-1, 1, blocks.shape[:2]) * 2e-3).astype(np.float16)
+        blocks[..., offset : offset + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def llama_cpp_quantize(data: np.ndarray, fmt: str) -> np.ndarray:
+    """``data`` quantised by llama.cpp's own quantizer (ggml_quantize_chunk, as llama_model_quantize calls it)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    library.ggml_quantize_chunk.restype = ctypes.c_size_t
+    library.ggml_quantize_chunk.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+    library.ggml_quantize_chunk.argtypes += [ctypes.c_void_p]
+    block_size, type_size = GGML_QUANT_SIZES[gguf_type(fmt)]
+    rows, columns = data.shape
+    src = np.ascontiguousarray(data, dtype=np.float32)
+    out = np.zeros((rows, columns // block_size * type_size), dtype=np.uint8)
+    written = library.ggml_quantize_chunk(
+        gguf_type(fmt).value, src.ctypes.data, out.ctypes.data, 0, rows, columns, None
+    )
+    assert written == out.nbytes
+    return out
+
+
+def quantized_bytes(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Gaussian weights quantised by gguf's quantizer, or llama.cpp's for the k-quants (gguf has none)."""
+    data = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32) * 0.05
+    return llama_cpp_quantize(data, fmt) if fmt in K_QUANTS else quantize(data, gguf_type(fmt))
+
+
+def reference(raw: np.ndarray, fmt: str) -> torch.Tensor:
+    return torch.from_numpy(np.array(dequantize(raw, gguf_type(fmt)), dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_bit_pattern_unpacks_to_ggufs_weights(fmt: str) -> None:
+    raw = random_bytes(fmt, 37, 512, seed=len(fmt))
+    blocks = read_blocks(raw, gguf_type(fmt))
+    assert blocks is not None and blocks.format == fmt
+    weights = reference(raw, fmt)
+    assert torch.equal(blocks.dequantize(), weights)
+    rows = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(blocks.rows(rows), weights[rows])
+    assert torch.equal(blocks.narrow(0, 3, 20).dequantize(), weights[3:20])
+    assert torch.equal(blocks.narrow(1, 256, 512).dequantize(), weights[:, 256:512])
+    parts = {split_part_name(name): tensor for name, tensor in blocks.tensors("model.w.weight").items()}
+    assert all(key is not None and key[:2] == ("model.w.weight", fmt) for key in parts)
+    again = from_parts(fmt, {key[2]: tensor for key, tensor in parts.items() if key is not None})
+    assert torch.equal(again.dequantize(), weights)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantizer_blocks_multiply_as_their_weights(fmt: str) -> None:
+    """The quantizers' blocks, de-quantised as gguf does, and the kernels' product with them: the product of those
+    float weights with the activations quantised per block, within float32 rounding."""
+    raw = quantized_bytes(fmt, 70, 768, seed=3)
+    blocks = read_blocks(raw, gguf_type(fmt))
+    assert blocks is not None
+    weights = reference(raw, fmt)
+    assert torch.equal(blocks.dequantize(), weights)
+    packed = pack_blocks(blocks)
+    assert packed.format.name.lower() == fmt
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(4))
+    expected = activations_as_multiplied(x, fmt) @ weights.double().T
+    assert torch.allclose(invariant_cpu.matmul(x, packed).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_0_and_q5_0_stacked_with_q8_0_are_packed_as_q8_0() -> None:
+    """A q, k, v stack whose parts llama.cpp quantised differently (SmolLM2's Q4_K_M: Q5_0 beside Q8_0) stays blocks:
+    Q8_0 holds the others' weights exactly, and each part's outputs keep their bits."""
+    parts = [read_blocks(quantized_bytes(fmt, 24, 256, seed=5), gguf_type(fmt)) for fmt in ("q5_0", "q8_0", "q4_0")]
+    blocks = [part for part in parts if part is not None]
+    stacked = pack_weight(blocks, torch.float32)
+    assert stacked.format == invariant_cpu.WeightFormat.Q8_0
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([invariant_cpu.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
+    assert torch.equal(invariant_cpu.matmul(x, stacked), alone)
+
+
+def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
+    """Tensors of each block format in a GGUF file come back under their Hugging Face names as the same blocks."""
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    stored = {
+        "token_embd.weight": ("q8_0", 64),
+        "blk.0.attn_output.weight": ("q5_0", 256),
+        "blk.0.ffn_gate.weight": ("q5_1", 256),
+        "blk.0.ffn_up.weight": ("q4_k", 256),
+        "blk.0.ffn_down.weight": ("q6_k", 512),
+        "output.weight": ("q5_k", 64),
+    }
+    raws = {}
+    for name, (fmt, rows) in stored.items():
+        raws[name] = random_bytes(fmt, rows, 256, seed=rows)
+        writer.add_tensor(name, raws[name], raw_dtype=gguf_type(fmt))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = read_gguf_weights(GGUFReader(path))
+    hf_names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+        "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
+        "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+        "output.weight": "lm_head.weight",
+    }
+    for name, (fmt, _) in stored.items():
+        value = weights[hf_names[name]]
+        assert isinstance(value, BlockQuantized) and value.format == fmt
+        assert torch.equal(value.dequantize(), reference(raws[name], fmt)), name
