@@ -61,11 +61,12 @@ class WeightFormat(enum.IntEnum):
     Q4_K = 7
     Q5_K = 8
     Q6_K = 9
+    F16 = 10
 
     @property
     def is_block(self) -> bool:
         """A GGUF block format: multiplied as integer dot products with activations quantised per 32-block."""
-        return self not in (WeightFormat.F32, WeightFormat.BF16)
+        return self not in (WeightFormat.F32, WeightFormat.BF16, WeightFormat.F16)
 
 
 BYTES_PER_BLOCK = {
@@ -79,6 +80,7 @@ BYTES_PER_BLOCK = {
     WeightFormat.Q4_K: 144 / 8,
     WeightFormat.Q5_K: 176 / 8,
     WeightFormat.Q6_K: 210 / 8,
+    WeightFormat.F16: 64,
 }
 """Bytes of 32 weights in each format as GGUF stores them (their scales and minimums included; a k-quant's
 super-block of 256 shared by 8 blocks)."""
@@ -244,10 +246,12 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_dense(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeight:
-    """Pack a float ``[out_features, in_features]`` weight as float32 or bfloat16 panels."""
-    formats = {torch.float32: WeightFormat.F32, torch.bfloat16: WeightFormat.BF16}
+    """Pack a float ``[out_features, in_features]`` weight as float32, bfloat16 or float16 panels (the kernel
+    converts 16-bit weights to float32 exactly: a float16 or bfloat16 weight packed in its own dtype gives the bits
+    of its float32 packing)."""
+    formats = {torch.float32: WeightFormat.F32, torch.bfloat16: WeightFormat.BF16, torch.float16: WeightFormat.F16}
     if dtype not in formats:
-        raise ValueError(f"dense weights are packed as float32 or bfloat16, not {dtype}")
+        raise ValueError(f"dense weights are packed as float32, bfloat16 or float16, not {dtype}")
     out_features, in_features = weight.shape
     panels = _panels(weight.detach().to("cpu", dtype)).contiguous()
     data = panels.view(torch.uint8).reshape(panels.shape[0], -1)

@@ -154,8 +154,10 @@ def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
 
 def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
     """Every tensor a ``gguf.GGUFReader`` reads, under its Hugging Face name: the block formats (``FORMATS``) as
-    blocks, the rest de-quantised to float32. Llama's q and k rows are put back in Hugging Face's order (llama.cpp's
+    blocks, F16 and BF16 as float16 and bfloat16 tensors (packed as they are: the same bits as float32, half the
+    bytes), the rest de-quantised to float32. Llama's q and k rows are put back in Hugging Face's order (llama.cpp's
     converter interleaves the two halves of each head's rotary pairs)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -172,6 +174,8 @@ def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
         value: torch.Tensor | BlockQuantized
         if blocks is not None:
             value = blocks
+        elif tensor.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            value = _sixteen_bits(raw, tensor.tensor_type == GGMLQuantizationType.BF16)
         else:
             value = torch.from_numpy(np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32))
         if architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -228,6 +232,12 @@ def read_blocks(raw: np.ndarray, tensor_type: int) -> BlockQuantized | None:
     quants = (low & 15).reshape(rows, -1, 256) | ((high & 3) << 4).reshape(rows, -1, 256)
     scales = flat(blocks[..., 192:208]).view(torch.int8)
     return BlockQuantized(fmt, scales, flat(quants), super_scales=_halves(blocks[..., 208:210]))
+
+
+def _sixteen_bits(raw: np.ndarray, bfloat16: bool) -> torch.Tensor:
+    """An F16 tensor (float16 values) or a BF16 one (its bytes) as a float16 or bfloat16 tensor of its own memory."""
+    copy = torch.from_numpy(np.array(raw))
+    return copy.view(torch.bfloat16) if bfloat16 else copy
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -254,14 +254,18 @@ def one_torch_thread() -> Iterator[None]:
 
 def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dtype) -> PackedWeight:
     """Matrices stacked by rows, packed for the kernels: GGUF blocks of one format as those blocks, of Q8_0, Q4_0 and
-    Q5_0 mixed as Q8_0 (the same weights and the same bits: kquant_blocks.h), anything else as float ``dtype``
-    panels."""
+    Q5_0 mixed as Q8_0 (the same weights and the same bits: kquant_blocks.h), float16 or bfloat16 tensors where
+    float32 is asked in their own dtype (the same bits), anything else as float ``dtype`` panels."""
     formats = {part.format if isinstance(part, BlockQuantized) else None for part in parts}
     blocks = [part for part in parts if isinstance(part, BlockQuantized)]
     if len(formats) == 1 and None not in formats:
         return pack_blocks(stack_blocks(blocks))
     if None not in formats and formats <= set(AS_Q8_0):
         return pack_blocks(stack_blocks([as_q8_0(part) for part in blocks]))
+    tensors = [part for part in parts if isinstance(part, torch.Tensor)]
+    dtypes = {tensor.dtype for tensor in tensors}
+    if not blocks and dtype == torch.float32 and dtypes in ({torch.float16}, {torch.bfloat16}):
+        return invariant_cpu.pack_dense(torch.cat(tensors), dtypes.pop())  # the float32 bits in half the bytes
     dense = [part.dequantize() if isinstance(part, BlockQuantized) else part.to(torch.float32) for part in parts]
     return invariant_cpu.pack_dense(torch.cat(dense), dtype)
 

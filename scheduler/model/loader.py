@@ -56,7 +56,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """What the model runner needs: ``weights`` are float32 CPU tensors or GGUF blocks keyed by Hugging Face names,
+    """What the model runner needs: ``weights`` are float CPU tensors (float32, or float16 and bfloat16 as stored) or
+    GGUF blocks keyed by Hugging Face names,
     each this rank's slice of the checkpoint's tensor (``shard``)."""
 
     config: PretrainedConfig
@@ -295,7 +296,10 @@ def _owned_blocks(blocks: BlockQuantized, where: tuple[int, tuple[int, int]] | N
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    """A contiguous copy: float32, or float16 and bfloat16 as they are (their matmul weights are packed in their own
+    dtype, which the kernels convert to float32 exactly: ``triton_ops.invariant_cpu.pack_dense``)."""
+    dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    return tensor.to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 def _generation_config(folder: Path) -> GenerationConfig | None:

@@ -11,7 +11,8 @@ import torch
 from triton_ops import invariant_cpu
 from triton_ops.invariant_cpu import PackedWeight
 
-FORMATS = ("float32", "bfloat16", "q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+DENSE_FORMATS = ("float32", "bfloat16", "float16")
+FORMATS = ("float32", "bfloat16", "float16", "q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 K_FORMATS = ("q4_k", "q5_k", "q6_k")
 """Formats in super-blocks of 256: a weight's in_features is a multiple of 256 (``fitted_width``)."""
 
@@ -25,7 +26,7 @@ def fitted_width(fmt: str, in_features: int) -> int:
 def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
     """A packed weight and the float64 matrix it stands for."""
     generator = torch.Generator().manual_seed(seed)
-    if fmt in ("float32", "bfloat16"):
+    if fmt in DENSE_FORMATS:
         dense = torch.randn(out_features, in_features, generator=generator) * 0.05
         dtype = getattr(torch, fmt)
         return invariant_cpu.pack_dense(dense, dtype), dense.to(dtype).double()
@@ -62,7 +63,7 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
 def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x`` as the kernels multiply it by a weight of ``fmt``, in float64: dense formats take it as it is; the block
     formats quantise each 32-block to int8 (d = amax / 127, q = round-half-even(x * (127 / amax)), float32 steps)."""
-    if fmt in ("float32", "bfloat16"):
+    if fmt in DENSE_FORMATS:
         return x.double()
     blocks = x.reshape(x.shape[0], -1, invariant_cpu.BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)

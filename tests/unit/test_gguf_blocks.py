@@ -154,6 +154,12 @@ def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
     for name, (fmt, rows) in stored.items():
         raws[name] = random_bytes(fmt, rows, 256, seed=rows)
         writer.add_tensor(name, raws[name], raw_dtype=gguf_type(fmt))
+    sixteen_bits = {"blk.0.attn_q.weight": torch.float16, "blk.0.attn_k.weight": torch.bfloat16}
+    floats = {name: torch.randn(rows, 256, generator=torch.Generator().manual_seed(7)).to(dtype)
+              for (name, dtype), rows in zip(sixteen_bits.items(), (64, 32), strict=True)}  # fmt: skip
+    writer.add_tensor("blk.0.attn_q.weight", floats["blk.0.attn_q.weight"].numpy())
+    bf16_bytes = floats["blk.0.attn_k.weight"].view(torch.uint8).numpy()
+    writer.add_tensor("blk.0.attn_k.weight", bf16_bytes, raw_dtype=GGMLQuantizationType.BF16)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,3 +177,10 @@ def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
         value = weights[hf_names[name]]
         assert isinstance(value, BlockQuantized) and value.format == fmt
         assert torch.equal(value.dequantize(), reference(raws[name], fmt)), name
+    for name, hf_name in (("blk.0.attn_q.weight", "q_proj"), ("blk.0.attn_k.weight", "k_proj")):
+        # kept in their dtype, in llama.cpp's rotary order undone (a permutation of whole rows)
+        value = weights[f"model.layers.0.self_attn.{hf_name}.weight"]
+        assert isinstance(value, torch.Tensor) and value.dtype == sixteen_bits[name]
+        assert torch.equal(value.sort(dim=0).values, floats[name].sort(dim=0).values)
+        packed = pack_weight([value], torch.float32)
+        assert packed.format.name == {torch.float16: "F16", torch.bfloat16: "BF16"}[value.dtype]

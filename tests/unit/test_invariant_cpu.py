@@ -22,6 +22,7 @@ from scheduler.server_args import ServerArgs
 from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from tests.unit.invariant_cases import (
     ATTENTION_SHAPES,
+    DENSE_FORMATS,
     FORMATS,
     K_FORMATS,
     activations_as_multiplied,
@@ -84,7 +85,7 @@ def test_matmul_computes_the_product_for_any_shape(
     assert torch.equal(out[-1:], invariant_cpu.matmul(x[-1:], weight))
 
 
-@pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt not in ("float32", "bfloat16")])
+@pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt not in DENSE_FORMATS])
 def test_block_formats_quantise_activations_with_little_error(fmt: str) -> None:
     """Against the exact product of float32 activations, the int8 activations of a block format cost about what
     llama.cpp's do: a relative error of ~0.5 % per output (quantisation noise of 1/254 of each block's largest value),
@@ -109,6 +110,17 @@ def test_offset_formats_compute_what_q8_0_computes(fmt: str, offset: int) -> Non
     as_q8_0 = invariant_cpu.pack_q8_0(scales, (quants.short() - offset).to(torch.int8))
     packed = getattr(invariant_cpu, f"pack_{fmt}")(scales, quants)
     assert torch.equal(invariant_cpu.matmul(x, packed), invariant_cpu.matmul(x, as_q8_0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_weights_packed_as_they_are_compute_their_float32_bits(dtype: torch.dtype) -> None:
+    """float16 and bfloat16 panels convert each weight to float32 exactly, then run the float32 fma chain."""
+    weight = (torch.randn(40, 96, generator=torch.Generator().manual_seed(10)) * 0.05).to(dtype)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(11))
+    as_float32 = invariant_cpu.pack_dense(weight.float(), torch.float32)
+    assert torch.equal(
+        invariant_cpu.matmul(x, invariant_cpu.pack_dense(weight, dtype)), invariant_cpu.matmul(x, as_float32)
+    )
 
 
 ATTENTION_LAYOUTS = [("smollm2", False), *((shape, True) for shape in ATTENTION_SHAPES)]

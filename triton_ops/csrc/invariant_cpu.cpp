@@ -1,4 +1,4 @@
-// Batch-invariant CPU kernels for the model forward: matmuls over packed weights (float32, bfloat16, and the
+// Batch-invariant CPU kernels for the model forward: matmuls over packed weights (float32, bfloat16, float16, and the
 // GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the k-quants Q4_K, Q5_K, Q6_K), attention over a token KV pool, RMSNorm and SiLU-and-multiply; and the
 // grammar's token mask applied to the logits.
 //
@@ -377,13 +377,14 @@ static void parallel_for(int64_t total, int64_t grain, int threads, const F& f) 
 // ---- matmuls over packed weights -------------------------------------------------------------------------------
 //
 // Weights [N, K] are packed in panels of 16 columns: panel p holds columns 16p..16p+15 (zero past N), so that one
-// vector load gives 16 columns. Dense formats, k-major: F32 float [K][16], BF16 bfloat16 [K][16]; a y[m][n] is one
-// fma chain over k in order. The GGUF block formats Q8_0 (w = d * q) and Q4_1 (w = d * q + m), K a multiple of 32,
+// vector load gives 16 columns. Dense formats, k-major: F32 float [K][16], BF16 bfloat16 [K][16], F16 float16
+// [K][16] (both converted to float exactly); a y[m][n] is one fma chain over k in order. The GGUF block formats Q8_0 (w = d * q) and Q4_1 (w = d * q + m), K a multiple of 32,
 // are integer dot products with x quantised per block: int8_blocks.h, which states their layout and arithmetic;
 // the other block formats (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) likewise in kquant_blocks.h.
 
 enum Format : int32_t {
-  kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_0 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9
+  kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_0 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9,
+  kF16 = 10
 };
 
 static int64_t kquant_panel_bytes(int32_t format, int64_t K);  // kquant_blocks.h
@@ -393,6 +394,7 @@ static inline int64_t panel_bytes(int32_t format, int64_t K) {
     case kF32:
       return K * kLanes * 4;
     case kBF16:
+    case kF16:
       return K * kLanes * 2;
     case kQ8_0:
       return K / kBlock * (kBlock * kLanes + kLanes * 2);
@@ -414,8 +416,10 @@ static void tile_dense(int32_t format, const float* x, int64_t ldx, const uint8_
     V16 w[NP];
     for (int p = 0; p < NP; ++p) {
       const uint8_t* base = panels + p * pbytes;
-      w[p] = format == kF32 ? vload(reinterpret_cast<const float*>(base) + k * kLanes)
-                            : vfrom_bf16(reinterpret_cast<const uint16_t*>(base) + k * kLanes);
+      const uint16_t* halves = reinterpret_cast<const uint16_t*>(base) + k * kLanes;
+      w[p] = format == kF32    ? vload(reinterpret_cast<const float*>(base) + k * kLanes)
+             : format == kBF16 ? vfrom_bf16(halves)
+                               : vfrom_f16(halves);
     }
     for (int r = 0; r < MR; ++r) {
       V16 xv = vset1(x[r * ldx + k]);
