@@ -111,14 +111,17 @@ static int64_t kquant_panel_bytes(int32_t format, int64_t K) {
 }
 
 // Per row and 16-element half of each x block, the sum of its quants: [M][2 * nblocks].
-static std::vector<int32_t> half_block_sums(const QuantizedRows& x, int64_t M) {
-  std::vector<int32_t> sums(M * 2 * x.nblocks);
-  for (int64_t i = 0; i < static_cast<int64_t>(sums.size()); ++i) {
-    const int8_t* q = x.q.data() + i * (kBlock / 2);
-    int32_t s = 0;
-    for (int j = 0; j < kBlock / 2; ++j) s += q[j];
-    sums[i] = s;
-  }
+static std::vector<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int threads) {
+  const int64_t halves = 2 * x.nblocks;
+  std::vector<int32_t> sums(M * halves);
+  parallel_for(M, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+    for (int64_t i = first * halves; i < last * halves; ++i) {
+      const int8_t* q = x.q.data() + i * (kBlock / 2);
+      int32_t s = 0;
+      for (int j = 0; j < kBlock / 2; ++j) s += q[j];
+      sums[i] = s;
+    }
+  });
   return sums;
 }
 
@@ -178,28 +181,31 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
     for (int p = 0; p < NP; ++p) {
       const uint8_t* scales = block + p * pbytes + kQuantBytes + (bits - 4) * 64;
       const uint16_t* supers = reinterpret_cast<const uint16_t*>(head + p * pbytes);
+      const uint16_t* halves16 = reinterpret_cast<const uint16_t*>(scales);
+      const int8_t* signed_scales = reinterpret_cast<const int8_t*>(scales);
+      // the weights' scale (and minimum) vectors: for the k-quants, products exact in float
+      const V16 d = F == kQ4_K || F == kQ5_K ? vmul(vfrom_f16(supers), vfrom_u8(scales))
+                    : F == kQ6_K             ? vfrom_f16(supers)
+                                             : vfrom_f16(halves16);
+      const V16 m = F == kQ5_1                 ? vfrom_f16(halves16 + kLanes)
+                    : F == kQ4_K || F == kQ5_K ? vmul(vfrom_f16(supers + kLanes), vfrom_u8(scales + kLanes))
+                                               : vzero();
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (row + r) * nblocks + b;
         const int32_t half0 = halves[2 * at], half1 = halves[2 * at + 1];
-        const V16 dx = vset1(x.scale[at]);
+        const V16 d_dx = vmul(d, vset1(x.scale[at]));
         if constexpr (F == kQ4_0 || F == kQ5_0) {
-          const V16 d = vfrom_f16(reinterpret_cast<const uint16_t*>(scales));
-          acc[r][p] = vfma(vmul(d, dx), vfrom_i32(isub_scalar(s[r][p], offset * (half0 + half1))), acc[r][p]);
+          acc[r][p] = vfma(d_dx, vfrom_i32(isub_scalar(s[r][p], offset * (half0 + half1))), acc[r][p]);
         } else if constexpr (F == kQ5_1) {
-          const V16 d = vfrom_f16(reinterpret_cast<const uint16_t*>(scales));
-          const V16 m = vfrom_f16(reinterpret_cast<const uint16_t*>(scales) + kLanes);
-          acc[r][p] = vfma(vmul(d, dx), vfrom_i32(s[r][p]), acc[r][p]);
+          acc[r][p] = vfma(d_dx, vfrom_i32(s[r][p]), acc[r][p]);
           acc[r][p] = vfma(m, vset1(x.scaled_sum[at]), acc[r][p]);
         } else if constexpr (F == kQ4_K || F == kQ5_K) {
-          const V16 d = vmul(vfrom_f16(supers), vfrom_u8(scales));
-          const V16 m = vmul(vfrom_f16(supers + kLanes), vfrom_u8(scales + kLanes));
-          acc[r][p] = vfma(vmul(d, dx), vfrom_i32(s[r][p]), acc[r][p]);
+          acc[r][p] = vfma(d_dx, vfrom_i32(s[r][p]), acc[r][p]);
           acc[r][p] = vfma(m, vset1(-x.scaled_sum[at]), acc[r][p]);
         } else {
-          const int8_t* sc = reinterpret_cast<const int8_t*>(scales);
-          const V16 c = vfma(vfrom_i8(sc), vfrom_i32(isub_scalar(s[r][p], offset * half0)),
-                             vmul(vfrom_i8(sc + kLanes), vfrom_i32(isub_scalar(t[r][p], offset * half1))));
-          acc[r][p] = vfma(vmul(vfrom_f16(supers), dx), c, acc[r][p]);
+          const V16 c = vfma(vfrom_i8(signed_scales), vfrom_i32(isub_scalar(s[r][p], offset * half0)),
+                             vmul(vfrom_i8(signed_scales + kLanes), vfrom_i32(isub_scalar(t[r][p], offset * half1))));
+          acc[r][p] = vfma(d_dx, c, acc[r][p]);
         }
       }
     }
@@ -260,7 +266,7 @@ static void kquant_matmul(int32_t format, const float* x, int64_t M, int64_t K, 
                           int64_t N, float* y, int64_t ldy, int threads) {
   QuantizedRows quantized;
   quantize_rows(x, M, K, ldx, threads, &quantized);
-  const std::vector<int32_t> halves = half_block_sums(quantized, M);
+  const std::vector<int32_t> halves = half_block_sums(quantized, M, threads);
   const int32_t* h = halves.data();
   switch (format) {
     case kQ4_0:
