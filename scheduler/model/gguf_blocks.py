@@ -2,8 +2,9 @@
 super-blocks, never de-quantised to float.
 
 The model runner multiplies these blocks directly (``triton_ops.invariant_cpu``), so it streams the file's ~0.5-0.8
-bytes per weight instead of a float32 copy's 4, and computes with exactly the weights transformers de-quantises to.
-Tensors of other types (norms in F32, other quantisations) are read as float32.
+bytes per weight instead of a float32 copy's 4, and computes with exactly the weights gguf (and transformers, through
+it) de-quantises to. F16 and BF16 tensors stay 16-bit floats; tensors of other types (norms in F32, other
+quantisations) are read as float32.
 """
 
 from __future__ import annotations
@@ -14,10 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-BLOCK = 32
-"""Weights per block along the input dimension; each block has its own scale (and minimum)."""
-SUPER_BLOCK = 256
-"""Weights per k-quant super-block: a float16 scale (and minimum) times each sub-block's integer scale (and minimum)."""
 FORMATS = ("q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 OFFSETS = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
 """What comes off a stored (unsigned) quant before its scale multiplies it."""
@@ -29,7 +26,7 @@ class BlockQuantized:
     """A ``[out_features, in_features]`` matrix in GGUF blocks along ``in_features``, as its file stores it:
     ``w[n, k] = scale * (quants[n, k] - offset) + min``, with per block (of ``in_features / scales.shape[1]``)
     ``scale = scales[n, b]`` and ``min = mins[n, b]`` (0 without mins); for a k-quant ``scale = super_scales[n, s] *
-    scales[n, b]`` and ``min = -super_mins[n, s] * mins[n, b]`` for its super-block ``s`` of 256.
+    scales[n, b]`` and ``min = -super_mins[n, s] * mins[n, b]`` for its super-block ``s`` (of 256 weights).
 
     ``quants`` are int8 (Q8_0) or the stored unsigned integers (uint8), one per weight; ``offset`` is
     ``OFFSETS[format]`` or 0. ``scales`` and ``mins`` are float16, except a k-quant's integers (uint8 6-bit scales
@@ -85,7 +82,7 @@ class BlockQuantized:
         return self.with_parts(narrowed)
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        """The parts under names derived from ``name``, for a safetensors file (``from_tensors`` reads them back)."""
+        """The parts under names derived from ``name``, for a safetensors file (``from_parts`` reads them back)."""
         return {f"{name}.{self.format}.{part}": tensor for part, tensor in self.parts.items()}
 
 
