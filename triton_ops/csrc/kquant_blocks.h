@@ -32,12 +32,13 @@
 // ---- the bits above the nibble, and 16 small integers as floats ----------------------------------------------
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-static inline B64 bor(B64 a, B64 b) { return {_mm512_or_si512(a.r, b.r)}; }
-// per byte, (h << shift) & mask (h >> -shift for a negative shift): the 16-bit shifts carry bits across bytes only
-// where the mask clears them
-static inline B64 bplane(B64 h, int shift, uint8_t mask) {
-  const __m512i shifted = shift >= 0 ? _mm512_slli_epi16(h.r, shift) : _mm512_srli_epi16(h.r, -shift);
-  return {_mm512_and_si512(shifted, _mm512_set1_epi8(static_cast<char>(mask)))};
+// h shifted left (right for a negative shift) per 16-bit word: bits cross bytes only where bmerge's mask clears them
+static inline B64 bshift(B64 h, int shift) {
+  return {shift >= 0 ? _mm512_slli_epi16(h.r, shift) : _mm512_srli_epi16(h.r, -shift)};
+}
+// a | (b & mask) per byte, one vpternlogd
+static inline B64 bmerge(B64 a, B64 b, uint8_t mask) {
+  return {_mm512_ternarylogic_epi32(a.r, b.r, _mm512_set1_epi8(static_cast<char>(mask)), 0xF8)};
 }
 static inline V16 vfrom_u8(const uint8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
@@ -46,12 +47,13 @@ static inline V16 vfrom_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-static inline B64 bor(B64 a, B64 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
-static inline B64 bplane(B64 h, int shift, uint8_t mask) {
+static inline B64 bshift(B64 h, int shift) {
+  if (shift >= 0) return {_mm256_slli_epi16(h.lo, shift), _mm256_slli_epi16(h.hi, shift)};
+  return {_mm256_srli_epi16(h.lo, -shift), _mm256_srli_epi16(h.hi, -shift)};
+}
+static inline B64 bmerge(B64 a, B64 b, uint8_t mask) {
   const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
-  if (shift >= 0)
-    return {_mm256_and_si256(_mm256_slli_epi16(h.lo, shift), m), _mm256_and_si256(_mm256_slli_epi16(h.hi, shift), m)};
-  return {_mm256_and_si256(_mm256_srli_epi16(h.lo, -shift), m), _mm256_and_si256(_mm256_srli_epi16(h.hi, -shift), m)};
+  return {_mm256_or_si256(a.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(a.hi, _mm256_and_si256(b.hi, m))};
 }
 static inline V16 vfrom_u8(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
@@ -62,16 +64,16 @@ static inline V16 vfrom_i8(const int8_t* p) {
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
 }
 #else
-static inline B64 bor(B64 a, B64 b) {
-  for (int i = 0; i < 4 * kLanes; ++i) a.b[i] = static_cast<int8_t>(a.b[i] | b.b[i]);
-  return a;
-}
-static inline B64 bplane(B64 h, int shift, uint8_t mask) {
+static inline B64 bshift(B64 h, int shift) {  // per byte: the bits bmerge keeps are those of the 16-bit shifts
   for (auto& v : h.b) {
     const unsigned u = static_cast<uint8_t>(v);
-    v = static_cast<int8_t>((shift >= 0 ? u << shift : u >> -shift) & mask);
+    v = static_cast<int8_t>(shift >= 0 ? u << shift : u >> -shift);
   }
   return h;
+}
+static inline B64 bmerge(B64 a, B64 b, uint8_t mask) {
+  for (int i = 0; i < 4 * kLanes; ++i) a.b[i] = static_cast<int8_t>(a.b[i] | (b.b[i] & mask));
+  return a;
 }
 static inline V16 vfrom_u8(const uint8_t* p) {
   V16 out;
@@ -158,12 +160,12 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
         lo[p] = blow(packed);
         hi[p] = bhigh(packed);
         if constexpr (bits == 5) {
-          lo[p] = bor(lo[p], bplane(plane[p][0], 4 - 2 * i, 0x10));
-          hi[p] = bor(hi[p], bplane(plane[p][0], 3 - 2 * i, 0x10));
+          lo[p] = bmerge(lo[p], bshift(plane[p][0], 4 - 2 * i), 0x10);
+          hi[p] = bmerge(hi[p], bshift(plane[p][0], 3 - 2 * i), 0x10);
         } else if constexpr (bits == 6) {
           const B64 h = plane[p][i / 2];
-          lo[p] = bor(lo[p], bplane(h, 4 - 4 * (i % 2), 0x30));
-          hi[p] = bor(hi[p], bplane(h, 2 - 4 * (i % 2), 0x30));
+          lo[p] = bmerge(lo[p], bshift(h, 4 - 4 * (i % 2)), 0x30);
+          hi[p] = bmerge(hi[p], bshift(h, 2 - 4 * (i % 2)), 0x30);
         }
       }
       for (int r = 0; r < MR; ++r) {
