@@ -6,12 +6,16 @@ Makes each ``--types`` file from the embedded SmolLM2-135M-Instruct GGUF with ll
 (``llama_cpp.llama_model_quantize`` from the ``llamacpp`` extra, ``allow_requantize``: the embedded file is Q4_1, so
 these hold its weights quantised again; their formats and speed are what they show, not quality against the
 original float weights) and prints each file's tensor types: SmolLM2's 576-wide rows are not whole k-quant
-super-blocks of 256, so llama.cpp falls back on Q5_0, Q5_1 or Q8_0 for most of its tensors, as in real files of
-small models. ``--measure`` then times a decode step at B = 1 on the embedded file and on each made one: per round
-one process per file and engine (the engines take turns going first), ours (``ModelRunner`` on the file,
-``--weight-dtype auto``) and llama.cpp's (``Llama.eval`` of one token), both after a 100-token prompt on
-``torch.get_num_threads()`` threads; it prints the medians over rounds of each process's median step, the bytes our
-step streams (its packed weights) and each process's peak resident memory, with the CPU model and flags.
+super-blocks of 256, so llama.cpp falls back on Q5_0 or Q8_0 for most of its tensors, as in real files of small
+models.
+
+``--measure`` then times a decode step at B = 1 on the embedded file and on each made one: per round one process per
+file and engine (the engines take turns going first), ours (``ModelRunner`` on the file, ``--weight-dtype auto``) and
+llama.cpp's (``Llama.eval`` of one token), both after a 100-token prompt on ``torch.get_num_threads()`` threads. It
+prints the medians over rounds of each process's median step, the bytes our step streams (its packed weights), its
+bandwidth bound (those bytes over the rate at which the kernels stream a 268 MB float32 weight at one row, fastest
+of 10, once per round) and each process's peak resident memory; with the CPU model and flags, and the CPU pressure
+after each round (the machine may be shared: the engines' rounds are interleaved, read the ratios).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 from pathlib import Path
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.testing.benchmarking import cpu_pressure
 from sglang_constrained.tokenizer_loading import embedded_model_path
 from triton_ops.cpu_info import describe_cpu
 
@@ -53,6 +58,22 @@ print(json.dumps({
     "formats": runner.model.weight_formats,
     "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
 }))
+"""
+
+STREAM = """
+import json, time, torch
+from scheduler.server_args import ServerArgs
+from triton_ops import invariant_cpu
+
+invariant_cpu.load(ServerArgs().kernel_build_path)
+weight = invariant_cpu.pack_dense(torch.randn(16384, 4096) * 0.01)
+x = torch.randn(1, 4096)
+best = float("inf")
+for _ in range(10):
+    started = time.perf_counter()
+    invariant_cpu.matmul(x, weight)
+    best = min(best, time.perf_counter() - started)
+print(json.dumps({"bandwidth": weight.nbytes / best}))
 """
 
 LLAMA_CPP = """
@@ -94,7 +115,7 @@ def tensor_types(path: Path) -> str:
     return ", ".join(f"{name} x{count}" for name, count in counts.most_common())
 
 
-def run(code: str, path: Path, steps: int) -> dict[str, float | str]:
+def run(code: str, path: Path | None = None, steps: int = 0) -> dict[str, float | str]:
     here = Path(__file__).resolve().parents[1]
     result = subprocess.run(
         [sys.executable, "-c", code, str(path), str(steps)],
@@ -104,7 +125,7 @@ def run(code: str, path: Path, steps: int) -> dict[str, float | str]:
         text=True,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"measuring {path.name} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"measuring {path} failed:\n{result.stderr[-3000:]}")
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
@@ -129,20 +150,28 @@ def main() -> None:
     if not args.measure:
         return
     figures: dict[tuple[str, str], list[dict[str, float | str]]] = collections.defaultdict(list)
+    bandwidths, pressures = [], [cpu_pressure()]
     for round_index in range(args.rounds):
+        bandwidths.append(float(run(STREAM)["bandwidth"]))
         for path in files:
             engines = [("ours", OURS), ("llama.cpp", LLAMA_CPP)]
             for engine, code in engines if round_index % 2 == 0 else engines[::-1]:
                 figures[path.name, engine].append(run(code, path, args.steps))
+        pressures.append(cpu_pressure())
+    bandwidth = statistics.median(bandwidths)
     print(f"CPU {describe_cpu()}; decode B=1 after a 100-token prompt, medians of {args.rounds} rounds")
+    shown = ", ".join("-" if p is None else f"{p:.2f}" for p in pressures)
+    print(f"CPU pressure (PSI some avg60) at the start and after each round: {shown}")
+    print(f"the kernels stream {bandwidth / 1e9:.1f} GB/s (a float32 weight of 268 MB at one row)")
     for path in files:
         ours, theirs = figures[path.name, "ours"], figures[path.name, "llama.cpp"]
         step, peer_step = (statistics.median(float(run["step"]) for run in runs) for runs in (ours, theirs))
         rss, peer_rss = (statistics.median(float(run["peak_rss"]) for run in runs) / 1e6 for runs in (ours, theirs))
         streamed = float(ours[0]["streamed"])
-        rate = streamed / step / 1e9
+        rate, bound = streamed / step / 1e9, streamed / bandwidth
         print(
-            f"{path.name}: ours {step * 1e3:.2f} ms ({streamed / 1e6:.1f} MB streamed, {rate:.1f} GB/s;"
+            f"{path.name}: ours {step * 1e3:.2f} ms ({streamed / 1e6:.1f} MB streamed, {rate:.1f} GB/s, bound"
+            f" {bound * 1e3:.2f} ms: {step / bound:.2f}x;"
             f" {ours[0]['formats']}), llama.cpp {peer_step * 1e3:.2f} ms; llama.cpp/ours {peer_step / step:.2f};"
             f" peak RSS ours {rss:.0f} MB, llama.cpp {peer_rss:.0f} MB"
         )
