@@ -14,8 +14,9 @@ file and engine (the engines take turns going first), ours (``ModelRunner`` on t
 llama.cpp's (``Llama.eval`` of one token), both after a 100-token prompt on ``torch.get_num_threads()`` threads. It
 prints the medians over rounds of each process's median step, the bytes our step streams (its packed weights), its
 bandwidth bound (those bytes over the rate at which the kernels stream a 268 MB float32 weight at one row, fastest
-of 10, once per round) and each process's peak resident memory; with the CPU model and flags, and the CPU pressure
-after each round (the machine may be shared: the engines' rounds are interleaved, read the ratios).
+of 10, the median of 3 processes after the rounds) and each process's peak resident memory; with the CPU model and
+flags, and the CPU pressure after each round (the machine may be shared: the engines' rounds are interleaved, read
+the ratios).
 """
 
 from __future__ import annotations
@@ -150,15 +151,15 @@ def main() -> None:
     if not args.measure:
         return
     figures: dict[tuple[str, str], list[dict[str, float | str]]] = collections.defaultdict(list)
-    bandwidths, pressures = [], [cpu_pressure()]
+    pressures = [cpu_pressure()]
     for round_index in range(args.rounds):
-        bandwidths.append(float(run(STREAM)["bandwidth"]))
         for path in files:
             engines = [("ours", OURS), ("llama.cpp", LLAMA_CPP)]
             for engine, code in engines if round_index % 2 == 0 else engines[::-1]:
                 figures[path.name, engine].append(run(code, path, args.steps))
         pressures.append(cpu_pressure())
-    bandwidth = statistics.median(bandwidths)
+    # after the rounds: a process that has just freed the stream's 0.8 GB slowed the next one's decode steps 2.5x
+    bandwidth = statistics.median(float(run(STREAM)["bandwidth"]) for _ in range(3))
     print(f"CPU {describe_cpu()}; decode B=1 after a 100-token prompt, medians of {args.rounds} rounds")
     shown = ", ".join("-" if p is None else f"{p:.2f}" for p in pressures)
     print(f"CPU pressure (PSI some avg60) at the start and after each round: {shown}")
