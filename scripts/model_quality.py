@@ -1,7 +1,8 @@
 """What a weight format does to the model's answers: each ``--weight-dtype`` against float32 (transformers' own
-de-quantised weights), on the embedded model.
+de-quantised weights), on the embedded model or the GGUF file ``--model-path`` (e.g. one of
+``scripts/quantize_model.py``'s).
 
-    python scripts/model_quality.py [--steps 48] [--llamacpp] [--output PATH]
+    python scripts/model_quality.py [--model-path FILE] [--steps 48] [--llamacpp] [--output PATH]
 
 Prints, per format: perplexity on a fixed English text; the mean KL divergence of its next-token distribution from
 float32's over that text's positions, and the largest logit difference; and, for the demo's prompts as chats, in how
@@ -59,12 +60,19 @@ def text_logits(runner: BaseModelRunner, tokens: list[int]) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", help="a GGUF file (default: the embedded model)")
     parser.add_argument("--steps", type=int, default=48, help="greedy steps per prompt")
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the GGUF file")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
-    base = ServerArgs(max_running_requests=1, max_seq_len=512, max_total_tokens=1024, disable_radix_cache=True)
+    base = ServerArgs(
+        model_path=args.model_path,
+        max_running_requests=1,
+        max_seq_len=512,
+        max_total_tokens=1024,
+        disable_radix_cache=True,
+    )
     runners: dict[str, BaseModelRunner] = {
         dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
     }
