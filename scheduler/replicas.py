@@ -18,7 +18,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ServerArgs, free_port
 
 logger = logging.getLogger("scheduler.launch")
 
@@ -107,7 +106,7 @@ def serve_replicas(server_args: ServerArgs, argv: Sequence[str]) -> int:
     flags = replica_argv(argv)
     replicas = []
     for index in range(server_args.dp_size):
-        port, zmq_port = _free_port(server_args.host), _free_port(server_args.host)
+        port, zmq_port = free_port(server_args.host), free_port(server_args.host)
         command = [sys.executable, "-m", "scheduler.launch", *flags, "--port", str(port), "--zmq-port", str(zmq_port)]
         replicas.append(Replica(index, command, f"http://{connect_host}:{port}"))
     stop_requested: list[int] = []
@@ -222,7 +221,7 @@ def _router_command(server_args: ServerArgs, replica_urls: list[str]) -> list[st
         *server_args.worker_urls,
         # its Prometheus exporter's default port (29000) is one per machine
         "--prometheus-port",
-        str(_free_port(server_args.host)),
+        str(free_port(server_args.host)),
         "--health-check-interval-secs",
         interval,
         # a replica whose requests failed while it died is tried again as soon as it is back, not a minute later
@@ -232,13 +231,6 @@ def _router_command(server_args: ServerArgs, replica_urls: list[str]) -> list[st
         "--log-level",
         ROUTER_LOG_LEVELS[server_args.log_level],
     ]
-
-
-def _free_port(host: str) -> int:
-    """A port the kernel has free on ``host`` now (the child binding it seconds later may rarely find it taken)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def _wait(process: subprocess.Popen[bytes], name: str, timeout_s: float = 60.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -83,6 +84,31 @@ def default_compile_timeout() -> float:
     return GRAMMAR_MAX_POLL_ITERATIONS.get() * GRAMMAR_POLL_INTERVAL.get()
 
 
+ZMQ_PORT = 30010
+"""The scheduler's request socket, where the Python client finds it."""
+
+
+def free_port(host: str) -> int:
+    """A port the kernel has free on ``host`` now (the process binding it moments later may rarely find it taken)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def zmq_port_for(host: str, serves_http: bool) -> int:
+    """``--zmq-port`` left out: ``ZMQ_PORT``; but a lone server with an HTTP port whose ``ZMQ_PORT`` another server
+    on this machine holds takes a free port instead, so that ``--port A`` and ``--port B`` start two servers (their
+    clients come over HTTP; the frontend is told the port)."""
+    if not serves_http or WORLD_SIZE.get() != 1:
+        return ZMQ_PORT
+    try:
+        with socket.socket() as probe:
+            probe.bind((host, ZMQ_PORT))
+        return ZMQ_PORT
+    except OSError:
+        return free_port(host)
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every server setting and its default. ``model_path=None`` means the embedded SmolLM2-135M-Instruct."""
@@ -119,7 +145,7 @@ class ServerArgs:
     grammar_disk_cache_max_bytes: int = 2 * 1024 * 1024 * 1024
     host: str = "127.0.0.1"
     port: int | None = None
-    zmq_port: int = 30010
+    zmq_port: int = ZMQ_PORT
     seed: int = 0
     dp_size: int = 1
     router: str | None = None
@@ -459,7 +485,12 @@ class ServerArgs:
             default=d.port,
             help="serve the OpenAI-compatible HTTP API on this port (default: no HTTP server)",
         )
-        parser.add_argument("--zmq-port", type=int, default=d.zmq_port)
+        parser.add_argument(
+            "--zmq-port",
+            type=int,
+            default=None,
+            help=f"the scheduler's request socket (default {ZMQ_PORT}; with --port, a free one if {ZMQ_PORT} is taken)",
+        )
         parser.add_argument(
             "--import-module",
             dest="import_modules",
@@ -511,6 +542,8 @@ class ServerArgs:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         values["import_modules"] = tuple(args.import_modules)
         values["worker_urls"] = tuple(args.worker_urls)
+        if values["zmq_port"] is None:
+            values["zmq_port"] = zmq_port_for(args.host, args.port is not None)
         return cls(**values)
 
     @classmethod
