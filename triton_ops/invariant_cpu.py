@@ -319,13 +319,16 @@ def _bit_fields(fields: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
+def _block_bytes(quants: torch.Tensor, bits: int, per_block: list[torch.Tensor]) -> torch.Tensor:
+    """``[P, K / 32, bytes]``: per 32-block its quant vectors, then the 16 columns' values of each of ``per_block``."""
+    blocks = quants.shape[1] // BLOCK
+    return torch.cat([_quant_vectors(quants, bits), *(_lanes(values, blocks) for values in per_block)], dim=2)
+
+
 def _pack_blocks(fmt: WeightFormat, quants: torch.Tensor, bits: int, *per_block: torch.Tensor) -> PackedWeight:
-    """A 32-block format: per block its quant vectors, then the 16 columns' values of each of ``per_block``."""
-    out_features, in_features = quants.shape
-    blocks = in_features // BLOCK
-    parts = [_quant_vectors(quants, bits), *(_lanes(values, blocks) for values in per_block)]
-    data = torch.cat(parts, dim=2)
-    return PackedWeight(fmt, data.reshape(data.shape[0], -1), out_features, in_features)
+    """A 32-block format: its blocks as ``_block_bytes`` lays them out, one after another."""
+    data = _block_bytes(quants, bits, list(per_block))
+    return PackedWeight(fmt, data.reshape(data.shape[0], -1), *quants.shape)
 
 
 def pack_q4_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
@@ -350,14 +353,12 @@ def _pack_super_blocks(
     fmt: WeightFormat, quants: torch.Tensor, bits: int, head: list[torch.Tensor], per_block: list[torch.Tensor]
 ) -> PackedWeight:
     """A k-quant: per super-block of 256 its head (``head``: float16 ``[N, K / 256]`` each, in lane order), then
-    its 8 blocks as ``_pack_blocks`` lays them out."""
-    out_features, in_features = quants.shape
-    blocks, supers = in_features // BLOCK, in_features // SUPER_BLOCK
-    parts = [_quant_vectors(quants, bits), *(_lanes(values, blocks) for values in per_block)]
-    body = torch.cat(parts, dim=2)
+    its 8 blocks as ``_block_bytes`` lays them out."""
+    supers = quants.shape[1] // SUPER_BLOCK
+    body = _block_bytes(quants, bits, per_block)
     body = body.reshape(body.shape[0], supers, -1)
     data = torch.cat([*(_lanes(values.to(torch.float16), supers) for values in head), body], dim=2)
-    return PackedWeight(fmt, data.reshape(data.shape[0], -1), out_features, in_features)
+    return PackedWeight(fmt, data.reshape(data.shape[0], -1), *quants.shape)
 
 
 def pack_q4_k(

@@ -272,14 +272,7 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
       }
     }
   }
-  alignas(64) float out[kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      const int n = std::min(kLanes, cols - p * kLanes);
-      if (n <= 0) break;
-      vstore(out, acc[r][p]);
-      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
-    }
+  store_tile<MR, NP>(acc, y, ldy, cols);
 }
 
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
@@ -318,18 +311,28 @@ static void int8_groups(int32_t format, const QuantizedRows& x, int64_t M, const
                         });
 }
 
-// y[M, N] = x[M, K] @ W.T for block weights: x quantised, then the tiles. One row (a decode step) takes wider column
-// groups where the registers hold them: a tile's sums are its only independent dot-product chains.
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// The block formats' tile shape for M rows and N columns: groups(Int<MR>(), Int<NP>()). One row (a decode step)
+// takes wider column groups where the registers hold them: a tile's sums are its only independent dot-product
+// chains.
+template <class Groups>
+static void with_block_tile(int64_t M, int64_t N, int threads, const Groups& groups) {
+  if constexpr (kInt8NP > 1) {
+    const bool many_groups = (N + kLanes - 1) / kLanes >= 8 * 4 * threads;  // enough wide groups for every thread
+    if (M == 1) return many_groups ? groups(Int<1>(), Int<8>()) : groups(Int<1>(), Int<4>());
+    if (M == 2) return groups(Int<2>(), Int<4>());
+  }
+  groups(Int<kInt8MR>(), Int<kInt8NP>());
+}
+
+// y[M, N] = x[M, K] @ W.T for block weights: x quantised, then the tiles.
 static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                         int64_t N, float* y, int64_t ldy, int threads) {
   QuantizedRows quantized;
   quantize_rows(x, M, K, ldx, threads, &quantized);
-  if constexpr (kInt8NP > 1) {
-    const bool many_groups = (N + kLanes - 1) / kLanes >= 8 * 4 * threads;  // enough wide groups for every thread
-    if (M == 1)
-      return many_groups ? int8_groups<1, 8>(format, quantized, M, packed, N, y, ldy, threads)
-                         : int8_groups<1, 4>(format, quantized, M, packed, N, y, ldy, threads);
-    if (M == 2) return int8_groups<2, 4>(format, quantized, M, packed, N, y, ldy, threads);
-  }
-  int8_groups<kInt8MR, kInt8NP>(format, quantized, M, packed, N, y, ldy, threads);
+  with_block_tile(M, N, threads, [&](auto mr, auto np) {
+    int8_groups<decltype(mr)::value, decltype(np)::value>(format, quantized, M, packed, N, y, ldy, threads);
+  });
 }

@@ -35,6 +35,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -405,6 +406,19 @@ static inline int64_t panel_bytes(int32_t format, int64_t K) {
   }
 }
 
+// A tile's accumulators into y: row r's panel p to columns 16p.., the first `cols` columns of the tile only.
+template <int MR, int NP>
+static inline void store_tile(const V16 (&acc)[MR][NP], float* y, int64_t ldy, int cols) {
+  alignas(64) float out[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int n = std::min(kLanes, cols - p * kLanes);
+      if (n <= 0) break;
+      vstore(out, acc[r][p]);
+      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+    }
+}
+
 // One tile: MR rows of x times NP panels, every k. acc[r][p] is y[row r][panel p's 16 columns].
 template <int MR, int NP>
 static void tile_dense(int32_t format, const float* x, int64_t ldx, const uint8_t* panels, int64_t pbytes, int64_t K,
@@ -426,14 +440,7 @@ static void tile_dense(int32_t format, const float* x, int64_t ldx, const uint8_
       for (int p = 0; p < NP; ++p) acc[r][p] = vfma(xv, w[p], acc[r][p]);
     }
   }
-  alignas(64) float out[kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      int n = std::min(kLanes, cols - p * kLanes);
-      if (n <= 0) break;
-      vstore(out, acc[r][p]);
-      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
-    }
+  store_tile<MR, NP>(acc, y, ldy, cols);
 }
 
 // Tile shapes: accumulators MR x NP vectors must fit the register file with the weights (32 zmm or 16 ymm).

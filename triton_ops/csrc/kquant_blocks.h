@@ -212,14 +212,7 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
       }
     }
   }
-  alignas(64) float out[kLanes];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      const int n = std::min(kLanes, cols - p * kLanes);
-      if (n <= 0) break;
-      vstore(out, acc[r][p]);
-      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
-    }
+  store_tile<MR, NP>(acc, y, ldy, cols);
 }
 
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
@@ -247,18 +240,13 @@ static void kquant_groups(const QuantizedRows& x, const int32_t* halves, int64_t
                         });
 }
 
-// The tile shapes of int8_matmul: one row takes wider column groups where there are enough of them.
+// int8_matmul's tile shapes (with_block_tile).
 template <int32_t F>
 static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
                           float* y, int64_t ldy, int threads) {
-  if constexpr (kInt8NP > 1) {
-    const bool many_groups = (N + kLanes - 1) / kLanes >= 8 * 4 * threads;
-    if (M == 1)
-      return many_groups ? kquant_groups<F, 1, 8>(x, halves, M, packed, N, y, ldy, threads)
-                         : kquant_groups<F, 1, 4>(x, halves, M, packed, N, y, ldy, threads);
-    if (M == 2) return kquant_groups<F, 2, 4>(x, halves, M, packed, N, y, ldy, threads);
-  }
-  kquant_groups<F, kInt8MR, kInt8NP>(x, halves, M, packed, N, y, ldy, threads);
+  with_block_tile(M, N, threads, [&](auto mr, auto np) {
+    kquant_groups<F, decltype(mr)::value, decltype(np)::value>(x, halves, M, packed, N, y, ldy, threads);
+  });
 }
 
 static constexpr bool is_kquant_format(int32_t format) { return format >= kQ4_0 && format <= kQ6_K; }
