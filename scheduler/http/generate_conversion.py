@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from scheduler.http.openai_fields import refuse_unimplemented
 from scheduler.http.protocol import MAX_N, SEED_MODULUS, GenerateRequest, ProtocolError
 from scheduler.http.reasoning_fields import thinking_budget
 from scheduler.http.request_conversion import (
@@ -45,11 +46,7 @@ on every request, and ignoring a true one would withhold what was asked for."""
 def generate_calls(request: GenerateRequest, limits: RequestLimits) -> list[SchedulerCall]:
     """``n`` scheduler requests per prompt of a native ``/generate`` body (a batch when ``text`` is a list), in
     prompt-major order; choice ``i`` of a seeded request is seeded ``seed + i``."""
-    for name, reason in GENERATE_REFUSED_FIELDS.items():
-        if getattr(request, name):
-            raise ProtocolError(
-                f"{name} is not supported by this server: {reason}", param=name, code="unsupported_parameter"
-            )
+    refuse_unimplemented(request, GENERATE_REFUSED_FIELDS)
     sources = [name for name in ("text", "input_ids") if getattr(request, name) is not None]
     if len(sources) != 1:
         raise ProtocolError(f"give exactly one of text or input_ids (got {', '.join(sources) or 'neither'})")

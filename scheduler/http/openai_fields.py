@@ -9,10 +9,11 @@ request types and fails on any field this module and ``protocol`` do not account
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from scheduler.http.constraint_fields import WHITESPACE_PATTERN_REFUSAL
-from scheduler.http.protocol import CommonRequest, ProtocolError
+from scheduler.http.protocol import Body, ProtocolError
 
 BOOKKEEPING_FIELDS: dict[str, str] = {
     "store": "nothing is stored: there is no distillation or evals product here",
@@ -54,9 +55,10 @@ _NEUTRAL_VALUES: dict[str, list[Any]] = {
 what the server does anyway, and an empty ``web_search_options`` already turns web search on."""
 
 
-def refuse_unimplemented(request: CommonRequest) -> None:
-    """Raise ``ProtocolError`` (400, ``unsupported_parameter``) for the first refused field the request sets."""
-    for name, reason in REFUSED_FIELDS.items():
+def refuse_unimplemented(request: Body, refused: Mapping[str, str] = REFUSED_FIELDS) -> None:
+    """Raise ``ProtocolError`` (400, ``unsupported_parameter``) for the first field of ``refused`` (name: reason)
+    the request sets to anything but its neutral value."""
+    for name, reason in refused.items():
         value = getattr(request, name, None)
         neutral_values = _NEUTRAL_VALUES.get(name)
         if not (value is None or (is_neutral(value) if neutral_values is None else value in neutral_values)):
