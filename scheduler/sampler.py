@@ -2,9 +2,10 @@
 top-p (vLLM's order); and the log-probabilities a request asked for.
 
 A row at output position ``n`` of a request with sampling seed ``s`` samples by the exponential race
-``argmax p / E`` with ``E ~ Exp(1)`` drawn from a generator keyed by ``(s, n)``: a request's tokens depend on its seed
-and its text only, whatever else is in its batch and whether its tokens came one forward at a time or as verified
-drafts. Each row may carry a draft token; the row says whether the draft stands (``triton_ops.sample_and_verify``).
+``argmax p / E`` with ``E ~ Exp(1)`` drawn by a counter-based generator keyed by ``(s, n)``
+(``triton_ops.sampling_noise``): a request's tokens depend on its seed and its text only, whatever else is in its
+batch and whether its tokens came one forward at a time or as verified drafts. Each row may carry a draft token; the
+row says whether the draft stands (``triton_ops.sample_and_verify``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from triton_ops import sample_and_verify
+from triton_ops.sampling_noise import exponentials
 
 _MASK64 = 2**64 - 1
 
@@ -62,27 +64,19 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
             rows.top_ps[sampled],
             rows.min_ps[sampled],
         )
-        exponentials = torch.stack(
-            [position_exponentials(rows.seeds[i], rows.positions[i], probs.shape[1]) for i in indices]
-        )
+        keys = torch.tensor([position_key(rows.seeds[i], rows.positions[i]) for i in indices], dtype=torch.int64)
         drafts = torch.tensor([rows.draft_token_ids[i] for i in indices])
-        _, tokens[sampled] = sample_and_verify(probs, exponentials, drafts)
+        _, tokens[sampled] = sample_and_verify(probs, exponentials(keys, probs.shape[1]).to(probs.device), drafts)
     return [None if is_dead else token for token, is_dead in zip(tokens.tolist(), dead.tolist(), strict=True)]
 
 
-def position_exponentials(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """``Exp(1)`` draws for every token at output ``position`` of a request seeded ``seed`` (never exactly 0)."""
-    generator = torch.Generator().manual_seed(_mix(seed, position))
-    draws = torch.empty(vocab_size).exponential_(generator=generator)
-    return draws.clamp_(min=torch.finfo(torch.float32).tiny)
-
-
-def _mix(seed: int, position: int) -> int:
-    """splitmix64 of the pair: nearby seeds and positions get unrelated generator seeds."""
+def position_key(seed: int, position: int) -> int:
+    """The key of output ``position``'s draws for a request seeded ``seed``: splitmix64 of the pair, so that nearby
+    seeds and positions get unrelated draws (a non-negative int64)."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1  # a non-negative int64
+    return (z ^ (z >> 31)) >> 1
 
 
 def _filtered_probs(

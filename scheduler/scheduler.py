@@ -116,8 +116,8 @@ class Scheduler:
             max_rows_per_request=1 + server_args.max_drafts_per_request,
             eos_token_ids=model_runner.eos_token_ids,
         )
-        if model_runner.device.type == "cpu" and mask_layout is not None:
-            load_cpu_bitmask_kernel(server_args.kernel_build_path)  # loaded already with the default runner's model
+        if model_runner.device.type == "cpu":  # the mask loop and the sampler's draws; the default runner's model has
+            load_cpu_bitmask_kernel(server_args.kernel_build_path)  # loaded them already
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)

@@ -35,7 +35,9 @@ from triton_ops.cpu_info import cpu_flags, cpu_model
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
-HEADERS = tuple(SOURCE.with_name(name) for name in ("int8_blocks.h", "kquant_blocks.h", "attention.h"))
+HEADERS = tuple(
+    SOURCE.with_name(name) for name in ("int8_blocks.h", "kquant_blocks.h", "attention.h", "sampling_noise.h")
+)
 """What SOURCE includes: part of the build's key."""
 COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
 """``-ffp-contract=off``: the compiler may not fuse a multiply and an add the source keeps apart (nor split an fma)."""
@@ -193,6 +195,7 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
         library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
         library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
+        library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
         shape, layer, batch = ctypes.POINTER(_ModelShape), ctypes.POINTER(_LayerRef), ctypes.POINTER(_BatchRef)
         library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
         library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
@@ -206,6 +209,7 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
             "invariant_mlp_block",
             "invariant_decoder",
             "invariant_mask_logits",
+            "invariant_exponentials",
         ):
             getattr(library, name).restype = None
         logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
@@ -604,6 +608,20 @@ def mask_logits(
         num_rows,
         threads or torch.get_num_threads(),
     )
+
+
+def exponentials(keys: torch.Tensor, vocab: int, threads: int | None = None) -> torch.Tensor:
+    """``Exp(1)`` draws ``[len(keys), vocab]`` float32: row ``r`` a function of ``keys[r]`` (int64, read as 64 bits)
+    alone, the same bits whatever the build, the thread count or the other rows (``csrc/sampling_noise.h``)."""
+    if keys.dtype != torch.int64 or keys.dim() != 1:
+        raise ValueError(f"exponentials takes int64 keys [rows], got {keys.dtype} {tuple(keys.shape)}")
+    keys = keys.contiguous()
+    out = torch.empty(keys.numel(), vocab, dtype=torch.float32)
+    if out.numel():
+        _loaded().invariant_exponentials(
+            keys.data_ptr(), keys.numel(), vocab, out.data_ptr(), threads or torch.get_num_threads()
+        )
+    return out
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

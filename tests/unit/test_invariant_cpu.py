@@ -212,6 +212,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     logits = torch.randn(3, 1300, generator=torch.Generator().manual_seed(7)).to(dtype)
     invariant_cpu.mask_logits(logits, words, torch.tensor([2, 0]))
     outs.append(logits)
+# the sampler's Exp(1) draws: integer hashing and a log series of adds, multiplies and one division
+outs.append(invariant_cpu.exponentials(torch.tensor([0, -1, 2**63 - 1, 123456789]), 1301))
 bits = [o.view(torch.int32 if o.element_size() == 4 else torch.int16).flatten().tolist() for o in outs]
 print(json.dumps({"isa": invariant_cpu.isa(), "bits": bits}))
 """
@@ -222,7 +224,7 @@ def test_every_instruction_set_computes_the_same_bits() -> None:
     """The AVX-512 and AVX2 builds, each with and without 8-bit dot products (VNNI), and the scalar build (as many
     as this CPU runs) give identical results: lanes hold different outputs, never parts of one float sum, integer
     sums are exact whatever instruction forms them, and the fixed reduction trees and exp polynomial are the same in
-    every build; the logits mask stores the same -inf bits.
+    every build; the logits mask stores the same -inf bits, and the sampler's draws are the same.
     So a model's outputs are the same on every CPU, not only on each."""
     targets = ["native", *filter(invariant_cpu.runs_here, NARROWER_TARGETS)]
     runs = [  # at once: each builds its library (seconds of compiler) and imports torch

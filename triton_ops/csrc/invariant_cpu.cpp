@@ -1,6 +1,6 @@
 // Batch-invariant CPU kernels for the model forward: matmuls over packed weights (float32, bfloat16, float16, and the
 // GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the k-quants Q4_K, Q5_K, Q6_K), attention over a token KV pool, RMSNorm and SiLU-and-multiply; and the
-// grammar's token mask applied to the logits.
+// grammar's token mask applied to the logits; and the sampler's Exp(1) draws.
 //
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
 // depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
@@ -503,6 +503,7 @@ static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, 
 #include "int8_blocks.h"
 #include "kquant_blocks.h"
 #include "attention.h"
+#include "sampling_noise.h"
 
 // ---- the grammar's token mask on the logits --------------------------------------------------------------------
 //
@@ -764,6 +765,11 @@ void invariant_mask_logits(void* logits, int32_t element_bytes, uint32_t neg_inf
                      std::min(row_words, first_word + kMaskWordsPerClaim));
     }
   });
+}
+
+// out[rows, vocab]: the sampler's Exp(1) draws, row r's from keys[r] (sampling_noise.h).
+void invariant_exponentials(const uint64_t* keys, int64_t rows, int64_t vocab, float* out, int32_t threads) {
+  exponentials_of_rows(keys, rows, vocab, out, threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,81 @@
+"""The sampler's Exp(1) draws (``triton_ops.sampling_noise``): the C++ kernel and the torch reference give the same
+bits, a row depends on its key alone, the draws are Exp(1), and sampling with them follows the distribution.
+
+Keys are fixed, so each statistical check has one fixed outcome (no flakiness); the thresholds are those of tests
+at the 0.1 % level."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from scheduler.sampler import SamplingRows, position_key, sample
+from scheduler.server_args import ServerArgs
+from tests.helpers import THREAD_COUNTS
+from triton_ops import NO_DRAFT, invariant_cpu
+from triton_ops.sampling_noise import exponentials, exponentials_reference
+
+EDGE_KEYS = [0, 1, -1, 2**63 - 1, -(2**63), 0x5DEECE66D]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    invariant_cpu.load(ServerArgs().kernel_build_path)
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 1023, 1024, 1025, 49_153])
+def test_the_kernel_draws_the_reference_bits_whatever_the_rows_and_threads(vocab: int) -> None:
+    """Odd vocabularies and chunk edges included; a row alone, in a batch, on any thread count: the same bits."""
+    keys = torch.tensor(EDGE_KEYS + [position_key(7, n) for n in range(4)])
+    expected = exponentials_reference(keys, vocab).view(torch.int32)
+    for threads in THREAD_COUNTS:
+        assert torch.equal(invariant_cpu.exponentials(keys, vocab, threads).view(torch.int32), expected)
+    alone = torch.cat([invariant_cpu.exponentials(keys[i : i + 1], vocab, 1) for i in range(len(keys))])
+    assert torch.equal(alone.view(torch.int32), expected)
+    assert torch.equal(exponentials(keys, vocab).view(torch.int32), expected)
+
+
+def test_a_shorter_vocabulary_draws_a_prefix_of_the_same_row() -> None:
+    keys = torch.tensor(EDGE_KEYS)
+    assert torch.equal(invariant_cpu.exponentials(keys, 777), invariant_cpu.exponentials(keys, 2000)[:, :777])
+
+
+def test_draws_are_exponential_along_rows_and_down_positions() -> None:
+    """Along a row (one position's draws over the vocabulary) and down a column (one token over a request's output
+    positions): Exp(1) by Kolmogorov-Smirnov, mean and variance 1, strictly positive and finite; neighbouring
+    positions' draws are uncorrelated."""
+    rows = invariant_cpu.exponentials(torch.tensor([position_key(11, n) for n in range(2048)]), 256).double()
+    for sample_ in (rows.flatten(), rows[:, 0], rows[:, 255], rows[0]):
+        assert stats.kstest(sample_.numpy(), "expon").pvalue > 1e-3
+    draws = rows.flatten()
+    assert abs(draws.mean().item() - 1) < 0.01 and abs(draws.var().item() - 1) < 0.02
+    assert bool((draws > 0).all()) and bool(torch.isfinite(draws).all())
+    correlation = torch.corrcoef(torch.stack((rows[:-1].flatten(), rows[1:].flatten())))[0, 1].item()
+    assert abs(correlation) < 0.01
+
+
+def test_sampling_follows_the_distribution_and_a_seed_repeats_its_tokens() -> None:
+    """4,000 positions of one request sampling from fixed probabilities: token frequencies pass a chi-square test
+    against them; the same seeds and positions give the same tokens again, one row at a time or in one batch."""
+    probabilities = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.03, 0.01])
+    positions = list(range(4000))
+    rows = _rows(len(positions), seeds=[5] * len(positions), positions=positions)
+    tokens = sample(probabilities.log().expand(len(positions), -1).clone(), rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probabilities)).double()
+    assert stats.chisquare(counts.numpy(), (probabilities.double() * len(positions)).numpy()).pvalue > 1e-3
+    one_at_a_time = [sample(probabilities.log()[None].clone(), _rows(1, [5], [n]))[0] for n in positions[:50]]
+    assert one_at_a_time == tokens[:50]
+
+
+def _rows(count: int, seeds: list[int], positions: list[int]) -> SamplingRows:
+    return SamplingRows(
+        temperatures=torch.ones(count),
+        top_ps=torch.ones(count),
+        min_ps=torch.zeros(count),
+        top_ks=[None] * count,
+        seeds=seeds,
+        positions=positions,
+        draft_token_ids=[NO_DRAFT] * count,
+        top_logprobs_nums=[None] * count,
+    )

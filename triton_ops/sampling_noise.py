@@ -1,0 +1,83 @@
+"""The sampler's ``Exp(1)`` draws: one row per sampling position, keyed by an int64 alone.
+
+The generator (``csrc/sampling_noise.h`` spells it out) is counter-based: SplitMix64 at counter ``c`` from the row's
+key gives the 32-bit words of tokens ``2c`` and ``2c + 1``, and each word becomes ``-log u`` by integer operations and
+IEEE float adds, multiplies and one division. So a row costs one pass over the vocabulary (a generator object per
+row, ``torch.Generator().exponential_``, cost ~0.7 ms per 49k-token row: more than a batch-of-32 forward), and the
+torch reference below, which serves where the C++ kernels are not loaded, gives the very same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triton_ops import invariant_cpu
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_SERIES_HEX = (  # 1/17, 1/15, ..., 1/3, each rounded to float32 as the C++ spells them
+    "0x1.e1e1e2p-5",
+    "0x1.111112p-4",
+    "0x1.3b13b2p-4",
+    "0x1.745d18p-4",
+    "0x1.c71c72p-4",
+    "0x1.24924ap-3",
+    "0x1.99999ap-3",
+    "0x1.555556p-2",
+)
+_SERIES = tuple(map(float.fromhex, _SERIES_HEX))
+_LN2_HI, _LN2_LO = float.fromhex("0x1.63p-1"), float.fromhex("-0x1.bd0106p-13")
+_SQRT2_BITS = 0x3FB504F3
+
+
+def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[len(keys), vocab]`` float32 ``Exp(1)`` draws, row ``r`` a function of ``keys[r]`` (int64) alone: the C++
+    kernel where this process has loaded it, else the torch reference (the same bits)."""
+    if invariant_cpu.is_loaded():
+        return invariant_cpu.exponentials(keys, vocab)
+    return exponentials_reference(keys, vocab)
+
+
+def exponentials_reference(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The generator in torch operations, element for element the C++ kernel's."""
+    pairs = (vocab + 1) // 2
+    counters = torch.arange(1, pairs + 1, dtype=torch.int64)
+    z = keys.to(torch.int64).unsqueeze(-1) + counters * _signed(_GAMMA)  # int64 arithmetic wraps as uint64's
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    words = torch.stack((z & 0xFFFFFFFF, _shift_right(z, 32)), dim=-1).reshape(len(keys), 2 * pairs)
+    return _exponential_of_words(words[:, :vocab])
+
+
+def _exponential_of_words(words: torch.Tensor) -> torch.Tensor:
+    upper = words >= 2**31  # u = t, else u = 1 - t
+    k = torch.where(upper, ~words & 0x7FFFFFFF, words).to(torch.int32)
+    t = (k.to(torch.float32) + 0.5) * 2.0**-32
+    bits = t.view(torch.int32)
+    exponent = (bits >> 23) - 127
+    mantissa_bits = (bits & 0x007FFFFF) | 0x3F800000
+    halve = mantissa_bits > _SQRT2_BITS
+    mantissa_bits = torch.where(halve, mantissa_bits - 0x00800000, mantissa_bits)
+    exponent = exponent + halve.to(torch.int32)
+    m = mantissa_bits.view(torch.float32)
+    y = torch.where(upper, m - 1.0, -t)
+    e = torch.where(upper, exponent.to(torch.float32), torch.zeros_like(t))
+    s = y / (y + 2.0)
+    w = s * s
+    r = torch.full_like(s, _SERIES[0])
+    for coefficient in _SERIES[1:]:
+        r = r * w + coefficient
+    two_s = s + s
+    log1p_y = two_s + two_s * (r * w)
+    return -(e * _LN2_HI + (e * _LN2_LO + log1p_y))
+
+
+def _signed(value: int) -> int:
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _shift_right(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
