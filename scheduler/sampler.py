@@ -52,9 +52,10 @@ def row_logprobs(logits: torch.Tensor, rows: SamplingRows) -> dict[int, torch.Te
 def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
     """Each row's token (``logits`` ``[R, vocab]`` float32, already masked; rows may be changed); a row's draft
     stands when its token is that draft. A row where every logit is -inf (its grammar allows nothing) gets None."""
-    dead = torch.isneginf(logits).all(dim=-1)
-    logits[dead] = 0.0
     tokens = logits.argmax(dim=-1)
+    dead = torch.isneginf(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))  # the row's best is -inf: all are
+    if bool(dead.any()):
+        logits[dead] = 0.0
     sampled = ((rows.temperatures > 0) & ~dead).nonzero().flatten()
     if len(sampled):
         indices = sampled.tolist()

@@ -6,6 +6,8 @@ at the 0.1 % level."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy import stats
@@ -79,3 +81,13 @@ def _rows(count: int, seeds: list[int], positions: list[int]) -> SamplingRows:
         draft_token_ids=[NO_DRAFT] * count,
         top_logprobs_nums=[None] * count,
     )
+
+
+def test_a_row_the_grammar_allows_nothing_in_gets_none_and_the_others_their_tokens() -> None:
+    """Greedy and sampled rows beside a row of only -inf logits (its grammar allows nothing)."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [-torch.inf] * 3, [2.0, -torch.inf, 9.0], [-torch.inf] * 3])
+    rows = _rows(4, seeds=[1, 2, 3, 4], positions=[0, 0, 0, 0])
+    greedy = dataclasses.replace(rows, temperatures=torch.tensor([0.0, 0.0, 0.0, 1.0]))
+    assert sample(logits.clone(), greedy) == [1, None, 2, None]
+    sampled = sample(logits.clone(), rows)
+    assert sampled[1] is None and sampled[3] is None and sampled[2] in (0, 2) and sampled[0] in (0, 1, 2)

@@ -44,6 +44,14 @@ static inline float softmax_numerators(float* s, int64_t L) {
 
 // ---- a token alone: head_dim in lanes --------------------------------------------------------------------------
 
+// A decode step's keys and values stream from memory (each token its own sequence), through the pool's row
+// indirection, which the hardware prefetcher cannot follow: rows this many keys ahead are asked for in advance.
+constexpr int64_t kPrefetchKeys = 32;
+
+static inline void prefetch_row(const float* row, int chunks) {
+  for (int c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + c * kLanes), _MM_HINT_T0);
+}
+
 // GROUP query heads of CHUNKS 16-float chunks (in registers) over one KV head. `scores` holds GROUP x L floats.
 template <int GROUP, int CHUNKS>
 static void attend(const float* q, const float* k_pool, const float* v_pool, int64_t row_stride, const int64_t* rows,
@@ -60,6 +68,7 @@ static void attend(const float* q, const float* k_pool, const float* v_pool, int
         continue;
       }
       const float* key = k_pool + rows[j0 + jj] * row_stride;
+      if (j0 + jj + kPrefetchKeys < L) prefetch_row(k_pool + rows[j0 + jj + kPrefetchKeys] * row_stride, CHUNKS);
       V16 k[CHUNKS];
       for (int c = 0; c < CHUNKS; ++c) k[c] = vload(key + c * kLanes);
       for (int h = 0; h < GROUP; ++h) {
@@ -77,6 +86,7 @@ static void attend(const float* q, const float* k_pool, const float* v_pool, int
     for (int c = 0; c < CHUNKS; ++c) acc[h][c] = vzero();
   for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j, each row loaded once
     const float* value = v_pool + rows[j] * row_stride;
+    if (j + kPrefetchKeys < L) prefetch_row(v_pool + rows[j + kPrefetchKeys] * row_stride, CHUNKS);
     for (int c = 0; c < CHUNKS; ++c) {
       const V16 v = vload(value + c * kLanes);
       for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
