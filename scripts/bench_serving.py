@@ -25,7 +25,7 @@ draft source, the acceptance rate and mean accepted run (from the schedulers' co
     python -m scripts.bench_serving [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
                                     [--peer llamacpp] [--model-runner llamacpp] [--compare-speculation]
                                     [--peer vllm --vllm-venv /tmp/vllm-venv]
-                                    [--temperature 0.7]
+                                    [--temperature 0.7] [--model-path FILE.gguf]
     python -m scripts.bench_serving --ranks
 
 The requests and their summaries: ``scripts.serving_workload``; speculation on against off:
@@ -88,7 +88,9 @@ async def bench(endpoints: dict[str, str], args: argparse.Namespace) -> list[dic
     if args.peer == "llamacpp":
         if not llamacpp_peer.is_available():
             raise SystemExit("--peer llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
-        peer = llamacpp_peer.LlamaCppPeer(threads=os.cpu_count() or 1, schema=PERSON_SCHEMA)
+        peer = llamacpp_peer.LlamaCppPeer(
+            os.cpu_count() or 1, PERSON_SCHEMA, model_path=args.model_path, temperature=args.temperature
+        )
     clients = {label: AsyncSchedulerClient(endpoint) for label, endpoint in endpoints.items()}
     for label, client in clients.items():
         pong = await client.wait_until_ready(timeout_s=600)
@@ -232,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         "--compare-speculation", action="store_true", help="speculation off and on, two schedulers side by side"
     )
     parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy requests")
+    parser.add_argument(
+        "--model-path", type=Path, default=None, help="a GGUF file for ours and --peer llamacpp (default: embedded)"
+    )
     parser.add_argument("--ranks", action="store_true", help="data- and tensor-parallel ranks against one rank")
     parser.add_argument("--output", type=Path, default=None, help="default: results/bench_serving_<backend>.json")
     args = parser.parse_args(argv)
@@ -239,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         for line in [*run_dp_benchmark(backend=args.backend), *run_tp_benchmark()]:
             print(line)
         return
+    if args.model_path is not None and (args.peer == "vllm" or args.ranks):
+        parser.error("--model-path is for our scheduler and --peer llamacpp, not --peer vllm or --ranks")
     if args.peer == "vllm" and (args.vllm_venv is None or args.compare_speculation):
         parser.error("--peer vllm needs --vllm-venv PATH (set-up: scripts/vllm_peer.py), not --compare-speculation")
     needed = sum(args.rounds * len(KINDS) * max(args.min_requests, args.waves * c) for c in args.concurrency)
@@ -264,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             flags = ["--zmq-port", str(port), "--grammar-backend", args.backend]
             flags += ["--max-running-requests", str(max(args.concurrency)), "--log-level", "warning"]
             flags += ["--model-runner", args.model_runner]
+            if args.model_path is not None:
+                flags += ["--model-path", str(args.model_path)]
             if args.peer == "vllm":
                 flags += ["--port", str(http_port)]
             if label in SPECULATION_LABELS:

@@ -51,7 +51,7 @@ def load_cpu_bitmask_kernel(build_dir: Path) -> bool:
 def _mask_with_library(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     num_rows = logits.shape[0] if rows is None else rows.numel()
     num_elements = num_rows * logits.shape[1]
-    threads = _THREAD_CHOICE.threads_for(num_elements, torch.get_num_threads())
+    threads = _THREAD_CHOICE.threads_for(num_elements, invariant_cpu.kernel_threads())
     start = time.perf_counter()
     invariant_cpu.mask_logits(logits, bitmask, rows, threads)
     _THREAD_CHOICE.record(threads, num_elements, time.perf_counter() - start)

@@ -10,7 +10,7 @@ AVX2 and scalar builds agree with each other too.
 
 The source is compiled once per machine with the C++ compiler at hand (``-O3 -march=native``, a few seconds)
 into a build directory keyed by the source, the compiler and the CPU, then loaded with ctypes. Its threads are a
-pool of its own (``torch.get_num_threads()`` per call): see the source's header for why not OpenMP.
+pool of its own (``kernel_threads()`` per call): see the source's header for why not OpenMP.
 """
 
 from __future__ import annotations
@@ -175,6 +175,22 @@ def _build(build_dir: Path, target: str) -> Path:
 
 
 _library: ctypes.CDLL | None = None
+_kernel_threads: int | None = None
+
+
+def kernel_threads() -> int:
+    """The kernels' thread count: ``set_kernel_threads``'s, else torch's intra-op count."""
+    return _kernel_threads or torch.get_num_threads()
+
+
+def set_kernel_threads(threads: int | None) -> None:
+    """Fix the kernels' thread count whatever torch's own becomes (None: follow torch's again). A serving process
+    runs torch's small ops (sampling, logprobs) on one thread while the kernels use the cores, because torch's
+    OpenMP team spins for a while after each of its parallel ops, on the cores the next forward needs."""
+    global _kernel_threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"the kernels need at least one thread, got {threads}")
+    _kernel_threads = threads
 
 
 def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
@@ -400,7 +416,7 @@ def _check_rows(x: torch.Tensor, width: int, what: str) -> None:
 def matmul(x: torch.Tensor, weight: PackedWeight, threads: int | None = None) -> torch.Tensor:
     """``x @ W.T``: float32 ``[M, in_features]`` -> ``[M, out_features]``, each row independent of the others.
 
-    ``threads`` (every kernel takes it): at most this many threads, ``torch.get_num_threads()`` by default."""
+    ``threads`` (every kernel takes it): at most this many threads, ``kernel_threads()`` by default."""
     _check_rows(x, weight.in_features, "matmul")
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     if x.shape[0]:
@@ -414,7 +430,7 @@ def matmul(x: torch.Tensor, weight: PackedWeight, threads: int | None = None) ->
             weight.out_features,
             out.data_ptr(),
             out.stride(0),
-            threads or torch.get_num_threads(),
+            threads or kernel_threads(),
         )
     return out
 
@@ -460,7 +476,7 @@ def attention(
             num_keys.data_ptr(),
             scale,
             out.data_ptr(),
-            threads or torch.get_num_threads(),
+            threads or kernel_threads(),
         )
     return out
 
@@ -475,7 +491,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int | N
     if x.shape[0]:
         _loaded().invariant_rms_norm(
             x.data_ptr(), x.shape[0], width, x.stride(0), weight.data_ptr(), eps, out.data_ptr(), width,
-            threads or torch.get_num_threads(),
+            threads or kernel_threads(),
         )  # fmt: skip
     return out
 
@@ -488,7 +504,7 @@ def silu_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
     if gate_up.shape[0]:
         _loaded().invariant_silu_mul(
-            gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), threads or torch.get_num_threads()
+            gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), threads or kernel_threads()
         )
     return out
 
@@ -606,7 +622,7 @@ def mask_logits(
         words.stride(0),
         None if rows is None else rows.data_ptr(),
         num_rows,
-        threads or torch.get_num_threads(),
+        threads or kernel_threads(),
     )
 
 
@@ -619,7 +635,7 @@ def exponentials(keys: torch.Tensor, vocab: int, threads: int | None = None) -> 
     out = torch.empty(keys.numel(), vocab, dtype=torch.float32)
     if out.numel():
         _loaded().invariant_exponentials(
-            keys.data_ptr(), keys.numel(), vocab, out.data_ptr(), threads or torch.get_num_threads()
+            keys.data_ptr(), keys.numel(), vocab, out.data_ptr(), threads or kernel_threads()
         )
     return out
 

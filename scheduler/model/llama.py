@@ -205,10 +205,10 @@ class LlamaModel:
         """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.
 
         Row ``j`` holds the next-token logits after packed token ``batch.logit_indices[j]``. The kernels run on
-        ``torch.get_num_threads()`` threads; the small torch ops between them on one (a torch op's thread team
+        ``invariant_cpu.kernel_threads()`` threads; the small torch ops between them on one (a torch op's thread team
         waits for all its threads, and on a busy machine one of them is often descheduled).
         """
-        threads = torch.get_num_threads()
+        threads = invariant_cpu.kernel_threads()
         with one_torch_thread():
             return self._forward(batch, pool, threads)
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 from sglang_constrained.tokenizer_loading import embedded_model_path
@@ -23,14 +24,17 @@ def is_available() -> bool:
 
 
 class LlamaCppPeer:
-    """The embedded SmolLM2 GGUF in llama.cpp, on the same number of threads as torch uses here."""
+    """A GGUF file (the embedded SmolLM2's by default) in llama.cpp, on the same number of threads as torch uses here,
+    sampling at ``temperature`` as our side does."""
 
-    def __init__(self, threads: int, schema: dict[str, Any]) -> None:
+    def __init__(
+        self, threads: int, schema: dict[str, Any], model_path: Path | None = None, temperature: float = 0.7
+    ) -> None:
         import llama_cpp
 
-        self._llm = llama_cpp.Llama(
-            model_path=str(embedded_model_path()), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False
-        )
+        path = model_path or embedded_model_path()
+        self._llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+        self._temperature = temperature
         self._grammar = llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
 
     def run_kind(self, kind: str, prompts: list[str], seeds: list[int], max_new_tokens: int) -> list[dict[str, Any]]:
@@ -46,7 +50,7 @@ class LlamaCppPeer:
         stream = self._llm.create_chat_completion(
             messages=[{"role": "user", "content": prompt}],
             max_tokens=max_new_tokens,
-            temperature=0.7,
+            temperature=self._temperature,
             stream=True,
             grammar=self._grammar if kind == "json" else None,
         )

@@ -174,6 +174,25 @@ def test_rms_norm_and_silu_rows_do_not_depend_on_the_batch(width: int) -> None:
     assert torch.allclose(invariant_cpu.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+def test_the_kernels_keep_their_threads_when_torch_drops_to_one() -> None:
+    """A serving process sets torch to one thread after fixing the kernels' count: they still use it (and their
+    results are the same bits whatever it is)."""
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(8))
+    weight = random_weight("q4_1", 40, 256)[0]
+    torch_threads = torch.get_num_threads()
+    try:
+        invariant_cpu.set_kernel_threads(3)
+        torch.set_num_threads(1)
+        assert invariant_cpu.kernel_threads() == 3
+        assert torch.equal(invariant_cpu.matmul(x, weight), invariant_cpu.matmul(x, weight, threads=1))
+        with pytest.raises(ValueError, match="at least one thread"):
+            invariant_cpu.set_kernel_threads(0)
+    finally:
+        invariant_cpu.set_kernel_threads(None)
+        torch.set_num_threads(torch_threads)
+    assert invariant_cpu.kernel_threads() == torch_threads
+
+
 CROSS_ISA_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
