@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -80,7 +81,9 @@ def system_prompt(tag: str, words: int) -> str:
     return f"You are travel assistant {tag}. {rules}"
 
 
-async def turn(http: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, float, dict]:
+async def turn(
+    http: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[str, float, dict[str, Any]]:
     """One streamed chat turn: ``(answer, seconds to its first token, usage)``."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}

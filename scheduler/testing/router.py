@@ -206,6 +206,12 @@ def is_healthy(server_url: str) -> bool:
 
 def num_generations(server_url: str) -> float:
     """The generations a server has answered since it started (its frontend's ``sglang:num_requests`` counter)."""
+    return server_metric(server_url, "sglang:num_requests_total")
+
+
+def server_metric(server_url: str, name: str) -> float:
+    """The sum of a server's ``name`` samples over their labels (its ``/metrics``)."""
     metrics = httpx.get(f"{server_url}/metrics", timeout=30).text
-    lines = [line for line in metrics.splitlines() if line.startswith("sglang:num_requests_total")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith((f"{name}{{", f"{name} "))
+    )
