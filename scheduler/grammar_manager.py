@@ -61,6 +61,13 @@ class GrammarMetrics:
             ["constraint", "result"],
             registry=self.registry,
         )
+        self.disk_cache_loads = Counter(
+            "sglang:grammar_disk_cache_loads",
+            "Cache misses whose grammar was read from the grammar disk cache rather than compiled (written there by "
+            "this server, another replica or rank, or an earlier start), by constraint kind",
+            ["constraint"],
+            registry=self.registry,
+        )
         self.failures = Counter(
             "sglang:grammar_failures",
             "Constrained requests refused: invalid constraint, compile timeout, compile not started (it waited for a "
@@ -180,7 +187,7 @@ class GrammarManager:
     def _admit(self, req: Req) -> None:
         assert req.grammar_key is not None and self.grammar_backend is not None
         grammar = _compiling(req).result()
-        self._observe_compile_time(req.grammar_key[0], grammar)
+        self._observe_compile(req.grammar_key[0], grammar)
         self.grammar_backend.set_cache(req.grammar_key, grammar.copy())
         req.grammar = grammar
         if req.grammar_queued_at is not None:
@@ -191,7 +198,7 @@ class GrammarManager:
         assert req.grammar_key is not None and self.grammar_backend is not None
         future = _compiling(req)
         if failure.is_compile_error:
-            self._observe_compile_time(req.grammar_key[0], future.result())
+            self._observe_compile(req.grammar_key[0], future.result())
             self.grammar_backend.set_cache(req.grammar_key, future.result())
         else:
             self.grammar_backend.discard_pending(req.grammar_key)
@@ -202,9 +209,11 @@ class GrammarManager:
         req.grammar = None
         req.abort(failure.abort)
 
-    def _observe_compile_time(self, kind: str, grammar: BaseGrammarObject) -> None:
+    def _observe_compile(self, kind: str, grammar: BaseGrammarObject) -> None:
         if grammar.grammar_stats is not None:
             self.metrics.compile_time.labels(kind).observe(grammar.grammar_stats.compile_time_s)
+            if grammar.grammar_stats.is_disk_cache_hit:
+                self.metrics.disk_cache_loads.labels(kind).inc()
 
     def _wake_up(self, _: Future[BaseGrammarObject]) -> None:
         # Under the lock: once closed, the pipe's fd numbers may belong to another file. A full pipe means the loop

@@ -123,15 +123,19 @@ def serve_replicas(server_args: ServerArgs, argv: Sequence[str]) -> int:
     try:
         if not _wait_until_healthy(replicas, stop_requested):
             return 0 if stop_requested else 1
-        router = subprocess.Popen(_router_command(server_args, [r.url for r in replicas]))
+        metrics_port = free_port(server_args.host)
+        router = subprocess.Popen(_router_command(server_args, [r.url for r in replicas], metrics_port))
         logger.info(
-            "SGLang's router (pid %d, %s) serving on http://%s:%d in front of %d replicas%s",
+            "SGLang's router (pid %d, %s) serving on http://%s:%d in front of %d replicas%s; the router's metrics on "
+            "http://%s:%d/metrics",
             router.pid,
             server_args.router_policy,
             connect_host,
             server_args.port,
             len(replicas),
             f" and {len(server_args.worker_urls)} servers by URL" if server_args.worker_urls else "",
+            connect_host,
+            metrics_port,
         )
         return _supervise(replicas, router, stop_requested)
     finally:
@@ -204,7 +208,7 @@ def _is_healthy(url: str) -> bool:
         return False
 
 
-def _router_command(server_args: ServerArgs, replica_urls: list[str]) -> list[str]:
+def _router_command(server_args: ServerArgs, replica_urls: list[str], metrics_port: int) -> list[str]:
     interval = str(server_args.router_health_check_interval)
     return [
         sys.executable,
@@ -221,7 +225,7 @@ def _router_command(server_args: ServerArgs, replica_urls: list[str]) -> list[st
         *server_args.worker_urls,
         # its Prometheus exporter's default port (29000) is one per machine
         "--prometheus-port",
-        str(free_port(server_args.host)),
+        str(metrics_port),
         "--health-check-interval-secs",
         interval,
         # a replica whose requests failed while it died is tried again as soon as it is back, not a minute later

@@ -5,34 +5,34 @@ server and one more. The router re-serialises every request with the fields of i
 taken with SGLang's meaning, and a constraint of every kind the router forwards holds on the three endpoints, streamed
 and not. What the router itself drops (chat's ``structural_tag``, ``guided_*`` and ``structured_outputs``;
 ``/generate``'s ``structural_tag``, ``choice`` and ``json_object``) never reaches a worker: README, "Behind SGLang's
-router". Last, the one command (``--dp-size 2 --router sglang``) and a replica's death under load. Skipped where the
-``router`` extra is not installed.
+router". Last, the one command (``--dp-size 2 --router sglang``): its replicas share the grammar disk cache, and one
+dies under load. Skipped where the ``router`` extra is not installed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import psutil
 import pytest
 
 from scheduler.http.generate_conversion import GENERATE_REFUSED_FIELDS
-from scheduler.testing.process import REPO_ROOT, free_port
-from scheduler.testing.router import RouterProcess, router_installed
+from scheduler.testing.router import ReplicaSet, RouterProcess, num_generations, router_installed, server_metric
+from sglang_constrained.grammar_disk_cache import ENTRY_SUFFIX
 from tests.helpers import (
     ANSWER_TAG,
+    COLD_GRAMMARS,
     COLORS,
     FEW_SHOT_JSON,
     HTTP_SERVER_FLAGS,
@@ -175,7 +175,7 @@ def test_constraints_hold_through_the_router(outcomes: dict[tuple[str, bool], An
 
 def test_both_workers_served(router: RouterProcess, outcomes: dict[tuple[str, bool], Any]) -> None:
     """The router spread the runs over both servers (each answered some: their frontends' request counters)."""
-    served = [num_requests(url) for url in router.worker_urls]
+    served = [num_generations(url) for url in router.worker_urls]
     assert all(count > 0 for count in served), served
 
 
@@ -230,28 +230,26 @@ def test_what_is_not_built_is_refused_by_name(
     assert error["param"] == name and error["code"] == "unsupported_parameter" and name in error["message"], error
 
 
-def test_replicas_behind_the_router_outlive_each_other() -> None:
+def test_replicas_behind_the_router_outlive_each_other(tmp_path: Path) -> None:
     """``python -m scheduler.launch --dp-size 2 --router sglang``: two independent servers and the router in one
-    command. One replica killed under load: every request in flight and every one after it is answered (the router
-    retries what the dead one held on the live one), the launcher restarts it on its port and the router counts it
-    healthy again; SIGTERM stops them all. (Its own launch, not one started ahead: the launcher's replicas and
-    router are what is tested.)"""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "scheduler.launch", "--dp-size", "2", "--router", "sglang", "--port", str(port)]
-    command += ["--router-policy", "round_robin", "--router-health-check-interval", "1", *HTTP_SERVER_FLAGS]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.NamedTemporaryFile(prefix="replicas-", suffix=".log", delete=False) as log_file:
-        log_path = log_file.name
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=environment)
+    command. They share one grammar disk cache: a schema compiled on one is read from it by the other. One replica
+    killed under load: every request in flight and every one after it is answered (the router retries what the dead
+    one held on the live one), the launcher restarts it on its port (it too reads the schema from the disk cache)
+    and the router counts it healthy again; SIGTERM stops them all. (Its own launch, not one started ahead: the
+    launcher's replicas and router are what is tested.)"""
+    flags = [flag for flag in HTTP_SERVER_FLAGS if flag not in COLD_GRAMMARS]
+    replicas = ReplicaSet(2, *flags, "--grammar-cache-dir", str(tmp_path), policy="round_robin")
     try:
-        wait_for_workers(url, launcher, log_path, healthy=2)
-        replicas = [p for p in psutil.Process(launcher.pid).children() if "scheduler.launch" in p.cmdline()]
-        assert len(replicas) == 2, replicas
+        replicas.wait_for_workers(healthy=2)
+        first, second = replicas.current(0), replicas.current(1)
+        schema = new_yes_no_schema()
+        answer = ask_schema(second.url, schema)
+        wait_for_entry(tmp_path)
+        assert ask_schema(first.url, schema) == answer
+        assert [disk_cache_loads(first.url), disk_cache_loads(second.url)] == [1, 0]
 
         async def load() -> tuple[list[int], list[int]]:
-            async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            async with httpx.AsyncClient(base_url=replicas.url, timeout=600) as http:
 
                 async def tokens(i: int) -> int:
                     body = {"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 24, "ignore_eos": True}
@@ -261,67 +259,60 @@ def test_replicas_behind_the_router_outlive_each_other() -> None:
 
                 in_flight = [asyncio.create_task(tokens(i)) for i in range(8)]
                 await asyncio.sleep(0.5)
-                replicas[0].send_signal(signal.SIGKILL)
+                os.kill(first.pid, signal.SIGKILL)
                 during = await asyncio.gather(*in_flight)
                 return during, list(await asyncio.gather(*(tokens(i) for i in range(8, 12))))
 
         during, after = asyncio.run(load())
         assert during == [24] * 8 and after == [24] * 4
-        restarted = wait_for_restart(log_path, replicas[0].pid)
-        wait_for_workers(url, launcher, log_path, healthy=2)
-        deadline = time.monotonic() + 60
-        while num_requests(restarted) == 0:  # round robin: the rejoined replica gets its turns again
-            assert time.monotonic() < deadline, read(log_path)[-3000:]
+        restarted = replicas.wait_for_restart(0, first.pid)
+        assert ask_schema(restarted.url, schema) == answer and disk_cache_loads(restarted.url) == 1
+        replicas.wait_for_workers(healthy=2)
+        served, deadline = num_generations(restarted.url), time.monotonic() + 60
+        while num_generations(restarted.url) == served:  # round robin: the rejoined replica gets its turns again
+            assert time.monotonic() < deadline, replicas.log()[-3000:]
             body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
-            assert httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=600).status_code == 200
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=120) == 0, read(log_path)[-3000:]
-        assert not psutil.pid_exists(replicas[1].pid) or psutil.Process(replicas[1].pid).status() == "zombie"
+            assert httpx.post(f"{replicas.url}{COMPLETIONS}", json=body, timeout=600).status_code == 200
+        assert replicas.stop() == 0, replicas.log()[-3000:]
+        assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie"
     finally:
-        if launcher.poll() is None:  # the test failed: its replicas and router go with it
-            for process in [*psutil.Process(launcher.pid).children(recursive=True), launcher]:
-                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                    process.kill()
-            launcher.wait()
-        os.unlink(log_path)
+        if replicas.process.poll() is None:  # the test failed: its replicas and router go with it
+            replicas.kill()
+        replicas.log_path.unlink(missing_ok=True)
 
 
-def wait_for_restart(log_path: str, killed_pid: int) -> str:
-    """The URL of the replica restarted after ``killed_pid`` died, once it answers ``/health``."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        lines = read(log_path).splitlines()
-        started = [line for line in lines if "replica 0 (pid" in line and "starting on" in line]
-        if len(started) == 2 and f"(pid {killed_pid})" not in started[1]:
-            restarted_url = started[1].rsplit(" ", 1)[1]
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{restarted_url}/health", timeout=5).status_code == 200:
-                    return restarted_url
-        time.sleep(0.2)
-    raise TimeoutError(read(log_path)[-3000:])
+def new_yes_no_schema() -> dict[str, Any]:
+    """``YES_NO_SCHEMA`` under a property name of its own: no cache, in memory or on disk, has its grammar."""
+    name = f"answer_{uuid.uuid4().hex[:8]}"
+    return {**YES_NO_SCHEMA, "properties": {name: YES_NO_SCHEMA["properties"]["answer"]}, "required": [name]}
 
 
-def num_requests(server_url: str) -> float:
-    """The generations a server has answered since it started (its frontend's counter)."""
-    metrics = httpx.get(f"{server_url}/metrics", timeout=30).text
-    lines = [line for line in metrics.splitlines() if line.startswith("sglang:num_requests_total")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+def ask_schema(server_url: str, schema: dict[str, Any]) -> str:
+    """A greedy chat answer constrained by ``schema``, straight from one server; checked against it."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    body = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "max_tokens": 24,
+        "temperature": 0,
+        "response_format": response_format,
+    }
+    response = httpx.post(f"{server_url}{CHAT}", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(text), schema)
+    return str(text)
 
 
-def wait_for_workers(url: str, launcher: subprocess.Popen[bytes], log_path: str, healthy: int) -> None:
-    """Until the router at ``url`` counts ``healthy`` workers healthy; fails with the log if the launcher exits."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert launcher.poll() is None, read(log_path)[-3000:]
-        try:
-            if httpx.get(f"{url}/readiness", timeout=5).json().get("healthy_workers") == healthy:
-                return
-        except (httpx.TransportError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(read(log_path)[-3000:])
+def wait_for_entry(cache_dir: Path, timeout_s: float = 60.0) -> None:
+    """Until the grammar disk cache in ``cache_dir`` holds an entry (a compile's entry is written in the
+    background, after its request has the grammar)."""
+    deadline = time.monotonic() + timeout_s
+    while not list(cache_dir.glob(f"*{ENTRY_SUFFIX}")):
+        assert time.monotonic() < deadline, f"no grammar was written to {cache_dir}"
+        time.sleep(0.1)
 
 
-def read(path: str) -> str:
-    with open(path, errors="replace") as log:
-        return log.read()
+def disk_cache_loads(server_url: str) -> float:
+    """Grammars a server read from the grammar disk cache rather than compiled."""
+    return server_metric(server_url, "sglang:grammar_disk_cache_loads_total")
