@@ -4,8 +4,10 @@ top-p (vLLM's order); and the log-probabilities a request asked for.
 A row at output position ``n`` of a request with sampling seed ``s`` samples by the exponential race
 ``argmax p / E`` with ``E ~ Exp(1)`` drawn by a counter-based generator keyed by ``(s, n)``
 (``triton_ops.sampling_noise``): a request's tokens depend on its seed and its text only, whatever else is in its
-batch and whether its tokens came one forward at a time or as verified drafts. Each row may carry a draft token; the
-row says whether the draft stands (``triton_ops.sample_and_verify``).
+batch and whether its tokens came one forward at a time or as verified drafts. A row without top-k, top-p or min-p
+runs the race in logarithms over its logits (``gumbel_race``: ``argmax (l - max l) / T - log E``, one pass and the
+same bits on every CPU); a filtered row over its filtered probabilities. Each row may carry a draft token; the draft
+stands when the row's token is that draft (``triton_ops.sample_and_verify``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from triton_ops import sample_and_verify
-from triton_ops.sampling_noise import exponentials
+from triton_ops.sampling_noise import exponentials, gumbel_race
 
 _MASK64 = 2**64 - 1
 
@@ -56,19 +58,29 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
     dead = torch.isneginf(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))  # the row's best is -inf: all are
     if bool(dead.any()):
         logits[dead] = 0.0
-    sampled = ((rows.temperatures > 0) & ~dead).nonzero().flatten()
-    if len(sampled):
-        indices = sampled.tolist()
+    sampled = (rows.temperatures > 0) & ~dead
+    unfiltered = (rows.top_ps >= 1.0) & (rows.min_ps <= 0.0) & torch.tensor([k is None for k in rows.top_ks])
+    if bool((sampled & unfiltered).any()):  # the race over the logits themselves: no softmax, no second pass
+        plain = (sampled & unfiltered).nonzero().flatten()
+        keys = _keys(rows, plain.tolist())
+        tokens[plain] = gumbel_race(logits[plain], rows.temperatures[plain], keys).to(tokens.device)
+    if bool((sampled & ~unfiltered).any()):
+        filtered = (sampled & ~unfiltered).nonzero().flatten()
+        indices = filtered.tolist()
         probs = _filtered_probs(
-            logits[sampled] / rows.temperatures[sampled].unsqueeze(-1),
+            logits[filtered] / rows.temperatures[filtered].unsqueeze(-1),
             [rows.top_ks[i] for i in indices],
-            rows.top_ps[sampled],
-            rows.min_ps[sampled],
+            rows.top_ps[filtered],
+            rows.min_ps[filtered],
         )
-        keys = torch.tensor([position_key(rows.seeds[i], rows.positions[i]) for i in indices], dtype=torch.int64)
         drafts = torch.tensor([rows.draft_token_ids[i] for i in indices])
-        _, tokens[sampled] = sample_and_verify(probs, exponentials(keys, probs.shape[1]).to(probs.device), drafts)
+        draws = exponentials(_keys(rows, indices), probs.shape[1]).to(probs.device)
+        _, tokens[filtered] = sample_and_verify(probs, draws, drafts)
     return [None if is_dead else token for token, is_dead in zip(tokens.tolist(), dead.tolist(), strict=True)]
+
+
+def _keys(rows: SamplingRows, indices: list[int]) -> torch.Tensor:
+    return torch.tensor([position_key(rows.seeds[i], rows.positions[i]) for i in indices], dtype=torch.int64)
 
 
 def position_key(seed: int, position: int) -> int:

@@ -212,6 +212,7 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
         library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
         library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
+        library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
         shape, layer, batch = ctypes.POINTER(_ModelShape), ctypes.POINTER(_LayerRef), ctypes.POINTER(_BatchRef)
         library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
         library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
@@ -226,6 +227,7 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
             "invariant_decoder",
             "invariant_mask_logits",
             "invariant_exponentials",
+            "invariant_gumbel_race",
         ):
             getattr(library, name).restype = None
         logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
@@ -638,6 +640,31 @@ def exponentials(keys: torch.Tensor, vocab: int, threads: int | None = None) -> 
             keys.data_ptr(), keys.numel(), vocab, out.data_ptr(), threads or kernel_threads()
         )
     return out
+
+
+def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row, ``argmax (logits - max) / temperature - log E`` over the draws ``E`` of the row's key (the first on
+    ties; -1 where every logit is -inf): a sample of ``softmax(logits / temperature)`` (``csrc/sampling_noise.h``).
+    ``logits``: float32 ``[rows, vocab]``, unit column stride; ``temperatures`` float32, ``keys`` int64 ``[rows]``."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"gumbel_race takes float32 [rows, vocab] logits with unit column stride, got {logits.dtype}")
+    temperatures = temperatures.to(torch.float32).contiguous()
+    keys = keys.to(torch.int64).contiguous()
+    if temperatures.shape != (logits.shape[0],) or keys.shape != (logits.shape[0],):
+        raise ValueError("gumbel_race takes one temperature and one key per row")
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0]:
+        _loaded().invariant_gumbel_race(
+            logits.data_ptr(),
+            logits.stride(0),
+            logits.shape[0],
+            logits.shape[1],
+            temperatures.data_ptr(),
+            keys.data_ptr(),
+            tokens.data_ptr(),
+            kernel_threads(),
+        )
+    return tokens
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -31,6 +31,23 @@ _LN2_HI, _LN2_LO = float.fromhex("0x1.63p-1"), float.fromhex("-0x1.bd0106p-13")
 _SQRT2_BITS = 0x3FB504F3
 
 
+def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row's sample of ``softmax(logits / temperature)`` by the race over its key's draws (-1 where every logit
+    is -inf): the C++ kernel where this process has loaded it, else the torch reference (the same tokens)."""
+    if invariant_cpu.is_loaded() and logits.device.type == "cpu":
+        return invariant_cpu.gumbel_race(logits.float().contiguous(), temperatures, keys)
+    return gumbel_race_reference(logits, temperatures, keys)
+
+
+def gumbel_race_reference(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The race in torch operations: ``argmax (l - max l) / t - log E``, the first on ties."""
+    logits = logits.float()
+    peaks = logits.max(dim=-1, keepdim=True).values
+    draws = exponentials_reference(keys.cpu(), logits.shape[1]).to(logits.device)
+    scores = (logits - peaks) / temperatures.to(logits).unsqueeze(-1) - _log_positive(draws)
+    return torch.where(torch.isneginf(peaks.squeeze(-1)), -1, scores.argmax(dim=-1))
+
+
 def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[len(keys), vocab]`` float32 ``Exp(1)`` draws, row ``r`` a function of ``keys[r]`` (int64) alone: the C++
     kernel where this process has loaded it, else the torch reference (the same bits)."""
@@ -55,15 +72,27 @@ def _exponential_of_words(words: torch.Tensor) -> torch.Tensor:
     upper = words >= 2**31  # u = t, else u = 1 - t
     k = torch.where(upper, ~words & 0x7FFFFFFF, words).to(torch.int32)
     t = (k.to(torch.float32) + 0.5) * 2.0**-32
-    bits = t.view(torch.int32)
-    exponent = (bits >> 23) - 127
+    e, m_less_1 = _split_positive(t)
+    y = torch.where(upper, m_less_1, -t)
+    return -_log_of_parts(e * upper.to(torch.float32), y)
+
+
+def _log_positive(x: torch.Tensor) -> torch.Tensor:
+    return _log_of_parts(*_split_positive(x))
+
+
+def _split_positive(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x = 2^e m``, ``m`` in ``[sqrt(1/2), sqrt(2))``: ``e`` and ``m - 1`` (exact), from the float's bits."""
+    bits = x.view(torch.int32)
     mantissa_bits = (bits & 0x007FFFFF) | 0x3F800000
     halve = mantissa_bits > _SQRT2_BITS
     mantissa_bits = torch.where(halve, mantissa_bits - 0x00800000, mantissa_bits)
-    exponent = exponent + halve.to(torch.int32)
-    m = mantissa_bits.view(torch.float32)
-    y = torch.where(upper, m - 1.0, -t)
-    e = torch.where(upper, exponent.to(torch.float32), torch.zeros_like(t))
+    exponent = (bits >> 23) - 127 + halve.to(torch.int32)
+    return exponent.to(torch.float32), mantissa_bits.view(torch.float32) - 1.0
+
+
+def _log_of_parts(e: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``e ln2 + log1p(y)``, the series and the order of the C++ ``log_of_parts``."""
     s = y / (y + 2.0)
     w = s * s
     r = torch.full_like(s, _SERIES[0])
@@ -71,7 +100,7 @@ def _exponential_of_words(words: torch.Tensor) -> torch.Tensor:
         r = r * w + coefficient
     two_s = s + s
     log1p_y = two_s + two_s * (r * w)
-    return -(e * _LN2_HI + (e * _LN2_LO + log1p_y))
+    return e * _LN2_HI + (e * _LN2_LO + log1p_y)
 
 
 def _signed(value: int) -> int:

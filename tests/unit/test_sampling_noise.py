@@ -15,7 +15,7 @@ from scheduler.sampler import SamplingRows, position_key, sample
 from scheduler.server_args import ServerArgs
 from tests.helpers import THREAD_COUNTS
 from triton_ops import NO_DRAFT, invariant_cpu
-from triton_ops.sampling_noise import exponentials, exponentials_reference
+from triton_ops.sampling_noise import exponentials, exponentials_reference, gumbel_race_reference
 
 EDGE_KEYS = [0, 1, -1, 2**63 - 1, -(2**63), 0x5DEECE66D]
 
@@ -54,6 +54,31 @@ def test_draws_are_exponential_along_rows_and_down_positions() -> None:
     assert bool((draws > 0).all()) and bool(torch.isfinite(draws).all())
     correlation = torch.corrcoef(torch.stack((rows[:-1].flatten(), rows[1:].flatten())))[0, 1].item()
     assert abs(correlation) < 0.01
+
+
+@pytest.mark.parametrize("vocab", [3, 1025, 49_153])
+def test_the_race_kernel_picks_the_reference_tokens_whatever_the_rows_and_threads(vocab: int) -> None:
+    """Temperatures from 0.05 to 2, rows with half their tokens masked, a row of only -inf (-1), one token allowed,
+    ties between masked-off logits: the kernel's token is the torch reference's, alone or in the batch."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(len(EDGE_KEYS) + 4, vocab, generator=generator) * 6
+    logits[1, ::2] = -torch.inf
+    logits[2] = -torch.inf
+    logits[3] = -torch.inf
+    logits[3, vocab // 2] = 0.0
+    logits[4] = 1.0  # every token tied: the draws decide
+    temperatures = torch.linspace(0.05, 2.0, len(logits))
+    keys = torch.tensor(EDGE_KEYS + [position_key(9, n) for n in range(4)])
+    expected = gumbel_race_reference(logits, temperatures, keys)
+    assert expected[2] == -1 and expected[3] == vocab // 2
+    for threads in THREAD_COUNTS:
+        invariant_cpu.set_kernel_threads(threads)
+        try:
+            assert torch.equal(invariant_cpu.gumbel_race(logits, temperatures, keys), expected)
+        finally:
+            invariant_cpu.set_kernel_threads(None)
+    alone = [invariant_cpu.gumbel_race(logits[i : i + 1], temperatures[i : i + 1], keys[i : i + 1]) for i in range(8)]
+    assert torch.equal(torch.cat(alone), expected[:8])
 
 
 def test_sampling_follows_the_distribution_and_a_seed_repeats_its_tokens() -> None:

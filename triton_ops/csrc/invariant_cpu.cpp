@@ -772,4 +772,11 @@ void invariant_exponentials(const uint64_t* keys, int64_t rows, int64_t vocab, f
   exponentials_of_rows(keys, rows, vocab, out, threads);
 }
 
+// tokens[rows]: the sampler's race over logits [rows, vocab] (row stride ld) at temperatures[rows] with the draws
+// of keys[rows] (sampling_noise.h); -1 for a row of only -inf.
+void invariant_gumbel_race(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperatures,
+                           const uint64_t* keys, int64_t* tokens, int32_t threads) {
+  gumbel_race_rows(logits, ld, rows, vocab, temperatures, keys, tokens, threads);
+}
+
 }  // extern "C"
