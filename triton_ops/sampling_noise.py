@@ -1,10 +1,11 @@
-"""The sampler's ``Exp(1)`` draws: one row per sampling position, keyed by an int64 alone.
+"""The sampler's ``Exp(1)`` draws, one row per sampling position keyed by an int64 alone, and the race over them.
 
 The generator (``csrc/sampling_noise.h`` spells it out) is counter-based: SplitMix64 at counter ``c`` from the row's
 key gives the 32-bit words of tokens ``2c`` and ``2c + 1``, and each word becomes ``-log u`` by integer operations and
-IEEE float adds, multiplies and one division. So a row costs one pass over the vocabulary (a generator object per
-row, ``torch.Generator().exponential_``, cost ~0.7 ms per 49k-token row: more than a batch-of-32 forward), and the
-torch reference below, which serves where the C++ kernels are not loaded, gives the very same bits.
+IEEE float adds, multiplies and one division. So a row costs one pass over the vocabulary, with no generator object
+per row (docs/benchmarks.md), and any token's draw can be made alone. The race ``gumbel_race`` samples a row's
+softmax from its logits and draws in logarithms. The torch references below serve where the C++ kernels are not
+loaded and give the very same bits and tokens.
 """
 
 from __future__ import annotations
