@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "invariant_cpu.cpp"
 HEADERS = tuple(
-    SOURCE.with_name(name) for name in ("int8_blocks.h", "kquant_blocks.h", "attention.h", "sampling_noise.h")
+    SOURCE.with_name(name)
+    for name in ("int8_blocks.h", "kquant_blocks.h", "attention.h", "sampling_noise.h", "decoder_layer.h")
 )
 """What SOURCE includes: part of the build's key."""
 COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
@@ -69,6 +70,13 @@ class WeightFormat(enum.IntEnum):
     def is_block(self) -> bool:
         """A GGUF block format: multiplied as integer dot products with activations quantised per 32-block."""
         return self not in (WeightFormat.F32, WeightFormat.BF16, WeightFormat.F16)
+
+
+class Activation(enum.IntEnum):
+    """The MLP's activation of its gate (values shared with the C++ source)."""
+
+    SILU = 0
+    GELU_TANH = 1
 
 
 BYTES_PER_BLOCK = {
@@ -210,6 +218,8 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
         library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
         library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
+        library.invariant_gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]
+        library.invariant_softcap.argtypes = [ptr, i64, i64, i64, f32, i32]
         library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
         library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
         library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
@@ -222,6 +232,8 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
             "invariant_attention",
             "invariant_rms_norm",
             "invariant_silu_mul",
+            "invariant_gelu_tanh_mul",
+            "invariant_softcap",
             "invariant_attention_block",
             "invariant_mlp_block",
             "invariant_decoder",
@@ -453,8 +465,8 @@ def attention(
     kv_heads = k_pool.shape[1]
     if heads % kv_heads or not _loaded().invariant_attention_supports(head_dim, heads // kv_heads):
         raise ValueError(
-            f"attention runs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per KV head; got {head_dim} and "
-            f"{heads} over {kv_heads}"
+            f"attention runs head_dim 16, 32, 64, 96, 128 or 256 and 1 to 8 query heads per KV head; got "
+            f"{head_dim} and {heads} over {kv_heads}"
         )
     if not (q.is_contiguous() and k_pool.is_contiguous()):
         raise ValueError(f"attention takes contiguous q {tuple(q.shape)} and pools")
@@ -500,15 +512,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int | N
 
 def silu_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for contiguous float32 ``[T, 2 N]`` holding gate then up."""
+    return _gated(Activation.SILU, gate_up, threads)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` (Gemma's MLP) for contiguous float32 ``[T, 2 N]`` holding gate then
+    up."""
+    return _gated(Activation.GELU_TANH, gate_up, threads)
+
+
+def _gated(activation: Activation, gate_up: torch.Tensor, threads: int | None) -> torch.Tensor:
     if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_mul takes contiguous float32 [rows, 2 N]; got {gate_up.dtype} {tuple(gate_up.shape)}")
+        raise ValueError(
+            f"{activation.name.lower()} takes contiguous float32 [rows, 2 N]; got {gate_up.dtype} "
+            f"{tuple(gate_up.shape)}"
+        )
     width = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], width, dtype=torch.float32)
+    kernel = {Activation.SILU: "invariant_silu_mul", Activation.GELU_TANH: "invariant_gelu_tanh_mul"}[activation]
     if gate_up.shape[0]:
-        _loaded().invariant_silu_mul(
+        getattr(_loaded(), kernel)(
             gate_up.data_ptr(), gate_up.shape[0], width, out.data_ptr(), threads or kernel_threads()
         )
     return out
+
+
+def softcap(x: torch.Tensor, cap: float, threads: int | None = None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` of float32 ``[T, N]`` (unit column stride), in place; returns ``x``. Gemma's
+    soft-capping of the logits."""
+    _check_rows(x, x.shape[1] if x.dim() == 2 else -1, "softcap")
+    if x.numel():
+        _loaded().invariant_softcap(
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), cap, threads or kernel_threads()
+        )
+    return x
 
 
 class _PackedRef(ctypes.Structure):
@@ -527,6 +564,12 @@ class _LayerRef(ctypes.Structure):
         ("qkv_bias", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
+        ("attention_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("rope_dim", ctypes.c_int64),
+        ("window", ctypes.c_int64),
         ("qkv", _PackedRef),
         ("o_proj", _PackedRef),
         ("gate_up", _PackedRef),
@@ -543,6 +586,7 @@ class _ModelShape(ctypes.Structure):
         ("intermediate", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("activation", ctypes.c_int32),
     ]
 
 
@@ -554,25 +598,41 @@ class _BatchRef(ctypes.Structure):
         ("key_rows", ctypes.c_void_p),
         ("key_starts", ctypes.c_void_p),
         ("num_keys", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
     ]
 
 
 @dataclass(frozen=True)
+class Rope:
+    """RoPE tables ``[positions, rope_dim]`` (float32): a layer turns the first ``rope_dim`` values of each head by
+    them (``rope_dim`` is the head's size but for partial rotary embeddings)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        return self.cos.shape[0]
+
+
+@dataclass(frozen=True)
 class DecoderLayer:
-    """One Llama-style decoder layer's weights: float32 norms (and Qwen2's q/k/v biases, Qwen3's per-head q/k
-    norms), and the four matmul weights packed."""
+    """One decoder layer's weights: float32 norms (and Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k
+    norms, Gemma 3's norms of each block's output), and the four matmul weights packed; its RoPE tables (None: a
+    layer without RoPE) and its sliding window (the keys a token attends to at most; None: all of them)."""
 
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the MLP block's input norm
     qkv: PackedWeight  # q, k and v projections stacked
     o_proj: PackedWeight
     gate_up: PackedWeight  # gate and up projections stacked
     down: PackedWeight
+    rope: Rope | None
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attention_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -676,12 +736,15 @@ def _packed_ref(weight: PackedWeight) -> _PackedRef:
 
 
 class Decoder:
-    """The decoder layers as the C++ blocks run them: per layer an attention block (norm, qkv, biases or q/k norms,
-    RoPE, the K/V written to the pool, attention, o_proj) and an MLP block (norm, gate and up, SiLU, down), each
-    returning its output before the residual add; ``run`` does every layer with the adds in one call.
+    """The decoder layers as the C++ blocks run them (``csrc/decoder_layer.h``): per layer an attention block (norm,
+    qkv, biases or q/k norms, RoPE, the K/V written to the pool, attention over the layer's window, o_proj) and an
+    MLP block (norm, gate and up, SiLU or GELU-tanh, down), each returning its output before the residual add (and
+    before the norm of the block's output, where the layer has one: ``add_block``); ``run`` does every layer with the
+    adds in one call.
 
     The same operations, in the same order, as composing this module's kernels in Python: one call per forward
-    instead of ~150 (the ctypes and torch overhead between them was ~2 ms a decode step).
+    instead of ~150 (the ctypes and torch overhead between them was ~2 ms a decode step). ``scale`` multiplies the
+    attention scores (``head_dim ** -0.5`` by default).
     """
 
     def __init__(
@@ -691,17 +754,24 @@ class Decoder:
         kv_heads: int,
         head_dim: int,
         eps: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        scale: float | None = None,
+        activation: Activation = Activation.SILU,
     ) -> None:
         hidden = layers[0].input_norm.shape[0]
         self.layers = layers  # the structs below point into these tensors
-        self.cos, self.sin = cos.contiguous(), sin.contiguous()
-        self.shape = _ModelShape(hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, head_dim**-0.5)
+        attention_scale = head_dim**-0.5 if scale is None else scale
+        self.shape = _ModelShape(
+            hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, attention_scale, int(activation)
+        )
         for layer in layers:
             for norm in (layer.q_norm, layer.k_norm):
                 if norm is not None and norm.shape != (head_dim,):
                     raise ValueError(f"a per-head norm has {tuple(norm.shape)} weights, not ({head_dim},)")
+            if layer.rope is not None and not (
+                0 < layer.rope.cos.shape[1] <= head_dim and layer.rope.cos.shape[1] % 2 == 0
+            ):
+                raise ValueError(f"RoPE tables of {layer.rope.cos.shape[1]} values for heads of {head_dim}")
+        self.max_positions = min((layer.rope.positions for layer in layers if layer.rope is not None), default=None)
         self.refs = (_LayerRef * len(layers))(
             *(
                 _LayerRef(
@@ -710,6 +780,12 @@ class Decoder:
                     _pointer(layer.qkv_bias),
                     _pointer(layer.q_norm),
                     _pointer(layer.k_norm),
+                    _pointer(layer.attention_out_norm),
+                    _pointer(layer.mlp_out_norm),
+                    _pointer(None if layer.rope is None else layer.rope.cos),
+                    _pointer(None if layer.rope is None else layer.rope.sin),
+                    0 if layer.rope is None else layer.rope.cos.shape[1],
+                    layer.window or 0,
                     _packed_ref(layer.qkv),
                     _packed_ref(layer.o_proj),
                     _packed_ref(layer.gate_up),
@@ -727,8 +803,6 @@ class Decoder:
             batch.key_rows.data_ptr(),
             batch.key_starts.data_ptr(),
             batch.num_keys.data_ptr(),
-            self.cos.data_ptr(),
-            self.sin.data_ptr(),
         )
 
     def run(
@@ -760,6 +834,15 @@ class Decoder:
         )  # fmt: skip
         return out
 
+    def add_block(self, index: int, hidden: torch.Tensor, block: torch.Tensor, attention: bool, threads: int) -> None:
+        """``hidden += block`` in place, after the norm of layer ``index``'s attention (or MLP) output where it has
+        one: the residual add ``run`` makes, for a block's output summed over tensor-parallel ranks."""
+        layer = self.layers[index]
+        norm = layer.attention_out_norm if attention else layer.mlp_out_norm
+        if norm is not None:
+            block = rms_norm(block, norm, self.shape.eps, threads)
+        hidden += block
+
     def mlp_block(self, index: int, hidden: torch.Tensor, threads: int) -> torch.Tensor:
         """Layer ``index``'s MLP block over ``hidden``: down's output ``[T, hidden]``, before the residual."""
         out = torch.empty_like(hidden)
@@ -773,5 +856,5 @@ class Decoder:
         _check_rows(hidden, self.shape.hidden, "the decoder")
         if not hidden.is_contiguous() or batch.positions.shape[0] != hidden.shape[0]:
             raise ValueError("the decoder takes contiguous hidden states, one row per token of the batch")
-        if int(batch.positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"positions reach {int(batch.positions.max())}, past the {self.cos.shape[0]} RoPE rows")
+        if self.max_positions is not None and int(batch.positions.max()) >= self.max_positions:
+            raise ValueError(f"positions reach {int(batch.positions.max())}, past the {self.max_positions} RoPE rows")

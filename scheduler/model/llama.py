@@ -2,7 +2,8 @@
 
 It computes what transformers' ``LlamaForCausalLM`` computes (RMSNorm, RoPE from the config's rope
 parameters, grouped-query attention, SwiGLU, tied or separate lm_head; Qwen2's q/k/v biases; Qwen3's RMSNorm of
-each query and key head before RoPE), but takes a
+each query and key head before RoPE), and what the other families add (``scheduler.model.architecture``: Phi-3,
+SmolLM3, Gemma 3), but takes a
 flat batch of new tokens, writes their K/V into the rows of a token pool, attends over each sequence's rows, and
 returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
 
@@ -30,11 +31,12 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from scheduler.model import architecture
 from scheduler.model.gguf_blocks import AS_Q8_0, BlockQuantized, as_q8_0, stack_blocks
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight
+from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight, Rope
 
 
 @dataclass(frozen=True)
@@ -124,15 +126,20 @@ class LlamaModel:
         self.vocab_size: int = config.vocab_size
         self.eps: float = config.rms_norm_eps
         self.matmul_dtype = matmul_dtype
+        self.architecture = arch = architecture.of(config)
+        weights = unfused(weights, config, self.shard)
 
         def stored(name: str) -> torch.Tensor | BlockQuantized:
             if name not in weights:
-                raise ValueError(f"the checkpoint lacks {name!r}; is it a Llama-style causal LM?")
+                raise ValueError(f"the checkpoint lacks {name!r}; is it a {arch.model_type} causal LM?")
             return weights[name]
 
         def weight(name: str) -> torch.Tensor:
             value = stored(name)
             return value.dequantize() if isinstance(value, BlockQuantized) else value.to(torch.float32).contiguous()
+
+        def norm(name: str) -> torch.Tensor:  # Gemma's 1 + w, in float32 as transformers adds it
+            return weight(name) + arch.norm_offset if arch.norm_offset else weight(name)
 
         def packed(*names: str, dtype: torch.dtype = matmul_dtype) -> PackedWeight:
             return pack_weight([stored(name) for name in names], dtype)
@@ -141,39 +148,62 @@ class LlamaModel:
         self.embed = embed if isinstance(embed, BlockQuantized) else weight("model.embed_tokens.weight")
         if self.embed.shape[0] != self.shard.vocab[1] - self.shard.vocab[0]:
             raise ValueError(f"the embedding has {self.embed.shape[0]} rows, not those of the shard {self.shard}")
-        self.norm = weight("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         # float32 logits from float32 weights: bfloat16's rounding would tie logits that float32 keeps apart
         self.lm_head = packed(lm_head, dtype=torch.float32)
+        ropes = {
+            key: Rope(*_rope_tables(config, self.head_dim, max_positions, None if key == "default" else key))
+            for key in {plan.rope for plan in arch.layers if plan.rope is not None}
+        }
+        # Gemma 3 names its MLP's input norm pre_feedforward_layernorm, and its attention output's norm
+        # post_attention_layernorm (Llama's name for the MLP's input norm)
+        mlp_norm = "pre_feedforward_layernorm" if arch.block_out_norms else "post_attention_layernorm"
         self.layers = []
-        for i in range(self.num_layers):
+        for i, plan in enumerate(arch.layers):
             p = f"model.layers.{i}."
             bias_names = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
             if f"{p}self_attn.o_proj.bias" in weights:
                 raise ValueError("the checkpoint has an o_proj bias (attention_bias), which the decoder blocks lack")
-            optional = lambda name: weight(name) if name in weights else None  # noqa: E731
+            optional = lambda name: norm(name) if name in weights else None  # noqa: E731
             self.layers.append(
                 DecoderLayer(
-                    input_norm=weight(f"{p}input_layernorm.weight"),
+                    input_norm=norm(f"{p}input_layernorm.weight"),
                     qkv=packed(*(f"{p}self_attn.{x}_proj.weight" for x in "qkv")),
                     qkv_bias=torch.cat([weight(name) for name in bias_names]) if bias_names[0] in weights else None,
                     q_norm=optional(f"{p}self_attn.q_norm.weight"),
                     k_norm=optional(f"{p}self_attn.k_norm.weight"),
                     o_proj=packed(f"{p}self_attn.o_proj.weight"),
-                    post_norm=weight(f"{p}post_attention_layernorm.weight"),
+                    post_norm=norm(f"{p}{mlp_norm}.weight"),
                     gate_up=packed(f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
                     down=packed(f"{p}mlp.down_proj.weight"),
+                    rope=None if plan.rope is None else ropes[plan.rope],
+                    attention_out_norm=norm(f"{p}post_attention_layernorm.weight") if arch.block_out_norms else None,
+                    mlp_out_norm=norm(f"{p}post_feedforward_layernorm.weight") if arch.block_out_norms else None,
+                    window=plan.window,
                 )
             )
-        cos, sin = _rope_tables(config, self.head_dim, max_positions)
-        self.decoder = Decoder(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, cos, sin)
+        self.decoder = Decoder(
+            self.layers,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            scale=arch.attention_scale,
+            activation=arch.activation,
+        )
+        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale, dtype=torch.float32)
 
     @property
     def num_weight_bytes(self) -> int:
         """Bytes of the weights this rank holds in their formats (matmul weights, embedding, norms, biases)."""
         embed = self.embed
         tensors = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
-        optional = [t for layer in self.layers for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        optional = [
+            t
+            for layer in self.layers
+            for t in (layer.qkv_bias, layer.q_norm, layer.k_norm, layer.attention_out_norm, layer.mlp_out_norm)
+        ]
         tensors += [t for t in optional if t is not None]
         tensors += list(embed.parts.values()) if isinstance(embed, BlockQuantized) else [embed]
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
@@ -213,17 +243,25 @@ class LlamaModel:
             return self._forward(batch, pool, threads)
 
     def _forward(self, batch: ForwardBatch, pool: TokenKVPool, threads: int) -> torch.Tensor:
-        hidden = self._embed(batch.input_ids).contiguous()
+        hidden = self._embed(batch.input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        hidden = hidden.contiguous()
         tokens = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
         if self.tp.size == 1:
             self.decoder.run(hidden, tokens, pool.k, pool.v, threads)
         else:  # the ranks sum each block's output before the residual add
             for i in range(self.num_layers):
                 attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads)
-                hidden = hidden + self.tp.all_reduce(attention)
-                hidden = hidden + self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads))
+                self.decoder.add_block(i, hidden, self.tp.all_reduce(attention), True, threads)
+                self.decoder.add_block(
+                    i, hidden, self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads)), False, threads
+                )
         selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
-        return self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
+        logits = self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
+        if self.architecture.final_softcap is not None:
+            invariant_cpu.softcap(logits, self.architecture.final_softcap, threads)
+        return logits
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids`` ``[T, hidden]``: on several ranks each looks up the ids of its vocabulary
@@ -287,15 +325,57 @@ def pack_blocks(blocks: BlockQuantized) -> PackedWeight:
     raise ValueError(f"{b.format} blocks without the parts of their format: {sorted(parts)}")
 
 
-def _rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[max_positions, head_dim]``, computed in float32 as transformers does."""
-    rope_type = config.rope_parameters.get("rope_type", "default")
+def _rope_tables(
+    config: PretrainedConfig, head_dim: int, max_positions: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[max_positions, rope_dim]``, computed in float32 as transformers does: of the config's RoPE, or
+    of the one of ``layer_type`` where the config has one per layer type (Gemma 3). ``rope_dim`` is ``head_dim``, or
+    its ``partial_rotary_factor`` (Phi-3)."""
+    parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    rope_type = parameters.get("rope_type", "default")
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        inv_freq, scaling = 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
+        rope_dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+        inv_freq, scaling = 1.0 / (parameters["rope_theta"] ** exponents), 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos() * scaling, angles.sin() * scaling
+    return (angles.cos() * scaling).contiguous(), (angles.sin() * scaling).contiguous()
+
+
+FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+"""Phi-3's fused projections and the parts they stack by rows."""
+
+
+def unfused(
+    weights: Mapping[str, torch.Tensor | BlockQuantized], config: PretrainedConfig, shard: ShardPlan
+) -> Mapping[str, torch.Tensor | BlockQuantized]:
+    """``weights`` with Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` (read whole on every rank) as their parts
+    under Llama's names, each this rank's rows of it; the same matrices the runner packs stacked again."""
+    if not any(name.endswith(f"{fused}.weight") for name in weights for fused in FUSED):
+        return weights
+    head_dim, heads, kv_heads = shard.head_dim, config.num_attention_heads, config.num_key_value_heads
+    q_size, kv_size, inter = heads * head_dim, kv_heads * head_dim, config.intermediate_size
+    local_heads = (shard.heads[0] * head_dim, shard.heads[1] * head_dim)
+    local_kv = (shard.kv_heads[0] * head_dim, shard.kv_heads[1] * head_dim)
+    rows = {  # each part's rows of the fused matrix this rank holds
+        "q": local_heads,
+        "k": (q_size + local_kv[0], q_size + local_kv[1]),
+        "v": (q_size + kv_size + local_kv[0], q_size + kv_size + local_kv[1]),
+        "gate": shard.intermediate,
+        "up": (inter + shard.intermediate[0], inter + shard.intermediate[1]),
+    }
+    split: dict[str, torch.Tensor | BlockQuantized] = {}
+    for name, value in weights.items():
+        stem = next((f for f in FUSED if name.endswith(f"{f}.weight")), None)
+        if stem is None:
+            split[name] = value
+            continue
+        prefix = name[: -len(f"{stem}.weight")]
+        for part in FUSED[stem]:
+            start, stop = rows[part]
+            part_name = f"{prefix}{stem.split('.')[0]}.{part}_proj.weight"
+            split[part_name] = value.narrow(0, start, stop) if isinstance(value, BlockQuantized) else value[start:stop]
+    return split

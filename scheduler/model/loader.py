@@ -25,6 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from scheduler.model import architecture
+from scheduler.model.architecture import SUPPORTED_MODEL_TYPES
 from scheduler.model.gguf_blocks import BlockQuantized, from_parts, read_gguf_weights, split_part_name
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ServerArgs
@@ -37,11 +39,10 @@ from sglang_constrained.tokenizer_loading import (
 
 logger = logging.getLogger(__name__)
 
-# Model types whose checkpoints share Llama's weight names and layer structure (Qwen2 adds q/k/v biases, Qwen3 an
-# RMSNorm of each query and key head).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3")
+"""llama.cpp's names of the families (``scheduler.model.architecture``); Mistral's files say "llama"."""
 # What the attention kernel runs (triton_ops.invariant_cpu.attention).
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+ATTENTION_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8
 BLOCKS_KIND = "blocks2"
 """The cache folders of GGUF files' blocks (``conversion_cache_dir``'s kind): since the k-quants, whose tensors the
@@ -116,18 +117,13 @@ def write_resolved_config(folder: Path) -> None:
 
 
 def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
-    """Raise ValueError naming what the plain-torch Llama forward cannot run faithfully."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r} ({getattr(config, 'architectures', None)}); "
-            f"the model runner serves Llama-style causal LMs: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported activation {config.hidden_act!r} in {model_type}; only SwiGLU (silu)")
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE type {rope_type!r} in {model_type}; one of {SUPPORTED_ROPE_TYPES}")
+    """Raise ValueError naming what the model runner's forward cannot run faithfully."""
+    model_type = config.model_type
+    arch = architecture.of(config)
+    for parameters in arch.rope_parameters.values():
+        rope_type = parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE type {rope_type!r} in {model_type}; one of {SUPPORTED_ROPE_TYPES}")
     if getattr(config, "attention_bias", False) and model_type == "qwen3":
         raise ValueError(f"unsupported attention_bias in {model_type}: the decoder blocks have no o_proj bias")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
@@ -141,12 +137,6 @@ def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
     if max_seq_len > max_positions:
         raise ValueError(
             f"--max-seq-len {max_seq_len} exceeds the {max_positions} positions {model_type} was trained for"
-        )
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < max_seq_len:
-        raise ValueError(
-            f"{model_type} uses sliding-window attention ({window} tokens), which the model runner does not "
-            f"implement; set --max-seq-len {window} or lower"
         )
 
 
@@ -188,12 +178,12 @@ def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
-def _check_gguf_architecture(architecture: Any, gguf_file: Path) -> None:
+def _check_gguf_architecture(name: Any, gguf_file: Path) -> None:
     """Refuse an architecture the runner cannot serve, before the tensors' conversion (tens of seconds)."""
-    if architecture not in SUPPORTED_MODEL_TYPES:
+    if name not in SUPPORTED_GGUF_ARCHITECTURES + SUPPORTED_MODEL_TYPES:  # a file's name, or transformers' for it
         raise ValueError(
-            f"unsupported architecture {architecture!r} in {gguf_file.name}; "
-            f"the model runner serves Llama-style causal LMs: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported architecture {name!r} in {gguf_file.name}; "
+            f"the model runner serves these causal LM families: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
 
 

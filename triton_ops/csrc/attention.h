@@ -291,7 +291,9 @@ static void attention(const float* q, int64_t T, int64_t H, int64_t D, const flo
     case 16: attend_one = attend_for_group<1>(group), attend_run = attend_tile<1>; break;
     case 32: attend_one = attend_for_group<2>(group), attend_run = attend_tile<2>; break;
     case 64: attend_one = attend_for_group<4>(group), attend_run = attend_tile<4>; break;
+    case 96: attend_one = attend_for_group<6>(group), attend_run = attend_tile<6>; break;
     case 128: attend_one = attend_for_group<8>(group), attend_run = attend_tile<8>; break;
+    case 256: attend_one = attend_for_group<16>(group), attend_run = attend_tile<16>; break;
   }
   if (attend_one == nullptr) return;
   std::vector<Run> runs;

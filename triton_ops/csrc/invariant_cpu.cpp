@@ -589,8 +589,8 @@ void invariant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int6
   matmul_groups<kMR, kNP>(format, x, M, K, ldx, packed, N, y, ldy, threads);
 }
 
-// Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64 or 128, at most 8
-// query heads per KV head: invariant_attention_supports).
+// Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64, 96, 128 or 256, at
+// most 8 query heads per KV head: invariant_attention_supports).
 // q [T, H, D]; k_pool, v_pool [R, Hkv, D]; token t attends to the pool rows rows[row_start[t] + j],
 // j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing one KV head. Tokens that
 // share row_start are one sequence's; attention.h states the arithmetic, the same for every token in any call.
@@ -601,7 +601,8 @@ void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const 
 }
 
 int32_t invariant_attention_supports(int64_t head_dim, int64_t group) {
-  return (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
+  return (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256) &&
+         group >= 1 && group <= 8;
 }
 
 // out[T, N] = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm orders it.
@@ -639,114 +640,40 @@ void invariant_silu_mul(const float* x, int64_t T, int64_t N, float* out, int32_
   });
 }
 
-
-// ---- a decoder layer in two blocks ------------------------------------------------------------------------------
-//
-// The forward of one Llama-style layer as the Python reference spells it (llama.py), with the same operations in
-// the same order: the attention block returns o_proj's output, the MLP block down's, each before its residual add
-// (under tensor parallelism the ranks sum those between the blocks). invariant_decoder runs every layer, residual
-// adds included, for one rank: one call per forward instead of ~150 kernel calls from Python.
-
-struct PackedRef {
-  const uint8_t* data;
-  int32_t format;
-  int64_t out_features, in_features;
-};
-
-struct LayerRef {
-  const float* input_norm;
-  const float* post_norm;
-  const float* qkv_bias;  // or null
-  const float* q_norm;    // per-head RMSNorm of q and k (Qwen3), or null
-  const float* k_norm;
-  PackedRef qkv, o_proj, gate_up, down;
-};
-
-struct ModelShape {
-  int64_t hidden, heads, kv_heads, head_dim, intermediate;
-  float eps, scale;
-};
-
-struct BatchRef {
-  int64_t tokens;
-  const int64_t* positions;
-  const int64_t* new_rows;
-  const int64_t* key_rows;
-  const int64_t* key_starts;
-  const int64_t* num_keys;
-  const float* cos;  // [positions, head_dim] tables
-  const float* sin;
-};
-
-static void matmul_ref(const float* x, int64_t M, const PackedRef& w, float* y, int32_t threads) {
-  invariant_matmul(w.format, x, M, w.in_features, w.in_features, w.data, w.out_features, y, w.out_features, threads);
-}
-
-// RoPE in transformers' layout, in place on `heads` heads of one token: x * cos + rotate_half(x) * sin, each
-// product rounded, then the sum (the compiler fuses nothing: -ffp-contract=off).
-static void rotate(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
-  const int64_t half = head_dim / 2;
-  float rotated[256];
-  for (int64_t h = 0; h < heads; ++h) {
-    float* v = x + h * head_dim;
-    for (int64_t d = 0; d < half; ++d) rotated[d] = -v[d + half];
-    for (int64_t d = half; d < head_dim; ++d) rotated[d] = v[d - half];
-    for (int64_t d = 0; d < head_dim; ++d) v[d] = v[d] * cos[d] + rotated[d] * sin[d];
-  }
-}
-
-void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
-                               const float* hidden, float* k_layer, float* v_layer, float* out, int32_t threads) {
-  const int64_t T = batch->tokens, D = shape->head_dim, H = shape->heads, Hkv = shape->kv_heads;
-  const int64_t q_size = H * D, kv_size = Hkv * D, width = q_size + 2 * kv_size;
-  std::vector<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attention(T * q_size);
-  invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
-                     threads);
-  matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = qkv.data() + t * width;
-    if (layer->qkv_bias != nullptr)
-      for (int64_t i = 0; i < width; ++i) row[i] = row[i] + layer->qkv_bias[i];
-    if (layer->q_norm != nullptr) {
-      invariant_rms_norm(row, H, D, D, layer->q_norm, shape->eps, row, D, 1);
-      invariant_rms_norm(row + q_size, Hkv, D, D, layer->k_norm, shape->eps, row + q_size, D, 1);
+// out[T, N] = gelu_tanh(gate) * up, with gate = x[:, :N] and up = x[:, N:2N] (Gemma's MLP). gelu_tanh(g) =
+// g / 2 * (1 + tanh(u)) with u = sqrt(2 / pi) * (g + 0.044715 g^3) is g / (1 + exp(-2u)): SiLU's form, u's
+// products rounded one by one, then one exp, one division.
+void invariant_gelu_tanh_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    const float* gate = x + t * 2 * N;
+    const float* up = gate + N;
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 g = vload_at(gate, n, N);
+      V16 inner = vadd(g, vmul(vset1(0.044715f), vmul(vmul(g, g), g)));
+      V16 e = vexp(vmul(vset1(-1.5957691216057308f), inner));  // -2 sqrt(2 / pi)
+      vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
     }
-    const float* cos = batch->cos + batch->positions[t] * D;
-    const float* sin = batch->sin + batch->positions[t] * D;
-    rotate(row, H + Hkv, D, cos, sin);
-    memcpy(q.data() + t * q_size, row, q_size * sizeof(float));
-    memcpy(k_layer + batch->new_rows[t] * kv_size, row + q_size, kv_size * sizeof(float));
-    memcpy(v_layer + batch->new_rows[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
   }
-  invariant_attention(q.data(), T, H, D, k_layer, v_layer, Hkv, batch->key_rows, batch->key_starts, batch->num_keys,
-                      shape->scale, attention.data(), threads);
-  matmul_ref(attention.data(), T, layer->o_proj, out, threads);
+  });
 }
 
-void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
-                         int32_t threads) {
-  const int64_t inter = layer->gate_up.out_features / 2;
-  std::vector<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
-  invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
-                     threads);
-  matmul_ref(x.data(), T, layer->gate_up, gate_up.data(), threads);
-  invariant_silu_mul(gate_up.data(), T, inter, mlp.data(), threads);
-  matmul_ref(mlp.data(), T, layer->down, out, threads);
+// x[T, N] = cap * tanh(x / cap) in place, rows ldx apart (Gemma's soft-capping of logits); tanh(y) as
+// 2 / (1 + exp(-2y)) - 1, whose exp saturates to give +-1 for large |y|.
+void invariant_softcap(float* x, int64_t T, int64_t N, int64_t ldx, float cap, int32_t threads) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    float* row = x + t * ldx;
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 y = vdiv(vload_at(row, n, N), vset1(cap));
+      V16 e = vexp(vmul(vset1(-2.0f), y));
+      V16 tanh = vsub(vdiv(vset1(2.0f), vadd(vset1(1.0f), e)), vset1(1.0f));
+      vstore_at(row, n, N, vmul(tanh, vset1(cap)));
+    }
+  }
+  });
 }
 
-// Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place).
-void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
-                       float* hidden, float* k_pool, float* v_pool, int64_t layer_stride, int32_t threads) {
-  const int64_t n = batch->tokens * shape->hidden;
-  std::vector<float> block(n);
-  for (int32_t i = 0; i < num_layers; ++i) {
-    invariant_attention_block(shape, &layers[i], batch, hidden, k_pool + i * layer_stride, v_pool + i * layer_stride,
-                              block.data(), threads);
-    for (int64_t j = 0; j < n; ++j) hidden[j] = hidden[j] + block[j];
-    invariant_mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
-    for (int64_t j = 0; j < n; ++j) hidden[j] = hidden[j] + block[j];
-  }
-}
 
 // Masks rows of logits [*, vocab] (float32, or a 16-bit float: element_bytes 4 or 2) in place by int32 words
 // [*, num_words]: the rows rows[0..num_rows) of both, or rows 0..num_rows when rows is null. Rows and the word
@@ -780,3 +707,5 @@ void invariant_gumbel_race(const float* logits, int64_t ld, int64_t rows, int64_
 }
 
 }  // extern "C"
+
+#include "decoder_layer.h"

@@ -1,0 +1,153 @@
+// A decoder layer in two blocks: included by invariant_cpu.cpp after its kernels, which it composes.
+//
+// The forward of one layer as transformers' models compute it, each operation one of the batch-invariant kernels or
+// an elementwise step in a fixed order: the attention block returns o_proj's output, the MLP block down's, each
+// before its residual add (under tensor parallelism the ranks sum those between the blocks). invariant_decoder runs
+// every layer, residual adds included, for one rank: one call per forward instead of ~150 kernel calls from Python.
+//
+// What the families differ in is data, not code paths through the kernels:
+// - Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (an RMSNorm of each query and key head), Phi-3 (q/k/v and gate/up
+//   stored fused, which the runner packs stacked anyway; RoPE over the first rope_dim of each head);
+// - SmolLM3: layers without RoPE (null tables);
+// - Gemma 3: an RMSNorm of each block's output before its residual add, GELU-tanh in the MLP, and sliding-window
+//   attention with RoPE tables of their own on most layers. Its norms' (1 + w) and its embedding's scale are taken
+//   care of by the caller (llama.py): they are a weight and an elementwise product.
+
+struct PackedRef {
+  const uint8_t* data;
+  int32_t format;
+  int64_t out_features, in_features;
+};
+
+struct LayerRef {
+  const float* input_norm;
+  const float* post_norm;  // the MLP block's input norm
+  const float* qkv_bias;   // or null
+  const float* q_norm;     // per-head RMSNorm of q and k (Qwen3, Gemma 3), or null
+  const float* k_norm;
+  const float* attention_out_norm;  // RMSNorm of each block's output before the residual add (Gemma 3), or null
+  const float* mlp_out_norm;
+  const float* cos;  // [positions, rope_dim] tables, or null: a layer without RoPE (SmolLM3)
+  const float* sin;
+  int64_t rope_dim;  // RoPE turns the first rope_dim values of each head (all of head_dim but for Phi-3's partial)
+  int64_t window;    // sliding-window attention: a token attends to at most its last `window` keys; 0: to all
+  PackedRef qkv, o_proj, gate_up, down;
+};
+
+enum Activation : int32_t { kSilu = 0, kGeluTanh = 1 };
+
+struct ModelShape {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate;
+  float eps, scale;
+  int32_t activation;  // Activation: of the MLP's gate
+};
+
+struct BatchRef {
+  int64_t tokens;
+  const int64_t* positions;
+  const int64_t* new_rows;
+  const int64_t* key_rows;
+  const int64_t* key_starts;
+  const int64_t* num_keys;
+};
+
+namespace {
+
+void matmul_ref(const float* x, int64_t M, const PackedRef& w, float* y, int32_t threads) {
+  invariant_matmul(w.format, x, M, w.in_features, w.in_features, w.data, w.out_features, y, w.out_features, threads);
+}
+
+// RoPE in transformers' layout, in place on the first `rope_dim` values of `heads` heads of one token:
+// x * cos + rotate_half(x) * sin, each product rounded, then the sum (the compiler fuses nothing:
+// -ffp-contract=off); the rest of each head passes through.
+void rotate(float* x, int64_t heads, int64_t head_dim, int64_t rope_dim, const float* cos, const float* sin) {
+  const int64_t half = rope_dim / 2;
+  float rotated[256];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t d = 0; d < half; ++d) rotated[d] = -v[d + half];
+    for (int64_t d = half; d < rope_dim; ++d) rotated[d] = v[d - half];
+    for (int64_t d = 0; d < rope_dim; ++d) v[d] = v[d] * cos[d] + rotated[d] * sin[d];
+  }
+}
+
+// hidden += norm(block), or += block without a norm: one residual add of T rows.
+void add_block(const ModelShape* shape, const float* norm, int64_t T, float* hidden, float* block, int32_t threads) {
+  if (norm != nullptr)
+    invariant_rms_norm(block, T, shape->hidden, shape->hidden, norm, shape->eps, block, shape->hidden, threads);
+  const int64_t n = T * shape->hidden;
+  for (int64_t j = 0; j < n; ++j) hidden[j] = hidden[j] + block[j];
+}
+
+}  // namespace
+
+extern "C" {
+
+void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
+                               const float* hidden, float* k_layer, float* v_layer, float* out, int32_t threads) {
+  const int64_t T = batch->tokens, D = shape->head_dim, H = shape->heads, Hkv = shape->kv_heads;
+  const int64_t q_size = H * D, kv_size = Hkv * D, width = q_size + 2 * kv_size;
+  std::vector<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attention(T * q_size);
+  invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
+                     threads);
+  matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = qkv.data() + t * width;
+    if (layer->qkv_bias != nullptr)
+      for (int64_t i = 0; i < width; ++i) row[i] = row[i] + layer->qkv_bias[i];
+    if (layer->q_norm != nullptr) {
+      invariant_rms_norm(row, H, D, D, layer->q_norm, shape->eps, row, D, 1);
+      invariant_rms_norm(row + q_size, Hkv, D, D, layer->k_norm, shape->eps, row + q_size, D, 1);
+    }
+    if (layer->cos != nullptr) {
+      const int64_t at = batch->positions[t] * layer->rope_dim;
+      rotate(row, H + Hkv, D, layer->rope_dim, layer->cos + at, layer->sin + at);
+    }
+    memcpy(q.data() + t * q_size, row, q_size * sizeof(float));
+    memcpy(k_layer + batch->new_rows[t] * kv_size, row + q_size, kv_size * sizeof(float));
+    memcpy(v_layer + batch->new_rows[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+  }
+  const int64_t* key_starts = batch->key_starts;
+  const int64_t* num_keys = batch->num_keys;
+  std::vector<int64_t> window_starts, window_keys;
+  if (layer->window > 0) {  // a token's last `window` keys: its rows from key_starts + skipped on
+    window_starts.resize(T), window_keys.resize(T);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t skipped = std::max<int64_t>(0, num_keys[t] - layer->window);
+      window_starts[t] = key_starts[t] + skipped, window_keys[t] = num_keys[t] - skipped;
+    }
+    key_starts = window_starts.data(), num_keys = window_keys.data();
+  }
+  invariant_attention(q.data(), T, H, D, k_layer, v_layer, Hkv, batch->key_rows, key_starts, num_keys, shape->scale,
+                      attention.data(), threads);
+  matmul_ref(attention.data(), T, layer->o_proj, out, threads);
+}
+
+void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
+                         int32_t threads) {
+  const int64_t inter = layer->gate_up.out_features / 2;
+  std::vector<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
+  invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
+                     threads);
+  matmul_ref(x.data(), T, layer->gate_up, gate_up.data(), threads);
+  if (shape->activation == kGeluTanh)
+    invariant_gelu_tanh_mul(gate_up.data(), T, inter, mlp.data(), threads);
+  else
+    invariant_silu_mul(gate_up.data(), T, inter, mlp.data(), threads);
+  matmul_ref(mlp.data(), T, layer->down, out, threads);
+}
+
+// Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place).
+void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
+                       float* hidden, float* k_pool, float* v_pool, int64_t layer_stride, int32_t threads) {
+  std::vector<float> block(batch->tokens * shape->hidden);
+  for (int32_t i = 0; i < num_layers; ++i) {
+    invariant_attention_block(shape, &layers[i], batch, hidden, k_pool + i * layer_stride, v_pool + i * layer_stride,
+                              block.data(), threads);
+    add_block(shape, layers[i].attention_out_norm, batch->tokens, hidden, block.data(), threads);
+    invariant_mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
+    add_block(shape, layers[i].mlp_out_norm, batch->tokens, hidden, block.data(), threads);
+  }
+}
+
+}  // extern "C"
