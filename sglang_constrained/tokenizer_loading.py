@@ -62,7 +62,10 @@ def load_tokenizer(model_path: Path, cache_dir: Path) -> Any:
             return _load_converted_tokenizer(target)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        except ValueError:  # transformers reads no config of the file's architecture (SmolLM3): its tokenizer alone
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path.parent, gguf_file=model_path.name)
         save_tokenizer_atomically(tokenizer, target)
         return tokenizer
 

@@ -126,8 +126,15 @@ def from_parts(fmt: str, parts: dict[str, torch.Tensor]) -> BlockQuantized:
     return BlockQuantized(fmt, parts["scales"], parts["quants"], get("mins"), get("super_scales"), get("super_mins"))
 
 
+ROTARY_PERMUTED = ("llama", "smollm3")
+"""Architectures whose q and k rows llama.cpp's converter interleaves (its Llama converter and those built on it)."""
+NORM_SHIFTED = ("gemma3",)
+"""Architectures whose RMSNorm weights llama.cpp stores as ``1 + w`` (Gemma's norms multiply by that)."""
+
+
 def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name for a Llama-style model, from the gguf package's name table."""
+    """GGUF tensor name -> Hugging Face name for the families of ``scheduler.model.architecture``, from the gguf
+    package's name table (Phi-3's projections fused, Gemma 3's four norms a layer)."""
     import gguf
 
     arch = next((arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture), None)
@@ -135,25 +142,33 @@ def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
         raise ValueError(f"the gguf package does not know the architecture {architecture!r}")
     table = gguf.get_tensor_name_map(arch, num_layers)
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    fused = architecture == "phi3"  # its gate_up_proj and Llama's up_proj are both ffn_up
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-        names += [f"{p}self_attn.{x}_proj.{kind}" for x in "qkvo" for kind in ("weight", "bias")]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    mapping = {}
-    for hf_name in names:
+        names += [f"{p}{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm")]
+        names += [f"{p}{norm}.weight" for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        names += [f"{p}self_attn.{x}_norm.weight" for x in "qk"]
+        if fused:
+            names += [f"{p}self_attn.qkv_proj.weight", f"{p}mlp.gate_up_proj.weight"]
+        else:
+            names += [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")]
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up")]
+        names += [f"{p}self_attn.o_proj.{kind}" for kind in ("weight", "bias")] + [f"{p}mlp.down_proj.weight"]
+    mapping: dict[str, str] = {}
+    for hf_name in names:  # the first name wins: Llama's MLP norm is ffn_norm, which Gemma names pre_feedforward
         stem, suffix = hf_name.rsplit(".", 1)
         gguf_stem = table.get_name(stem)
         if gguf_stem is not None:
-            mapping[f"{gguf_stem}.{suffix}"] = hf_name
+            mapping.setdefault(f"{gguf_stem}.{suffix}", hf_name)
     return mapping
 
 
 def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
     """Every tensor a ``gguf.GGUFReader`` reads, under its Hugging Face name: the block formats (``FORMATS``) as
     blocks, F16 and BF16 as float16 and bfloat16 tensors (packed as they are: the same bits as float32, half the
-    bytes), the rest de-quantised to float32. Llama's q and k rows are put back in Hugging Face's order (llama.cpp's
-    converter interleaves the two halves of each head's rotary pairs)."""
+    bytes), the rest de-quantised to float32. Llama's (and SmolLM3's) q and k rows are put back in Hugging Face's order
+    (llama.cpp's converter interleaves the two halves of each head's rotary pairs); Gemma's norms back from ``1 + w``
+    to ``w``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -175,8 +190,10 @@ def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
             value = _sixteen_bits(raw, tensor.tensor_type == GGMLQuantizationType.BF16)
         else:
             value = torch.from_numpy(np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32))
-        if architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if architecture in ROTARY_PERMUTED and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             value = _take_rows(value, _rotary_order(value.shape[0], heads if "attn_q" in tensor.name else kv_heads))
+        if architecture in NORM_SHIFTED and tensor.name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+            value = value - 1  # as transformers' GGUF loader: the Hugging Face weight, to which the forward adds 1
         weights[hf_names[tensor.name]] = value
     return weights
 

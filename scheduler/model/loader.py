@@ -28,6 +28,12 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from scheduler.model import architecture
 from scheduler.model.architecture import SUPPORTED_MODEL_TYPES
 from scheduler.model.gguf_blocks import BlockQuantized, from_parts, read_gguf_weights, split_part_name
+from scheduler.model.gguf_config import (
+    TRANSFORMERS_UNREAD,
+    gguf_architecture,
+    read_gguf_config,
+    restore_phi3_fields,
+)
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import (
@@ -161,7 +167,7 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
         staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
         try:
             if keep_blocks:
-                _write_blocks(gguf_file, staging)
+                _write_blocks(gguf_file, staging, dequantise=False)
             else:
                 _dequantise(gguf_file, staging)
             write_resolved_config(staging)
@@ -192,12 +198,21 @@ def _dequantise(gguf_file: Path, staging: Path) -> None:
 
     The config read first serves both the architecture check and the model's load (which reads the config itself
     when given none): the file is parsed once less than with a reader of its own for the check (~2 s of a first
-    start of the embedded model, measured)."""
+    start of the embedded model, measured). Architectures transformers does not read (``TRANSFORMERS_UNREAD``) are
+    de-quantised by ``gguf_blocks`` instead, in ``gguf.quants``' order and rounding."""
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
     logger.info("first start: de-quantising %s (cached afterwards)", gguf_file.name)
-    gguf_config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    try:
+        gguf_config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    except ValueError:
+        if gguf_architecture(GGUFReader(gguf_file)) not in TRANSFORMERS_UNREAD:
+            raise
+        return _write_blocks(gguf_file, staging, dequantise=True)
     _check_gguf_architecture(gguf_config.model_type, gguf_file)
+    if gguf_config.model_type == "phi3":
+        restore_phi3_fields(gguf_config, GGUFReader(gguf_file))
     model = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, config=gguf_config, dtype=torch.float32
     )
@@ -214,19 +229,21 @@ def _dequantise(gguf_file: Path, staging: Path) -> None:
     model.generation_config.save_pretrained(staging)
 
 
-def _write_blocks(gguf_file: Path, staging: Path) -> None:
-    """``gguf_file``'s tensors under Hugging Face names, blocks kept as blocks, and its config, at ``staging``."""
+def _write_blocks(gguf_file: Path, staging: Path, dequantise: bool) -> None:
+    """``gguf_file``'s tensors under Hugging Face names, blocks kept as blocks (or de-quantised to float32), and its
+    config, at ``staging``."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_file)
-    field = reader.get_field("general.architecture")
-    _check_gguf_architecture(field.contents() if field is not None else None, gguf_file)
+    _check_gguf_architecture(gguf_architecture(reader), gguf_file)
     logger.info("first start: reading the blocks of %s (cached afterwards)", gguf_file.name)
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    config = read_gguf_config(gguf_file, reader)
     tensors: dict[str, torch.Tensor] = {}
     for name, value in read_gguf_weights(reader).items():
-        tensors |= value.tensors(name) if isinstance(value, BlockQuantized) else {name: value.contiguous()}
+        if isinstance(value, BlockQuantized):
+            tensors |= {name: value.dequantize()} if dequantise else value.tensors(name)
+        else:
+            tensors[name] = value.float().contiguous() if dequantise else value.contiguous()
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(staging)
     GenerationConfig.from_model_config(config).save_pretrained(staging)

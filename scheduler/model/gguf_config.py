@@ -1,0 +1,82 @@
+"""A GGUF file's model config: as transformers reads it, with what its reading drops for our families put back, and
+SmolLM3's, which transformers does not read at all.
+
+- Phi-3: llama.cpp's converter writes the sliding window and the RoPE dimension count, which transformers' GGUF
+  mapping skips (a Phi-3-mini-4k file would lose its 2047-token window, a partial-rotary file its partial RoPE).
+- SmolLM3: the Llama keys under ``smollm3.``; every fourth layer has no RoPE, as llama.cpp fixes it (no key says so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
+"""llama.cpp's ``n_no_rope_layer_step`` for SmolLM3, set in its source rather than read from the file."""
+TRANSFORMERS_UNREAD = ("smollm3",)
+"""Architectures whose GGUF files transformers reads neither config nor weights of."""
+
+
+def gguf_architecture(reader: Any) -> str | None:
+    """The ``general.architecture`` of a ``gguf.GGUFReader``'s file."""
+    field = reader.get_field("general.architecture")
+    return None if field is None else str(field.contents())
+
+
+def read_gguf_config(gguf_file: Path, reader: Any) -> PretrainedConfig:
+    """The model config of ``gguf_file`` (its ``gguf.GGUFReader`` is ``reader``), without a quantization config."""
+    architecture = gguf_architecture(reader)
+    if architecture == "smollm3":
+        return _smollm3_config(reader)
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    if architecture == "phi3":
+        restore_phi3_fields(config, reader)
+    return config
+
+
+def restore_phi3_fields(config: PretrainedConfig, reader: Any) -> None:
+    """Put the sliding window and the partial RoPE of a Phi-3 file back into ``config`` (see module doc)."""
+    window = _value(reader, "phi3.attention.sliding_window")
+    if window:
+        config.sliding_window = int(window)
+    rope_dim = _value(reader, "phi3.rope.dimension_count")
+    head_dim = config.hidden_size // config.num_attention_heads
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        config.rope_parameters["partial_rotary_factor"] = int(rope_dim) / head_dim
+
+
+def _smollm3_config(reader: Any) -> PretrainedConfig:
+    from transformers import SmolLM3Config
+
+    def key(name: str, default: Any = None) -> Any:
+        value = _value(reader, f"smollm3.{name}")
+        return default if value is None else value
+
+    if key("rope.scaling.type", "none") != "none":
+        raise ValueError(f"unsupported RoPE scaling {key('rope.scaling.type')!r} in a SmolLM3 GGUF file")
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    return SmolLM3Config(
+        vocab_size=int(key("vocab_size", tensors["token_embd.weight"].data.shape[0])),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        no_rope_layer_interval=SMOLLM3_NO_ROPE_LAYER_INTERVAL,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_value(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_value(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+def _value(reader: Any, name: str) -> Any:
+    field = reader.get_field(name)
+    return None if field is None else field.contents()

@@ -1,0 +1,150 @@
+"""Every model family the runner serves beside Llama, on the exact kernels, against transformers: tiny random-weight
+models built from each family's transformers config (no download), from a Hugging Face folder and from a GGUF file
+written as llama.cpp lays that family out. Logits within float32 rounding of transformers', greedy tokens equal.
+
+What each family adds is engaged: Phi-3's fused projections, partial RoPE and sliding window; SmolLM3's layers without
+RoPE; Gemma 3's sliding-window layers with their own RoPE base, GELU-tanh, (1 + w) norms, norms of each block's output,
+scaled embedding, and (from a folder) soft-capped logits and its own attention scale. Prompts run past the windows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Phi3Config, SmolLM3Config
+
+from scheduler.model.runner import ModelRunner
+from scheduler.server_args import ServerArgs
+from tests.tiny_models import random_norms, tiny_tokenizer, write_gguf
+from triton_ops import invariant_cpu
+
+VOCAB = 300
+TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.5,
+    pad_token_id=None,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+FAMILIES = {
+    "phi3 (fused projections, half the head rotated, window 10)": lambda: Phi3Config(
+        **TINY, sliding_window=10, partial_rotary_factor=0.5
+    ),
+    "smollm3 (layer 4 without RoPE)": lambda: SmolLM3Config(**TINY),
+    # six layers: Gemma 3's pattern of five sliding-window layers and a full one, as llama.cpp fixes it for its files
+    "gemma3 (window 8 on five layers of six)": lambda: Gemma3TextConfig(
+        **(TINY | {"num_hidden_layers": 6}), head_dim=16, sliding_window=8
+    ),
+}
+FOLDER_ONLY = {  # what a GGUF file does not say (llama.cpp's Gemma 3 has neither), or a family served before
+    "gemma3 soft-capped logits, query scale 24": lambda: Gemma3TextConfig(
+        **TINY, head_dim=16, sliding_window=8, sliding_window_pattern=2, final_logit_softcapping=2.5,
+        query_pre_attn_scalar=24,
+    ),  # fmt: skip
+    "mistral, window 12": lambda: MistralConfig(**TINY, sliding_window=12),
+}
+PROMPT_LENGTHS = (70, 30)
+GREEDY_STEPS = 8
+TOLERANCE = 1e-4
+"""Largest logit difference from transformers, relative to the largest logit (float32 summation orders differ;
+measured up to 2e-5)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels(server_args: ServerArgs) -> None:
+    invariant_cpu.load(server_args.kernel_build_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return tiny_tokenizer(VOCAB)
+
+
+def reference_model(make_config: Any) -> Any:
+    """transformers' model of the config, random weights (norms too), float32."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config()).eval()
+    random_norms(model, torch.Generator().manual_seed(1))
+    return model
+
+
+def check_against(reference: Any, runner: ModelRunner) -> None:
+    """Two prompts prefilled together, then decoded together: each row within TOLERANCE of transformers' logits of
+    the same tokens; then greedy decoding of the first prompt gives transformers' greedy tokens."""
+    tokens = torch.randint(1, VOCAB, (max(PROMPT_LENGTHS) + 1,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompts = [tokens[:n] for n in PROMPT_LENGTHS]
+    seqs = [runner.kv.admit(prompt, 64) for prompt in prompts]
+    assert all(seq is not None for seq in seqs)
+    ours = [runner.prefill(seqs, prompts), runner.decode(seqs, [tokens[n] for n in PROMPT_LENGTHS])]
+    for seq in seqs:
+        runner.kv.release(seq)
+    with torch.inference_mode():
+        full = [reference(torch.tensor([tokens[: n + 1]])).logits[0] for n in PROMPT_LENGTHS]
+    expected = [torch.stack([f[n - 1] for f, n in zip(full, PROMPT_LENGTHS, strict=True)]),
+                torch.stack([f[n] for f, n in zip(full, PROMPT_LENGTHS, strict=True)])]  # fmt: skip
+    for got, want in zip(ours, expected, strict=True):
+        assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
+    assert greedy(runner, prompts[0]) == reference_greedy(reference, prompts[0])
+
+
+def greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
+    seq = runner.kv.admit(prompt, GREEDY_STEPS)
+    assert seq is not None
+    out = [int(runner.prefill([seq], [prompt])[0].argmax())]
+    for _ in range(GREEDY_STEPS - 1):
+        out.append(int(runner.decode([seq], [out[-1]])[0].argmax()))
+    runner.kv.release(seq)
+    return out
+
+
+def reference_greedy(reference: Any, prompt: list[int]) -> list[int]:
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(GREEDY_STEPS):
+            tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def tiny_runner(server_args: ServerArgs, model_path: Path, cache: Path, weight_dtype: str) -> ModelRunner:
+    return ModelRunner(
+        server_args.with_overrides(
+            model_path=str(model_path),
+            cache_dir=str(cache),
+            max_seq_len=128,
+            max_total_tokens=512,
+            weight_dtype=weight_dtype,
+        )
+    )
+
+
+@pytest.mark.parametrize("make_config", [*FAMILIES.values(), *FOLDER_ONLY.values()], ids=[*FAMILIES, *FOLDER_ONLY])
+def test_a_model_folder_computes_what_transformers_computes(
+    make_config: Any, tokenizer: Any, tmp_path: Path, server_args: ServerArgs
+) -> None:
+    reference = reference_model(make_config)
+    reference.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    check_against(reference, tiny_runner(server_args, tmp_path / "model", tmp_path / "cache", "float32"))
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "float32"])
+@pytest.mark.parametrize("make_config", FAMILIES.values(), ids=FAMILIES.keys())
+def test_a_gguf_file_computes_what_transformers_computes(
+    make_config: Any, weight_dtype: str, tokenizer: Any, tmp_path: Path, server_args: ServerArgs
+) -> None:
+    """Both conversions: the tensors kept as the file stores them (``auto``), and de-quantised to a float32 folder
+    (by transformers for Phi-3 and Gemma 3, by our reader for SmolLM3, which transformers does not read)."""
+    reference = reference_model(make_config)
+    write_gguf(reference, tokenizer, tmp_path / "tiny.gguf")
+    runner = tiny_runner(server_args, tmp_path / "tiny.gguf", tmp_path / "cache", weight_dtype)
+    assert runner.tokenizer.encode("fib(n)") == tokenizer.encode("fib(n)")
+    check_against(reference, runner)
