@@ -15,7 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel
@@ -24,6 +32,7 @@ from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import free_port
 from tests.helpers import write_random_model
+from tests.tiny_models import random_norms
 from triton_ops import invariant_cpu
 
 pytestmark = pytest.mark.multirank
@@ -43,7 +52,13 @@ CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True),
     "qwen2-biases": lambda: Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=False),
     "qwen3-head-norms": lambda: Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False),
+    "phi3-fused": lambda: Phi3Config(**SHAPE, pad_token_id=None, sliding_window=10, partial_rotary_factor=0.5),
+    "gemma3-block-norms": lambda: Gemma3TextConfig(
+        **SHAPE, pad_token_id=None, head_dim=16, sliding_window=8, sliding_window_pattern=2
+    ),
 }
+WRITTEN_BY_TRANSFORMERS = ("phi3", "gemma3_text")
+"""Families whose random checkpoints transformers writes (``write_random_model`` knows Llama's names only)."""
 LOGITS_TOLERANCE = 1e-6
 """Largest difference from one rank's logits, relative to the largest logit: partial sums of o_proj and down reduce
 in another order than one matmul, which moves logits by a few float32 ulps of the largest (measured: up to 3e-7)."""
@@ -86,11 +101,27 @@ def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "size"), [("llama-tied", 2), ("qwen2-biases", 2), ("qwen3-head-norms", 2), ("llama-tied", 3)]
+    ("name", "size"),
+    [
+        ("llama-tied", 2),
+        ("qwen2-biases", 2),
+        ("qwen3-head-norms", 2),
+        ("llama-tied", 3),
+        ("phi3-fused", 2),
+        ("gemma3-block-norms", 2),
+    ],
 )
 def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: int, tmp_path: Path) -> None:
+    """Phi-3's fused projections are split into each rank's rows; Gemma 3's norms of a block's output apply to the
+    ranks' sum."""
     config = CONFIGS[name]()
-    write_random_model(config, tmp_path)
+    if config.model_type in WRITTEN_BY_TRANSFORMERS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        random_norms(model, torch.Generator().manual_seed(1))
+        model.save_pretrained(tmp_path)
+    else:
+        write_random_model(config, tmp_path)
     invariant_cpu.load(ServerArgs().kernel_build_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
@@ -111,7 +142,7 @@ def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: in
     torch.testing.assert_close(ranks[0]["logits"], expected, rtol=0, atol=LOGITS_TOLERANCE * scale)
     assert (ranks[0]["logits"].argmax(-1) == expected.argmax(-1)).all()
     assert [rank["kv_heads"] for rank in ranks] == ([2, 1] if size == 2 else [1, 1, 1])
-    replicated = (2 * config.num_hidden_layers + 1) * config.hidden_size  # the layer norms and the final norm
-    if config.model_type == "qwen3":  # the query and key head norms
-        replicated += config.num_hidden_layers * 2 * config.head_dim
+    norms = [(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attention_out_norm,
+              layer.mlp_out_norm) for layer in single.layers]  # fmt: skip
+    replicated = config.hidden_size + sum(norm.numel() for layer in norms for norm in layer if norm is not None)
     assert sum(rank["bytes"] for rank in ranks) == single.num_weight_bytes + (size - 1) * replicated * 4

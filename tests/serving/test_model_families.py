@@ -47,9 +47,13 @@ FAMILIES = {
 }
 FOLDER_ONLY = {  # what a GGUF file does not say (llama.cpp's Gemma 3 has neither), or a family served before
     "gemma3 soft-capped logits, query scale 24": lambda: Gemma3TextConfig(
-        **TINY, head_dim=16, sliding_window=8, sliding_window_pattern=2, final_logit_softcapping=2.5,
+        **TINY,
+        head_dim=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        final_logit_softcapping=2.5,
         query_pre_attn_scalar=24,
-    ),  # fmt: skip
+    ),
     "mistral, window 12": lambda: MistralConfig(**TINY, sliding_window=12),
 }
 PROMPT_LENGTHS = (70, 30)

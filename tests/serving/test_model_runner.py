@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
-    MistralConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -440,10 +440,13 @@ UNSUPPORTED = {
         LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
         "unsupported RoPE type 'dynamic'",
     ),
-    "sliding window": (MistralConfig(sliding_window=64), "sliding-window attention"),
+    "gemma3 attention soft-capping": (
+        Gemma3TextConfig(attn_logit_softcapping=50.0),
+        "unsupported attn_logit_softcapping in gemma3_text",
+    ),
     "qwen3 o_proj bias": (Qwen3Config(attention_bias=True), "unsupported attention_bias in qwen3"),
     "too few positions": (LlamaConfig(max_position_embeddings=128), "exceeds the 128 positions"),
-    "head_dim 96": (LlamaConfig(hidden_size=576, num_attention_heads=6), "6 query heads of 96"),
+    "head_dim 80": (LlamaConfig(hidden_size=480, num_attention_heads=6), "6 query heads of 80"),
     "16 query heads per KV head": (
         LlamaConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=1),
         "16 query heads of 64 over 1 KV heads",

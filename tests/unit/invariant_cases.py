@@ -72,8 +72,15 @@ def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return (quants.double() * (amax / 127).double()).reshape(x.shape)
 
 
-ATTENTION_SHAPES = {"smollm2": (9, 3, 64), "group 8, head_dim 128": (16, 2, 128), "group 1, head_dim 32": (4, 4, 32)}
-"""(query heads, KV heads, head_dim): SmolLM2's, and shapes whose tiles split their query rows differently."""
+ATTENTION_SHAPES = {
+    "smollm2": (9, 3, 64),
+    "group 8, head_dim 128": (16, 2, 128),
+    "group 1, head_dim 32": (4, 4, 32),
+    "phi3's head_dim 96": (4, 2, 96),
+    "gemma3's head_dim 256": (4, 1, 256),
+}
+"""(query heads, KV heads, head_dim): SmolLM2's, shapes whose tiles split their query rows differently, and Phi-3's
+and Gemma 3's head sizes."""
 
 
 def attention_case(seed: int = 0, shape: str = "smollm2", runs: bool = False) -> dict[str, torch.Tensor]:

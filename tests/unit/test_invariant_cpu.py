@@ -193,6 +193,23 @@ def test_the_kernels_keep_their_threads_when_torch_drops_to_one() -> None:
     assert invariant_cpu.kernel_threads() == torch_threads
 
 
+def test_gelu_tanh_and_softcap_rows_do_not_depend_on_the_batch() -> None:
+    """Gemma's MLP activation and its logits' soft-capping: row by row as alone, and within float32 rounding of torch's
+    (also where exp saturates: inputs of +-100 and beyond)."""
+    generator = torch.Generator().manual_seed(8)
+    gate_up = torch.randn(64, 2 * 99, generator=generator) * 4
+    gate_up[0, :4] = torch.tensor([100.0, -100.0, 1e20, -1e20])
+    assert_rows_invariant(lambda rows: invariant_cpu.gelu_tanh_mul(rows.contiguous()), gate_up, 64)
+    gate, up = gate_up.double().chunk(2, dim=1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    assert torch.allclose(invariant_cpu.gelu_tanh_mul(gate_up).double(), expected, rtol=1e-5, atol=1e-5)
+    logits = torch.randn(64, 1301, generator=generator) * 40
+    capped = lambda rows: invariant_cpu.softcap(rows.clone(), 30.0)  # noqa: E731
+    assert_rows_invariant(capped, logits, 64)
+    expected = torch.tanh(logits.double() / 30) * 30
+    assert torch.allclose(capped(logits).double(), expected, rtol=0, atol=1e-5)
+
+
 CROSS_ISA_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
@@ -225,6 +242,8 @@ for shape in ATTENTION_SHAPES:
     outs += [run_attention(attention_case(shape=shape, runs=runs), slice(0, 64)) for runs in (False, True)]
 outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 256), 1e-6))
 outs.append(invariant_cpu.silu_mul(x * 10))
+outs.append(invariant_cpu.gelu_tanh_mul(x * 10))
+outs.append(invariant_cpu.softcap(x[:, :250] * 40, 30.0))
 # the grammar mask: masked stores on AVX-512, a select loop elsewhere; a vocab past the last word, and a row subset
 words = torch.randint(-2**31, 2**31, (3, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(6))
 for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -11,8 +11,18 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
+from scheduler.model import architecture
 from scheduler.model.llama import _rope_tables
 from scheduler.model.loader import RESOLVED_CONFIG_FILE, check_supported, load_config, write_resolved_config
 from scheduler.model.tensor_parallel import ShardPlan
@@ -47,6 +57,9 @@ CONFIGS = {
     "mistral with a window": MistralConfig(**SMALL, sliding_window=64),
     "qwen2 untied": Qwen2Config(**SMALL, tie_word_embeddings=False),
     "qwen3 head_dim 32": Qwen3Config(**SMALL, head_dim=32),
+    "phi3 partial rope, window": Phi3Config(**SMALL, partial_rotary_factor=0.5, sliding_window=64),
+    "smollm3": SmolLM3Config(**SMALL, pad_token_id=None),
+    "gemma3 text": Gemma3TextConfig(**SMALL, head_dim=64, final_logit_softcapping=30.0),
 }
 GENERATION_ONLY = {"use_cache"}
 """What the plain ``PretrainedConfig`` keeps out of a model config (a generation parameter); the runner reads none."""
@@ -74,6 +87,9 @@ def test_a_resolved_config_is_what_autoconfig_gives(config: Any, tmp_path: Path)
     assert supported(resolved) == supported(expected)
     for rank, size in ((0, 1), (1, 2)):
         assert ShardPlan.build(resolved, rank, size) == ShardPlan.build(expected, rank, size)
+    assert architecture.of(resolved) == architecture.of(expected)
     head_dim = getattr(expected, "head_dim", None) or expected.hidden_size // expected.num_attention_heads
-    for ours, theirs in zip(_rope_tables(resolved, head_dim, 256), _rope_tables(expected, head_dim, 256), strict=True):
-        assert torch.equal(ours, theirs)
+    for key in architecture.of(expected).rope_parameters:
+        layer_type = None if key == "default" else key
+        ours, theirs = (_rope_tables(c, head_dim, 256, layer_type) for c in (resolved, expected))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
