@@ -68,7 +68,7 @@ def _smollm3_config(reader: Any) -> PretrainedConfig:
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
         no_rope_layer_interval=SMOLLM3_NO_ROPE_LAYER_INTERVAL,
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),

@@ -58,7 +58,9 @@ RESOLVED_CONFIG_FILE = "resolved_config.json"
 included), read back as a plain ``PretrainedConfig``. ``AutoConfig`` imports the model type's config module, and
 with it ``torch.distributed.tensor`` and sympy: 0.9 s of CPU at every start of every rank."""
 # RoPE variants whose frequencies do not depend on the current sequence length.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional", "longrope")
+"""``longrope`` (Phi-3.5, Phi-4-mini) within its ``original_max_position_embeddings`` only: past them transformers
+switches the whole sequence to its long factors, which would make a token's logits depend on the sequence's length."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,12 @@ def check_supported(config: PretrainedConfig, max_seq_len: int) -> None:
         rope_type = parameters.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r} in {model_type}; one of {SUPPORTED_ROPE_TYPES}")
+        original = parameters.get("original_max_position_embeddings", max_seq_len)
+        if rope_type == "longrope" and max_seq_len > original:
+            raise ValueError(
+                f"{model_type}'s longrope RoPE changes its frequencies past {original} tokens (for the whole "
+                f"sequence); set --max-seq-len {original} or lower"
+            )
     if getattr(config, "attention_bias", False) and model_type == "qwen3":
         raise ValueError(f"unsupported attention_bias in {model_type}: the decoder blocks have no o_proj bias")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)

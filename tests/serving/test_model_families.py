@@ -39,7 +39,9 @@ FAMILIES = {
     "phi3 (fused projections, half the head rotated, window 10)": lambda: Phi3Config(
         **TINY, sliding_window=10, partial_rotary_factor=0.5
     ),
-    "smollm3 (layer 4 without RoPE)": lambda: SmolLM3Config(**TINY),
+    "smollm3 (layer 4 without RoPE)": lambda: SmolLM3Config(
+        **TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4}
+    ),
     # six layers: Gemma 3's pattern of five sliding-window layers and a full one, as llama.cpp fixes it for its files
     "gemma3 (window 8 on five layers of six)": lambda: Gemma3TextConfig(
         **(TINY | {"num_hidden_layers": 6}), head_dim=16, sliding_window=8
@@ -55,6 +57,20 @@ FOLDER_ONLY = {  # what a GGUF file does not say (llama.cpp's Gemma 3 has neithe
         query_pre_attn_scalar=24,
     ),
     "mistral, window 12": lambda: MistralConfig(**TINY, sliding_window=12),
+    # Phi-4-mini's RoPE: its short factors within the original context (max_seq_len 128)
+    "phi3 longrope": lambda: Phi3Config(
+        **TINY,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 128,
+            "short_factor": [1.0 + 0.25 * i for i in range(6)],
+            "long_factor": [4.0 + i for i in range(6)],
+        },
+    ),
 }
 PROMPT_LENGTHS = (70, 30)
 GREEDY_STEPS = 8

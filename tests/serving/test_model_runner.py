@@ -18,6 +18,7 @@ from transformers import (
     Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -445,6 +446,20 @@ UNSUPPORTED = {
         "unsupported attn_logit_softcapping in gemma3_text",
     ),
     "qwen3 o_proj bias": (Qwen3Config(attention_bias=True), "unsupported attention_bias in qwen3"),
+    "longrope past its original context": (
+        Phi3Config(
+            max_position_embeddings=4096,
+            original_max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 128,
+                "short_factor": [1.0] * 48,
+                "long_factor": [2.0] * 48,
+            },
+        ),
+        "longrope RoPE changes its frequencies past 128 tokens",
+    ),
     "too few positions": (LlamaConfig(max_position_embeddings=128), "exceeds the 128 positions"),
     "head_dim 80": (LlamaConfig(hidden_size=480, num_attention_heads=6), "6 query heads of 80"),
     "16 query heads per KV head": (
