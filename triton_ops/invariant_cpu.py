@@ -542,9 +542,7 @@ def softcap(x: torch.Tensor, cap: float, threads: int | None = None) -> torch.Te
     soft-capping of the logits."""
     _check_rows(x, x.shape[1] if x.dim() == 2 else -1, "softcap")
     if x.numel():
-        _loaded().invariant_softcap(
-            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), cap, threads or kernel_threads()
-        )
+        _loaded().invariant_softcap(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), cap, threads or kernel_threads())
     return x
 
 
