@@ -30,15 +30,17 @@ class PromptEncoder:
     def encode(
         self,
         text: str | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of exactly one prompt source; raises ValueError naming what is wrong. ``chat_template_kwargs``:
         variables the chat template of ``messages`` reads (Qwen3's ``enable_thinking``). ``continue_final_message``:
         a final assistant message is continued, as SGLang does it: the messages before it go through the template
-        with the generation prompt, and its text follows, tokenised without special tokens."""
+        with the generation prompt, and its text follows, tokenised without special tokens. ``tools``: the tools the
+        chat template renders (OpenAI's shape), as Hugging Face templates take them."""
         sources = (("text", text), ("messages", messages), ("input_ids", input_ids))
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:
@@ -52,10 +54,10 @@ class PromptEncoder:
                     "continue_final_message continues a final assistant message after the messages before it: "
                     "give at least one message before it"
                 )
-            ids = self._apply_chat_template(messages[:-1], chat_template_kwargs or {})
+            ids = self._apply_chat_template(messages[:-1], chat_template_kwargs or {}, tools)
             ids += self._continued_text(messages[-1])
         elif messages is not None:
-            ids = self._apply_chat_template(messages, chat_template_kwargs or {})
+            ids = self._apply_chat_template(messages, chat_template_kwargs or {}, tools)
         else:
             ids = list(input_ids or [])
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -94,7 +96,7 @@ class PromptEncoder:
             )
         return ids
 
-    def _check_prompt_bytes(self, text: str | None, messages: list[dict[str, str]] | None) -> None:
+    def _check_prompt_bytes(self, text: str | None, messages: list[dict[str, Any]] | None) -> None:
         if text is not None:
             num_bytes = len(text.encode(errors="replace"))
         else:
@@ -106,13 +108,15 @@ class PromptEncoder:
                 f"tokens can be ({self.max_prompt_bytes:,} bytes): shorten it"
             )
 
-    def _continued_text(self, message: dict[str, str]) -> list[int]:
+    def _continued_text(self, message: dict[str, Any]) -> list[int]:
         content = message.get("content")
         if not isinstance(content, str):
             raise ValueError(f"each message needs a 'role' and a 'content' string; got {message!r}"[:200])
         return list(self.tokenizer.encode(content, add_special_tokens=False))
 
-    def _apply_chat_template(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+    def _apply_chat_template(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         if not messages:
             raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
         for message in messages:
@@ -128,7 +132,7 @@ class PromptEncoder:
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it")
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
         )
         return list(ids)
 

@@ -109,6 +109,10 @@ def zmq_port_for(host: str, serves_http: bool) -> int:
         return free_port(host)
 
 
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "kimi_k2", "gpt-oss")
+"""``--tool-call-parser`` names: the syntaxes of ``scheduler.http.tool_syntaxes``."""
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every server setting and its default. ``model_path=None`` means the embedded SmolLM2-135M-Instruct."""
@@ -120,6 +124,7 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = False
     reasoning_parser: str | None = None
     thinking_budget: int | None = None
+    tool_call_parser: str | None = None
     max_running_requests: int = 32
     max_seq_len: int = 2048
     max_total_tokens: int = 65536
@@ -216,6 +221,8 @@ class ServerArgs:
         check_grammar_backend_order(self.grammar_backend_order)
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_FORMATS:
             raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_FORMATS)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}")
         if self.thinking_budget is not None and self.thinking_budget < 0:
             raise ValueError("--thinking-budget must be 0 or more")
         if self.log_level not in LOG_LEVELS:
@@ -334,6 +341,13 @@ class ServerArgs:
             choices=sorted(REASONING_FORMATS),
             help="the model thinks in <think>...</think>: answers report it apart (reasoning_content), and a "
             "constraint applies from the think-end token on",
+        )
+        parser.add_argument(
+            "--tool-call-parser",
+            default=d.tool_call_parser,
+            choices=TOOL_CALL_PARSERS,
+            help="the syntax tool calls are written in (SGLang's names); left out, the one the chat template's markers "
+            "name unambiguously, else hermes",
         )
         parser.add_argument(
             "--thinking-budget",

@@ -49,7 +49,7 @@ from scheduler.http.streaming import (
     GenerateStreamChunks,
     stream_response,
 )
-from scheduler.http.tool_calls import tool_plan
+from scheduler.http.tool_calls import server_tool_format, tool_plan
 from scheduler.io_struct import Pong
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
@@ -119,8 +119,8 @@ async def chat_completions(request: Request) -> Response:
     frontend = frontend_of(request)
     frontend.check_model(body.model)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    plan = tool_plan(body)
-    calls = await frontend.tokenized(chat_calls(body, completion_id, frontend.limits, plan))
+    plan = tool_plan(body, frontend.tool_format.syntax)
+    calls = await frontend.tokenized(chat_calls(body, completion_id, frontend.limits, plan, frontend.tool_format))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = ChatStreamChunks(
@@ -183,7 +183,8 @@ def create_app(server_args: ServerArgs) -> FastAPI:
         prompt_encoder = PromptEncoder(tokenizer, len(tokenizer), server_args.max_seq_len)
         limits = RequestLimits(server_args.max_seq_len, server_args.grammar_max_spec_bytes)
         client = AsyncSchedulerClient(server_args.zmq_endpoint)
-        app.state.frontend = FrontendState(client, server_args.model_name, limits, prompt_encoder)
+        tool_format = server_tool_format(server_args.tool_call_parser, tokenizer.chat_template)
+        app.state.frontend = FrontendState(client, server_args.model_name, limits, prompt_encoder, tool_format)
         app.state.server_args = server_args
         try:
             yield

@@ -16,6 +16,7 @@ from scheduler.http.metrics import FrontendMetrics, GenerationTimer
 from scheduler.http.protocol import ProtocolError
 from scheduler.http.request_conversion import RequestLimits, SchedulerCall
 from scheduler.http.responses import CLIENT_CLOSED_REQUEST, check_finished
+from scheduler.http.tool_calls import DEFAULT_TOOL_FORMAT, ToolFormat
 from scheduler.io_struct import GenerateOutput
 from scheduler.prompt_encoder import PromptEncoder
 
@@ -30,12 +31,14 @@ a model name."""
 class FrontendState:
     """What every handler shares. ``running_rids``: scheduler requests sent and not yet finished or aborted
     (an aborted one stays until its abort has been sent to the scheduler). ``prompt_encoder`` holds the model's
-    tokenizer: prompts are tokenised here, never on the scheduler loop's thread."""
+    tokenizer: prompts are tokenised here, never on the scheduler loop's thread. ``tool_format``: how tools are
+    offered and calls written (``--tool-call-parser``, or what the chat template says)."""
 
     client: AsyncSchedulerClient
     model_name: str
     limits: RequestLimits
     prompt_encoder: PromptEncoder
+    tool_format: ToolFormat = DEFAULT_TOOL_FORMAT
     metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
     running_rids: set[str] = field(default_factory=set)
     started: int = field(default_factory=lambda: int(time.time()))
@@ -83,6 +86,7 @@ class FrontendState:
                 text=call.text,
                 messages=call.messages,
                 chat_template_kwargs=call.chat_template_kwargs,
+                tools=call.tools,
                 continue_final_message=call.continue_final_message,
             )
         except ValueError as e:

@@ -23,7 +23,14 @@ from scheduler.http.protocol import (
     ProtocolError,
 )
 from scheduler.http.reasoning_fields import enables_thinking, thinking_budget
-from scheduler.http.tool_calls import ToolPlan, template_messages, with_tools_offered
+from scheduler.http.tool_calls import (
+    DEFAULT_TOOL_FORMAT,
+    ToolFormat,
+    ToolPlan,
+    offered_tools,
+    template_messages,
+    with_tools_offered,
+)
 from scheduler.io_struct import SamplingParams
 
 BOOLEAN_SCHEMAS = {
@@ -47,7 +54,8 @@ class SchedulerCall:
 
     ``fills_context``: no token limit was asked for, so the output may take whatever room the prompt leaves.
     ``top_logprobs_num``: None for no logprobs, else the alternatives wanted per output token.
-    ``chat_template_kwargs``: variables for the chat template of ``messages``; ``continue_final_message``: a final
+    ``chat_template_kwargs``: variables for the chat template of ``messages``; ``tools``: the tools it renders (when
+    it renders tools, ``scheduler.http.tool_calls``); ``continue_final_message``: a final
     assistant message is continued (``PromptEncoder.encode``); ``separate_reasoning``: report the
     think block apart (``--reasoning-parser``); ``prediction``: a predicted output, text until the frontend tokenises
     it (``FrontendState.tokenized``).
@@ -56,11 +64,12 @@ class SchedulerCall:
     rid: str
     sampling_params: SamplingParams
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     fills_context: bool = False
     top_logprobs_num: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     continue_final_message: bool = False
     separate_reasoning: bool = False
     prediction: str | list[int] | None = None
@@ -111,10 +120,14 @@ class SchedulerCall:
 
 
 def chat_calls(
-    request: ChatCompletionRequest, request_id: str, limits: RequestLimits, plan: ToolPlan | None = None
+    request: ChatCompletionRequest,
+    request_id: str,
+    limits: RequestLimits,
+    plan: ToolPlan | None = None,
+    tool_format: ToolFormat = DEFAULT_TOOL_FORMAT,
 ) -> list[SchedulerCall]:
     """``n`` scheduler requests for a chat completion; without a token limit, the context length bounds it. ``plan``:
-    the request's use of its tools (``scheduler.http.tool_calls.tool_plan``)."""
+    the request's use of its tools (``scheduler.http.tool_calls.tool_plan``); ``tool_format``: the server's."""
     refuse_unimplemented(request)
     for i, message in enumerate(request.messages):
         for name, value in (message.model_extra or {}).items():
@@ -126,8 +139,15 @@ def chat_calls(
                 "carry tool calls",
                 param="messages.tool_calls",
             )
-    messages = template_messages(request.messages)
-    if plan is not None:
+        if message.role == "tool" and not message.tool_call_id:
+            raise ProtocolError(
+                f"messages[{i}].tool_call_id is required on a tool message: it names the call whose result it is",
+                param="messages.tool_call_id",
+            )
+    renders_tools = tool_format.template_renders_tools
+    messages = template_messages(request.messages, tool_format.syntax, renders_tools)
+    tools = offered_tools(request) if plan is not None and renders_tools else None
+    if plan is not None and not renders_tools:
         messages = with_tools_offered(messages, plan)
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = msgspec.structs.replace(
@@ -146,6 +166,7 @@ def chat_calls(
             fills_context=max_tokens is None,
             top_logprobs_num=top_logprobs_num,
             chat_template_kwargs=request.chat_template_kwargs,
+            tools=tools,
             continue_final_message=request.continue_final_message,
             separate_reasoning=request.separate_reasoning,
             prediction=request.prediction.text if request.prediction is not None else None,
@@ -216,7 +237,7 @@ def _sampling_params(
             ("ignore_eos", request.ignore_eos),
             ("stop_token_ids", request.stop_token_ids),
             ("logit_bias", request.logit_bias),
-            ("skip_special_tokens", request.skip_special_tokens),
+            ("skip_special_tokens", _skip_special_tokens(request, plan)),
             ("spaces_between_special_tokens", request.spaces_between_special_tokens),
             ("no_stop_trim", request.include_stop_str_in_output or request.no_stop_trim),
         )
@@ -234,6 +255,13 @@ def _sampling_params(
         **constraint,
     )
     return checked_params(params, limits)
+
+
+def _skip_special_tokens(request: CommonRequest, plan: ToolPlan | None) -> bool | None:
+    """The request's choice; else, with tools in a syntax of special tokens, false (the calls are read from them)."""
+    if request.skip_special_tokens is None and plan is not None and plan.syntax.keeps_special_tokens:
+        return False
+    return request.skip_special_tokens
 
 
 def for_choice(params: SamplingParams, choice_index: int) -> SamplingParams:

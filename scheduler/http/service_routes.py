@@ -98,7 +98,8 @@ async def tokenize(request: Request) -> Response:
     if body.prompt is not None:
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        messages = template_messages(body.messages or [])
+        tool_format = frontend.tool_format
+        messages = template_messages(body.messages or [], tool_format.syntax, tool_format.template_renders_tools)
         ids = await asyncio.to_thread(
             tokenizer.apply_chat_template,
             messages,

@@ -124,7 +124,7 @@ class ChatStreamChunks(StreamChunks):
         return chunks
 
     def _tool_deltas(self, index: int, output: GenerateOutput, plan: ToolPlan) -> list[dict[str, Any]]:
-        stream = self.tool_streams.setdefault(index, ToolCallStream(plan.shape, plan.named))
+        stream = self.tool_streams.setdefault(index, ToolCallStream(plan.read))
         deltas = stream.deltas(output.text, output.finished)
         self.num_calls[index] = self.num_calls.get(index, 0) + sum(
             1 for delta in deltas for call in delta.get("tool_calls", []) if "id" in call

@@ -2,26 +2,33 @@
 ``arguments`` generated so far, and the text outside calls that can be shown already.
 
 One reading serves both answers: the final one (``is_final``) gives the message's ``content`` and ``tool_calls``, and
-the streamed one diffs successive readings into OpenAI's deltas (``ToolCallStream``), so the streamed arguments,
-joined, are the non-streamed ones: the arguments' JSON text exactly as the model wrote it.
+the streamed one diffs successive readings into OpenAI's deltas (``ToolCallStream``). Every reading of a prefix of an
+output is a prefix of the reading of the whole output (content, calls in order, each call's arguments), so however
+the output is cut into increments the streamed calls add up to the non-streamed ones: the arguments' JSON text
+exactly as the model wrote it.
 
-The output's shapes, by ``tool_choice`` (``scheduler.http.tool_calls``): a named function's arguments alone; a JSON
-array of ``{"name", "arguments"}`` objects (``required``); or text with ``<tool_call>{"name", "arguments"}
-</tool_call>`` calls in it (``auto``; with an answer format, either calls only or the answer only).
+The output's shapes, by ``tool_choice`` (``scheduler.http.tool_calls``): Hermes' own shapes for ``required`` (a JSON
+array of ``{"name", "arguments"}`` objects) and a named function (its arguments alone); otherwise calls written in the
+server's ``ToolSyntax`` (``read_calls``, driven by the syntax's data alone): in free text (``auto``), alone, or either
+calls only or an answer only (``auto`` beside an answer format).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+from scheduler.http.tool_syntaxes import INDEX, ToolSyntax
+
 _WHITESPACE = " \t\n\r"
 _SCALAR_CHARACTERS = frozenset("0123456789+-.eEtruefalsn")
+_NAME_CHARACTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
-OutputShape = Literal["named", "array", "tagged", "tagged_or_answer"]
+OutputShape = Literal["named", "array", "in_text", "calls_or_answer"]
+OutputReader = Callable[[str, bool], "ParsedOutput"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,6 @@ class ParsedCall:
 
     name: str
     arguments: str
-    is_complete: bool
 
 
 @dataclass(frozen=True)
@@ -42,22 +48,55 @@ class ParsedOutput:
     calls: tuple[ParsedCall, ...]
 
 
-def parse_output(text: str, shape: OutputShape, is_final: bool, named: str | None = None) -> ParsedOutput:
+def parse_output(
+    text: str, shape: OutputShape, is_final: bool, syntax: ToolSyntax, named: str | None = None
+) -> ParsedOutput:
     """Read ``text`` (the output so far) in ``shape``; ``named``: the function of the ``named`` shape."""
     if shape == "named":
         start = _skip_whitespace(text, 0)
         end = json_value_end(text, start, is_final)
-        return ParsedOutput("", (ParsedCall(str(named), text[start:end], end is not None),))
+        return ParsedOutput("", (ParsedCall(str(named), text[start:end]),))
     if shape == "array":  # an output cut short before any call is complete stays text
         calls = tuple(_array_calls(text, is_final))
         return ParsedOutput(_certain(text) if is_final and not calls else "", calls)
-    if shape == "tagged_or_answer":
+    if shape == "calls_or_answer":
         head = text.lstrip(_WHITESPACE)
-        if not head.startswith(CALL_BEGIN):
-            if CALL_BEGIN.startswith(head) and not is_final:
+        if not head.startswith(syntax.trigger):
+            if syntax.trigger.startswith(head) and not is_final:
                 return ParsedOutput("", ())
             return ParsedOutput(_certain(head), ())
-    return _tagged(text, is_final)
+    return read_calls(text, syntax, is_final)
+
+
+def read_calls(text: str, syntax: ToolSyntax, is_final: bool) -> ParsedOutput:
+    """Text with calls in ``syntax``: each trigger starts a call (or a section of calls); a call cut before its name
+    and ``name_end`` are complete is not read yet, and text that does not follow the syntax after a trigger is content
+    at the end (held back until then)."""
+    outside: list[str] = []
+    calls: list[ParsedCall] = []
+    index = 0
+    while True:
+        begin = text.find(syntax.trigger, index)
+        if begin < 0:
+            rest = text[index:]
+            outside.append(rest if is_final else _without_prefix_of(rest, syntax.trigger))
+            break
+        outside.append(text[index:begin])
+        read = _read_section if syntax.sectioned else _read_call
+        block = read(text, begin, syntax, is_final)
+        calls += block.calls
+        if block.end is None:
+            if is_final and not block.calls:
+                outside.append(text[begin:])
+            break
+        index = block.end
+        if not syntax.sectioned and syntax.separator.strip(_WHITESPACE):
+            after_separator = _literal_end(text, index, syntax.separator)
+            if after_separator is not None:
+                index = after_separator
+            elif not is_final and _starts_literal(text, index, syntax.separator):
+                break
+    return ParsedOutput(_certain("".join(outside)), tuple(calls))
 
 
 def json_value_end(text: str, start: int, is_final: bool) -> int | None:
@@ -98,9 +137,8 @@ class ToolCallStream:
     """One streamed choice's tool calls as OpenAI streams them: each call's ``id``, ``type`` and ``name`` first (with
     empty arguments), then its arguments in deltas as they are generated; content deltas for the text outside calls."""
 
-    def __init__(self, shape: OutputShape, named: str | None = None) -> None:
-        self.shape = shape
-        self.named = named
+    def __init__(self, read: OutputReader) -> None:
+        self.read = read
         self.text = ""
         self._num_content_chars = 0
         self._num_argument_chars: list[int] = []
@@ -108,7 +146,7 @@ class ToolCallStream:
     def deltas(self, new_text: str, is_final: bool) -> list[dict[str, Any]]:
         """The chat deltas (``{"content": ...}`` or ``{"tool_calls": [...]}``) that ``new_text`` adds."""
         self.text += new_text
-        parsed = parse_output(self.text, self.shape, is_final, self.named)
+        parsed = self.read(self.text, is_final)
         deltas: list[dict[str, Any]] = []
         if len(parsed.content) > self._num_content_chars:
             deltas.append({"content": parsed.content[self._num_content_chars :]})
@@ -144,7 +182,7 @@ class _CallObject:
         if self.name is None or self.arguments_start is None:
             return None
         arguments = self.text[self.arguments_start : self.arguments_end]
-        return ParsedCall(self.name, arguments, self.arguments_end is not None)
+        return ParsedCall(self.name, arguments)
 
 
 def _read_call_object(text: str, start: int, is_final: bool) -> _CallObject:
@@ -206,30 +244,79 @@ def _array_calls(text: str, is_final: bool) -> list[ParsedCall]:
         index = read.end
 
 
-def _tagged(text: str, is_final: bool) -> ParsedOutput:
-    """Text with ``<tool_call>`` calls: a call cut before its name is complete stays text (held back until the end)."""
-    outside: list[str] = []
+@dataclass(frozen=True)
+class _Block:
+    """Calls read from one trigger on; ``end``: where the text after them starts, None if they may go on (or the
+    text stopped following the syntax)."""
+
+    calls: tuple[ParsedCall, ...]
+    end: int | None
+
+
+_NO_CALL = _Block((), None)
+
+
+def _read_section(text: str, begin: int, syntax: ToolSyntax, is_final: bool) -> _Block:
+    """``section_begin``, calls joined by ``separator``, ``section_end``."""
+    index = _literal_end(text, begin, syntax.section_begin)
     calls: list[ParsedCall] = []
-    index = 0
-    while True:
-        begin = text.find(CALL_BEGIN, index)
-        if begin < 0:
-            outside.append(text[index:] if is_final else _without_call_prefix(text[index:]))
+    while index is not None:
+        block = _read_call(text, index, syntax, is_final)
+        calls += block.calls
+        if block.end is None:
             break
-        outside.append(text[index:begin])
-        body = _skip_whitespace(text, begin + len(CALL_BEGIN))
-        read = _read_call_object(text, body, is_final) if text.startswith("{", body) else None
-        call = read.call() if read is not None else None
-        if call is None or read is None:
-            if is_final:
-                outside.append(text[begin:])
-            break
-        calls.append(call)
-        after = _skip_whitespace(text, read.end) if read.end is not None else len(text)
-        if not text.startswith(CALL_END, after):
-            break
-        index = after + len(CALL_END)
-    return ParsedOutput(_certain("".join(outside)), tuple(calls))
+        index = block.end
+        if syntax.separator.strip(_WHITESPACE):
+            after_separator = _literal_end(text, index, syntax.separator)
+            if after_separator is not None:
+                index = after_separator
+                continue
+        elif _literal_end(text, index, syntax.call_begin) is not None or _starts_literal(
+            text, index, syntax.call_begin
+        ):
+            continue
+        end = _literal_end(text, index, syntax.section_end)
+        return _Block(tuple(calls), end)
+    return _Block(tuple(calls), None)
+
+
+def _read_call(text: str, begin: int, syntax: ToolSyntax, is_final: bool) -> _Block:
+    """``call_begin NAME name_end ARGUMENTS call_end``; the call is read once its ``name_end`` is complete."""
+    index = _literal_end(text, begin, syntax.call_begin)
+    if index is None:
+        return _NO_CALL
+    name_start = index
+    while index < len(text) and text[index] in _NAME_CHARACTERS:
+        index += 1
+    name = text[name_start:index]
+    before_number, has_number, after_number = syntax.name_end.partition(INDEX)
+    index = _literal_end(text, index, before_number) if name and index < len(text) else None
+    if index is not None and has_number:
+        digits_start = index
+        while index < len(text) and text[index].isdigit():
+            index += 1
+        complete = index > digits_start and index < len(text)
+        index = _literal_end(text, index, after_number) if complete else None
+    if index is None:
+        return _NO_CALL
+    start = _skip_whitespace(text, index)
+    end = json_value_end(text, start, is_final)
+    call = (ParsedCall(name, text[start:end]),)
+    return _Block(call, None if end is None else _literal_end(text, end, syntax.call_end))
+
+
+def _literal_end(text: str, index: int, literal: str) -> int | None:
+    """Where ``literal`` ends if it is written at ``index`` (whitespace around it is let through: a call's JSON may
+    end in whitespace); None if it is not, or not yet."""
+    index = _skip_whitespace(text, index)
+    wanted = literal.strip(_WHITESPACE)
+    return index + len(wanted) if text.startswith(wanted, index) else None
+
+
+def _starts_literal(text: str, index: int, literal: str) -> bool:
+    """Whether the text ends in the start of ``literal`` from ``index`` on (after whitespace)."""
+    index = _skip_whitespace(text, index)
+    return index < len(text) and literal.strip(_WHITESPACE).startswith(text[index:])
 
 
 def _certain(content: str) -> str:
@@ -238,10 +325,10 @@ def _certain(content: str) -> str:
     return content.strip(_WHITESPACE)
 
 
-def _without_call_prefix(text: str) -> str:
-    """``text`` less its longest suffix that may be the start of ``CALL_BEGIN``."""
-    for length in range(min(len(text), len(CALL_BEGIN) - 1), 0, -1):
-        if CALL_BEGIN.startswith(text[-length:]):
+def _without_prefix_of(text: str, trigger: str) -> str:
+    """``text`` less its longest suffix that may be the start of ``trigger``."""
+    for length in range(min(len(text), len(trigger) - 1), 0, -1):
+        if trigger.startswith(text[-length:]):
             return text[:-length]
     return text
 

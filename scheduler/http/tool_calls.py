@@ -1,34 +1,63 @@
 """Tool calls on chat completions: the prompt that offers the tools, the constraint that keeps a call inside its
 function's ``parameters`` schema, and the answer's ``tool_calls`` read back from the output.
 
-SmolLM2's chat template has no tool format, so the tools are offered in a system message, in the Hermes style
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` that many templates use. By ``tool_choice``:
+Calls are written in the server's ``ToolSyntax`` (``scheduler.http.tool_syntaxes``: ``--tool-call-parser``, or the
+one the chat template names; Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` by default). A chat
+template that renders tools is given them, and the earlier calls of assistant messages, as Hugging Face templates take
+them; otherwise (SmolLM2's) the tools are offered in a system message and earlier calls are written into the
+assistant's content in the syntax. By ``tool_choice``:
 
-- ``"required"``: the output is a JSON array of ``{"name", "arguments"}`` calls, each ``arguments`` valid for its
-  function's schema (one call at most when ``parallel_tool_calls`` is false), as vLLM constrains it;
-- a named function: the output is that function's arguments, a JSON value valid for its schema;
-- ``"auto"`` (the default with tools): free text, where a ``<tool_call>`` trigger starts a call that is then kept to
-  the named function's schema (the first call ends the output unless parallel calls are allowed); with an answer
-  format (``response_format`` or another constraint field), either calls only or an answer valid for that format,
-  chosen by the model at its first token (a structural tag in xgrammar's ``format`` form);
+- ``"required"``: one call or more, alone (one at most when ``parallel_tool_calls`` is false), each ``arguments``
+  valid for its function's schema; Hermes writes them as vLLM does, as a JSON array of ``{"name", "arguments"}``;
+- a named function: one call of it, alone; Hermes writes its arguments alone, a JSON value valid for its schema;
+- ``"auto"`` (the default with tools): free text, where the syntax's trigger starts a call that is then kept to the
+  named function's schema (the first call, or section of calls, ends the output unless parallel calls are allowed);
+  with an answer format (``response_format`` or another constraint field), either calls only or an answer valid for
+  that format, chosen by the model at its first token;
 - ``"none"``: the tools are neither offered nor called, and the answer format applies.
 
-With ``required`` or a named function the answer format is for a later turn's answer, as OpenAI reads it. Calls are
-read back by ``scheduler.http.tool_call_parser``, which also streams them.
+Every call is held to its schema in every mode, whatever the tool's ``strict`` says (true, false or null). With
+``required`` or a named function the answer format is for a later turn's answer, as OpenAI reads it. Calls are read
+back by ``scheduler.http.tool_call_parser``, which also streams them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from scheduler.http.constraint_fields import requested_constraint
 from scheduler.http.protocol import ChatCompletionRequest, Message, NamedToolChoice, ProtocolError
-from scheduler.http.tool_call_parser import CALL_BEGIN, CALL_END, OutputShape, new_call_id, parse_output
+from scheduler.http.tool_call_parser import OutputShape, ParsedOutput, new_call_id, parse_output
+from scheduler.http.tool_syntaxes import DEFAULT_SYNTAX, SYNTAXES, ToolSyntax, renders_tools, resolve_syntax
 from sglang_constrained.constraint_spec import GrammarSpecError, choices_to_regex
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+logger = logging.getLogger("scheduler.http")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """The server's way with tools: the syntax calls are written in, and whether its chat template renders tools
+    (``tool_syntaxes.renders_tools``)."""
+
+    syntax: ToolSyntax
+    template_renders_tools: bool
+
+
+def server_tool_format(tool_call_parser: str | None, chat_template: str | None) -> ToolFormat:
+    """The server's tool format from ``--tool-call-parser`` and its chat template (the choice is logged)."""
+    syntax, why = resolve_syntax(tool_call_parser, chat_template)
+    renders = renders_tools(chat_template)
+    offered = "the chat template renders them" if renders else "offered in a system message"
+    logger.info("tool calls are written in the %s syntax, chosen by %s; tools are %s", syntax.name, why, offered)
+    return ToolFormat(syntax, renders)
+
+
+DEFAULT_TOOL_FORMAT = ToolFormat(SYNTAXES[DEFAULT_SYNTAX], template_renders_tools=False)
+"""A server whose chat template names no tool syntax and renders no tools (SmolLM2's)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +66,7 @@ class ToolPlan:
     ``answer``: with ``auto``, the format a text answer must have (a structural tag ``format`` node), if any."""
 
     mode: Literal["auto", "required", "named"]
+    syntax: ToolSyntax
     functions: dict[str, dict[str, Any]]
     descriptions: dict[str, str]
     parallel: bool
@@ -46,61 +76,58 @@ class ToolPlan:
     @property
     def shape(self) -> OutputShape:
         """How the output is written (``tool_call_parser``)."""
-        if self.mode == "named":
-            return "named"
-        if self.mode == "required":
-            return "array"
-        return "tagged" if self.answer is None else "tagged_or_answer"
+        if self.mode != "auto":
+            if not self.syntax.forced_as_json:
+                return "in_text"
+            return "named" if self.mode == "named" else "array"
+        return "in_text" if self.answer is None else "calls_or_answer"
+
+    def read(self, text: str, is_final: bool) -> ParsedOutput:
+        """The reading of the output so far (``tool_call_parser.ToolCallStream`` streams it)."""
+        return parse_output(text, self.shape, is_final, self.syntax, self.named)
 
     def constraint(self) -> dict[str, Any]:
         """The output's constraint as ``SamplingParams`` fields."""
         if self.mode == "named":
             assert self.named is not None
-            return {"json_schema": self.functions[self.named]}
-        if self.mode == "required":
-            calls: dict[str, Any] = {"type": "array", "items": {"anyOf": self._call_schemas()}, "minItems": 1}
-            return {"json_schema": calls | ({} if self.parallel else {"maxItems": 1})}
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'{CALL_BEGIN}{{"name": {json.dumps(name)}, "arguments": ',
-                "content": {"type": "json_schema", "json_schema": schema},
-                "end": "}" + CALL_END,
-            }
-            for name, schema in self.functions.items()
-        ]
-        if self.answer is None:
-            calls = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags}
+            if self.syntax.forced_as_json:
+                return {"json_schema": self.functions[self.named]}
+            calls = self.syntax.calls_format({self.named: self.functions[self.named]}, parallel=False, in_text=False)
+        elif self.mode == "required":
+            if self.syntax.forced_as_json:
+                array: dict[str, Any] = {"type": "array", "items": {"anyOf": self._call_schemas()}, "minItems": 1}
+                return {"json_schema": array | ({} if self.parallel else {"maxItems": 1})}
+            calls = self.syntax.calls_format(self.functions, self.parallel, in_text=False)
+        elif self.answer is None:
+            calls = self.syntax.calls_format(self.functions, self.parallel, in_text=True)
         else:
-            calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
-        calls["stop_after_first"] = not self.parallel
-        if self.answer is not None:
-            calls = {"type": "or", "elements": [calls, self.answer]}
+            only_calls = self.syntax.calls_format(self.functions, self.parallel, in_text=False)
+            calls = {"type": "or", "elements": [only_calls, self.answer]}
         return {"structural_tag": {"type": "structural_tag", "format": calls}}
 
     def system_prompt(self) -> str:
-        """The system message that offers the tools and says how to call them."""
+        """The system message that offers the tools and says how to call them (for a template that renders none)."""
         offered = [
             {"name": name, "description": self.descriptions.get(name, ""), "parameters": schema}
             for name, schema in self.functions.items()
         ]
         listing = "\n".join(json.dumps(tool) for tool in offered)
-        if self.mode == "named":
+        if self.mode == "named" and self.syntax.forced_as_json:
             how = f"Call the function {self.named} now: answer with its arguments as one JSON object."
-        elif self.mode == "required":
+        elif self.mode == "required" and self.syntax.forced_as_json:
             how = 'Answer with a JSON array of function calls: [{"name": <function name>, "arguments": <object>}].'
         else:
-            how = (
-                "To call a function, write "
-                f'{CALL_BEGIN}{{"name": <function name>, "arguments": <arguments object>}}{CALL_END}; '
-                + ("otherwise answer in text." if self.answer is None else "otherwise give your answer.")
-            )
+            how = f"To call a function, write {self.syntax.example()}"
+            if self.mode == "named":
+                how += f"; call the function {self.named} now."
+            else:
+                how += "; " + ("otherwise answer in text." if self.answer is None else "otherwise give your answer.")
         return f"You can call these functions:\n{listing}\n{how}"
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """``(content, tool_calls)`` of a final output in OpenAI's shape; each call's ``arguments`` is its JSON text as
         generated (an output cut short ends in a call with incomplete arguments, as OpenAI's does)."""
-        parsed = parse_output(text, self.shape, is_final=True, named=self.named)
+        parsed = self.read(text, True)
         calls = [
             {**new_call_id(), "function": {"name": call.name, "arguments": call.arguments}} for call in parsed.calls
         ]
@@ -118,7 +145,7 @@ class ToolPlan:
         ]
 
 
-def tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
+def tool_plan(request: ChatCompletionRequest, syntax: ToolSyntax) -> ToolPlan | None:
     """The request's use of its tools (None: no tools, or ``tool_choice`` "none"); raises ``ProtocolError`` for a
     choice naming no offered function, or an answer format that cannot go beside ``auto``'s calls."""
     choice = request.tool_choice
@@ -139,10 +166,11 @@ def tool_plan(request: ChatCompletionRequest) -> ToolPlan | None:
                 f"tool_choice names the function {choice.function.name!r}, which is not among the tools",
                 param="tool_choice",
             )
-        return ToolPlan("named", functions, descriptions, parallel, named=choice.function.name)
+        return ToolPlan("named", syntax, functions, descriptions, parallel, named=choice.function.name)
     if choice == "required":
-        return ToolPlan("required", functions, descriptions, parallel)
-    return ToolPlan("auto", functions, descriptions, parallel, answer=answer_format(requested_constraint(request)))
+        return ToolPlan("required", syntax, functions, descriptions, parallel)
+    answer = answer_format(requested_constraint(request))
+    return ToolPlan("auto", syntax, functions, descriptions, parallel, answer=answer)
 
 
 def answer_format(constraint: dict[str, Any]) -> dict[str, Any] | None:
@@ -183,21 +211,44 @@ def _parsed_json(value: Any, field_name: str) -> Any:
         raise ProtocolError(f"the {field_name} constraint is not valid JSON: {e.msg}", param=field_name) from e
 
 
-def template_messages(messages: list[Message]) -> list[dict[str, str]]:
-    """Messages for the chat template, an assistant's ``tool_calls`` written after its content as it was asked to
-    write them (``tool`` messages keep their role)."""
-    rendered = []
+def template_messages(messages: list[Message], syntax: ToolSyntax, renders_tools: bool) -> list[dict[str, Any]]:
+    """Messages for the chat template. An assistant's ``tool_calls``: for a template that renders tools, as Hugging
+    Face templates take them (``arguments`` an object when it is one), with ``tool`` messages' ``tool_call_id``;
+    otherwise written after its content in ``syntax``."""
+    rendered: list[dict[str, Any]] = []
     for message in messages:
-        template_message = message.as_template_message()
-        for call in message.tool_calls or []:
-            name = json.dumps(call.function.name)
-            written = f'{{"name": {name}, "arguments": {call.function.arguments}}}'
-            template_message["content"] += f"{CALL_BEGIN}{written}{CALL_END}"
+        template_message: dict[str, Any] = dict(message.as_template_message())
+        calls = message.tool_calls or []
+        if calls and renders_tools:
+            template_message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _object(call)},
+                }
+                for call in calls
+            ]
+        elif calls:
+            template_message["content"] += syntax.write_calls([(c.function.name, c.function.arguments) for c in calls])
+        if renders_tools and message.tool_call_id is not None:
+            template_message["tool_call_id"] = message.tool_call_id
         rendered.append(template_message)
     return rendered
 
 
-def with_tools_offered(messages: list[dict[str, str]], plan: ToolPlan) -> list[dict[str, str]]:
+def offered_tools(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's tools as a chat template takes them (OpenAI's shape)."""
+    return [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+
+
+def _object(call: Any) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
+
+
+def with_tools_offered(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
     """``messages`` with the tools offered in the system message (a new one first if there is none)."""
     offer = plan.system_prompt()
     if messages and messages[0]["role"] == "system":

@@ -11,6 +11,7 @@ import pytest
 
 from scheduler.http.protocol import ChatCompletionRequest
 from scheduler.http.tool_calls import ToolPlan, tool_plan
+from scheduler.http.tool_syntaxes import SYNTAXES
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -39,9 +40,10 @@ ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
 
 
-def plan_for(tool_choice: object, parallel: bool = True, **fields: object) -> ToolPlan:
+def plan_for(tool_choice: object, parallel: bool = True, syntax: str = "hermes", **fields: object) -> ToolPlan:
     body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "tool_choice": tool_choice, **fields}
-    plan = tool_plan(ChatCompletionRequest.model_validate_json(json.dumps(body | {"parallel_tool_calls": parallel})))
+    request = ChatCompletionRequest.model_validate_json(json.dumps(body | {"parallel_tool_calls": parallel}))
+    plan = tool_plan(request, SYNTAXES[syntax])
     assert plan is not None
     return plan
 
@@ -120,3 +122,55 @@ def test_accepted_outputs_read_back_as_openai_tool_calls() -> None:
     assert named[0]["function"]["name"] == "get_time"
     assert plan_for("required").parse('[{"name": "get_time"') == ('[{"name": "get_time"', [])
     assert plan_for("auto").parse("No call here.") == ("No call here.", [])
+
+
+WEATHER_ARGUMENTS, TIME_ARGUMENTS = '{"city": "Oslo", "unit": "C"}', '{"zone": "UTC"}'
+BAD_ARGUMENTS = '{"city": "Oslo", "unit": "K"}'
+FAMILY_CASES = [
+    # (tool_choice, parallel, text built from the syntax's calls: [(name, arguments)] with text before them, accepted)
+    ("auto", True, ("", []), True),
+    ("auto", True, ("Let me check. ", [("get_weather", WEATHER_ARGUMENTS)]), True),
+    ("auto", True, ("", [("get_weather", WEATHER_ARGUMENTS), ("get_time", TIME_ARGUMENTS)]), True),
+    ("auto", False, ("", [("get_weather", WEATHER_ARGUMENTS), ("get_time", TIME_ARGUMENTS)]), False),
+    ("auto", True, ("", [("get_weather", BAD_ARGUMENTS)]), False),
+    ("auto", True, ("", [("launch", "{}")]), False),
+    ("required", True, ("", [("get_weather", WEATHER_ARGUMENTS), ("get_time", TIME_ARGUMENTS)]), True),
+    ("required", False, ("", [("get_time", TIME_ARGUMENTS)]), True),
+    ("required", True, ("Sure. ", [("get_time", TIME_ARGUMENTS)]), False),
+    ("named", True, ("", [("get_weather", WEATHER_ARGUMENTS)]), True),
+    ("named", True, ("", [("get_time", TIME_ARGUMENTS)]), False),
+    ("auto+answer", True, ("", [("get_weather", WEATHER_ARGUMENTS)]), True),
+    ("auto+answer", True, ('{"answer": "yes"}', []), True),
+    ("auto+answer", True, ("It is sunny.", []), False),
+]
+FAMILIES = [name for name, syntax in SYNTAXES.items() if not syntax.forced_as_json]
+
+
+def family_text(syntax_name: str, tool_choice: str, before: str, calls: list[tuple[str, str]]) -> str:
+    """The calls as the syntax writes them; in ``required`` mode parallel calls in free text are joined by the
+    syntax's separator (the grammar's calls-only form)."""
+    syntax = SYNTAXES[syntax_name]
+    if tool_choice != "auto" and not syntax.sectioned:
+        return before + syntax.separator.join(syntax.write_calls([call]) for call in calls)
+    return before + (syntax.write_calls(calls) if calls else "")
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("syntax_name", FAMILIES)
+def test_each_family_syntax_is_the_constraint_and_reads_back(
+    smollm2_tokenizer: TokenizerSetup, build_backend: BackendBuilder, backend_name: str, syntax_name: str
+) -> None:
+    """Every mode's constraint, in each family's syntax, admits exactly the calls that fit their schemas (and what
+    ``auto`` allows beside them); what it admits reads back as the calls written."""
+    backend = build_backend(backend_name, smollm2_tokenizer)
+    for mode, parallel, (before, calls), accepted in FAMILY_CASES:
+        choice_name = mode.removesuffix("+answer")
+        choice = {"type": "function", "function": {"name": "get_weather"}} if choice_name == "named" else choice_name
+        fields = {"response_format": RESPONSE_FORMAT} if mode.endswith("+answer") else {}
+        plan = plan_for(choice, parallel, syntax_name, **fields)
+        text = family_text(syntax_name, choice_name, before, calls)
+        assert accepts(plan, text, smollm2_tokenizer, backend) is accepted, (mode, parallel, text)
+        if accepted:
+            content, read = plan.parse(text)
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in read] == calls
+            assert content == ((before.strip() or None) if calls else (before or None))

@@ -1,0 +1,227 @@
+"""How each model family writes tool calls, as data: ``--tool-call-parser`` names (SGLang's) to ``ToolSyntax``.
+
+A syntax is written once here, and both sides are derived from it: the constraint a call is generated under (a
+structural tag in xgrammar's ``format`` form, ``ToolSyntax.calls_format``) and the reading of calls out of the output
+(``scheduler.http.tool_call_parser.read_calls``), so the two cannot disagree. Every family here writes a call as
+``call_begin NAME name_end ARGUMENTS call_end`` with the arguments a JSON object; calls are joined by ``separator``,
+and either stand in free text one by one (Hermes, Qwen2.5, gpt-oss) or sit in one section between ``section_begin``
+and ``section_end`` (Llama 3, Mistral, DeepSeek-V3, Kimi-K2). ``{index}`` in ``name_end`` is the call's number in
+its section (Kimi-K2's ``functions.NAME:0``).
+
+Which syntax a server uses: ``--tool-call-parser``, else the one the chat template's markers name unambiguously
+(``detect_syntax``), else Hermes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import jinja2.meta
+
+INDEX = "{index}"
+CALL_NUMBER = "(0|[1-9][0-9]{0,3})"
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """One family's call syntax. ``trigger``: the text that starts calls in free text (the start of
+    ``section_begin``, or of ``call_begin``); ``markers``: strings whose presence in a chat template says it writes
+    this syntax (empty: never chosen from a template); ``keeps_special_tokens``: its markers are special tokens of the
+    family's tokenizer, so the output is decoded with them (``skip_special_tokens`` false unless a request sets it);
+    ``forced_as_json``: ``required`` and a named function are written as vLLM writes them, a JSON array of calls and
+    the arguments alone, instead of in this syntax (Hermes, for models such as SmolLM2 that know no tool syntax)."""
+
+    name: str
+    call_begin: str
+    name_end: str
+    call_end: str
+    separator: str
+    trigger: str
+    section_begin: str = ""
+    section_end: str = ""
+    markers: tuple[str, ...] = ()
+    keeps_special_tokens: bool = False
+    forced_as_json: bool = False
+
+    @property
+    def sectioned(self) -> bool:
+        return bool(self.section_begin)
+
+    def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
+        """The ``tag`` format node of one call of ``name`` whose arguments are valid for ``schema``."""
+        arguments: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+        before_index, _, after_index = self.name_end.partition(INDEX)
+        if INDEX in self.name_end:
+            arguments = {
+                "type": "sequence",
+                "elements": [
+                    {"type": "regex", "pattern": CALL_NUMBER},
+                    {"type": "const_string", "value": after_index},
+                    arguments,
+                ],
+            }
+        return {
+            "type": "tag",
+            "begin": self.call_begin + name + before_index,
+            "content": arguments,
+            "end": self.call_end,
+        }
+
+    def calls_format(self, functions: dict[str, dict[str, Any]], parallel: bool, in_text: bool) -> dict[str, Any]:
+        """The format node of the calls: ``in_text``, free text in which the trigger starts them (``auto``); else the
+        calls alone, at least one (``required``, a named function, ``auto`` beside an answer format). One call at
+        most unless ``parallel``."""
+        tags = [self.call_tag(name, schema) for name, schema in functions.items()]
+        calls = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": self.separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+        if not self.sectioned:
+            return _triggered(self.trigger, tags, stop_after_first=not parallel) if in_text else calls
+        if in_text:
+            section = {"type": "tag", "begin": self.section_begin, "content": calls, "end": self.section_end}
+            return _triggered(self.trigger, [section], stop_after_first=True)
+        begin = {"type": "const_string", "value": self.section_begin}
+        end = {"type": "const_string", "value": self.section_end}
+        return {"type": "sequence", "elements": [begin, calls, end]}
+
+    def write_calls(self, calls: list[tuple[str, str]]) -> str:
+        """``(name, arguments JSON)`` calls as the model writes them (for a template that cannot render calls);
+        calls in free text follow one another directly."""
+        written = [
+            self.call_begin + name + self.name_end.replace(INDEX, str(index)) + arguments + self.call_end
+            for index, (name, arguments) in enumerate(calls)
+        ]
+        if not self.sectioned:
+            return "".join(written)
+        return self.section_begin + self.separator.join(written) + self.section_end
+
+    def example(self) -> str:
+        """How to call a function, for the system message that offers the tools."""
+        return self.write_calls([("<function name>", "<arguments object>")])
+
+
+def _triggered(trigger: str, tags: list[dict[str, Any]], stop_after_first: bool) -> dict[str, Any]:
+    """Free text in which ``trigger`` starts one of ``tags``."""
+    return {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": stop_after_first}
+
+
+SYNTAXES: dict[str, ToolSyntax] = {
+    syntax.name: syntax
+    for syntax in (
+        ToolSyntax(
+            "hermes",
+            call_begin='<tool_call>{"name": "',
+            name_end='", "arguments": ',
+            call_end="}</tool_call>",
+            separator="\n",
+            trigger="<tool_call>",
+            forced_as_json=True,
+        ),
+        ToolSyntax(
+            "qwen25",
+            call_begin='<tool_call>\n{"name": "',
+            name_end='", "arguments": ',
+            call_end="}\n</tool_call>",
+            separator="\n",
+            trigger="<tool_call>",
+            markers=("<tool_call>", '"arguments"'),
+        ),
+        ToolSyntax(
+            "llama3",
+            call_begin='{"name": "',
+            name_end='", "parameters": ',
+            call_end="}",
+            separator=";",
+            trigger="<|python_tag|>",
+            section_begin="<|python_tag|>",
+            section_end="<|eom_id|>",
+            markers=("<|python_tag|>",),
+            keeps_special_tokens=True,
+        ),
+        ToolSyntax(
+            "mistral",
+            call_begin='{"name": "',
+            name_end='", "arguments": ',
+            call_end="}",
+            separator=", ",
+            trigger="[TOOL_CALLS]",
+            section_begin="[TOOL_CALLS] [",
+            section_end="]",
+            markers=("[TOOL_CALLS]",),
+            keeps_special_tokens=True,
+        ),
+        ToolSyntax(
+            "deepseekv3",
+            call_begin="<｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+            name_end="\n```json\n",
+            call_end="\n```<｜tool▁call▁end｜>",
+            separator="\n",
+            trigger="<｜tool▁calls▁begin｜>",
+            section_begin="<｜tool▁calls▁begin｜>",
+            section_end="<｜tool▁calls▁end｜>",
+            markers=("<｜tool▁calls▁begin｜>",),
+            keeps_special_tokens=True,
+        ),
+        ToolSyntax(
+            "kimi_k2",
+            call_begin="<|tool_call_begin|>functions.",
+            name_end=":{index}<|tool_call_argument_begin|>",
+            call_end="<|tool_call_end|>",
+            separator="",
+            trigger="<|tool_calls_section_begin|>",
+            section_begin="<|tool_calls_section_begin|>",
+            section_end="<|tool_calls_section_end|>",
+            markers=("<|tool_calls_section_begin|>",),
+            keeps_special_tokens=True,
+        ),
+        ToolSyntax(
+            "gpt-oss",
+            call_begin="<|channel|>commentary to=functions.",
+            name_end=" <|constrain|>json<|message|>",
+            call_end="<|call|>",
+            separator="<|start|>assistant",
+            trigger="<|channel|>commentary to=",
+            markers=("<|channel|>", "to=functions."),
+            keeps_special_tokens=True,
+        ),
+    )
+}
+DEFAULT_SYNTAX = "hermes"
+
+
+def detect_syntax(chat_template: str | None) -> ToolSyntax | None:
+    """The syntax whose markers a chat template holds, when exactly one does (None: none, or several)."""
+    if not chat_template:
+        return None
+    found = [
+        syntax for syntax in SYNTAXES.values() if syntax.markers and all(m in chat_template for m in syntax.markers)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def resolve_syntax(tool_call_parser: str | None, chat_template: str | None) -> tuple[ToolSyntax, str]:
+    """The server's syntax and why it was chosen (for the start-up log)."""
+    if tool_call_parser is not None:
+        return SYNTAXES[tool_call_parser], f"--tool-call-parser {tool_call_parser}"
+    detected = detect_syntax(chat_template)
+    if detected is not None:
+        return detected, f"the chat template's markers ({', '.join(map(json.dumps, detected.markers))})"
+    return SYNTAXES[DEFAULT_SYNTAX], "the default (the chat template names no tool syntax unambiguously)"
+
+
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template reads a ``tools`` variable (then it is given the tools and earlier calls)."""
+    if not chat_template:
+        return False
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
