@@ -237,8 +237,8 @@ def _sampling_params(
             ("ignore_eos", request.ignore_eos),
             ("stop_token_ids", request.stop_token_ids),
             ("logit_bias", request.logit_bias),
-            ("skip_special_tokens", _skip_special_tokens(request, plan)),
-            ("spaces_between_special_tokens", request.spaces_between_special_tokens),
+            ("skip_special_tokens", _special_tokens_field(request.skip_special_tokens, plan)),
+            ("spaces_between_special_tokens", _special_tokens_field(request.spaces_between_special_tokens, plan)),
             ("no_stop_trim", request.include_stop_str_in_output or request.no_stop_trim),
         )
         if value is not None
@@ -257,11 +257,12 @@ def _sampling_params(
     return checked_params(params, limits)
 
 
-def _skip_special_tokens(request: CommonRequest, plan: ToolPlan | None) -> bool | None:
-    """The request's choice; else, with tools in a syntax of special tokens, false (the calls are read from them)."""
-    if request.skip_special_tokens is None and plan is not None and plan.syntax.keeps_special_tokens:
+def _special_tokens_field(value: bool | None, plan: ToolPlan | None) -> bool | None:
+    """``skip_special_tokens`` or ``spaces_between_special_tokens`` as the request sets it; else, with tools in a
+    syntax of special tokens, false: the calls are read from those tokens' text, as the syntax writes it."""
+    if value is None and plan is not None and plan.syntax.keeps_special_tokens:
         return False
-    return request.skip_special_tokens
+    return value
 
 
 def for_choice(params: SamplingParams, choice_index: int) -> SamplingParams:
