@@ -152,7 +152,8 @@ def allowed_tokens(grammar: BaseGrammarObject, vocab_size: int) -> set[int]:
 # --- the HTTP API: a live server and the constraints the HTTP tests ask for ---------------------------------------
 
 MODEL = EMBEDDED_MODEL_NAME
-HTTP_SERVER_FLAGS = ("--max-running-requests", "32", "--max-seq-len", "384", *COLD_GRAMMARS)
+HTTP_MAX_SEQ_LEN = 384
+HTTP_SERVER_FLAGS = ("--max-running-requests", "32", "--max-seq-len", str(HTTP_MAX_SEQ_LEN), *COLD_GRAMMARS)
 """Slots for every concurrent test request at once; a KV cache small enough to start in seconds."""
 
 YES_NO_SCHEMA = {

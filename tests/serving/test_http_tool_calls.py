@@ -13,7 +13,14 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.helpers import MODEL, HttpServer
+from scheduler.http.protocol import ChatCompletionRequest
+from scheduler.http.streaming import ChatStreamChunks
+from scheduler.http.tool_calls import ToolPlan, tool_plan
+from scheduler.http.tool_syntaxes import SYNTAXES
+from scheduler.io_struct import FinishReason, GenerateOutput, Usage
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from tests.helpers import HTTP_MAX_SEQ_LEN, MODEL, HttpServer
+from tests.unit.tool_templates import TEMPLATES
 
 pytestmark = pytest.mark.model
 
@@ -165,3 +172,70 @@ def test_streamed_calls_arrive_as_deltas_and_a_call_result_can_be_sent_back(clie
     ]
     answer = client.chat.completions.create(model=MODEL, messages=follow_up, temperature=0, max_tokens=24)
     assert answer.choices[0].message.content
+
+
+FAMILY_QUESTION = "What's the weather in Paris, in celsius?"
+
+
+def family_request(syntax_name: str, tokenizer: Any) -> tuple[ToolPlan, dict[str, Any]]:
+    """A ``/generate`` body: the family's template rendering the tools and the question, constrained by the family's
+    ``required`` constraint (one call: the markers of some families take up to 90 of SmolLM2's tokens), greedy."""
+    syntax = SYNTAXES[syntax_name]
+    messages = [{"role": "user", "content": FAMILY_QUESTION}]
+    body = {"messages": messages, "tools": TOOLS[:1], "tool_choice": "required", "parallel_tool_calls": False}
+    plan = tool_plan(ChatCompletionRequest.model_validate(body), syntax)
+    assert plan is not None
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=TOOLS[:1], chat_template=TEMPLATES[syntax_name], tokenize=False, add_generation_prompt=True
+    )
+    room = HTTP_MAX_SEQ_LEN - len(tokenizer.encode(prompt, add_special_tokens=False))
+    params = {"max_new_tokens": room, "temperature": 0, "skip_special_tokens": False, **plan.constraint()}
+    return plan, {"text": prompt, "sampling_params": params}
+
+
+def streamed_deltas(plan: ToolPlan, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat chunks of a streamed ``/generate`` (each event holds the text so far), as the chat endpoint streams."""
+    chunks = ChatStreamChunks("chatcmpl-x", MODEL, n=1, include_usage=False, token_text=str, plan=plan)
+    deltas, sent = [], ""
+    for event in events:
+        usage = Usage(prompt_tokens=1, completion_tokens=len(event["output_ids"]))
+        finished = event["meta_info"]["finish_reason"] is not None
+        output = GenerateOutput(
+            rid="r",
+            token_ids=[],
+            text=event["text"][len(sent) :],
+            finished=finished,
+            finish_reason=FinishReason("stop") if finished else None,
+            usage=usage,
+        )
+        sent = event["text"]
+        deltas += [chunk["choices"][0]["delta"] for chunk in chunks.events(0, output)]
+    return deltas
+
+
+@pytest.mark.parametrize("syntax_name", [name for name in SYNTAXES if name != "hermes"])
+def test_the_model_constrained_into_each_family_syntax_calls_tools_streamed_and_not(
+    server: HttpServer, smollm2_tokenizer: TokenizerSetup, syntax_name: str
+) -> None:
+    """The embedded model, prompted through the family's template and held to its syntax, writes calls that read
+    back as OpenAI's ``tool_calls`` with valid arguments; streamed, the deltas add up to the same calls."""
+    plan, body = family_request(syntax_name, smollm2_tokenizer.tokenizer)
+    whole = server.http.post("/generate", json=body).json()
+    content, calls = plan.parse(whole["text"])
+    assert calls and content is None and whole["meta_info"]["finish_reason"]["type"] == "stop", whole["text"]
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    with server.http.stream("POST", "/generate", json=body | {"stream": True}) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: {")]
+    pieces = [
+        piece
+        for delta in streamed_deltas(plan, [json.loads(line) for line in lines])
+        for piece in delta.get("tool_calls", [])
+    ]
+    headers = [piece for piece in pieces if "id" in piece]
+    assert [(h["index"], h["function"]["name"]) for h in headers] == [
+        (i, c["function"]["name"]) for i, c in enumerate(calls)
+    ]
+    for index, call in enumerate(calls):
+        arguments = "".join(p["function"]["arguments"] for p in pieces if p["index"] == index)
+        assert arguments == call["function"]["arguments"]
