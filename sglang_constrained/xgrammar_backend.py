@@ -38,7 +38,7 @@ from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
 from sglang_constrained.xgrammar_fork_server import XGRAMMAR_COMPILE_PRELOAD
-from sglang_constrained.xgrammar_json_whitespace import json_schema_ebnf
+from sglang_constrained.xgrammar_json_whitespace import compact_json_schema_ebnf, json_schema_ebnf
 from sglang_constrained.xgrammar_schema_rules import (
     XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
     allow_unlisted_properties,
@@ -331,8 +331,9 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             except GrammarSpecError as e:
                 raise GrammarSpecError(f"in the structural tag's JSON schema at {pointer}: {e}") from e
             is_plain_json = set(node) <= {"type", "json_schema", "style"} and node.get("style") in (None, "json")
-            if not self.is_compact_json and is_plain_json:  # the default whitespace, as a grammar of its own
-                return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(schema))}
+            if is_plain_json:  # the server's JSON whitespace, as a grammar of its own (the tag's JSON has none)
+                ebnf = compact_json_schema_ebnf if self.is_compact_json else json_schema_ebnf
+                return {"type": "grammar", "grammar": ebnf(json.dumps(schema))}
             return {**node, "json_schema": schema}
         token, decoded = node.get("token") if node.get("type") == "token" else None, self.vocabulary.decoded_vocab
         if isinstance(token, int) and (not 0 <= token < len(decoded) or decoded[token] == b""):  # blank: special

@@ -31,3 +31,11 @@ def json_schema_ebnf(schema: str) -> str:
     )
     ebnf = _LATIN1_ESCAPE.sub(r"\1\\u00\2", _WHITESPACE_USE.sub(_RULE, str(grammar)))
     return f"{ebnf}\n{_RULE} ::= {DEFAULT_JSON_WHITESPACE_EBNF}\n"
+
+
+def compact_json_schema_ebnf(schema: str) -> str:
+    """The EBNF of xgrammar's strict-mode grammar for ``schema`` with no whitespace between tokens
+    (``--constrained-json-disable-any-whitespace``), for a structural tag's JSON, whose own compile has no such
+    option. Raises ``RuntimeError`` for a schema xgrammar cannot take."""
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=True)
+    return _LATIN1_ESCAPE.sub(r"\1\\u00\2", str(grammar))

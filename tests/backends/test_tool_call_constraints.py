@@ -174,3 +174,20 @@ def test_each_family_syntax_is_the_constraint_and_reads_back(
             content, read = plan.parse(text)
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in read] == calls
             assert content == ((before.strip() or None) if calls else (before or None))
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_a_calls_json_has_the_servers_whitespace(
+    smollm2_tokenizer: TokenizerSetup, build_backend: BackendBuilder, backend_name: str
+) -> None:
+    """``--constrained-json-disable-any-whitespace`` holds inside a call's arguments too (xgrammar's structural tags
+    take no whitespace option: a random-weight model filled a call with pages of it); by default a line break and
+    an indent pass between tokens, and a blank line does not."""
+    plan = plan_for("required", syntax="qwen25")
+    compact = build_backend(backend_name, smollm2_tokenizer, constrained_json_disable_any_whitespace=True)
+    default = build_backend(backend_name, smollm2_tokenizer)
+    spaced = SYNTAXES["qwen25"].write_calls([("get_time", '{"zone":\n  "UTC"}')])
+    assert accepts(plan, SYNTAXES["qwen25"].write_calls([("get_time", '{"zone":"UTC"}')]), smollm2_tokenizer, compact)
+    assert not accepts(plan, spaced, smollm2_tokenizer, compact)
+    assert accepts(plan, spaced, smollm2_tokenizer, default)
+    assert not accepts(plan, spaced.replace("\n  ", "\n\n  "), smollm2_tokenizer, default)

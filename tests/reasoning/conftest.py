@@ -20,8 +20,20 @@ from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.helpers import HttpServer, serving, write_random_model
 
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + message.content }}"
+    "{%- for tool_call in message.tool_calls %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + tool_call.function.name + \'", "arguments": \' }}'
+    "{{- tool_call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -30,7 +42,8 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 """Qwen3.5's and Qwen3-Thinking's way: the prompt opens ``<think>`` for the model, or with ``enable_thinking=False``
-holds an empty, closed think block."""
+holds an empty, closed think block. Tools are rendered as Qwen3's template renders them (a system message listing
+them; calls in ``<tool_call>`` blocks, the ``qwen25`` syntax, which the server picks from these markers)."""
 MODEL_SETTINGS = {"max_seq_len": 512, "max_total_tokens": 16384, "max_running_requests": 16}
 
 

@@ -213,3 +213,30 @@ def test_bad_reasoning_fields_are_refused_by_name(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+def test_the_qwen_template_names_its_tool_syntax_and_calls_come_in_it(reasoning_server: HttpServer, bias: Any) -> None:
+    """The server picks ``qwen25`` from the template's markers (no ``--tool-call-parser``): on the Qwen3.5 tokenizer a
+    required call is written ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` after the thinking, and
+    reads back as OpenAI's ``tool_calls``; streamed, its deltas add up to the same call."""
+    tool = {"type": "function", "function": {"name": "verdict", "parameters": VERDICT}}
+    body = {
+        "temperature": 0.0,
+        "logit_bias": bias(close=-100.0),
+        "thinking_token_budget": 5,
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 96,
+    }
+    whole = chat(reasoning_server, logprobs=True, **body)["choices"][0]
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "verdict" and whole["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), VERDICT)
+    written = "".join(token["token"] for token in whole["logprobs"]["content"])
+    assert f'<tool_call>\n{{"name": "verdict", "arguments": {call["function"]["arguments"]}}}\n</tool_call>' in written
+    deltas = stream_deltas(reasoning_server, **body)
+    pieces = [piece for delta in deltas for piece in delta.get("tool_calls") or []]
+    header, *arguments = pieces
+    assert header["index"] == 0 and header["function"] == {"name": "verdict", "arguments": ""} and header["id"]
+    assert "".join(piece["function"]["arguments"] for piece in arguments) == call["function"]["arguments"]
