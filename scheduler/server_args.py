@@ -109,7 +109,17 @@ def zmq_port_for(host: str, serves_http: bool) -> int:
         return free_port(host)
 
 
-TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "deepseekv3", "kimi_k2", "gpt-oss")
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "qwen25",
+    "qwen3_coder",
+    "llama3",
+    "mistral",
+    "deepseekv3",
+    "kimi_k2",
+    "pythonic",
+    "gpt-oss",
+)
 """``--tool-call-parser`` names: the syntaxes of ``scheduler.http.tool_syntaxes``."""
 
 

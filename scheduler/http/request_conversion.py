@@ -29,6 +29,7 @@ from scheduler.http.tool_calls import (
     ToolPlan,
     offered_tools,
     template_messages,
+    tool_schemas,
     with_tools_offered,
 )
 from scheduler.io_struct import SamplingParams
@@ -145,7 +146,7 @@ def chat_calls(
                 param="messages.tool_call_id",
             )
     renders_tools = tool_format.template_renders_tools
-    messages = template_messages(request.messages, tool_format.syntax, renders_tools)
+    messages = template_messages(request.messages, tool_format.syntax, renders_tools, tool_schemas(request))
     tools = offered_tools(request) if plan is not None and renders_tools else None
     if plan is not None and not renders_tools:
         messages = with_tools_offered(messages, plan)

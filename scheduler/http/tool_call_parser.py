@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from scheduler.http.tool_syntaxes import INDEX, ToolSyntax
+from scheduler.http.tool_syntaxes import INDEX, Parameters, ToolSyntax
 
 _WHITESPACE = " \t\n\r"
 _SCALAR_CHARACTERS = frozenset("0123456789+-.eEtruefalsn")
@@ -49,9 +49,15 @@ class ParsedOutput:
 
 
 def parse_output(
-    text: str, shape: OutputShape, is_final: bool, syntax: ToolSyntax, named: str | None = None
+    text: str,
+    shape: OutputShape,
+    is_final: bool,
+    syntax: ToolSyntax,
+    schemas: dict[str, dict[str, Any]],
+    named: str | None = None,
 ) -> ParsedOutput:
-    """Read ``text`` (the output so far) in ``shape``; ``named``: the function of the ``named`` shape."""
+    """Read ``text`` (the output so far) in ``shape``; ``schemas``: the functions' parameters; ``named``: the function
+    of the ``named`` shape."""
     if shape == "named":
         start = _skip_whitespace(text, 0)
         end = json_value_end(text, start, is_final)
@@ -65,13 +71,16 @@ def parse_output(
             if syntax.trigger.startswith(head) and not is_final:
                 return ParsedOutput("", ())
             return ParsedOutput(_certain(head), ())
-    return read_calls(text, syntax, is_final)
+    return read_calls(text, syntax, is_final, schemas)
 
 
-def read_calls(text: str, syntax: ToolSyntax, is_final: bool) -> ParsedOutput:
+def read_calls(
+    text: str, syntax: ToolSyntax, is_final: bool, schemas: dict[str, dict[str, Any]] | None = None
+) -> ParsedOutput:
     """Text with calls in ``syntax``: each trigger starts a call (or a section of calls); a call cut before its name
     and ``name_end`` are complete is not read yet, and text that does not follow the syntax after a trigger is content
-    at the end (held back until then)."""
+    at the end (held back until then). ``schemas``: the functions' parameters (which parameters are raw text)."""
+    reader = _CallReader(text, syntax, is_final, schemas or {})
     outside: list[str] = []
     calls: list[ParsedCall] = []
     index = 0
@@ -82,8 +91,7 @@ def read_calls(text: str, syntax: ToolSyntax, is_final: bool) -> ParsedOutput:
             outside.append(rest if is_final else _without_prefix_of(rest, syntax.trigger))
             break
         outside.append(text[index:begin])
-        read = _read_section if syntax.sectioned else _read_call
-        block = read(text, begin, syntax, is_final)
+        block = reader.section(begin) if syntax.sectioned else reader.call(begin)
         calls += block.calls
         if block.end is None:
             if is_final and not block.calls:
@@ -256,53 +264,123 @@ class _Block:
 _NO_CALL = _Block((), None)
 
 
-def _read_section(text: str, begin: int, syntax: ToolSyntax, is_final: bool) -> _Block:
-    """``section_begin``, calls joined by ``separator``, ``section_end``."""
-    index = _literal_end(text, begin, syntax.section_begin)
-    calls: list[ParsedCall] = []
-    while index is not None:
-        block = _read_call(text, index, syntax, is_final)
-        calls += block.calls
-        if block.end is None:
-            break
-        index = block.end
-        if syntax.separator.strip(_WHITESPACE):
-            after_separator = _literal_end(text, index, syntax.separator)
-            if after_separator is not None:
-                index = after_separator
+class _CallReader:
+    """Reads calls from positions of one text in one syntax."""
+
+    def __init__(self, text: str, syntax: ToolSyntax, is_final: bool, schemas: dict[str, dict[str, Any]]) -> None:
+        self.text = text
+        self.syntax = syntax
+        self.is_final = is_final
+        self.schemas = schemas
+
+    def section(self, begin: int) -> _Block:
+        """``section_begin``, calls joined by ``separator``, ``section_end``."""
+        text, syntax = self.text, self.syntax
+        index = _literal_end(text, begin, syntax.section_begin)
+        calls: list[ParsedCall] = []
+        while index is not None:
+            block = self.call(index)
+            calls += block.calls
+            if block.end is None:
+                break
+            index = block.end
+            if syntax.separator.strip(_WHITESPACE):
+                after_separator = _literal_end(text, index, syntax.separator)
+                if after_separator is not None:
+                    index = after_separator
+                    continue
+            elif _literal_end(text, index, syntax.call_begin) is not None or _starts_literal(
+                text, index, syntax.call_begin
+            ):
                 continue
-        elif _literal_end(text, index, syntax.call_begin) is not None or _starts_literal(
-            text, index, syntax.call_begin
-        ):
-            continue
-        end = _literal_end(text, index, syntax.section_end)
-        return _Block(tuple(calls), end)
-    return _Block(tuple(calls), None)
+            return _Block(tuple(calls), _literal_end(text, index, syntax.section_end))
+        return _Block(tuple(calls), None)
 
-
-def _read_call(text: str, begin: int, syntax: ToolSyntax, is_final: bool) -> _Block:
-    """``call_begin NAME name_end ARGUMENTS call_end``; the call is read once its ``name_end`` is complete."""
-    index = _literal_end(text, begin, syntax.call_begin)
-    if index is None:
-        return _NO_CALL
-    name_start = index
-    while index < len(text) and text[index] in _NAME_CHARACTERS:
-        index += 1
-    name = text[name_start:index]
-    before_number, has_number, after_number = syntax.name_end.partition(INDEX)
-    index = _literal_end(text, index, before_number) if name and index < len(text) else None
-    if index is not None and has_number:
-        digits_start = index
-        while index < len(text) and text[index].isdigit():
+    def call(self, begin: int) -> _Block:
+        """``call_begin NAME name_end ARGUMENTS call_end``; the call is read once its ``name_end`` is complete."""
+        text, syntax = self.text, self.syntax
+        index = _literal_end(text, begin, syntax.call_begin)
+        if index is None:
+            return _NO_CALL
+        name_start = index
+        while index < len(text) and text[index] in _NAME_CHARACTERS:
             index += 1
-        complete = index > digits_start and index < len(text)
-        index = _literal_end(text, index, after_number) if complete else None
-    if index is None:
-        return _NO_CALL
-    start = _skip_whitespace(text, index)
-    end = json_value_end(text, start, is_final)
-    call = (ParsedCall(name, text[start:end]),)
-    return _Block(call, None if end is None else _literal_end(text, end, syntax.call_end))
+        name = text[name_start:index]
+        before_number, has_number, after_number = syntax.name_end.partition(INDEX)
+        index = _literal_end(text, index, before_number) if name and index < len(text) else None
+        if index is not None and has_number:
+            digits_start = index
+            while index < len(text) and text[index].isdigit():
+                index += 1
+            complete = index > digits_start and index < len(text)
+            index = _literal_end(text, index, after_number) if complete else None
+        if index is None:
+            return _NO_CALL
+        if syntax.parameters is not None:
+            arguments, end = self.parameters(index, syntax.parameters, self.schemas.get(name, {}))
+            return _Block((ParsedCall(name, arguments),), end)
+        start = _skip_whitespace(text, index)
+        end = json_value_end(text, start, self.is_final)
+        call = (ParsedCall(name, text[start:end]),)
+        return _Block(call, None if end is None else _literal_end(text, end, syntax.call_end))
+
+    def parameters(self, index: int, parameters: Parameters, schema: dict[str, Any]) -> tuple[str, int | None]:
+        """The arguments as a JSON object, each parameter added once its value is complete, closed at ``call_end``;
+        and where the call ends (None: not yet, or the text stopped following the syntax)."""
+        text = self.text
+        properties = schema.get("properties") or {}
+        written: list[str] = []
+        while True:
+            if written and parameters.separator.strip(_WHITESPACE):
+                after_separator = _literal_end(text, index, parameters.separator)
+                if after_separator is not None:
+                    index = after_separator
+                elif (end := _literal_end(text, index, self.syntax.call_end)) is not None:
+                    return "{" + ", ".join(written) + "}", end
+                else:
+                    break
+            elif (end := _literal_end(text, index, self.syntax.call_end)) is not None:
+                return "{" + ", ".join(written) + "}", end
+            key_start = _literal_end(text, index, parameters.begin)
+            if key_start is None:
+                break
+            key_end = key_start
+            while key_end < len(text) and text[key_end] in _NAME_CHARACTERS:
+                key_end += 1
+            key = text[key_start:key_end]
+            value_start = _literal_end(text, key_end, parameters.key_end) if key and key_end < len(text) else None
+            if value_start is None:
+                break
+            if parameters.is_raw(properties.get(key)):
+                value, index_after = self._raw_value(text, key_end, parameters)
+            else:
+                value, index_after = self._json_value(text, value_start, parameters)
+            if index_after is None:
+                break
+            written.append(f"{json.dumps(key)}: {value}")
+            index = index_after
+        return "{" + ", ".join(written), None
+
+    def _raw_value(self, text: str, key_end: int, parameters: Parameters) -> tuple[str, int | None]:
+        """A raw-text value: from ``key_end``'s end to ``value_end``, less the line breaks those literals hold."""
+        opening = _literal_end(text, key_end, parameters.key_end)
+        closing = parameters.value_end.strip(_WHITESPACE)
+        end = text.find(closing, opening) if opening is not None else -1
+        if opening is None or end < 0:
+            return "", None
+        raw = text[opening:end]
+        raw = raw.removeprefix(parameters.key_end[len(parameters.key_end.rstrip(_WHITESPACE)) :])
+        raw = raw.removesuffix(
+            parameters.value_end[: len(parameters.value_end) - len(parameters.value_end.lstrip(_WHITESPACE))]
+        )
+        return json.dumps(raw, ensure_ascii=False), _literal_end(text, end, closing)
+
+    def _json_value(self, text: str, start: int, parameters: Parameters) -> tuple[str, int | None]:
+        start = _skip_whitespace(text, start)
+        end = json_value_end(text, start, self.is_final)
+        if end is None:
+            return "", None
+        return text[start:end], _literal_end(text, end, parameters.value_end)
 
 
 def _literal_end(text: str, index: int, literal: str) -> int | None:

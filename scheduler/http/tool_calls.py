@@ -84,10 +84,17 @@ class ToolPlan:
 
     def read(self, text: str, is_final: bool) -> ParsedOutput:
         """The reading of the output so far (``tool_call_parser.ToolCallStream`` streams it)."""
-        return parse_output(text, self.shape, is_final, self.syntax, self.named)
+        return parse_output(text, self.shape, is_final, self.syntax, self.functions, self.named)
 
     def constraint(self) -> dict[str, Any]:
-        """The output's constraint as ``SamplingParams`` fields."""
+        """The output's constraint as ``SamplingParams`` fields; raises ``ProtocolError`` for a function whose
+        parameters the syntax cannot hold to their schema."""
+        try:
+            return self._constraint()
+        except ValueError as e:
+            raise ProtocolError(f"{e} (--tool-call-parser {self.syntax.name})", param="tools") from e
+
+    def _constraint(self) -> dict[str, Any]:
         if self.mode == "named":
             assert self.named is not None
             if self.syntax.forced_as_json:
@@ -155,7 +162,7 @@ def tool_plan(request: ChatCompletionRequest, syntax: ToolSyntax) -> ToolPlan | 
         return None
     if choice == "none":
         return None
-    functions = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in request.tools}
+    functions = tool_schemas(request)
     if len(functions) != len(request.tools):
         raise ProtocolError("tools must have distinct function names", param="tools")
     descriptions = {tool.function.name: tool.function.description or "" for tool in request.tools}
@@ -211,10 +218,12 @@ def _parsed_json(value: Any, field_name: str) -> Any:
         raise ProtocolError(f"the {field_name} constraint is not valid JSON: {e.msg}", param=field_name) from e
 
 
-def template_messages(messages: list[Message], syntax: ToolSyntax, renders_tools: bool) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[Message], syntax: ToolSyntax, renders_tools: bool, schemas: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Messages for the chat template. An assistant's ``tool_calls``: for a template that renders tools, as Hugging
     Face templates take them (``arguments`` an object when it is one), with ``tool`` messages' ``tool_call_id``;
-    otherwise written after its content in ``syntax``."""
+    otherwise written after its content in ``syntax`` (``schemas``: the functions' parameters)."""
     rendered: list[dict[str, Any]] = []
     for message in messages:
         template_message: dict[str, Any] = dict(message.as_template_message())
@@ -229,11 +238,17 @@ def template_messages(messages: list[Message], syntax: ToolSyntax, renders_tools
                 for call in calls
             ]
         elif calls:
-            template_message["content"] += syntax.write_calls([(c.function.name, c.function.arguments) for c in calls])
+            written = [(call.function.name, call.function.arguments) for call in calls]
+            template_message["content"] += syntax.write_calls(written, schemas)
         if renders_tools and message.tool_call_id is not None:
             template_message["tool_call_id"] = message.tool_call_id
         rendered.append(template_message)
     return rendered
+
+
+def tool_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+    """Each offered function's parameters schema by name."""
+    return {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in request.tools or []}
 
 
 def offered_tools(request: ChatCompletionRequest) -> list[dict[str, Any]]:

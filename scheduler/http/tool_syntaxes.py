@@ -3,10 +3,13 @@
 A syntax is written once here, and both sides are derived from it: the constraint a call is generated under (a
 structural tag in xgrammar's ``format`` form, ``ToolSyntax.calls_format``) and the reading of calls out of the output
 (``scheduler.http.tool_call_parser.read_calls``), so the two cannot disagree. Every family here writes a call as
-``call_begin NAME name_end ARGUMENTS call_end`` with the arguments a JSON object; calls are joined by ``separator``,
-and either stand in free text one by one (Hermes, Qwen2.5, gpt-oss) or sit in one section between ``section_begin``
-and ``section_end`` (Llama 3, Mistral, DeepSeek-V3, Kimi-K2). ``{index}`` in ``name_end`` is the call's number in
-its section (Kimi-K2's ``functions.NAME:0``).
+``call_begin NAME name_end ARGUMENTS call_end``; calls are joined by ``separator``, and either stand in free text one
+by one (Hermes, Qwen2.5, Qwen3-Coder, gpt-oss) or sit in one section between ``section_begin`` and ``section_end``
+(Llama 3, Mistral, DeepSeek-V3, Kimi-K2, pythonic). ``{index}`` in ``name_end`` is the call's number in its section
+(Kimi-K2's ``functions.NAME:0``). The arguments are one JSON object, or are written parameter by parameter
+(``Parameters``: Qwen3-Coder's ``<parameter=KEY>`` blocks, pythonic ``KEY=VALUE``), each value JSON valid for its
+property's schema (Qwen3-Coder writes a string's text as it is); the reader turns those back into the JSON object
+OpenAI's ``arguments`` holds.
 
 Which syntax a server uses: ``--tool-call-parser``, else the one the chat template's markers name unambiguously
 (``detect_syntax``), else Hermes.
@@ -23,6 +26,88 @@ import jinja2.meta
 
 INDEX = "{index}"
 CALL_NUMBER = "(0|[1-9][0-9]{0,3})"
+RAW_STRING_KEYWORDS = frozenset(
+    {"type", "title", "description", "enum", "const", "default", "examples", "minLength", "maxLength"}
+)
+"""What a raw-text string parameter's schema may say: its text is free up to ``value_end``, one of its values, or of
+bounded length (then without ``<``, so that it cannot hold ``value_end``)."""
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Arguments written one parameter at a time, ``begin KEY key_end VALUE value_end``, joined by ``separator``:
+    required properties first (in the schema's order), then the optional ones that are given. A value is JSON valid
+    for the property's schema; with ``raw_strings``, a string property's value is its text as it is (ending at the
+    first ``value_end``), one of its ``enum`` values if it has them; other string keywords (``pattern``, ``format``)
+    are refused by name, since raw text cannot be held to them."""
+
+    begin: str
+    key_end: str
+    value_end: str
+    separator: str
+    raw_strings: bool = False
+
+    def is_raw(self, schema: Any) -> bool:
+        """Whether a property of ``schema`` is written as raw text."""
+        return self.raw_strings and isinstance(schema, dict) and schema.get("type") == "string"
+
+    def format(self, schema: dict[str, Any]) -> dict[str, Any]:
+        """The format node of an object's parameters (its ``properties``; nothing else is written)."""
+        properties = schema.get("properties") or {}
+        required = [key for key in properties if key in set(schema.get("required") or [])]
+        optional = [key for key in properties if key not in required]
+        params = {key: self._parameter(key, properties[key]) for key in properties}
+        if not params:
+            return {"type": "const_string", "value": ""}
+        if not self.separator:
+            elements = [params[key] for key in required] + [_optional(params[key]) for key in optional]
+            return _sequence(elements)
+        if required:
+            first, *rest = required
+            return _sequence(
+                [params[first]]
+                + [self._after_separator(params[key]) for key in rest]
+                + [_optional(self._after_separator(params[key])) for key in optional]
+            )
+        starts = [
+            _sequence([params[key]] + [_optional(self._after_separator(params[k])) for k in optional[i + 1 :]])
+            for i, key in enumerate(optional)
+        ]
+        return _optional(starts[0] if len(starts) == 1 else {"type": "or", "elements": starts})
+
+    def write(self, arguments: dict[str, Any], schema: dict[str, Any]) -> str:
+        """``arguments`` as the model writes them."""
+        properties = schema.get("properties") or {}
+        written = []
+        for key, value in arguments.items():
+            raw = self.is_raw(properties.get(key)) and isinstance(value, str)
+            text = value if raw else json.dumps(value, ensure_ascii=False)
+            written.append(self.begin + key + self.key_end + text + self.value_end)
+        return self.separator.join(written)
+
+    def _parameter(self, key: str, schema: Any) -> dict[str, Any]:
+        if not self.is_raw(schema):
+            value = {"type": "json_schema", "json_schema": schema}
+            return _sequence([_const(self.begin + key + self.key_end), value, _const(self.value_end)])
+        unsupported = sorted(set(schema) - RAW_STRING_KEYWORDS)
+        if unsupported:
+            raise ValueError(
+                f"the parameter {key!r} is a string written as raw text in this tool syntax, which cannot hold it to "
+                f"{', '.join(unsupported)}"
+            )
+        values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        begin = _const(self.begin + key + self.key_end)
+        if values is not None:
+            if not values or not all(isinstance(value, str) for value in values):
+                raise ValueError(f"the parameter {key!r} is a string whose enum or const holds a value that is not one")
+            return _sequence([begin, {"type": "or", "elements": [_const(v) for v in values]}, _const(self.value_end)])
+        if "minLength" in schema or "maxLength" in schema:
+            bounds = f"{schema.get('minLength', 0)},{schema.get('maxLength', '')}"
+            return _sequence([begin, {"type": "regex", "pattern": f"[^<]{{{bounds}}}"}, _const(self.value_end)])
+        return {"type": "tag", "begin": begin["value"], "content": {"type": "any_text"}, "end": self.value_end}
+
+    def _after_separator(self, parameter: dict[str, Any]) -> dict[str, Any]:
+        return _sequence([_const(self.separator), parameter])
 
 
 @dataclass(frozen=True)
@@ -32,7 +117,8 @@ class ToolSyntax:
     this syntax (empty: never chosen from a template); ``keeps_special_tokens``: its markers are special tokens of the
     family's tokenizer, so the output is decoded with them (``skip_special_tokens`` false unless a request sets it);
     ``forced_as_json``: ``required`` and a named function are written as vLLM writes them, a JSON array of calls and
-    the arguments alone, instead of in this syntax (Hermes, for models such as SmolLM2 that know no tool syntax)."""
+    the arguments alone, instead of in this syntax (Hermes, for models such as SmolLM2 that know no tool syntax);
+    ``parameters``: the arguments are written parameter by parameter (else as one JSON object)."""
 
     name: str
     call_begin: str
@@ -45,6 +131,7 @@ class ToolSyntax:
     markers: tuple[str, ...] = ()
     keeps_special_tokens: bool = False
     forced_as_json: bool = False
+    parameters: Parameters | None = None
 
     @property
     def sectioned(self) -> bool:
@@ -53,6 +140,8 @@ class ToolSyntax:
     def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
         """The ``tag`` format node of one call of ``name`` whose arguments are valid for ``schema``."""
         arguments: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+        if self.parameters is not None:
+            arguments = self.parameters.format(schema)
         before_index, _, after_index = self.name_end.partition(INDEX)
         if INDEX in self.name_end:
             arguments = {
@@ -91,9 +180,20 @@ class ToolSyntax:
         end = {"type": "const_string", "value": self.section_end}
         return {"type": "sequence", "elements": [begin, calls, end]}
 
-    def write_calls(self, calls: list[tuple[str, str]]) -> str:
+    def write_calls(self, calls: list[tuple[str, str]], schemas: dict[str, dict[str, Any]] | None = None) -> str:
         """``(name, arguments JSON)`` calls as the model writes them (for a template that cannot render calls);
-        calls in free text follow one another directly."""
+        calls in free text follow one another directly. ``schemas``: the functions' (for parameters written raw)."""
+        return self._write([(name, self._written_arguments(a, (schemas or {}).get(name, {}))) for name, a in calls])
+
+    def example(self) -> str:
+        """How to call a function, for the system message that offers the tools."""
+        if self.parameters is None:
+            return self._write([("<function name>", "<arguments object>")])
+        parameters = self.parameters
+        one = parameters.begin + "<parameter name>" + parameters.key_end + "<value>" + parameters.value_end
+        return self._write([("<function name>", parameters.separator.join([one, "..."]))])
+
+    def _write(self, calls: list[tuple[str, str]]) -> str:
         written = [
             self.call_begin + name + self.name_end.replace(INDEX, str(index)) + arguments + self.call_end
             for index, (name, arguments) in enumerate(calls)
@@ -102,9 +202,29 @@ class ToolSyntax:
             return "".join(written)
         return self.section_begin + self.separator.join(written) + self.section_end
 
-    def example(self) -> str:
-        """How to call a function, for the system message that offers the tools."""
-        return self.write_calls([("<function name>", "<arguments object>")])
+    def _written_arguments(self, arguments: str, schema: dict[str, Any]) -> str:
+        if self.parameters is None:
+            return arguments
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return self.parameters.write(parsed, schema) if isinstance(parsed, dict) else arguments
+
+
+def _const(value: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": value}
+
+
+def _optional(content: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "optional", "content": content}
+
+
+def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
+    kept = [element for element in elements if element != _const("")]
+    if not kept:
+        return _const("")
+    return kept[0] if len(kept) == 1 else {"type": "sequence", "elements": kept}
 
 
 def _triggered(trigger: str, tags: list[dict[str, Any]], stop_after_first: bool) -> dict[str, Any]:
@@ -131,7 +251,19 @@ SYNTAXES: dict[str, ToolSyntax] = {
             call_end="}\n</tool_call>",
             separator="\n",
             trigger="<tool_call>",
-            markers=("<tool_call>", '"arguments"'),
+            markers=("<tool_call>", "<args-json-object>"),
+        ),
+        ToolSyntax(
+            "qwen3_coder",
+            call_begin="<tool_call>\n<function=",
+            name_end=">\n",
+            call_end="</function>\n</tool_call>",
+            separator="\n",
+            trigger="<tool_call>",
+            markers=("<tool_call>", "<function=", "<parameter="),
+            parameters=Parameters(
+                begin="<parameter=", key_end=">\n", value_end="\n</parameter>\n", separator="", raw_strings=True
+            ),
         ),
         ToolSyntax(
             "llama3",
@@ -180,6 +312,18 @@ SYNTAXES: dict[str, ToolSyntax] = {
             section_end="<|tool_calls_section_end|>",
             markers=("<|tool_calls_section_begin|>",),
             keeps_special_tokens=True,
+        ),
+        ToolSyntax(
+            "pythonic",
+            call_begin="",
+            name_end="(",
+            call_end=")",
+            separator=", ",
+            trigger="[",
+            section_begin="[",
+            section_end="]",
+            markers=("[func_name1(",),
+            parameters=Parameters(begin="", key_end="=", value_end="", separator=", "),
         ),
         ToolSyntax(
             "gpt-oss",

@@ -149,10 +149,10 @@ FAMILIES = [name for name, syntax in SYNTAXES.items() if not syntax.forced_as_js
 def family_text(syntax_name: str, tool_choice: str, before: str, calls: list[tuple[str, str]]) -> str:
     """The calls as the syntax writes them; in ``required`` mode parallel calls in free text are joined by the
     syntax's separator (the grammar's calls-only form)."""
-    syntax = SYNTAXES[syntax_name]
+    syntax, schemas = SYNTAXES[syntax_name], {"get_weather": WEATHER, "get_time": TIME}
     if tool_choice != "auto" and not syntax.sectioned:
-        return before + syntax.separator.join(syntax.write_calls([call]) for call in calls)
-    return before + (syntax.write_calls(calls) if calls else "")
+        return before + syntax.separator.join(syntax.write_calls([call], schemas) for call in calls)
+    return before + (syntax.write_calls(calls, schemas) if calls else "")
 
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])

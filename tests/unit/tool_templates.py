@@ -29,6 +29,47 @@ QWEN25 = (
     "{%- endfor %}{{- '<|im_end|>\\n' }}" + _CHATML_TURNS
 )
 
+QWEN3_CODER = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n<function>\\n<name>' + tool.function.name + '</name>\\n<parameters>' }}"
+    "{{- tool.function.parameters | tojson }}{{- '</parameters>\\n</function>' }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format:\\n<tool_call>\\n"
+    "<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
+    "</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + message.content }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n<function=' + tool_call.function.name + '>\\n' }}"
+    "{%- for name, value in tool_call.function.arguments | items %}"
+    "{{- '<parameter=' + name + '>\\n' }}"
+    "{%- if value is string %}{{- value }}{%- else %}{{- value | tojson }}{%- endif %}"
+    "{{- '\\n</parameter>\\n' }}{%- endfor %}{{- '</function>\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}" + _CHATML_TURNS
+)
+
+PYTHONIC = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou may call functions, in the format "
+    "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]. "
+    "The functions:\\n' }}{%- for tool in tools %}{{- tool | tojson + '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n[' }}"
+    "{%- for tool_call in message.tool_calls %}{%- if not loop.first %}{{- ', ' }}{%- endif %}"
+    "{{- tool_call.function.name + '(' }}"
+    "{%- for name, value in tool_call.function.arguments | items %}{%- if not loop.first %}{{- ', ' }}{%- endif %}"
+    "{{- name + '=' }}{{- value | tojson }}{%- endfor %}{{- ')' }}"
+    "{%- endfor %}{{- ']<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
 LLAMA3 = (
     "{{- '<|begin_of_text|>' }}"
     "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n"
@@ -125,10 +166,12 @@ GPT_OSS = (
 
 TEMPLATES = {
     "qwen25": QWEN25,
+    "qwen3_coder": QWEN3_CODER,
     "llama3": LLAMA3,
     "mistral": MISTRAL,
     "deepseekv3": DEEPSEEKV3,
     "kimi_k2": KIMI_K2,
+    "pythonic": PYTHONIC,
     "gpt-oss": GPT_OSS,
 }
 """Each family's template by its ``--tool-call-parser`` name (Hermes is the default of templates with no syntax)."""
