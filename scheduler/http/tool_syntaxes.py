@@ -186,16 +186,21 @@ class ToolSyntax:
         return self._write([(name, self._written_arguments(a, (schemas or {}).get(name, {}))) for name, a in calls])
 
     def example(self) -> str:
-        """How to call a function, for the system message that offers the tools."""
+        """How to call a function, for the system message that offers the tools; a placeholder stands for a whole
+        JSON value (a name in a JSON string is shown without its quotes)."""
+        quoted = self.call_begin.endswith('"') and self.name_end.startswith('"')
+        call_begin, name_end = (self.call_begin[:-1], self.name_end[1:]) if quoted else (self.call_begin, self.name_end)
         if self.parameters is None:
-            return self._write([("<function name>", "<arguments object>")])
+            return self._write([("<function name>", "<arguments object>")], call_begin, name_end)
         parameters = self.parameters
         one = parameters.begin + "<parameter name>" + parameters.key_end + "<value>" + parameters.value_end
-        return self._write([("<function name>", parameters.separator.join([one, "..."]))])
+        return self._write([("<function name>", parameters.separator.join([one, "..."]))], call_begin, name_end)
 
-    def _write(self, calls: list[tuple[str, str]]) -> str:
+    def _write(self, calls: list[tuple[str, str]], call_begin: str | None = None, name_end: str | None = None) -> str:
+        call_begin = self.call_begin if call_begin is None else call_begin
+        name_end = self.name_end if name_end is None else name_end
         written = [
-            self.call_begin + name + self.name_end.replace(INDEX, str(index)) + arguments + self.call_end
+            call_begin + name + name_end.replace(INDEX, str(index)) + arguments + self.call_end
             for index, (name, arguments) in enumerate(calls)
         ]
         if not self.sectioned:

@@ -220,6 +220,7 @@ HTTP_CASES: list[Case] = [
         "Missing required parameter: 'messages.0.tool_calls.0.function'",
         messages=[{**MESSAGES[0], "tool_calls": [{"id": "1"}]}],
     ),
+    chat(400, "messages[1].tool_call_id is required", messages=[*MESSAGES, {"role": "tool", "content": "42"}]),
     # values out of range
     *(
         make(400, field, **{field: value})
