@@ -39,6 +39,7 @@ _FRONTEND_FLAGS = (
     "max_seq_len",
     "grammar_max_spec_bytes",
     "cache_dir",
+    "tool_call_parser",
     "log_level",
 )
 """The ``ServerArgs`` fields the frontend reads, passed on as their flags (``--field-name``)."""

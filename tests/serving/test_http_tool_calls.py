@@ -19,7 +19,7 @@ from scheduler.http.tool_calls import ToolPlan, tool_plan
 from scheduler.http.tool_syntaxes import SYNTAXES
 from scheduler.io_struct import FinishReason, GenerateOutput, Usage
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from tests.helpers import HTTP_MAX_SEQ_LEN, MODEL, HttpServer
+from tests.helpers import HTTP_MAX_SEQ_LEN, MODEL, HttpServer, http_server, serving
 from tests.unit.tool_templates import TEMPLATES
 
 pytestmark = pytest.mark.model
@@ -239,3 +239,44 @@ def test_the_model_constrained_into_each_family_syntax_calls_tools_streamed_and_
     for index, call in enumerate(calls):
         arguments = "".join(p["function"]["arguments"] for p in pieces if p["index"] == index)
         assert arguments == call["function"]["arguments"]
+
+
+CODER_FLAGS = ("--tool-call-parser", "qwen3_coder")
+
+
+@pytest.mark.launches(*CODER_FLAGS, http=True)
+def test_a_server_started_with_a_tool_call_parser_writes_calls_in_its_syntax() -> None:
+    """``--tool-call-parser qwen3_coder`` on SmolLM2 (whose template renders no tools): the system message shows the
+    syntax, the model writes a call in a ``<function=...>`` block with ``<parameter=...>`` values (strings as raw
+    text), and it comes back as OpenAI's ``tool_calls`` with JSON arguments, the same streamed and not."""
+    live = http_server(*CODER_FLAGS)
+    with serving(live):
+        client = live.openai_client()
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "What's the weather in Paris, and the time in Tokyo?"}
+        ]
+        kwargs: dict[str, Any] = {
+            "model": MODEL,
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "temperature": 0,
+            "max_tokens": 140,
+            "logprobs": True,
+        }
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and calls
+        for call in calls:
+            assert_valid_call(call)
+        written = "".join(token.token for token in (choice.logprobs.content if choice.logprobs else None) or [])
+        assert f"<tool_call>\n<function={calls[0].function.name}>\n<parameter=" in written
+        streamed: list[list[str]] = []
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                if piece.id is not None:
+                    streamed.append([piece.function.name if piece.function else "", ""])
+                elif piece.function is not None:
+                    streamed[piece.index][1] += piece.function.arguments or ""
+        assert streamed == [[call.function.name, call.function.arguments] for call in calls]
