@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 from scheduler.http.constraint_fields import requested_constraint
 from scheduler.http.protocol import ChatCompletionRequest, Message, NamedToolChoice, ProtocolError
-from scheduler.http.tool_call_parser import OutputShape, ParsedOutput, new_call_id, parse_output
+from scheduler.http.tool_call_parser import OutputShape, new_call_id, parse_output
+from scheduler.http.tool_call_reader import ParsedOutput
 from scheduler.http.tool_syntaxes import DEFAULT_SYNTAX, SYNTAXES, ToolSyntax, renders_tools, resolve_syntax
 from sglang_constrained.constraint_spec import GrammarSpecError, choices_to_regex
 

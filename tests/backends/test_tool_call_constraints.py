@@ -40,8 +40,10 @@ ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
 
 
-def plan_for(tool_choice: object, parallel: bool = True, syntax: str = "hermes", **fields: object) -> ToolPlan:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "tool_choice": tool_choice, **fields}
+def plan_for(
+    tool_choice: object, parallel: bool = True, syntax: str = "hermes", tools: list[object] = TOOLS, **fields: object
+) -> ToolPlan:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": tool_choice, **fields}
     request = ChatCompletionRequest.model_validate_json(json.dumps(body | {"parallel_tool_calls": parallel}))
     plan = tool_plan(request, SYNTAXES[syntax])
     assert plan is not None
@@ -125,6 +127,8 @@ def test_accepted_outputs_read_back_as_openai_tool_calls() -> None:
 
 
 WEATHER_ARGUMENTS, TIME_ARGUMENTS = '{"city": "Oslo", "unit": "C"}', '{"zone": "UTC"}'
+PING = {"type": "object", "properties": {"host": {"type": "string"}, "count": {"type": "integer"}}}
+"""Parameters all optional: written in any subset, in the schema's order."""
 BAD_ARGUMENTS = '{"city": "Oslo", "unit": "K"}'
 FAMILY_CASES = [
     # (tool_choice, parallel, text built from the syntax's calls: [(name, arguments)] with text before them, accepted)
@@ -139,17 +143,22 @@ FAMILY_CASES = [
     ("required", True, ("Sure. ", [("get_time", TIME_ARGUMENTS)]), False),
     ("named", True, ("", [("get_weather", WEATHER_ARGUMENTS)]), True),
     ("named", True, ("", [("get_time", TIME_ARGUMENTS)]), False),
+    ("required", True, ("", [("ping", "{}")]), True),
+    ("required", True, ("", [("ping", '{"count": 3}')]), True),
+    ("required", True, ("", [("ping", '{"host": "a", "count": 3}')]), True),
+    ("required", True, ("", [("ping", '{"count": "3"}')]), False),
     ("auto+answer", True, ("", [("get_weather", WEATHER_ARGUMENTS)]), True),
     ("auto+answer", True, ('{"answer": "yes"}', []), True),
     ("auto+answer", True, ("It is sunny.", []), False),
 ]
+FAMILY_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "ping", "parameters": PING}}]
 FAMILIES = [name for name, syntax in SYNTAXES.items() if not syntax.forced_as_json]
 
 
 def family_text(syntax_name: str, tool_choice: str, before: str, calls: list[tuple[str, str]]) -> str:
     """The calls as the syntax writes them; in ``required`` mode parallel calls in free text are joined by the
     syntax's separator (the grammar's calls-only form)."""
-    syntax, schemas = SYNTAXES[syntax_name], {"get_weather": WEATHER, "get_time": TIME}
+    syntax, schemas = SYNTAXES[syntax_name], {"get_weather": WEATHER, "get_time": TIME, "ping": PING}
     if tool_choice != "auto" and not syntax.sectioned:
         return before + syntax.separator.join(syntax.write_calls([call], schemas) for call in calls)
     return before + (syntax.write_calls(calls, schemas) if calls else "")
@@ -167,7 +176,7 @@ def test_each_family_syntax_is_the_constraint_and_reads_back(
         choice_name = mode.removesuffix("+answer")
         choice = {"type": "function", "function": {"name": "get_weather"}} if choice_name == "named" else choice_name
         fields = {"response_format": RESPONSE_FORMAT} if mode.endswith("+answer") else {}
-        plan = plan_for(choice, parallel, syntax_name, **fields)
+        plan = plan_for(choice, parallel, syntax_name, FAMILY_TOOLS, **fields)
         text = family_text(syntax_name, choice_name, before, calls)
         assert accepts(plan, text, smollm2_tokenizer, backend) is accepted, (mode, parallel, text)
         if accepted:

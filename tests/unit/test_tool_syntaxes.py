@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from scheduler.http.protocol import ChatCompletionRequest, ProtocolError
 from scheduler.http.request_conversion import RequestLimits, chat_calls
 from scheduler.http.streaming import ChatStreamChunks
-from scheduler.http.tool_call_parser import read_calls
+from scheduler.http.tool_call_reader import read_calls
 from scheduler.http.tool_calls import ToolFormat, ToolPlan, tool_plan
 from scheduler.http.tool_syntaxes import SYNTAXES, detect_syntax, renders_tools, resolve_syntax
 from scheduler.io_struct import FinishReason, GenerateOutput, Usage
@@ -177,7 +177,7 @@ def test_streamed_calls_add_up_to_the_unstreamed_ones_however_the_tokens_are_cut
 ) -> None:
     syntax = SYNTAXES[syntax_name]
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(before=st.text(alphabet="ab <[|{\n", max_size=10), calls=CALLS, sizes=SPLITS, parallel=st.booleans())
     def check(before: str, calls: list[tuple[str, str]], sizes: list[int], parallel: bool) -> None:
         RUNS[syntax_name] = RUNS.get(syntax_name, 0) + 1
