@@ -27,7 +27,7 @@ from tests.unit.tool_templates import TEMPLATES
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "parameters": TIME, "strict": True}},
 ]
@@ -168,19 +168,17 @@ def joined(events: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any
     return content, calls, events[-1]["choices"][0]["finish_reason"]
 
 
-RUNS: dict[str, int] = {}
-
-
 @pytest.mark.parametrize("syntax_name", list(SYNTAXES))
 def test_streamed_calls_add_up_to_the_unstreamed_ones_however_the_tokens_are_cut(
     smollm2_tokenizer: TokenizerSetup, syntax_name: str
 ) -> None:
     syntax = SYNTAXES[syntax_name]
+    runs = []
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(before=st.text(alphabet="ab <[|{\n", max_size=10), calls=CALLS, sizes=SPLITS, parallel=st.booleans())
     def check(before: str, calls: list[tuple[str, str]], sizes: list[int], parallel: bool) -> None:
-        RUNS[syntax_name] = RUNS.get(syntax_name, 0) + 1
+        runs.append(sizes)
         plan = tool_plan(request_with(tools=TOOLS, parallel_tool_calls=parallel), syntax)
         assert plan is not None
         written = syntax.write_calls(calls, {"get_weather": WEATHER, "get_time": TIME})
@@ -198,7 +196,7 @@ def test_streamed_calls_add_up_to_the_unstreamed_ones_however_the_tokens_are_cut
         assert finish_reason == ("tool_calls" if calls else "stop")
 
     check()
-    print(f"{syntax_name}: {RUNS[syntax_name]} random splits")
+    print(f"{syntax_name}: {len(runs)} random splits")  # the run count, shown with -s
 
 
 def test_a_string_written_as_raw_text_that_raw_text_cannot_hold_to_its_schema_is_refused_by_name() -> None:
