@@ -2,7 +2,7 @@
 
 A syntax is written once here, and both sides are derived from it: the constraint a call is generated under (a
 structural tag in xgrammar's ``format`` form, ``ToolSyntax.calls_format``) and the reading of calls out of the output
-(``scheduler.http.tool_call_parser.read_calls``), so the two cannot disagree. Every family here writes a call as
+(``scheduler.http.tool_call_reader.read_calls``), so the two cannot disagree. Every family here writes a call as
 ``call_begin NAME name_end ARGUMENTS call_end``; calls are joined by ``separator``, and either stand in free text one
 by one (Hermes, Qwen2.5, Qwen3-Coder, gpt-oss) or sit in one section between ``section_begin`` and ``section_end``
 (Llama 3, Mistral, DeepSeek-V3, Kimi-K2, pythonic). ``{index}`` in ``name_end`` is the call's number in its section
@@ -24,7 +24,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from scheduler.http.tool_parameters import Parameters
+from scheduler.http.tool_parameters import Parameters, const
 
 INDEX = "{index}"
 CALL_NUMBER = "(0|[1-9][0-9]{0,3})"
@@ -55,6 +55,7 @@ class ToolSyntax:
 
     @property
     def sectioned(self) -> bool:
+        """Whether calls sit in one section (else each stands alone in the text)."""
         return bool(self.section_begin)
 
     def call_tag(self, name: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -62,16 +63,10 @@ class ToolSyntax:
         arguments: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
         if self.parameters is not None:
             arguments = self.parameters.format(schema)
-        before_index, _, after_index = self.name_end.partition(INDEX)
-        if INDEX in self.name_end:
-            arguments = {
-                "type": "sequence",
-                "elements": [
-                    {"type": "regex", "pattern": CALL_NUMBER},
-                    {"type": "const_string", "value": after_index},
-                    arguments,
-                ],
-            }
+        before_index, has_index, after_index = self.name_end.partition(INDEX)
+        if has_index:
+            number = {"type": "regex", "pattern": CALL_NUMBER}
+            arguments = {"type": "sequence", "elements": [number, const(after_index), arguments]}
         return {
             "type": "tag",
             "begin": self.call_begin + name + before_index,
@@ -96,9 +91,7 @@ class ToolSyntax:
         if in_text:
             section = {"type": "tag", "begin": self.section_begin, "content": calls, "end": self.section_end}
             return _triggered(self.trigger, [section], stop_after_first=True)
-        begin = {"type": "const_string", "value": self.section_begin}
-        end = {"type": "const_string", "value": self.section_end}
-        return {"type": "sequence", "elements": [begin, calls, end]}
+        return {"type": "sequence", "elements": [const(self.section_begin), calls, const(self.section_end)]}
 
     def write_calls(self, calls: list[tuple[str, str]], schemas: dict[str, dict[str, Any]] | None = None) -> str:
         """``(name, arguments JSON)`` calls as the model writes them (for a template that cannot render calls);
