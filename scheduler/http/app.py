@@ -183,7 +183,7 @@ def create_app(server_args: ServerArgs) -> FastAPI:
         prompt_encoder = PromptEncoder(tokenizer, len(tokenizer), server_args.max_seq_len)
         limits = RequestLimits(server_args.max_seq_len, server_args.grammar_max_spec_bytes)
         client = AsyncSchedulerClient(server_args.zmq_endpoint)
-        tool_format = server_tool_format(server_args.tool_call_parser, tokenizer.chat_template)
+        tool_format = server_tool_format(server_args.tool_call_parser, tokenizer)
         app.state.frontend = FrontendState(client, server_args.model_name, limits, prompt_encoder, tool_format)
         app.state.server_args = server_args
         try:

@@ -152,7 +152,7 @@ def chat_calls(
         messages = with_tools_offered(messages, plan)
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = msgspec.structs.replace(
-        _sampling_params(request, max_tokens or limits.max_seq_len, limits, plan),
+        _sampling_params(request, max_tokens or limits.max_seq_len, limits, plan, tool_format),
         require_reasoning=enables_thinking(request.chat_template_kwargs),
         thinking_budget=thinking_budget(request.thinking_token_budget, request.custom_params),
     )
@@ -217,10 +217,15 @@ def prompt_call(
 
 
 def _sampling_params(
-    request: CommonRequest, max_tokens: int, limits: RequestLimits, plan: ToolPlan | None = None
+    request: CommonRequest,
+    max_tokens: int,
+    limits: RequestLimits,
+    plan: ToolPlan | None = None,
+    tool_format: ToolFormat = DEFAULT_TOOL_FORMAT,
 ) -> SamplingParams:
     """The sampling parameters every choice shares (``for_choice`` sets each one's seed), checked; a tool plan's
-    constraint is the request's (its answer format, if any, is in the plan)."""
+    constraint is the request's (its answer format, if any, is in the plan); a syntax of special tokens
+    (``tool_format``) has outputs with tools decoded with them."""
     if request.min_tokens is not None and request.min_tokens > max_tokens:
         message = f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})"
         raise ProtocolError(message, param="min_tokens")
@@ -238,8 +243,11 @@ def _sampling_params(
             ("ignore_eos", request.ignore_eos),
             ("stop_token_ids", request.stop_token_ids),
             ("logit_bias", request.logit_bias),
-            ("skip_special_tokens", _special_tokens_field(request.skip_special_tokens, plan)),
-            ("spaces_between_special_tokens", _special_tokens_field(request.spaces_between_special_tokens, plan)),
+            ("skip_special_tokens", _special_tokens_field(request.skip_special_tokens, plan, tool_format)),
+            (
+                "spaces_between_special_tokens",
+                _special_tokens_field(request.spaces_between_special_tokens, plan, tool_format),
+            ),
             ("no_stop_trim", request.include_stop_str_in_output or request.no_stop_trim),
         )
         if value is not None
@@ -258,10 +266,10 @@ def _sampling_params(
     return checked_params(params, limits)
 
 
-def _special_tokens_field(value: bool | None, plan: ToolPlan | None) -> bool | None:
+def _special_tokens_field(value: bool | None, plan: ToolPlan | None, tool_format: ToolFormat) -> bool | None:
     """``skip_special_tokens`` or ``spaces_between_special_tokens`` as the request sets it; else, with tools in a
     syntax of special tokens, false: the calls are read from those tokens' text, as the syntax writes it."""
-    if value is None and plan is not None and plan.syntax.keeps_special_tokens:
+    if value is None and plan is not None and tool_format.writes_special_tokens:
         return False
     return value
 

@@ -32,7 +32,14 @@ from scheduler.http.constraint_fields import requested_constraint
 from scheduler.http.protocol import ChatCompletionRequest, Message, NamedToolChoice, ProtocolError
 from scheduler.http.tool_call_parser import OutputShape, new_call_id, parse_output
 from scheduler.http.tool_call_reader import ParsedOutput
-from scheduler.http.tool_syntaxes import DEFAULT_SYNTAX, SYNTAXES, ToolSyntax, renders_tools, resolve_syntax
+from scheduler.http.tool_syntaxes import (
+    DEFAULT_SYNTAX,
+    SYNTAXES,
+    ToolSyntax,
+    renders_tools,
+    resolve_syntax,
+    writes_special_tokens,
+)
 from sglang_constrained.constraint_spec import GrammarSpecError, choices_to_regex
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -41,20 +48,24 @@ logger = logging.getLogger("scheduler.http")
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """The server's way with tools: the syntax calls are written in, and whether its chat template renders tools
-    (``tool_syntaxes.renders_tools``)."""
+    """The server's way with tools: the syntax calls are written in, whether its chat template renders tools
+    (``tool_syntaxes.renders_tools``), and whether the syntax writes special tokens of its tokenizer (then outputs
+    with tools are decoded with special tokens unless a request says otherwise)."""
 
     syntax: ToolSyntax
     template_renders_tools: bool
+    writes_special_tokens: bool = False
 
 
-def server_tool_format(tool_call_parser: str | None, chat_template: str | None) -> ToolFormat:
-    """The server's tool format from ``--tool-call-parser`` and its chat template (the choice is logged)."""
+def server_tool_format(tool_call_parser: str | None, tokenizer: Any) -> ToolFormat:
+    """The server's tool format from ``--tool-call-parser`` and its tokenizer's chat template (the choice is
+    logged)."""
+    chat_template = getattr(tokenizer, "chat_template", None)
     syntax, why = resolve_syntax(tool_call_parser, chat_template)
     renders = renders_tools(chat_template)
     offered = "the chat template renders them" if renders else "offered in a system message"
     logger.info("tool calls are written in the %s syntax, chosen by %s; tools are %s", syntax.name, why, offered)
-    return ToolFormat(syntax, renders)
+    return ToolFormat(syntax, renders, writes_special_tokens(syntax, tokenizer))
 
 
 DEFAULT_TOOL_FORMAT = ToolFormat(SYNTAXES[DEFAULT_SYNTAX], template_renders_tools=False)

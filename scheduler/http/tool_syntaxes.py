@@ -34,8 +34,7 @@ CALL_NUMBER = "(0|[1-9][0-9]{0,3})"
 class ToolSyntax:
     """One family's call syntax. ``trigger``: the text that starts calls in free text (the start of
     ``section_begin``, or of ``call_begin``); ``markers``: strings whose presence in a chat template says it writes
-    this syntax (empty: never chosen from a template); ``keeps_special_tokens``: its markers are special tokens of the
-    family's tokenizer, so the output is decoded with them (``skip_special_tokens`` false unless a request sets it);
+    this syntax (empty: never chosen from a template);
     ``forced_as_json``: ``required`` and a named function are written as vLLM writes them, a JSON array of calls and
     the arguments alone, instead of in this syntax (Hermes, for models such as SmolLM2 that know no tool syntax);
     ``parameters``: the arguments are written parameter by parameter (else as one JSON object)."""
@@ -49,9 +48,18 @@ class ToolSyntax:
     section_begin: str = ""
     section_end: str = ""
     markers: tuple[str, ...] = ()
-    keeps_special_tokens: bool = False
     forced_as_json: bool = False
     parameters: Parameters | None = None
+
+    @property
+    def literals(self) -> tuple[str, ...]:
+        """The fixed text the syntax writes around names and arguments."""
+        parameters = self.parameters
+        around = (
+            (parameters.begin, parameters.key_end, parameters.value_end, parameters.separator) if parameters else ()
+        )
+        own = (self.call_begin, self.name_end, self.call_end, self.separator, self.section_begin, self.section_end)
+        return own + around
 
     @property
     def sectioned(self) -> bool:
@@ -178,7 +186,6 @@ SYNTAXES: dict[str, ToolSyntax] = {
             section_begin="<|python_tag|>",
             section_end="<|eom_id|>",
             markers=("<|python_tag|>",),
-            keeps_special_tokens=True,
         ),
         ToolSyntax(
             "mistral",
@@ -190,7 +197,6 @@ SYNTAXES: dict[str, ToolSyntax] = {
             section_begin="[TOOL_CALLS] [",
             section_end="]",
             markers=("[TOOL_CALLS]",),
-            keeps_special_tokens=True,
         ),
         ToolSyntax(
             "deepseekv3",
@@ -202,7 +208,6 @@ SYNTAXES: dict[str, ToolSyntax] = {
             section_begin="<｜tool▁calls▁begin｜>",
             section_end="<｜tool▁calls▁end｜>",
             markers=("<｜tool▁calls▁begin｜>",),
-            keeps_special_tokens=True,
         ),
         ToolSyntax(
             "kimi_k2",
@@ -214,7 +219,6 @@ SYNTAXES: dict[str, ToolSyntax] = {
             section_begin="<|tool_calls_section_begin|>",
             section_end="<|tool_calls_section_end|>",
             markers=("<|tool_calls_section_begin|>",),
-            keeps_special_tokens=True,
         ),
         ToolSyntax(
             "pythonic",
@@ -236,7 +240,6 @@ SYNTAXES: dict[str, ToolSyntax] = {
             separator="<|start|>assistant",
             trigger="<|channel|>commentary to=",
             markers=("<|channel|>", "to=functions."),
-            keeps_special_tokens=True,
         ),
     )
 }
@@ -272,3 +275,10 @@ def renders_tools(chat_template: str | None) -> bool:
     except jinja2.TemplateSyntaxError:
         return False
     return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+
+def writes_special_tokens(syntax: ToolSyntax, tokenizer: Any) -> bool:
+    """Whether the syntax's fixed text holds one of the tokenizer's special tokens (Qwen3.5's ``<tool_call>``,
+    Llama's ``<|python_tag|>``): then outputs are decoded with special tokens, or the calls could not be read."""
+    special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    return any(token in literal for literal in syntax.literals for token in special)

@@ -19,6 +19,9 @@ import httpx
 import jsonschema
 import pytest
 
+from scheduler.http.protocol import ChatCompletionRequest
+from scheduler.http.tool_calls import tool_plan
+from scheduler.http.tool_syntaxes import SYNTAXES
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.helpers import HttpServer
 
@@ -169,7 +172,12 @@ def test_tool_calls_are_read_from_the_answer_only(reasoning_server: HttpServer, 
         "type": "function",
         "function": {
             "name": "is_prime",
-            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+            # bounded: the random-weight model, prompted with the tool by its template, writes digits at length
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9999}},
+                "required": ["n"],
+            },
         },
     }
     body = chat(
@@ -240,3 +248,28 @@ def test_the_qwen_template_names_its_tool_syntax_and_calls_come_in_it(reasoning_
     header, *arguments = pieces
     assert header["index"] == 0 and header["function"] == {"name": "verdict", "arguments": ""} and header["id"]
     assert "".join(piece["function"]["arguments"] for piece in arguments) == call["function"]["arguments"]
+
+
+def test_a_qwen3_coder_call_on_the_qwen35_tokenizer(reasoning_server: HttpServer, bias: Any) -> None:
+    """The ``qwen3_coder`` constraint on the real Qwen3.5 tokenizer: the model writes a ``<function=...>`` block with a
+    raw-text and a JSON parameter, which reads back as a call whose JSON arguments fit the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"prime": {"type": "boolean"}, "why": {"type": "string", "maxLength": 12}},
+        "required": ["prime", "why"],
+    }
+    body = {
+        "messages": MESSAGES,
+        "tools": [{"type": "function", "function": {"name": "verdict", "parameters": schema}}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
+    plan = tool_plan(ChatCompletionRequest.model_validate(body), SYNTAXES["qwen3_coder"])
+    assert plan is not None
+    params = {**plan.constraint(), "temperature": 0.0, "max_new_tokens": 64, "logit_bias": bias(open=-100.0)}
+    result = generate(reasoning_server, sampling_params=params, separate_reasoning=True)
+    assert result["text"].startswith("<tool_call>\n<function=verdict>\n<parameter=prime>\n")
+    assert result["meta_info"]["finish_reason"]["type"] == "stop"
+    content, (call,) = plan.parse(result["text"])
+    assert content is None and call["function"]["name"] == "verdict"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), schema)

@@ -17,8 +17,8 @@ from scheduler.http.request_conversion import RequestLimits, chat_calls
 from scheduler.http.streaming import ChatStreamChunks
 from scheduler.http.tool_call_reader import read_calls
 from scheduler.http.tool_calls import ToolFormat, ToolPlan, tool_plan
-from scheduler.http.tool_syntaxes import SYNTAXES, detect_syntax, renders_tools, resolve_syntax
-from scheduler.io_struct import FinishReason, GenerateOutput, Usage
+from scheduler.http.tool_syntaxes import SYNTAXES, detect_syntax, renders_tools, resolve_syntax, writes_special_tokens
+from scheduler.io_struct import FinishReason, GenerateOutput, SamplingParams, Usage
 from scheduler.output_text import OutputText
 from scheduler.server_args import TOOL_CALL_PARSERS
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -53,6 +53,29 @@ def test_smollm2s_template_names_no_syntax_and_renders_no_tools(smollm2_tokenize
     template = smollm2_tokenizer.tokenizer.chat_template
     assert detect_syntax(template) is None and not renders_tools(template)
     assert resolve_syntax(None, template)[0].name == "hermes"
+
+
+def test_outputs_are_decoded_with_special_tokens_where_the_syntax_writes_them(
+    smollm2_tokenizer: TokenizerSetup, qwen35_tokenizer: TokenizerSetup
+) -> None:
+    """Qwen3.5's ``<tool_call>`` is a special token, which decoding would drop: with tools in a Qwen syntax the output
+    keeps special tokens (unless the request says otherwise); SmolLM2 has no such token, and Hermes requests keep
+    the defaults."""
+    request = request_with(tools=TOOLS)
+    for setup, syntax_name, expected in (
+        (qwen35_tokenizer, "qwen25", False),
+        (qwen35_tokenizer, "qwen3_coder", False),
+        (smollm2_tokenizer, "hermes", True),
+        (smollm2_tokenizer, "qwen25", True),
+    ):
+        syntax = SYNTAXES[syntax_name]
+        tool_format = ToolFormat(syntax, False, writes_special_tokens(syntax, setup.tokenizer))
+        (call,) = chat_calls(request, "id", LIMITS, tool_plan(request, syntax), tool_format)
+        params = call.sampling_params
+        assert (params.skip_special_tokens, params.spaces_between_special_tokens) == (expected, expected)
+        chosen = request.model_copy(update={"skip_special_tokens": True})
+        (call,) = chat_calls(chosen, "id", LIMITS, tool_plan(chosen, syntax), tool_format)
+        assert call.sampling_params.skip_special_tokens
 
 
 def conversation() -> list[dict[str, Any]]:
@@ -120,11 +143,19 @@ SPLITS = st.one_of(st.just([1]), st.just([1 << 20]), st.lists(st.integers(1, 4),
 """Increment sizes in tokens, repeated to the output's end: one token, the whole output, or random runs of 1-4."""
 
 
-def stream(plan: ToolPlan, setup: TokenizerSetup, ids: list[int], sizes: list[int]) -> list[dict[str, Any]]:
+def stream(
+    plan: ToolPlan, params: SamplingParams, setup: TokenizerSetup, ids: list[int], sizes: list[int]
+) -> list[dict[str, Any]]:
     """The chat chunks of ``ids`` streamed in increments of ``sizes`` tokens, through the scheduler's detokeniser
-    (``OutputText``, which holds back partial characters) and the frontend's chunks."""
+    (``OutputText`` with the request's ``params``, holding back partial characters) and the frontend's chunks."""
     chunks = ChatStreamChunks("chatcmpl-x", "m", n=1, include_usage=False, token_text=str, plan=plan)
-    output_text = OutputText(setup.tokenizer, stop=[], needs_live_text=True)
+    output_text = OutputText(
+        setup.tokenizer,
+        stop=[],
+        needs_live_text=True,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+    )
     events: list[dict[str, Any]] = []
     sent, start, step = "", 0, 0
     while start < len(ids):
@@ -168,24 +199,33 @@ def joined(events: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any
     return content, calls, events[-1]["choices"][0]["finish_reason"]
 
 
-@pytest.mark.parametrize("syntax_name", list(SYNTAXES))
+@pytest.mark.parametrize(
+    ("syntax_name", "tokenizer_name"),
+    [(name, "smollm2") for name in SYNTAXES] + [("qwen25", "qwen35"), ("qwen3_coder", "qwen35")],
+)
 def test_streamed_calls_add_up_to_the_unstreamed_ones_however_the_tokens_are_cut(
-    smollm2_tokenizer: TokenizerSetup, syntax_name: str
+    request: pytest.FixtureRequest, syntax_name: str, tokenizer_name: str
 ) -> None:
+    """Every family on SmolLM2's tokenizer, and the Qwen families on the real Qwen3.5 tokenizer (248k tokens, in which
+    ``<tool_call>`` is one token)."""
     syntax = SYNTAXES[syntax_name]
+    setup: TokenizerSetup = request.getfixturevalue(f"{tokenizer_name}_tokenizer")
+    tool_format = ToolFormat(syntax, False, writes_special_tokens(syntax, setup.tokenizer))
     runs = []
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(before=st.text(alphabet="ab <[|{\n", max_size=10), calls=CALLS, sizes=SPLITS, parallel=st.booleans())
     def check(before: str, calls: list[tuple[str, str]], sizes: list[int], parallel: bool) -> None:
         runs.append(sizes)
-        plan = tool_plan(request_with(tools=TOOLS, parallel_tool_calls=parallel), syntax)
+        request = request_with(tools=TOOLS, parallel_tool_calls=parallel)
+        plan = tool_plan(request, syntax)
         assert plan is not None
+        (call,) = chat_calls(request, "id", LIMITS, plan, tool_format)
         written = syntax.write_calls(calls, {"get_weather": WEATHER, "get_time": TIME})
         text = before.replace(syntax.trigger, "") + written if calls else before or "-"
-        ids = encode_exactly(smollm2_tokenizer, text)
+        ids = encode_exactly(setup, text)
         content, tool_calls = plan.parse(text)
-        streamed_content, streamed_calls, finish_reason = joined(stream(plan, smollm2_tokenizer, ids, sizes))
+        streamed_content, streamed_calls, finish_reason = joined(stream(plan, call.sampling_params, setup, ids, sizes))
         assert streamed_content == content
         assert [(c["name"], c["arguments"]) for c in streamed_calls] == [
             (c["function"]["name"], c["function"]["arguments"]) for c in tool_calls
@@ -196,7 +236,7 @@ def test_streamed_calls_add_up_to_the_unstreamed_ones_however_the_tokens_are_cut
         assert finish_reason == ("tool_calls" if calls else "stop")
 
     check()
-    print(f"{syntax_name}: {len(runs)} random splits")  # the run count, shown with -s
+    print(f"{syntax_name} ({tokenizer_name}): {len(runs)} random splits")  # the run count, shown with -s
 
 
 def test_a_string_written_as_raw_text_that_raw_text_cannot_hold_to_its_schema_is_refused_by_name() -> None:
