@@ -216,18 +216,14 @@ class _CallReader:
         return "{" + ", ".join(written), None
 
     def _raw_value(self, text: str, key_end: int, parameters: Parameters) -> tuple[str, int | None]:
-        """A raw-text value: from ``key_end``'s end to ``value_end``, less the line breaks those literals hold."""
+        """A raw-text value: its text up to the first ``value_end`` as written (the end of the grammar's tag), less
+        the line break ``key_end`` holds."""
         opening = _literal_end(text, key_end, parameters.key_end)
-        closing = parameters.value_end.strip(WHITESPACE)
-        end = text.find(closing, opening) if opening is not None else -1
+        end = text.find(parameters.value_end, opening) if opening is not None else -1
         if opening is None or end < 0:
             return "", None
-        raw = text[opening:end]
-        raw = raw.removeprefix(parameters.key_end[len(parameters.key_end.rstrip(WHITESPACE)) :])
-        raw = raw.removesuffix(
-            parameters.value_end[: len(parameters.value_end) - len(parameters.value_end.lstrip(WHITESPACE))]
-        )
-        return json.dumps(raw, ensure_ascii=False), _literal_end(text, end, closing)
+        raw = text[opening:end].removeprefix(parameters.key_end[len(parameters.key_end.rstrip(WHITESPACE)) :])
+        return json.dumps(raw, ensure_ascii=False), end + len(parameters.value_end)
 
     def _json_value(self, text: str, start: int, parameters: Parameters) -> tuple[str, int | None]:
         start = skip_whitespace(text, start)

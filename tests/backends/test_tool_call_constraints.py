@@ -200,3 +200,16 @@ def test_a_calls_json_has_the_servers_whitespace(
     assert not accepts(plan, spaced, smollm2_tokenizer, compact)
     assert accepts(plan, spaced, smollm2_tokenizer, default)
     assert not accepts(plan, spaced.replace("\n  ", "\n\n  "), smollm2_tokenizer, default)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_a_raw_text_parameter_ends_where_the_grammar_ends_it(
+    smollm2_tokenizer: TokenizerSetup, build_backend: BackendBuilder, backend_name: str
+) -> None:
+    """Qwen3-Coder's string values are raw text up to ``\\n</parameter>\\n``: a value holding ``</parameter>``
+    otherwise (or line breaks) is one the grammar takes, and reads back whole."""
+    plan = plan_for("required", syntax="qwen3_coder", tools=[TOOLS[1]])
+    arguments = json.dumps({"zone": "a</parameter>b\n\nc\n"})
+    text = SYNTAXES["qwen3_coder"].write_calls([("get_time", arguments)], {"get_time": TIME})
+    assert accepts(plan, text, smollm2_tokenizer, build_backend(backend_name, smollm2_tokenizer))
+    assert [call["function"]["arguments"] for call in plan.parse(text)[1]] == [arguments]
