@@ -5,9 +5,12 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+PARAMETER_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""The parameter names a syntax of parameters writes (and its reader reads)."""
 RAW_STRING_KEYWORDS = frozenset(
     {"type", "title", "description", "enum", "const", "default", "examples", "minLength", "maxLength"}
 )
@@ -36,6 +39,11 @@ class Parameters:
     def format(self, schema: dict[str, Any]) -> dict[str, Any]:
         """The format node of an object's parameters (its ``properties``; nothing else is written)."""
         properties = schema.get("properties") or {}
+        for key in properties:
+            if not PARAMETER_NAME.fullmatch(key):
+                raise ValueError(
+                    f"the parameter {key!r} is not a name this syntax can write (letters, digits, _ and -)"
+                )
         required = [key for key in properties if key in set(schema.get("required") or [])]
         optional_keys = [key for key in properties if key not in required]
         params = {key: self._parameter(key, properties[key]) for key in properties}

@@ -252,3 +252,10 @@ def test_a_string_written_as_raw_text_that_raw_text_cannot_hold_to_its_schema_is
     assert error.value.param == "tools" and "'zone'" in error.value.message and "pattern" in error.value.message
     json_plan = tool_plan(request, SYNTAXES["qwen25"])
     assert json_plan is not None and "structural_tag" in json_plan.constraint()
+    spaced = {"properties": {"zip code": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": spaced}}]
+    pythonic = tool_plan(request_with(tools=tools), SYNTAXES["pythonic"])
+    assert pythonic is not None
+    with pytest.raises(ProtocolError) as error:
+        pythonic.constraint()
+    assert "'zip code'" in error.value.message
