@@ -239,9 +239,9 @@ def test_streamed_calls_add_up_to_the_unstreamed_ones_however_the_tokens_are_cut
     print(f"{syntax_name} ({tokenizer_name}): {len(runs)} random splits")  # the run count, shown with -s
 
 
-def test_a_string_written_as_raw_text_that_raw_text_cannot_hold_to_its_schema_is_refused_by_name() -> None:
+def test_parameters_a_syntax_cannot_write_as_their_schema_says_are_refused_by_name() -> None:
     """Qwen3-Coder writes string parameters as raw text: a ``pattern`` could not be enforced there (a 400 naming
-    it); enums and length bounds can, and JSON syntaxes take the same tool."""
+    it; enums and length bounds can, and JSON syntaxes take the same tool). Pythonic keywords cannot hold a space."""
     zone = {"type": "string", "pattern": "^[A-Z]+$"}
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"properties": {"zone": zone}}}}]
     request = request_with(tools=tools, tool_choice="required")
