@@ -139,6 +139,8 @@ class ToolPlan:
             how = f"To call a function, write {self.syntax.example()}"
             if self.mode == "named":
                 how += f"; call the function {self.named} now."
+            elif self.mode == "required":
+                how += "; call one function or more now."
             else:
                 how += "; " + ("otherwise answer in text." if self.answer is None else "otherwise give your answer.")
         return f"You can call these functions:\n{listing}\n{how}"
