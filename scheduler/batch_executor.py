@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.budget_steering import BudgetSteering
 from scheduler.finish_policy import FinishPolicy
 from scheduler.grammar_steps import accept_token
 from scheduler.io_struct import AbortCause, TokenLogprob
@@ -64,8 +65,11 @@ class BatchExecutor:
         proposer: DraftProposer,
         finish_policy: FinishPolicy,
         rank_sync: RankSync | None = None,
+        budget: BudgetSteering | None = None,
     ) -> None:
+        """``budget``: steers constrained rows near their token budget (None: budget-aware constraints off)."""
         self.model_runner = model_runner
+        self.budget = budget
         self.sampling_info = sampling_info
         self.proposer = proposer
         self.finish_policy = finish_policy
@@ -118,7 +122,7 @@ class BatchExecutor:
         """Advance every running request of ``batch``: its pending tokens and drafts in one forward, then as many
         tokens as its verified drafts allow (at least one)."""
         pending = [req.pending_ids for req in batch]
-        room = [self._room(req) - len(tokens) for req, tokens in zip(batch, pending, strict=True)]
+        room = [self._draft_room(req) - len(tokens) for req, tokens in zip(batch, pending, strict=True)]
         drafts = self.proposer.propose(batch, pending, room)
         if self.rank_sync is not None:
             drafts = self.rank_sync.leader_drafts(drafts)
@@ -126,6 +130,12 @@ class BatchExecutor:
         token_lists = [tokens + d.token_ids for tokens, d in zip(pending, drafts, strict=True)]
         num_logits = [len(d.token_ids) + 1 for d in drafts]
         self._run(batch, drafts, lambda: self.model_runner.forward(seqs, token_lists, num_logits))
+
+    def _draft_room(self, req: Req) -> int:
+        """Tokens ``req`` may take in one forward (pending and drafts): its ``_room``, and no draft near its budget."""
+        room = self._room(req)
+        drafts = self.budget.draft_room(req) if self.budget is not None else None
+        return room if drafts is None else min(room, len(req.pending_ids) + drafts)
 
     def _room(self, req: Req) -> int:
         """Tokens ``req``'s KV may still take in one forward (its reservation and the context)."""
@@ -205,6 +215,10 @@ class BatchExecutor:
                 info.prepare(batch, [d.token_ids for d in drafts])
                 info.update_regex_vocab_mask()
                 info.apply_logits_bias(logits)
+                if self.budget is not None:
+                    self.budget.steer(
+                        batch, info.request_rows(), logits, [req.sampling_params.temperature == 0 for req in batch]
+                    )
                 logprobs = row_logprobs(logits, info.rows)
                 tokens = sample(logits, info.rows)
         except Exception as e:  # an internal failure aborts this batch, not the server
@@ -228,6 +242,8 @@ class BatchExecutor:
         self.stats.num_output_tokens += 1
         failure = accept_token(req, token, self.model_runner.tokenizer)
         if failure is None:
+            if self.budget is not None:
+                self.budget.record(req, token)
             self.finish_policy.check(req, token)
         return failure
 

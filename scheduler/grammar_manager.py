@@ -19,6 +19,7 @@ from concurrent.futures import Future
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import AbortCause
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import CLIENT_ABORT, Abort, Req
@@ -75,6 +76,12 @@ class GrammarMetrics:
             ["constraint", "reason"],
             registry=self.registry,
         )
+        self.budget_steered = Counter(
+            "sglang:budget_steered_requests",
+            "Constrained requests whose ending was steered to fit their token budget (the model's first choice "
+            "overruled at least once)",
+            registry=self.registry,
+        )
         queue = Gauge("sglang:grammar_compile_queue_length", "Requests waiting for a compile", registry=self.registry)
         queue.set_function(queue_length)
 
@@ -83,9 +90,16 @@ class GrammarMetrics:
 
 
 class GrammarManager:
-    def __init__(self, grammar_backend: BaseGrammarBackend | None, rank_sync: RankSync | None = None) -> None:
+    def __init__(
+        self,
+        grammar_backend: BaseGrammarBackend | None,
+        rank_sync: RankSync | None = None,
+        budget: BudgetSteering | None = None,
+    ) -> None:
+        """``budget``: plans each ready grammar's ending and refuses budgets below its shortest (None: off)."""
         self.grammar_backend = grammar_backend
         self.rank_sync = rank_sync
+        self.budget = budget
         self.grammar_queue: list[Req] = []
         self.metrics = GrammarMetrics(lambda: len(self.grammar_queue))
         self._wakeup_read, self._wakeup_write = os.pipe()
@@ -124,6 +138,8 @@ class GrammarManager:
         if isinstance(value, InvalidGrammarObject):
             self.metrics.failures.labels(req.grammar_key[0], "invalid").inc()
             req.abort(_compile_error(req, value))
+        else:
+            self._check_budget(req)
         return False
 
     def get_ready_grammar_requests(self) -> list[Req]:
@@ -190,9 +206,16 @@ class GrammarManager:
         self._observe_compile(req.grammar_key[0], grammar)
         self.grammar_backend.set_cache(req.grammar_key, grammar.copy())
         req.grammar = grammar
+        self._check_budget(req)
         if req.grammar_queued_at is not None:
             waited = time.monotonic() - req.grammar_queued_at
             logger.info("rid=%s constraint=%s grammar_ready_after_s=%.2f", req.rid, req.grammar_key[0], waited)
+
+    def _check_budget(self, req: Req) -> None:
+        """Refuse ``req`` (its grammar ready) if its token budget is below its constraint's shortest output."""
+        refusal = self.budget.refusal(req) if self.budget is not None else None
+        if refusal is not None:
+            req.abort(refusal)
 
     def _fail(self, req: Req, failure: GrammarFailure) -> None:
         assert req.grammar_key is not None and self.grammar_backend is not None

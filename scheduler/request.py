@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scheduler.ending_plan import EndingPlan
 from scheduler.io_struct import AbortCause, FinishReason, SamplingParams, TokenLogprob
 from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
@@ -37,7 +38,8 @@ class Req:
     ``TokenLogprob`` per output token. ``sampling_seed`` keys its random draws by output position (its own
     seed, or one the server drew for it). With ``--reasoning-parser`` and ``separate_reasoning``, ``reasoning_text``
     follows the think block's text and ``text`` the answer's (``sent_reasoning``: what a streaming client has).
-    ``prediction`` follows the output through the request's predicted output, if it has one.
+    ``prediction`` follows the output through the request's predicted output, if it has one. ``ending`` is its
+    grammar's known ending, where budget-aware constraints steer it (``scheduler.budget_steering``).
     """
 
     rid: str
@@ -62,6 +64,7 @@ class Req:
     reasoning_text: OutputText | None = None
     sent_reasoning: str = ""
     prediction: PredictionAligner | None = None
+    ending: EndingPlan | None = None
 
     @property
     def finished(self) -> bool:

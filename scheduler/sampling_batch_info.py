@@ -82,6 +82,15 @@ class SamplingBatchInfo:
             if adjustment is not None:
                 self.adjustments[row] = adjustment
 
+    def request_rows(self) -> list[range]:
+        """Each request's rows of this step's logits, in request order."""
+        rows = []
+        first = 0
+        for drafts in self.drafts:
+            rows.append(range(first, first + len(drafts) + 1))
+            first += len(drafts) + 1
+        return rows
+
     def _row_adjustment(self, req: Req, drafts_before: list[int]) -> RowAdjustment | None:
         """How ``req``'s row after ``drafts_before`` is adjusted (None: not at all); drafts count as output."""
         params = req.sampling_params

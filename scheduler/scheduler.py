@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from scheduler.batch_executor import BatchExecutor
+from scheduler.budget_steering import BudgetSteering
 from scheduler.data_parallel import DataParallelReplica
 from scheduler.distributed import DistributedContext
 from scheduler.finish_policy import FinishPolicy
@@ -43,8 +44,10 @@ from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, common_prefix_length
+from sglang_constrained.ending_search import EndingSearch
 from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
 from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.vocabulary import tokenizer_vocabulary
 from triton_ops import load_cpu_bitmask_kernel
 from triton_ops.bitmask_format import VocabMaskLayout
 
@@ -88,7 +91,8 @@ class Scheduler:
             ),
         )
         self.transport = choose_turn_transport(dist, grammar_backend, server_args)
-        self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync)
+        budget = self._budget_steering(model_runner, grammar_backend is not None)
+        self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync, budget)
         ngram_cache = None
         if server_args.speculative_ngram_capacity and server_args.speculative_num_draft_tokens:
             ngram_cache = NgramCache(
@@ -123,7 +127,7 @@ class Scheduler:
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
         self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len)
         self.executor = BatchExecutor(
-            model_runner, sampling_info, self.proposer, self.finish_policy, self.transport.rank_sync
+            model_runner, sampling_info, self.proposer, self.finish_policy, self.transport.rank_sync, budget
         )
         self.waiting_queue: deque[Req] = deque()
         self.running: list[Req] = []
@@ -131,6 +135,17 @@ class Scheduler:
         self.outbox: Outbox = []
         self.is_stopping = False
         self.num_finished_requests = 0
+
+    def _budget_steering(self, model_runner: BaseModelRunner, has_grammars: bool) -> BudgetSteering | None:
+        """Budget-aware constraints, unless switched off or nothing is constrained."""
+        if not has_grammars or self.server_args.disable_budget_aware_constraints:
+            return None
+        vocabulary = tokenizer_vocabulary(
+            self.tokenizer, self.vocab_size, model_runner.eos_token_ids, self.server_args.vocabulary_cache_path
+        )
+        return BudgetSteering(
+            EndingSearch(vocabulary), self.max_seq_len, lambda: self.grammar_manager.metrics.budget_steered.inc()
+        )
 
     def serve(self, ipc: SchedulerIPC | None) -> None:
         """Run the loop until ``stop()`` on any rank; ``ipc`` is rank 0's socket (None on the other ranks)."""

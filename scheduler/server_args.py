@@ -139,6 +139,7 @@ class ServerArgs:
     max_seq_len: int = 2048
     max_total_tokens: int = 65536
     disable_radix_cache: bool = False
+    disable_budget_aware_constraints: bool = False
     weight_dtype: str = "auto"
     model_runner: str = "torch"
     tp_size: int = 1
@@ -378,6 +379,13 @@ class ServerArgs:
         )
         parser.add_argument(
             "--disable-radix-cache", action="store_true", help="do not reuse the KV of prefixes requests share"
+        )
+        parser.add_argument(
+            "--disable-budget-aware-constraints",
+            action="store_true",
+            help="cut constrained outputs at max_tokens as they stand (by default they are steered, near the budget, "
+            "to end inside it in a state the constraint accepts, and a budget below the constraint's shortest output "
+            "is refused)",
         )
         parser.add_argument(
             "--weight-dtype",

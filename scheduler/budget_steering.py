@@ -1,0 +1,208 @@
+"""Budget-aware constraints: a constrained output that its token budget would cut ends inside the budget instead,
+in a state its grammar accepts, with ``finish_reason: "stop"``.
+
+Each constrained request carries an ``EndingPlan``: a token path from its grammar's state to the grammar's end
+(``sglang_constrained.ending_search``), whose length bounds the shortest ending from above. Its remaining budget is
+what ``max_new_tokens`` (and the context) still allow, this token included; the thinking of a reasoning request
+spends it first, and nothing is steered while it thinks.
+
+- Far from the budget (the remaining budget at least ``HORIZON`` tokens more than the plan) nothing is computed:
+  the plan follows the output where the output follows the plan, else it goes stale until the budget comes near.
+  Greedy outputs that never come near their budget are the same token for token as without the feature.
+- Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
+  (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
+  search), and the row keeps those that pass plus the plan's next token, which always does. The guarantee is
+  therefore sound whatever the search misses: every token allowed has a walked ending within the budget.
+- Drafts stop where the rows they would need come near the budget (their rows are not steered); forced tokens
+  (the grammar allows one token) keep any ending's length minus one and need no check.
+
+A budget below the shortest ending from the grammar's start is refused when the grammar is ready
+(``refusal``). The guarantee assumes no single token far from the budget lengthens the shortest ending by more than
+``HORIZON`` tokens (a JSON array item with many required fields can); within the horizon every token is checked.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from scheduler.ending_plan import EndingPlan
+from scheduler.io_struct import AbortCause
+from scheduler.request import Abort, Req
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.constraint_spec import GrammarKey
+from sglang_constrained.ending_search import EndingSearch
+from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
+
+HORIZON = 24
+"""Slack (remaining budget beyond the plan's length) below which every sampled token is checked."""
+NUM_CANDIDATES = 8
+"""Tokens a sampled row keeps near the budget (a greedy row needs one): the most likely that pass."""
+MAX_CHECKED = 24
+"""Most tokens checked for one row in one step."""
+MAX_SEARCHES = 2
+"""Most new searches for one row in one step (the plan's suffixes are tried first, for every candidate)."""
+MAX_CACHED_STARTS = 1024
+"""Start endings kept, by constraint key."""
+
+
+class BudgetSteering:
+    """Plans endings and steers rows near the budget; ``on_steered`` is called once per request steered."""
+
+    def __init__(self, search: EndingSearch, max_seq_len: int, on_steered: Callable[[], None] = lambda: None) -> None:
+        self.search = search
+        self.max_seq_len = max_seq_len
+        self.on_steered = on_steered
+        self._start_endings: OrderedDict[GrammarKey, list[int] | None] = OrderedDict()
+
+    def refusal(self, req: Req) -> Abort | None:
+        """Give ``req`` (whose grammar is ready, at its start) its first plan; why it must be refused if its budget
+        is below the constraint's shortest output."""
+        grammar = req.ready_grammar
+        if grammar is None or req.grammar_key is None:
+            return None
+        ending = self._start_ending(req.grammar_key, _answer_grammar(grammar))
+        if ending is None:
+            return None
+        req.ending = EndingPlan(list(ending), len(ending))
+        budget = min(req.sampling_params.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
+        if budget < len(ending):
+            return Abort(
+                AbortCause.BAD_REQUEST,
+                f"the token budget (max_tokens / max_new_tokens) of {budget} is below the {len(ending)} tokens of "
+                f"the shortest output the {req.grammar_key[0]} constraint allows",
+            )
+        return None
+
+    def draft_room(self, req: Req) -> int | None:
+        """Most drafts ``req`` may verify this step without a row near its budget (None: no limit)."""
+        plan = self._plan(req)
+        if plan is None:
+            return None
+        return max(self._remaining(req) - plan.length - HORIZON, 0)
+
+    def steer(self, batch: list[Req], rows: list[range], logits: torch.Tensor, greedy: list[bool]) -> None:
+        """Steer the masked logits of requests near their budget, in place: ``rows[i]`` are ``batch[i]``'s rows of
+        ``logits`` (one: a request with drafts is never near its budget), ``greedy[i]`` whether it samples
+        greedily."""
+        for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
+            plan = self._plan(req)
+            if plan is None or plan.tokens is None or len(req_rows) != 1:
+                continue
+            remaining = self._remaining(req)
+            if remaining - len(plan.tokens) >= HORIZON:
+                continue
+            grammar = req.ready_grammar
+            assert grammar is not None
+            self._steer_row(grammar, plan, remaining, logits[req_rows.start], 1 if is_greedy else NUM_CANDIDATES)
+
+    def record(self, req: Req, token: int) -> None:
+        """``req`` took ``token`` (its grammar accepted it): follow it with the plan."""
+        plan = req.ending
+        if plan is None or not _is_answering(req.ready_grammar, counting_last=True):
+            return
+        after, plan.after = plan.after, {}
+        if plan.tokens and plan.tokens[0] == token:
+            plan.tokens = plan.tokens[1:]
+        elif token in after:
+            plan.tokens = after[token]
+        else:
+            plan.tokens = None
+            return
+        plan.length = len(plan.tokens)
+
+    def _plan(self, req: Req) -> EndingPlan | None:
+        """``req``'s plan, made current if it went stale and the budget is near; None where nothing is steered."""
+        plan = req.ending
+        grammar = req.ready_grammar
+        if plan is None or grammar is None or grammar.finished or grammar.is_terminated() or not _is_answering(grammar):
+            return None
+        if plan.tokens is None and self._remaining(req) - plan.length < HORIZON:
+            plan.tokens = self.search.find(grammar)
+            if plan.tokens is None:
+                req.ending = None  # no ending within the search's reach: this request is not steered
+                return None
+            plan.length = len(plan.tokens)
+        return plan
+
+    def _remaining(self, req: Req) -> int:
+        """Tokens ``req`` may still output, the next one included."""
+        limit = min(req.sampling_params.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
+        return limit - len(req.output_ids)
+
+    def _steer_row(
+        self, grammar: BaseGrammarObject, plan: EndingPlan, remaining: int, row: torch.Tensor, wanted: int
+    ) -> None:
+        """Keep in ``row`` the most likely tokens after which an ending fits ``remaining - 1`` tokens (at most
+        ``wanted`` of them), and the plan's next token."""
+        assert plan.tokens is not None
+        if not plan.tokens:
+            return  # the grammar has ended: the request finishes without another token
+        num_searches = 0
+        passed: dict[int, list[int]] = {}
+        order = torch.topk(row, min(MAX_CHECKED, row.shape[0])).indices.tolist()
+        first = order[0]
+        for token in order:
+            if row[token] == float("-inf") or len(passed) >= wanted:
+                break
+            ending, searched = self._ending_after(grammar, plan.tokens, token, remaining - 1, num_searches)
+            num_searches += searched
+            if ending is not None:
+                passed[token] = ending
+        next_token = plan.tokens[0]
+        passed.setdefault(next_token, plan.tokens[1:])
+        if first not in passed and not plan.is_steered:
+            plan.is_steered = True
+            self.on_steered()
+        plan.after = passed
+        kept = torch.tensor(list(passed), dtype=torch.int64)
+        values = row[kept]
+        values[torch.isneginf(values)] = 0.0  # the plan's token, if an adjustment banned it: the ending wins
+        row.fill_(float("-inf"))
+        row[kept] = values
+
+    def _ending_after(
+        self, grammar: BaseGrammarObject, ending: list[int], token: int, budget: int, num_searches: int
+    ) -> tuple[list[int] | None, int]:
+        """An ending of at most ``budget`` tokens after ``token`` (which the grammar allows), or None; and whether a
+        new search was run. The grammar ends where it started."""
+        if token == ending[0]:
+            return ending[1:], 0
+        grammar.accept_token(token)
+        try:
+            if grammar.is_terminated():
+                return [], 0
+            after = self.search.replay(grammar, ending, budget)
+            if after is not None or num_searches >= MAX_SEARCHES:
+                return after, 0
+            found = self.search.find(grammar)
+            return (found if found is not None and len(found) <= budget else None), 1
+        finally:
+            grammar.rollback(1)
+
+    def _start_ending(self, key: GrammarKey, grammar: BaseGrammarObject) -> list[int] | None:
+        if key in self._start_endings:
+            self._start_endings.move_to_end(key)
+            return self._start_endings[key]
+        ending = self.search.find(grammar)
+        self._start_endings[key] = ending
+        if len(self._start_endings) > MAX_CACHED_STARTS:
+            self._start_endings.popitem(last=False)
+        return ending
+
+
+def _answer_grammar(grammar: BaseGrammarObject) -> BaseGrammarObject:
+    """The grammar the answer must satisfy (inside a reasoning gate, the gated one)."""
+    return grammar.grammar if isinstance(grammar, ReasonerGrammarObject) else grammar
+
+
+def _is_answering(grammar: BaseGrammarObject | None, counting_last: bool = False) -> bool:
+    """Whether ``grammar`` constrains the answer now (not thinking); with ``counting_last``, whether its last token
+    was the answer's (not the think-end token)."""
+    if not isinstance(grammar, ReasonerGrammarObject):
+        return grammar is not None
+    if counting_last:
+        return grammar.tokens_after_think_end > 0
+    return grammar.is_answering

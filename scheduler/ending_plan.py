@@ -1,0 +1,17 @@
+"""A constrained request's known ending, which ``scheduler.budget_steering`` keeps (``Req.ending``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EndingPlan:
+    """``tokens``: a path from the request's grammar state to the grammar's end (None once stale: the output left it
+    far from the budget); ``length``: the last known ending's length; ``after``: the endings checked after each
+    token of this step's steered row; ``is_steered``: whether steering ever overruled the model's first choice."""
+
+    tokens: list[int] | None
+    length: int
+    after: dict[int, list[int]] = field(default_factory=dict)
+    is_steered: bool = False

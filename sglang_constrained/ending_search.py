@@ -1,0 +1,230 @@
+"""The shortest ending of a constrained output: a token path from a grammar's current state to its end (a stop token
+accepted, or the grammar terminated), found through the grammar contract alone (``fill_vocab_mask``,
+``accept_token``, ``rollback``, ``is_terminated``), so that it serves every backend (xgrammar, llguidance,
+outlines-core, ``auto``, the reasoner wrapper) and every constraint kind (schemas, regexes, EBNF, Lark, structural
+tags) without knowing their syntax.
+
+How: breadth first over the vocabulary's single-byte tokens, the states after each byte told apart by the mask they
+allow (two states with the same mask count as one, which can only hide a shorter ending, never make one up), ASCII
+bytes first and every byte only if no ASCII ending is found. The shortest byte string found is then spelled in as
+few vocabulary tokens as possible (``spell``: a shortest path over the vocabulary's pieces), checked by the grammar.
+
+What the length means: an upper bound on the shortest ending in tokens, exact whenever the shortest ending in bytes
+is also the one spelled in fewest tokens (every case in the tests). It is always sound: every path returned was
+walked through the grammar, so a budget kept at or above its length can always be finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy
+
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.errors import TokenRejectedError
+from sglang_constrained.vocabulary import TokenizerVocabulary
+from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
+
+MAX_ENDING_BYTES = 96
+"""Longest ending searched for, in bytes; a grammar whose ending is longer gets no plan (and no steering)."""
+MAX_STATES = 6000
+"""Most byte steps one search tries (each an accept, a mask and a rollback) before it gives up."""
+MAX_PIECE_BYTES = 24
+"""Longest vocabulary piece used to spell an ending."""
+BEAM_WIDTH = 16
+"""Most states kept at one depth, those with the least whitespace on their path first."""
+MAX_FORCED_MOVES = 64
+"""Most tokens searched from a state that allows no single-byte token."""
+ASCII_BYTES = range(0x80)
+
+
+@dataclass(frozen=True)
+class _Node:
+    path: tuple[int, ...]
+    """The byte tokens from the search's start to this state."""
+    moves: tuple[int, ...]
+    """The tokens searched from this state: the single-byte tokens its mask allows, or where it allows none (an
+    engine that allows only the canonical token of a forced text) every token it allows."""
+    mask_fingerprint: int
+    """A hash of this state's whole mask."""
+    loop_token: int | None = None
+    """The token that looped into this state (it allows the moves its parent allowed), None if it was reached
+    otherwise."""
+    num_blank: int = 0
+    """Whitespace tokens on the path (an ending with fewer is preferred: grammars allow whitespace almost
+    anywhere, and paths that differ only by where they put it would fill the search)."""
+
+
+class EndingSearch:
+    """Finds short endings for grammars over one tokenizer's vocabulary (``TokenizerVocabulary``).
+
+    Not thread-safe (one scratch mask row); every method leaves the grammar's state as it found it.
+    """
+
+    def __init__(self, vocabulary: TokenizerVocabulary) -> None:
+        self.stop_token_ids = tuple(vocabulary.stop_token_ids)
+        self._stops = frozenset(self.stop_token_ids)
+        self._pieces: dict[bytes, int] = {}
+        for token, piece in enumerate(vocabulary.decoded_vocab):
+            if 0 < len(piece) <= MAX_PIECE_BYTES and token not in vocabulary.special_token_ids:
+                self._pieces.setdefault(piece, token)
+        self._byte_token = {b: self._pieces[bytes([b])] for b in range(256) if bytes([b]) in self._pieces}
+        self._byte_tokens = frozenset(self._byte_token.values())
+        self._pieces_of = vocabulary.decoded_vocab
+        self._vocab_size = vocabulary.model_vocab_size
+        byte_tokens = numpy.array([self._byte_token[b] for b in sorted(self._byte_token)], dtype=numpy.int64)
+        self._byte_token_ids = byte_tokens
+        self._byte_words = byte_tokens // BITS_PER_WORD
+        self._byte_shifts = (byte_tokens % BITS_PER_WORD).astype(numpy.int32)
+        self._stop_words = [(t // BITS_PER_WORD, t % BITS_PER_WORD) for t in self.stop_token_ids]
+        self._scratch = allocate_bitmask(1, vocabulary.model_vocab_size, "cpu")
+        self._scratch_words = self._scratch[0].numpy()  # a view: the grammars write through the tensor
+
+    def find(self, grammar: BaseGrammarObject) -> list[int] | None:
+        """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
+        unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
+        found within ``MAX_STATES`` steps. The state does not change."""
+        if grammar.is_terminated():
+            return []
+        grammar.fill_vocab_mask(self._scratch, 0)
+        stop = self._allowed_stop()
+        if stop is not None:
+            return [stop]
+        start = _Node((), self._moves(), hash(self._scratch_bytes()))
+        found = self._breadth_first(grammar, start, ASCII_BYTES) or self._breadth_first(grammar, start, range(256))
+        if found is None:
+            return None
+        path, stop = found
+        tail = [stop] if stop is not None else []
+        spelled = self.spell(b"".join(self._pieces_of[t] for t in path))
+        if spelled is not None and len(spelled) < len(path) and self.finishes(grammar, spelled + tail):
+            return spelled + tail
+        return list(path) + tail
+
+    def replay(self, grammar: BaseGrammarObject, ending: Sequence[int], max_tokens: int) -> list[int] | None:
+        """The shortest suffix of ``ending`` (at most ``max_tokens`` long) that finishes ``grammar`` from its state,
+        or None: an ending known before the last tokens often still ends the output after them (the same
+        closing brackets after more of a string). The state does not change."""
+        for start in range(max(len(ending) - max_tokens, 0), len(ending) + 1)[::-1]:
+            suffix = list(ending[start:])
+            if self.finishes(grammar, suffix):
+                return suffix
+        return None
+
+    def finishes(self, grammar: BaseGrammarObject, tokens: Sequence[int]) -> bool:
+        """Whether ``grammar`` accepts ``tokens`` from its state and has terminated after them; the state does not
+        change."""
+        if not tokens:
+            return grammar.is_terminated()
+        if grammar.validate_tokens(list(tokens)) != len(tokens):
+            return False
+        if tokens[-1] in self._stops:
+            return True
+        num_accepted = 0
+        try:
+            for token in tokens:
+                grammar.accept_token(token)
+                num_accepted += 1
+            return grammar.is_terminated()
+        except TokenRejectedError:
+            return False
+        finally:
+            grammar.rollback(num_accepted)
+
+    def spell(self, text: bytes) -> list[int] | None:
+        """``text`` in as few vocabulary pieces as possible (None if some byte has no piece)."""
+        unreachable = len(text) + 1
+        num_pieces = [0] + [unreachable] * len(text)  # fewest pieces spelling text[:end]
+        last_piece = [0] * (len(text) + 1)  # the length of the last of them
+        for end in range(1, len(text) + 1):
+            for length in range(1, min(end, MAX_PIECE_BYTES) + 1):
+                count = num_pieces[end - length] + 1
+                if count < num_pieces[end] and text[end - length : end] in self._pieces:
+                    num_pieces[end], last_piece[end] = count, length
+        if num_pieces[-1] == unreachable:
+            return None
+        tokens: list[int] = []
+        end = len(text)
+        while end:
+            tokens.append(self._pieces[text[end - last_piece[end] : end]])
+            end -= last_piece[end]
+        return tokens[::-1]
+
+    def _breadth_first(
+        self, grammar: BaseGrammarObject, start: _Node, byte_values: range
+    ) -> tuple[tuple[int, ...], int | None] | None:
+        """The token path to the nearest end (and the stop token that ends it, None where the grammar terminated by
+        itself), over the single-byte tokens of bytes in ``byte_values`` (and forced tokens).
+
+        A token after which the same moves are allowed as before loops (a string's content, whitespace). The first
+        such token of a state stands for all of them, and a state reached by looping tries that token alone (its
+        other moves were tried where the loop began, closer to the start); a loop whose whole mask does not change
+        either goes nowhere and is dropped, while one whose mask changes counts something (a ``minLength``, a run
+        of whitespace) and is followed. States at one depth with one mask count as one."""
+        byte_tokens = {self._byte_token[b] for b in byte_values if b in self._byte_token}
+        level = [start]
+        num_steps = 0
+        while level and len(level[0].path) < MAX_ENDING_BYTES:
+            next_level: list[_Node] = []
+            seen: set[int] = set()
+            for node in level:
+                if node.loop_token is not None:
+                    candidates: Sequence[int] = (node.loop_token,)
+                else:
+                    candidates = [t for t in node.moves if t not in self._byte_tokens or t in byte_tokens]
+                has_loop = False
+                for token in node.path:
+                    grammar.accept_token(token)
+                try:
+                    for token in candidates:
+                        num_steps += 1
+                        if num_steps > MAX_STATES:
+                            return None
+                        try:
+                            grammar.accept_token(token)
+                        except TokenRejectedError:  # an engine's mask may allow more than it accepts
+                            continue
+                        try:
+                            if grammar.is_terminated():
+                                return (*node.path, token), None
+                            grammar.fill_vocab_mask(self._scratch, 0)
+                            stop = self._allowed_stop()
+                            if stop is not None:
+                                return (*node.path, token), stop
+                            moves = self._moves()
+                            fingerprint = hash(self._scratch_bytes())
+                        finally:
+                            grammar.rollback(1)
+                        loop_token = None
+                        if moves == node.moves:
+                            if has_loop or fingerprint == node.mask_fingerprint:
+                                continue
+                            has_loop, loop_token = True, token
+                        if fingerprint not in seen:
+                            seen.add(fingerprint)
+                            num_blank = node.num_blank + (self._pieces_of[token].strip() == b"")
+                            next_level.append(_Node((*node.path, token), moves, fingerprint, loop_token, num_blank))
+                finally:
+                    grammar.rollback(len(node.path))
+            next_level.sort(key=lambda n: n.num_blank)  # stable: discovery order among equals
+            level = next_level[:BEAM_WIDTH]
+        return None
+
+    def _allowed_stop(self) -> int | None:
+        row = self._scratch_words
+        for (word, bit), token in zip(self._stop_words, self.stop_token_ids, strict=True):
+            if (int(row[word]) >> bit) & 1:
+                return token
+        return None
+
+    def _moves(self) -> tuple[int, ...]:
+        words = self._scratch_words[self._byte_words]
+        moves = tuple(self._byte_token_ids[((words >> self._byte_shifts) & 1).astype(bool)].tolist())
+        if moves:
+            return moves
+        bits = numpy.unpackbits(self._scratch_words.view(numpy.uint8), bitorder="little")[: self._vocab_size]
+        return tuple(numpy.flatnonzero(bits)[:MAX_FORCED_MOVES].tolist())
+
+    def _scratch_bytes(self) -> bytes:
+        return self._scratch_words.tobytes()
