@@ -18,12 +18,16 @@ whose docstring has vLLM's set-up);
 ``--ranks`` runs the benchmarks of several ranks instead: data parallel (``scripts/bench_dp.py``: 2 replicas x 1
 thread against 1 rank x 2 threads, JSON at concurrency 16, and grammar compiles per distinct schema) and tensor
 parallel (``scripts/bench_tp.py``: per-token latency and memory per rank, tp=1 against tp=2).
+``--compare-budget`` starts two schedulers, budget-aware constraints off (``--disable-budget-aware-constraints``:
+outputs cut at the token limit) and on (steered to end inside it), and runs every kind on both back to back: the valid
+and cut counts of each are the feature's effect, its tokens/s and time per token its cost.
 ``--compare-speculation`` starts two schedulers, ``--speculative-algorithm none`` and the default, runs every
 kind on both back to back, and prints speculation on over off, JSON on over free off, forwards per token and, per
 draft source, the acceptance rate and mean accepted run (from the schedulers' counters).
 
     python -m scripts.bench_serving [--backend xgrammar] [--concurrency 1 8 32] [--max-new-tokens 72] [--profile]
                                     [--peer llamacpp] [--model-runner llamacpp] [--compare-speculation]
+                                    [--compare-budget]
                                     [--peer vllm --vllm-venv /tmp/vllm-venv]
                                     [--temperature 0.7] [--model-path FILE.gguf]
     python -m scripts.bench_serving --ranks
@@ -79,6 +83,8 @@ from scripts.serving_workload import (
 from sglang_constrained.testing import llamacpp_peer
 from sglang_constrained.testing.benchmarking import cpu_pressure
 
+BUDGET_LABELS = ("budget-off", "budget-on")
+"""``--compare-budget``: the scheduler with budget-aware constraints off, and on (the default)."""
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -233,6 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compare-speculation", action="store_true", help="speculation off and on, two schedulers side by side"
     )
+    parser.add_argument(
+        "--compare-budget",
+        action="store_true",
+        help="budget-aware constraints off and on (--disable-budget-aware-constraints), two schedulers side by side",
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy requests")
     parser.add_argument(
         "--model-path", type=Path, default=None, help="a GGUF file for ours and --peer llamacpp (default: embedded)"
@@ -246,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.model_path is not None and (args.peer == "vllm" or args.ranks):
         parser.error("--model-path is for our scheduler and --peer llamacpp, not --peer vllm or --ranks")
+    if args.compare_speculation and args.compare_budget:
+        parser.error("--compare-speculation and --compare-budget each start two schedulers: one at a time")
     if args.peer == "vllm" and (args.vllm_venv is None or args.compare_speculation):
         parser.error("--peer vllm needs --vllm-venv PATH (set-up: scripts/vllm_peer.py), not --compare-speculation")
     needed = sum(args.rounds * len(KINDS) * max(args.min_requests, args.waves * c) for c in args.concurrency)
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     runner_suffix = "" if args.model_runner == "torch" else f"_{args.model_runner}"
     peer_suffix = "_vllm" if args.peer == "vllm" else ""
     output = args.output or results_dir / f"bench_serving_{args.backend}{runner_suffix}{peer_suffix}.json"
-    labels = SPECULATION_LABELS if args.compare_speculation else ("",)
+    labels = SPECULATION_LABELS if args.compare_speculation else BUDGET_LABELS if args.compare_budget else ("",)
     ports = {label: free_port() for label in labels}
     http_port = free_port()  # --peer vllm: both servers are driven over HTTP
     profile_path = results_dir / f"bench_serving_{args.backend}.prof"
@@ -275,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                 flags += ["--model-path", str(args.model_path)]
             if args.peer == "vllm":
                 flags += ["--port", str(http_port)]
+            if label == BUDGET_LABELS[0]:
+                flags += ["--disable-budget-aware-constraints"]
             if label in SPECULATION_LABELS:
                 flags += ["--speculative-algorithm", "none" if label == SPECULATION_LABELS[0] else "grammar+ngram"]
             is_profiled = args.profile and label == labels[-1]

@@ -54,6 +54,8 @@ class _Node:
     num_blank: int = 0
     """Whitespace tokens on the path (an ending with fewer is preferred: grammars allow whitespace almost
     anywhere, and paths that differ only by where they put it would fill the search)."""
+    loop_run: int = 0
+    """Loop steps that led here in a row (a long run is kept last: it counts towards a bound, or goes nowhere)."""
 
 
 class EndingSearch:
@@ -157,11 +159,11 @@ class EndingSearch:
         """The token path to the nearest end (and the stop token that ends it, None where the grammar terminated by
         itself), over the single-byte tokens of bytes in ``byte_values`` (and forced tokens).
 
-        A token after which the same moves are allowed as before loops (a string's content, whitespace). The first
-        such token of a state stands for all of them, and a state reached by looping tries that token alone (its
-        other moves were tried where the loop began, closer to the start); a loop whose whole mask does not change
-        either goes nowhere and is dropped, while one whose mask changes counts something (a ``minLength``, a run
-        of whitespace) and is followed. States at one depth with one mask count as one."""
+        A token after which the same moves are allowed as before loops (a string's content, whitespace, digits). The
+        first such token of a state stands for all of them, and a state reached by looping tries that token alone
+        (its other moves were tried where the loop began, closer to the start): a loop may count towards a bound
+        that no mask shows (``\\d{3}`` over single-digit tokens, ``minItems``). States at one depth with one mask
+        count as one; at most ``BEAM_WIDTH`` are kept, those with less whitespace and shorter loop runs first."""
         byte_tokens = {self._byte_token[b] for b in byte_values if b in self._byte_token}
         level = [start]
         num_steps = 0
@@ -196,18 +198,19 @@ class EndingSearch:
                             fingerprint = hash(self._scratch_bytes())
                         finally:
                             grammar.rollback(1)
-                        loop_token = None
+                        loop_token, loop_run = None, 0
                         if moves == node.moves:
-                            if has_loop or fingerprint == node.mask_fingerprint:
+                            if has_loop:
                                 continue
-                            has_loop, loop_token = True, token
+                            has_loop, loop_token, loop_run = True, token, node.loop_run + 1
                         if fingerprint not in seen:
                             seen.add(fingerprint)
                             num_blank = node.num_blank + (self._pieces_of[token].strip() == b"")
-                            next_level.append(_Node((*node.path, token), moves, fingerprint, loop_token, num_blank))
+                            path = (*node.path, token)
+                            next_level.append(_Node(path, moves, fingerprint, loop_token, num_blank, loop_run))
                 finally:
                     grammar.rollback(len(node.path))
-            next_level.sort(key=lambda n: n.num_blank)  # stable: discovery order among equals
+            next_level.sort(key=lambda n: (n.num_blank, n.loop_run))  # stable: discovery order among equals
             level = next_level[:BEAM_WIDTH]
         return None
 

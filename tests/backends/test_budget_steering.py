@@ -1,0 +1,172 @@
+"""Budget-aware constraints by random walks through the steered masks: on every backend and constraint kind, with
+budgets from the constraint's shortest output up, whatever the steered row allows ends inside the budget in an output
+that parses and validates; hypothesis draws schemas from the vendored MaskBench sample.
+
+A walk draws random logits, masks them with the grammar, lets ``BudgetSteering`` steer the row as the scheduler does,
+samples among what is left, and feeds the token to the grammar and the steering; it must end with the grammar
+terminated (a stop token accepted, or nothing more possible) within its budget. Walks run on SmolLM2's tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.budget_steering import BudgetSteering
+from scheduler.io_struct import SamplingParams
+from scheduler.request import Req
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.ending_search import EndingSearch
+from sglang_constrained.testing.maskbench import iter_case_paths, load_case
+from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.vocabulary import tokenizer_vocabulary
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import compile_grammar
+from triton_ops.bitmask_format import allocate_bitmask, unpack_bitmask
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    },
+    "required": ["name", "age", "tags"],
+}
+PETS = r"(cat|dog|bird)(,(cat|dog|bird))*"
+CONSTRAINTS: dict[str, tuple[str, Any, Judge]] = {
+    "json_schema": ("json", PERSON, json_judge(PERSON)),
+    "regex": (
+        "regex",
+        r"\(\d{3}\) \d{3}-\d{4}( ext\. \d{1,4})?",
+        regex_judge(r"\(\d{3}\) \d{3}-\d{4}( ext\. \d{1,4})?"),
+    ),
+    "ebnf": ("ebnf", 'root ::= item ("," item)*\nitem ::= "cat" | "dog" | "bird"', regex_judge(PETS)),
+    "lark": ("ebnf", 'start: item ("," item)*\nitem: "cat" | "dog" | "bird"', regex_judge(PETS)),
+    "choice": (
+        "choice",
+        ["yes", "no", "it depends on the weather"],
+        choice_judge(["yes", "no", "it depends on the weather"]),
+    ),
+    "json_object": ("json_object", True, json_judge({"type": "object"})),
+}
+UNSUPPORTED = {("outlines", "ebnf"), ("outlines", "lark")}
+BACKENDS = ("xgrammar", "llguidance", "outlines")
+BUDGETS_ABOVE_MINIMUM = (0, 1, 3)
+RANDOM_BUDGETS = 2
+MASKBENCH_ROOT = Path(__file__).parents[1] / "data" / "maskbench"
+MASKBENCH_PATHS = [path for folder in ("Github_easy", "Glaiveai2K") for path in iter_case_paths(MASKBENCH_ROOT, folder)]
+
+
+@pytest.fixture(scope="module")
+def search(smollm2_tokenizer: TokenizerSetup) -> EndingSearch:
+    setup = smollm2_tokenizer
+    return EndingSearch(tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids))
+
+
+def steered_walk(
+    grammar: BaseGrammarObject, key: Any, search: EndingSearch, budget: int, seed: int, vocab_size: int
+) -> tuple[list[int], bool]:
+    """One walk with ``budget`` tokens; its tokens and whether the grammar terminated (it must)."""
+    steering = BudgetSteering(search, max_seq_len=1 << 20)
+    params = SamplingParams(max_new_tokens=budget, temperature=1.0)
+    req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
+    refusal = steering.refusal(req)
+    assert refusal is None, refusal.message
+    generator = torch.Generator().manual_seed(seed)
+    mask = allocate_bitmask(1, vocab_size, "cpu")
+    while len(req.output_ids) < budget and not grammar.is_terminated():
+        grammar.fill_vocab_mask(mask, 0)
+        logits = torch.randn(1, vocab_size, generator=generator) * 3
+        logits[~unpack_bitmask(mask, vocab_size)] = float("-inf")
+        steering.steer([req], [range(1)], logits, [False])
+        token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
+        grammar.accept_token(token)
+        req.output_ids.append(token)
+        steering.record(req, token)
+    return req.output_ids, grammar.is_terminated()
+
+
+def check_budgets(
+    backend: BaseGrammarBackend,
+    setup: TokenizerSetup,
+    search: EndingSearch,
+    kind: str,
+    spec: Any,
+    judge: Judge,
+    seed: int,
+) -> list[str]:
+    """Walks at budgets from the shortest output up; what went wrong with each that failed."""
+    grammar = compile_grammar(backend, kind, spec)
+    assert not isinstance(grammar, InvalidGrammarObject), grammar.error_message
+    ending = search.find(grammar)
+    assert ending is not None, "no ending found from the start"
+    rng = random.Random(seed)
+    budgets = [len(ending) + extra for extra in BUDGETS_ABOVE_MINIMUM]
+    budgets += [len(ending) + rng.randint(0, 24) for _ in range(RANDOM_BUDGETS)]
+    problems = []
+    for i, budget in enumerate(budgets):
+        tokens, terminated = steered_walk(
+            grammar.copy(), make_grammar_key(kind, spec), search, budget, seed + i, setup.vocab_size
+        )
+        text = setup.tokenizer.decode([t for t in tokens if t not in setup.eos_token_ids])
+        if not terminated:
+            problems.append(f"budget {budget}: cut at {len(tokens)} tokens: {text!r:.200}")
+        elif (problem := judge(text)) is not None:
+            problems.append(f"budget {budget}: {text!r:.200}: {problem}")
+    return problems
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("constraint", list(CONSTRAINTS))
+def test_steered_walks_end_valid_within_their_budget(
+    backend_name: str,
+    constraint: str,
+    build_backend: BackendBuilder,
+    smollm2_tokenizer: TokenizerSetup,
+    search: EndingSearch,
+) -> None:
+    if (backend_name, constraint) in UNSUPPORTED:
+        pytest.skip(f"{backend_name} does not take this constraint kind")
+    kind, spec, judge = CONSTRAINTS[constraint]
+    backend = build_backend(backend_name, smollm2_tokenizer)
+    assert check_budgets(backend, smollm2_tokenizer, search, kind, spec, judge, seed=hash(constraint) % 1000) == []
+
+
+def test_shortest_output_is_found_through_the_grammar(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """The ending from the start is the constraint's shortest output, spelled in few tokens and ending in EOS."""
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    grammar = compile_grammar(backend, "regex", r"\(\d{3}\) \d{3}-\d{4}( ext\. \d{1,4})?")
+    ending = search.find(grammar)
+    assert ending is not None and ending[-1] in smollm2_tokenizer.eos_token_ids
+    assert smollm2_tokenizer.tokenizer.decode(ending[:-1]) == "(000) 000-0000"
+    assert search.finishes(grammar, ending)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(MASKBENCH_PATHS), seed=st.integers(0, 10_000))
+def test_maskbench_schemas_end_valid_within_their_budget(
+    backend_name: str,
+    path: Path,
+    seed: int,
+    build_backend: BackendBuilder,
+    smollm2_tokenizer: TokenizerSetup,
+    search: EndingSearch,
+) -> None:
+    case = load_case(path)
+    backend = build_backend(backend_name, smollm2_tokenizer)
+    grammar = compile_grammar(backend, "json", case.schema)
+    if isinstance(grammar, InvalidGrammarObject) or search.find(grammar) is None:
+        return  # refused by this backend, or an ending beyond the search's reach (not steered, nothing to check)
+    assert check_budgets(backend, smollm2_tokenizer, search, "json", case.schema, json_judge(case.schema), seed) == []

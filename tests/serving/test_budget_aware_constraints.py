@@ -1,0 +1,106 @@
+"""Budget-aware constraints through the real loop on the embedded model: small budgets end in valid outputs that
+finish with "stop" (with speculation and jump-forward on, as by default), a budget below the constraint's shortest
+output is refused with a 400 naming both, outputs far from their budget are the same token for token with the feature
+off, and the metric counts the requests that were steered.
+
+The schedulers run in this process over one model runner, as in ``test_speculative``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from scheduler.client import make_request
+from scheduler.io_struct import AbortCause, GenerateOutput
+from scheduler.model.runner import ModelRunner
+from scheduler.server_args import ServerArgs
+from tests.serving.test_speculative import MODEL_SETTINGS, in_process_scheduler, serve
+from tests.serving.test_speculative import PERSON as BOUNDED_PERSON
+
+pytestmark = pytest.mark.model
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "hobbies"],
+}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+PETS = 'root ::= item ("," item)*\nitem ::= "cat" | "dog" | "bird"'
+CASES: dict[str, tuple[str, Any, str]] = {
+    "json_schema": ("json_schema", PERSON, "Describe a person with many hobbies as JSON."),
+    "regex": ("regex", PHONE, "What is your phone number?"),
+    "ebnf": ("ebnf", PETS, "List as many pets as you can, separated by commas."),
+}
+MINIMUM = re.compile(r"budget \(max_tokens / max_new_tokens\) of (\d+) is below the (\d+) tokens")
+
+
+def is_valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), PERSON)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "regex":
+        return re.fullmatch(PHONE, text) is not None
+    return re.fullmatch(r"(cat|dog|bird)(,(cat|dog|bird))*", text) is not None
+
+
+def request(kind: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> Any:
+    field, spec, prompt = CASES[kind]
+    params = {field: spec, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    return make_request(messages=[{"role": "user", "content": prompt}], sampling_params=params)
+
+
+def tokens_and_reasons(outputs: list[GenerateOutput]) -> list[tuple[list[int], str | None]]:
+    return [(o.token_ids, o.finish_reason.type if o.finish_reason else None) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def runner(server_args: ServerArgs) -> ModelRunner:
+    return ModelRunner(server_args.with_overrides(**MODEL_SETTINGS))
+
+
+def test_small_budgets_end_valid_with_stop(runner: ModelRunner) -> None:
+    with in_process_scheduler(runner) as scheduler:
+        refused = serve(scheduler, [request(kind, 1) for kind in CASES])
+        minimums = {}
+        for kind, output in zip(CASES, refused, strict=True):
+            assert output.finish_reason is not None and output.finish_reason.cause is AbortCause.BAD_REQUEST
+            found = MINIMUM.search(output.finish_reason.message or "")
+            assert found is not None, output.finish_reason.message
+            assert found.group(1) == "1"
+            minimums[kind] = int(found.group(2))
+        budgets = [(kind, minimums[kind] + extra) for kind in CASES for extra in (0, 2, 7, 15)]
+        reqs = [request(kind, budget) for kind, budget in budgets]
+        reqs += [request(kind, budget, temperature=0.8, seed=i) for i, (kind, budget) in enumerate(budgets)]
+        outputs = serve(scheduler, reqs)
+        metrics = scheduler.grammar_manager.metrics.render()
+    for (kind, budget), output in zip(budgets + budgets, outputs, strict=True):
+        assert output.finish_reason is not None and output.finish_reason.type == "stop", (kind, budget, output)
+        assert len(output.token_ids) <= budget
+        assert is_valid(kind, output.text), (kind, budget, output.text)
+    steered = re.search(r"^sglang:budget_steered_requests_total (\S+)$", metrics, re.MULTILINE)
+    assert steered is not None and float(steered.group(1)) > 0
+
+
+def test_outputs_far_from_the_budget_are_unchanged(runner: ModelRunner) -> None:
+    """Greedy answers that end long before their budget: the same tokens with the feature off and on."""
+    person = {"messages": [{"role": "user", "content": "Describe a person who lives in Paris, as JSON."}]}
+    params = {"json_schema": BOUNDED_PERSON, "max_new_tokens": 120, "temperature": 0.0}
+    reqs = [request("regex", 200), make_request(**person, sampling_params=params)]
+    with in_process_scheduler(runner, disable_budget_aware_constraints=True) as scheduler:
+        plain = tokens_and_reasons(serve(scheduler, reqs))
+    with in_process_scheduler(runner) as scheduler:
+        steered = tokens_and_reasons(serve(scheduler, reqs))
+    assert [reason for _, reason in plain] == ["stop", "stop"]
+    assert steered == plain
