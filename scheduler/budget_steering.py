@@ -4,7 +4,8 @@ in a state its grammar accepts, with ``finish_reason: "stop"``.
 Each constrained request carries an ``EndingPlan``: a token path from its grammar's state to the grammar's end
 (``sglang_constrained.ending_search``), whose length bounds the shortest ending from above. Its remaining budget is
 what ``max_new_tokens`` (and the context) still allow, this token included; the thinking of a reasoning request
-spends it first, and nothing is steered while it thinks.
+spends it first (after its own thinking budget), and is closed (the think-end token forced) where one more thinking
+token would leave the answer's shortest ending no room.
 
 - Far from the budget (the remaining budget at least ``HORIZON`` tokens more than the plan) nothing is computed:
   the plan follows the output where the output follows the plan, else it goes stale until the budget comes near.
@@ -88,6 +89,10 @@ class BudgetSteering:
         ``logits`` (one: a request with drafts is never near its budget), ``greedy[i]`` whether it samples
         greedily."""
         for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
+            reasoner = req.reasoner
+            if reasoner is not None and reasoner.is_thinking and len(req_rows) == 1:
+                self._close_thinking_in_time(req, reasoner.think_end_id, logits[req_rows.start])
+                continue
             plan = self._plan(req)
             if plan is None or plan.tokens is None or len(req_rows) != 1:
                 continue
@@ -126,6 +131,19 @@ class BudgetSteering:
                 return None
             plan.length = len(plan.tokens)
         return plan
+
+    def _close_thinking_in_time(self, req: Req, think_end_id: int, row: torch.Tensor) -> None:
+        """Force the think-end token where one token more of thinking would leave the answer's shortest ending no
+        room (the thinking spends the budget first, but never the answer's last tokens)."""
+        plan = req.ending
+        if plan is None or plan.tokens is None or self._remaining(req) > len(plan.tokens) + 1:
+            return
+        value = row[think_end_id].clone()
+        row.fill_(float("-inf"))
+        row[think_end_id] = 0.0 if bool(torch.isneginf(value)) else value
+        if not plan.is_steered:
+            plan.is_steered = True
+            self.on_steered()
 
     def _remaining(self, req: Req) -> int:
         """Tokens ``req`` may still output, the next one included."""
