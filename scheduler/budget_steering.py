@@ -37,14 +37,17 @@ from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.ending_search import EndingSearch
 from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
 
-HORIZON = 24
+HORIZON = 12
 """Slack (remaining budget beyond the plan's length) below which every sampled token is checked."""
 NUM_CANDIDATES = 8
 """Tokens a sampled row keeps near the budget (a greedy row needs one): the most likely that pass."""
 MAX_CHECKED = 24
 """Most tokens checked for one row in one step."""
-MAX_SEARCHES = 2
+MAX_SEARCHES = 1
 """Most new searches for one row in one step (the plan's suffixes are tried first, for every candidate)."""
+MAX_CHECK_STEPS = 300
+"""Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
+kept (the plan's next token always is)."""
 MAX_CACHED_STARTS = 1024
 """Start endings kept, by constraint key."""
 
@@ -192,10 +195,10 @@ class BudgetSteering:
         try:
             if grammar.is_terminated():
                 return [], 0
-            after = self.search.replay(grammar, ending, budget)
+            after = self.search.replay(grammar, ending, budget, self.search.piece(token))
             if after is not None or num_searches >= MAX_SEARCHES:
                 return after, 0
-            found = self.search.find(grammar)
+            found = self.search.find(grammar, MAX_CHECK_STEPS, ascii_only=True)
             return (found if found is not None and len(found) <= budget else None), 1
         finally:
             grammar.rollback(1)

@@ -34,6 +34,9 @@ MAX_PIECE_BYTES = 24
 """Longest vocabulary piece used to spell an ending."""
 BEAM_WIDTH = 16
 """Most states kept at one depth, those with the least whitespace on their path first."""
+MAX_MOVES = 48
+"""Most single-byte moves tried from one state: letters and digits come after the other bytes, and past this many
+(a string's content) they stand for each other; whitespace comes last."""
 MAX_FORCED_MOVES = 64
 """Most tokens searched from a state that allows no single-byte token."""
 ASCII_BYTES = range(0x80)
@@ -75,7 +78,8 @@ class EndingSearch:
         self._byte_tokens = frozenset(self._byte_token.values())
         self._pieces_of = vocabulary.decoded_vocab
         self._vocab_size = vocabulary.model_vocab_size
-        byte_tokens = numpy.array([self._byte_token[b] for b in sorted(self._byte_token)], dtype=numpy.int64)
+        in_move_order = sorted(self._byte_token, key=lambda b: (bytes([b]).isspace(), bytes([b]).isalnum(), b))
+        byte_tokens = numpy.array([self._byte_token[b] for b in in_move_order], dtype=numpy.int64)
         self._byte_token_ids = byte_tokens
         self._byte_words = byte_tokens // BITS_PER_WORD
         self._byte_shifts = (byte_tokens % BITS_PER_WORD).astype(numpy.int32)
@@ -83,10 +87,13 @@ class EndingSearch:
         self._scratch = allocate_bitmask(1, vocabulary.model_vocab_size, "cpu")
         self._scratch_words = self._scratch[0].numpy()  # a view: the grammars write through the tensor
 
-    def find(self, grammar: BaseGrammarObject) -> list[int] | None:
+    def find(
+        self, grammar: BaseGrammarObject, max_steps: int = MAX_STATES, ascii_only: bool = False
+    ) -> list[int] | None:
         """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
-        found within ``MAX_STATES`` steps. The state does not change."""
+        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte). The state
+        does not change."""
         if grammar.is_terminated():
             return []
         grammar.fill_vocab_mask(self._scratch, 0)
@@ -94,7 +101,9 @@ class EndingSearch:
         if stop is not None:
             return [stop]
         start = _Node((), self._moves(), hash(self._scratch_bytes()))
-        found = self._breadth_first(grammar, start, ASCII_BYTES) or self._breadth_first(grammar, start, range(256))
+        found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps)
+        if found is None and not ascii_only:
+            found = self._breadth_first(grammar, start, range(256), max_steps)
         if found is None:
             return None
         path, stop = found
@@ -104,15 +113,28 @@ class EndingSearch:
             return spelled + tail
         return list(path) + tail
 
-    def replay(self, grammar: BaseGrammarObject, ending: Sequence[int], max_tokens: int) -> list[int] | None:
-        """The shortest suffix of ``ending`` (at most ``max_tokens`` long) that finishes ``grammar`` from its state,
-        or None: an ending known before the last tokens often still ends the output after them (the same
-        closing brackets after more of a string). The state does not change."""
+    def replay(
+        self, grammar: BaseGrammarObject, ending: Sequence[int], max_tokens: int, taken: bytes = b""
+    ) -> list[int] | None:
+        """A suffix of ``ending`` (at most ``max_tokens`` long, the shortest first) that finishes ``grammar`` from its
+        state, or None: an ending known before the last token often still ends the output after it (the same closing
+        brackets after more of a string). Where the last token's text ``taken`` begins the ending's text (``"`` where
+        the ending had ``"}``), the rest of that text, spelled anew, is tried first. The state does not change."""
+        if taken:
+            tail = [ending[-1]] if ending and ending[-1] in self._stops else []
+            text = b"".join(self._pieces_of[t] for t in ending[: len(ending) - len(tail)])
+            rest = self.spell(text[len(taken) :]) if text.startswith(taken) else None
+            if rest is not None and len(rest) + len(tail) <= max_tokens and self.finishes(grammar, rest + tail):
+                return rest + tail
         for start in range(max(len(ending) - max_tokens, 0), len(ending) + 1)[::-1]:
             suffix = list(ending[start:])
             if self.finishes(grammar, suffix):
                 return suffix
         return None
+
+    def piece(self, token: int) -> bytes:
+        """The text of ``token`` (empty for special tokens)."""
+        return self._pieces_of[token] if 0 <= token < len(self._pieces_of) else b""
 
     def finishes(self, grammar: BaseGrammarObject, tokens: Sequence[int]) -> bool:
         """Whether ``grammar`` accepts ``tokens`` from its state and has terminated after them; the state does not
@@ -154,7 +176,7 @@ class EndingSearch:
         return tokens[::-1]
 
     def _breadth_first(
-        self, grammar: BaseGrammarObject, start: _Node, byte_values: range
+        self, grammar: BaseGrammarObject, start: _Node, byte_values: range, max_steps: int
     ) -> tuple[tuple[int, ...], int | None] | None:
         """The token path to the nearest end (and the stop token that ends it, None where the grammar terminated by
         itself), over the single-byte tokens of bytes in ``byte_values`` (and forced tokens).
@@ -175,13 +197,14 @@ class EndingSearch:
                     candidates: Sequence[int] = (node.loop_token,)
                 else:
                     candidates = [t for t in node.moves if t not in self._byte_tokens or t in byte_tokens]
+                    candidates = candidates[:MAX_MOVES]
                 has_loop = False
                 for token in node.path:
                     grammar.accept_token(token)
                 try:
                     for token in candidates:
                         num_steps += 1
-                        if num_steps > MAX_STATES:
+                        if num_steps > max_steps:
                             return None
                         try:
                             grammar.accept_token(token)
@@ -223,7 +246,7 @@ class EndingSearch:
 
     def _moves(self) -> tuple[int, ...]:
         words = self._scratch_words[self._byte_words]
-        moves = tuple(self._byte_token_ids[((words >> self._byte_shifts) & 1).astype(bool)].tolist())
+        moves = tuple(self._byte_token_ids[((words >> self._byte_shifts) & 1).astype(bool)].tolist())  # in move order
         if moves:
             return moves
         bits = numpy.unpackbits(self._scratch_words.view(numpy.uint8), bitorder="little")[: self._vocab_size]

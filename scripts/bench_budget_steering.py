@@ -1,0 +1,122 @@
+"""Cost per token of budget-aware constraints, far from the budget and near it, beside the mask fill it adds to.
+
+Walks SmolLM2's vocabulary through ``bench_serving``'s JSON schema and regex on each backend: random logits masked by
+the grammar, steered as the scheduler steers them (``BudgetSteering.steer`` and ``record``), sampled, accepted. Each
+walk runs twice, interleaved: with a budget its output never nears (the feature's cost there is its bookkeeping) and
+with the constraint's shortest output plus ``--slack`` tokens (every step near the budget: every sampled row
+checked). Printed per backend and constraint: microseconds per token of the mask fill (for scale) and of the
+steering, far and near, and the steering over the fill. The start's ending (searched once per constraint, when its
+first request is admitted) is timed apart.
+
+    python -m scripts.bench_budget_steering [--walks 12] [--slack 6] [--backends xgrammar llguidance outlines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from scheduler.budget_steering import BudgetSteering
+from scheduler.io_struct import SamplingParams
+from scheduler.request import Req
+from scheduler.server_args import ServerArgs
+from scripts.serving_workload import PERSON_REGEX, PERSON_SCHEMA
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.ending_search import EndingSearch
+from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.testing.conformance import compile_grammar
+from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
+from sglang_constrained.vocabulary import tokenizer_vocabulary
+from triton_ops.bitmask_format import allocate_bitmask, unpack_bitmask
+from triton_ops.cpu_info import cpu_model
+
+FAR_BUDGET = 1 << 20
+MAX_FAR_TOKENS = 96
+"""A walk far from its budget stops here (random logits may write a string for ever)."""
+
+
+def walk(
+    grammar: BaseGrammarObject, key: Any, search: EndingSearch, budget: int, seed: int, vocab_size: int
+) -> tuple[float, float, int, bool]:
+    """Seconds spent filling masks and steering, tokens walked, and whether the grammar ended."""
+    steering = BudgetSteering(search, max_seq_len=FAR_BUDGET * 2)
+    params = SamplingParams(max_new_tokens=budget, temperature=1.0)
+    req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
+    steering.refusal(req)
+    generator = torch.Generator().manual_seed(seed)
+    mask = allocate_bitmask(1, vocab_size, "cpu")
+    fill_s = steer_s = 0.0
+    limit = min(budget, MAX_FAR_TOKENS) if budget == FAR_BUDGET else budget
+    while len(req.output_ids) < limit and not grammar.is_terminated():
+        start = time.perf_counter()
+        grammar.fill_vocab_mask(mask, 0)
+        filled = time.perf_counter()
+        logits = torch.randn(1, vocab_size, generator=generator) * 3
+        logits[~unpack_bitmask(mask, vocab_size)] = float("-inf")
+        steer_start = time.perf_counter()
+        steering.steer([req], [range(1)], logits, [False])
+        steered = time.perf_counter()
+        token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
+        grammar.accept_token(token)
+        req.output_ids.append(token)
+        record_start = time.perf_counter()
+        steering.record(req, token)
+        fill_s += filled - start
+        steer_s += steered - steer_start + time.perf_counter() - record_start
+    return fill_s, steer_s, len(req.output_ids), grammar.is_terminated()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--walks", type=int, default=12, help="walks per backend, constraint and distance")
+    parser.add_argument("--slack", type=int, default=6, help="near: the shortest output plus this many tokens")
+    parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance", "outlines"])
+    args = parser.parse_args(argv)
+    server_args = ServerArgs()
+    setup = load_tokenizer_setup("smollm2", server_args.cache_path)
+    vocabulary = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    search = EndingSearch(vocabulary)
+    print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; SmolLM2 vocabulary ({setup.vocab_size})")
+    print("us/token: fill (the grammar's mask) | steering far from the budget | steering near it (every step)")
+    for name in args.backends:
+        backend = create_grammar_backend(
+            replace(server_args, grammar_backend=name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
+        )
+        assert backend is not None
+        try:
+            for kind, spec in (("json", PERSON_SCHEMA), ("regex", PERSON_REGEX)):
+                key = make_grammar_key(kind, spec)
+                grammar = compile_grammar(backend, key)
+                start = time.perf_counter()
+                ending = search.find(grammar)
+                start_ms = (time.perf_counter() - start) * 1e3
+                assert ending is not None, f"{name} {kind}: no ending from the start"
+                per_token: dict[str, list[float]] = {"fill": [], "far": [], "near": []}
+                num_ended = 0
+                for i in range(args.walks):
+                    distances = [("far", FAR_BUDGET), ("near", len(ending) + args.slack)]
+                    for label, budget in distances if i % 2 == 0 else distances[::-1]:
+                        fill_s, steer_s, num_tokens, ended = walk(
+                            grammar.copy(), key, search, budget, i, setup.vocab_size
+                        )
+                        per_token[label].append(steer_s / num_tokens * 1e6)
+                        per_token["fill"].append(fill_s / num_tokens * 1e6)
+                        num_ended += ended and label == "near"
+                fill, far, near = (statistics.median(per_token[k]) for k in ("fill", "far", "near"))
+                print(
+                    f"{name:10} {kind:5} fill {fill:7.1f} | far {far:6.1f} ({far / fill:5.2f}x fill)"
+                    f" | near {near:8.1f} ({near / fill:6.1f}x fill)  near walks ended in budget"
+                    f" {num_ended}/{args.walks}; start ending {len(ending)} tokens in {start_ms:.0f} ms"
+                )
+        finally:
+            backend.shutdown()
+
+
+if __name__ == "__main__":
+    main()
