@@ -17,9 +17,10 @@ token would leave the answer's shortest ending no room.
 - Drafts stop where the rows they would need come near the budget (their rows are not steered); forced tokens
   (the grammar allows one token) keep any ending's length minus one and need no check.
 
-A budget below the shortest ending from the grammar's start is refused when the grammar is ready
-(``refusal``). The guarantee assumes no single token far from the budget lengthens the shortest ending by more than
-``HORIZON`` tokens (a JSON array item with many required fields can); within the horizon every token is checked.
+A budget below the shortest ending from the grammar's start is refused when the grammar is ready (``refusal``). Within
+the horizon every token is checked, so the guarantee is exact there; what it assumes is that far from the budget, where
+nothing is computed, the ending does not grow by more than ``HORIZON`` tokens beyond the last one known before the
+horizon is reached (one JSON array item with a dozen required fields could).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class BudgetSteering:
             return Abort(
                 AbortCause.BAD_REQUEST,
                 f"the token budget (max_tokens / max_new_tokens) of {budget} is below the {len(ending)} tokens of "
-                f"the shortest output the {req.grammar_key[0]} constraint allows",
+                f"the shortest output found for the {req.grammar_key[0]} constraint",
             )
         return None
 

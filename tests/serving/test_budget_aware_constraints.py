@@ -1,7 +1,7 @@
 """Budget-aware constraints through the real loop on the embedded model: small budgets end in valid outputs that
-finish with "stop" (with speculation and jump-forward on, as by default), a budget below the constraint's shortest
-output is refused with a 400 naming both, outputs far from their budget are the same token for token with the feature
-off, and the metric counts the requests that were steered.
+finish with "stop" (with speculation and jump-forward on, as by default); a budget below the constraint's shortest
+output is refused with a 400 naming both (through the loop, and over HTTP on the shared server); outputs far from
+their budget are the same token for token with the feature off; the metric counts the requests that were steered.
 
 The schedulers run in this process over one model runner, as in ``test_speculative``.
 """
@@ -13,12 +13,14 @@ import re
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 
 from scheduler.client import make_request
 from scheduler.io_struct import AbortCause, GenerateOutput
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
+from tests.helpers import MODEL, QUESTION
 from tests.serving.test_speculative import MODEL_SETTINGS, in_process_scheduler, serve
 from tests.serving.test_speculative import PERSON as BOUNDED_PERSON
 
@@ -40,7 +42,7 @@ CASES: dict[str, tuple[str, Any, str]] = {
     "regex": ("regex", PHONE, "What is your phone number?"),
     "ebnf": ("ebnf", PETS, "List as many pets as you can, separated by commas."),
 }
-MINIMUM = re.compile(r"budget \(max_tokens / max_new_tokens\) of (\d+) is below the (\d+) tokens")
+MINIMUM = re.compile(r"budget \(max_tokens / max_new_tokens\) of (\d+) is below the (\d+) tokens of the shortest")
 
 
 def is_valid(kind: str, text: str) -> bool:
@@ -104,3 +106,17 @@ def test_outputs_far_from_the_budget_are_unchanged(runner: ModelRunner) -> None:
         steered = tokens_and_reasons(serve(scheduler, reqs))
     assert [reason for _, reason in plain] == ["stop", "stop"]
     assert steered == plain
+
+
+def test_budget_below_the_shortest_output_is_a_400_over_http(client: openai.OpenAI) -> None:
+    """``max_completion_tokens`` below the schema's shortest output: a 400 naming both, and the server serves on."""
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3, response_format=schema)
+    found = MINIMUM.search(str(error.value))
+    assert found is not None and found.group(1) == "3" and int(found.group(2)) > 3, str(error.value)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=int(found.group(2)), response_format=schema
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].message.content or ""), PERSON)
