@@ -21,14 +21,17 @@ from hypothesis import strategies as st
 from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
+from scheduler.server_args import ServerArgs
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.ending_search import EndingSearch
+from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.maskbench import iter_case_paths, load_case
 from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.vocabulary import tokenizer_vocabulary
 from tests.backends.conftest import BackendBuilder
+from tests.backends.test_soundness import legacy_tag, tagged_json_judge
 from tests.helpers import compile_grammar
 from triton_ops.bitmask_format import allocate_bitmask, unpack_bitmask
 
@@ -42,6 +45,8 @@ PERSON = {
     "required": ["name", "age", "tags"],
 }
 PETS = r"(cat|dog|bird)(,(cat|dog|bird))*"
+AUTO_FALLBACK = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "minProperties": 1}
+"""xgrammar refuses ``patternProperties``: ``auto`` compiles it with llguidance."""
 CONSTRAINTS: dict[str, tuple[str, Any, Judge]] = {
     "json_schema": ("json", PERSON, json_judge(PERSON)),
     "regex": (
@@ -57,8 +62,9 @@ CONSTRAINTS: dict[str, tuple[str, Any, Judge]] = {
         choice_judge(["yes", "no", "it depends on the weather"]),
     ),
     "json_object": ("json_object", True, json_judge({"type": "object"})),
+    "structural_tag": ("structural_tag", legacy_tag(PERSON), tagged_json_judge(PERSON)),
 }
-UNSUPPORTED = {("outlines", "ebnf"), ("outlines", "lark")}
+UNSUPPORTED = {("outlines", "ebnf"), ("outlines", "lark"), ("outlines", "structural_tag")}
 BACKENDS = ("xgrammar", "llguidance", "outlines")
 BUDGETS_ABOVE_MINIMUM = (0, 1, 3)
 RANDOM_BUDGETS = 2
@@ -151,6 +157,23 @@ def test_shortest_output_is_found_through_the_grammar(
     assert ending is not None and ending[-1] in smollm2_tokenizer.eos_token_ids
     assert smollm2_tokenizer.tokenizer.decode(ending[:-1]) == "(000) 000-0000"
     assert search.finishes(grammar, ending)
+
+
+def test_auto_backend_grammars_end_valid_within_their_budget(
+    smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """``auto``'s grammars are its chosen backends' (here xgrammar for the schema, llguidance for a pattern xgrammar
+    refuses): the steering walks them through the same contract."""
+    setup = smollm2_tokenizer
+    args = ServerArgs(grammar_backend="auto", grammar_compile_slow_after=600.0)
+    backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    assert backend is not None
+    try:
+        backend.wait_until_ready()
+        for spec in (PERSON, AUTO_FALLBACK):
+            assert check_budgets(backend, setup, search, "json", spec, json_judge(spec), seed=7) == []
+    finally:
+        backend.shutdown()
 
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
