@@ -26,7 +26,7 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
 from scripts.serving_workload import PERSON_REGEX, PERSON_SCHEMA
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.base_grammar_backend import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.ending_search import EndingSearch
 from sglang_constrained.registry import create_grammar_backend
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
             for kind, spec in (("json", PERSON_SCHEMA), ("regex", PERSON_REGEX)):
                 key = make_grammar_key(kind, spec)
                 grammar = compile_grammar(backend, key)
+                if isinstance(grammar, InvalidGrammarObject):
+                    print(f"{name:10} {kind:5} refused: {grammar.error_message[:100]}")
+                    continue
                 start = time.perf_counter()
                 ending = search.find(grammar)
                 start_ms = (time.perf_counter() - start) * 1e3
