@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy
 import torch
 
 from scheduler.ending_plan import EndingPlan
@@ -142,9 +143,12 @@ class BudgetSteering:
         plan = req.ending
         if plan is None or plan.tokens is None or self._remaining(req) > len(plan.tokens) + 1:
             return
-        value = row[think_end_id].clone()
-        row.fill_(float("-inf"))
-        row[think_end_id] = 0.0 if bool(torch.isneginf(value)) else value
+        logits, is_view = _host_values(row)
+        value = float(logits[think_end_id])
+        logits.fill(-numpy.inf)
+        logits[think_end_id] = 0.0 if value == -numpy.inf else value
+        if not is_view:
+            row.copy_(torch.from_numpy(logits))
         if not plan.is_steered:
             plan.is_steered = True
             self.on_steered()
@@ -162,28 +166,30 @@ class BudgetSteering:
         assert plan.tokens is not None
         if not plan.tokens:
             return  # the grammar has ended: the request finishes without another token
+        logits, is_view = _host_values(row)
+        num_checked = min(MAX_CHECKED, logits.shape[0])
+        order = numpy.argpartition(-logits, num_checked - 1)[:num_checked]
+        order = order[numpy.argsort(-logits[order], kind="stable")].tolist()
         num_searches = 0
         passed: dict[int, list[int]] = {}
-        order = torch.topk(row, min(MAX_CHECKED, row.shape[0])).indices.tolist()
-        first = order[0]
         for token in order:
-            if row[token] == float("-inf") or len(passed) >= wanted:
+            if logits[token] == -numpy.inf or len(passed) >= wanted:
                 break
             ending, searched = self._ending_after(grammar, plan.tokens, token, remaining - 1, num_searches)
             num_searches += searched
             if ending is not None:
                 passed[token] = ending
-        next_token = plan.tokens[0]
-        passed.setdefault(next_token, plan.tokens[1:])
-        if first not in passed and not plan.is_steered:
+        passed.setdefault(plan.tokens[0], plan.tokens[1:])
+        if order[0] not in passed and not plan.is_steered:
             plan.is_steered = True
             self.on_steered()
         plan.after = passed
-        kept = torch.tensor(list(passed), dtype=torch.int64)
-        values = row[kept]
-        values[torch.isneginf(values)] = 0.0  # the plan's token, if an adjustment banned it: the ending wins
-        row.fill_(float("-inf"))
-        row[kept] = values
+        kept = numpy.fromiter(passed, dtype=numpy.int64)
+        values = numpy.where(numpy.isneginf(logits[kept]), 0.0, logits[kept])  # a banned plan token: the ending wins
+        logits.fill(-numpy.inf)
+        logits[kept] = values
+        if not is_view:
+            row.copy_(torch.from_numpy(logits))
 
     def _ending_after(
         self, grammar: BaseGrammarObject, ending: list[int], token: int, budget: int, num_searches: int
@@ -213,6 +219,15 @@ class BudgetSteering:
         if len(self._start_endings) > MAX_CACHED_STARTS:
             self._start_endings.popitem(last=False)
         return ending
+
+
+def _host_values(row: torch.Tensor) -> tuple[numpy.ndarray, bool]:
+    """``row`` as a NumPy array, and whether it is a view: on the CPU steering writes through it (single-threaded
+    NumPy over one row, where each torch op wakes its thread team: milliseconds on a busy machine), elsewhere it is a
+    copy the caller writes back."""
+    if row.device.type == "cpu" and row.is_contiguous():
+        return row.numpy(), True
+    return row.cpu().numpy(), False
 
 
 def _answer_grammar(grammar: BaseGrammarObject) -> BaseGrammarObject:
