@@ -176,8 +176,8 @@ def test_auto_backend_grammars_end_valid_within_their_budget(
         backend.shutdown()
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(MASKBENCH_PATHS), seed=st.integers(0, 10_000))
 def test_maskbench_schemas_end_valid_within_their_budget(
     backend_name: str,
