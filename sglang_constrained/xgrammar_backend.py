@@ -37,6 +37,7 @@ from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, boun
 from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
 from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
+from sglang_constrained.xgrammar_export_cost import GrammarMeasure, refuse_costly_export
 from sglang_constrained.xgrammar_fork_server import XGRAMMAR_COMPILE_PRELOAD
 from sglang_constrained.xgrammar_json_whitespace import compact_json_schema_ebnf, json_schema_ebnf
 from sglang_constrained.xgrammar_schema_rules import (
@@ -309,9 +310,16 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return self._compile("structural tag", lambda: xgrammar.Grammar.from_structural_tag(prepared))
 
     def _compile(self, what: str, build: Callable[[], xgrammar.Grammar]) -> XGrammarGrammar:
-        """Build the grammar, limit its terminals to well-formed UTF-8 (``xgrammar_utf8``), compile it."""
+        """Build the grammar, limit its terminals to well-formed UTF-8 (``xgrammar_utf8``), refuse it if sending its
+        compiled form out of a compile process is predicted beyond the memory bound or the deadline
+        (``xgrammar_export_cost``), compile it."""
         try:
-            compiled = self.compiler.compile_grammar(well_formed_utf8_grammar(build()))
+            grammar = well_formed_utf8_grammar(build())
+            args = self.server_args
+            refuse_costly_export(
+                GrammarMeasure.of(grammar), args.grammar_compile_max_memory, args.compile_timeout_s, what
+            )
+            compiled = self.compiler.compile_grammar(grammar)
         except RuntimeError as e:
             raise GrammarSpecError(f"xgrammar cannot compile the {what}: {_xgrammar_message(e)}") from e
         return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)

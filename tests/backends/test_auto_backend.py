@@ -10,6 +10,7 @@ slow first choice handed over, MaskBench cases judged against what the other bac
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -136,6 +137,22 @@ def test_auto_falls_back_to_llguidance_and_says_why(
     assert accepts_text(grammar, tokenizer_case, '{"code": "abc", "price": 2.5}')
     assert not accepts_text(grammar.copy(), tokenizer_case, '{"code": "abcdef", "price": 2.5}')
     assert not accepts_text(grammar.copy(), tokenizer_case, '{"code": "abc", "price": 2.25}')
+
+
+def test_a_schema_too_large_for_xgrammar_s_compile_process_goes_to_llguidance_at_once(
+    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+) -> None:
+    """xgrammar's refusal by its predicted memory (``xgrammar_export_cost``) hands the schema on, without waiting
+    for the hand-over time (none here) or a compile process killed at the bound."""
+    names = [f"p{i}" for i in range(1200)]
+    schema = {"type": "object", "properties": {name: {"type": "string"} for name in names}, "required": names}
+    grammar = compile_valid(auto, "json", schema)
+    assert isinstance(grammar, GuidanceGrammar)
+    assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend == "llguidance"
+    [(refused_by, message)] = grammar.grammar_stats.fallback_reasons
+    assert refused_by == "xgrammar" and "over the memory bound of 4,096 MiB" in message
+    instance = json.dumps(dict.fromkeys(names, "x"))
+    assert accepts_text(grammar, tokenizer_case, instance)
 
 
 def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGrammarBackend) -> None:

@@ -16,8 +16,10 @@ from sglang_constrained.base_grammar_backend import InvalidGrammarObject, TokenR
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
+from sglang_constrained.xgrammar_export_cost import GrammarMeasure
+from sglang_constrained.xgrammar_utf8 import well_formed_utf8_grammar
 from tests.backends.conftest import BackendBuilder
-from tests.helpers import accepts_text, allowed_tokens, compile_grammar, encode_exactly
+from tests.helpers import accepts_text, allowed_tokens, compile_grammar, compile_valid, encode_exactly
 
 PERSON_SCHEMA = {
     "type": "object",
@@ -303,6 +305,33 @@ def test_a_compile_its_length_bounds_predict_beyond_the_deadline_is_refused_at_o
     assert isinstance(grammar, InvalidGrammarObject)
     assert what in grammar.error_message
     assert "beyond the compile deadline of 50 s (--grammar-compile-timeout)" in grammar.error_message
+
+
+def required_strings(count: int) -> dict[str, Any]:
+    names = [f"p{i}" for i in range(count)]
+    return {"type": "object", "properties": {name: {"type": "string"} for name in names}, "required": names}
+
+
+def test_a_grammar_whose_compiled_form_predicts_a_send_beyond_the_memory_bound_is_refused_at_once(
+    backend: XGrammarGrammarBackend,
+) -> None:
+    """1,200 required strings compile in a fraction of a second, but xgrammar's compiled form of them serialises to
+    about 400 MB, its compile process growing past 5 GiB on the way (measured at 1,000: 286 MB, 4 GiB, 17 s)."""
+    grammar = compile_grammar(backend, "json", required_strings(1200))
+    assert isinstance(grammar, InvalidGrammarObject)
+    assert "the JSON schema's grammar has 1,240 rules over" in grammar.error_message
+    assert "over the memory bound of 4,096 MiB (--grammar-compile-max-memory)" in grammar.error_message
+    assert "--grammar-backend llguidance or auto" in grammar.error_message
+
+
+def test_the_predicted_compiled_size_is_near_the_serialised_size(backend: XGrammarGrammarBackend) -> None:
+    """The measure behind that refusal, on a schema that compiles: near xgrammar's own size (the measure predicts the
+    rules' FSMs; the token masks add more at 248k tokens than at 49k)."""
+    schema = json.dumps(backend.prepare_json_schema(required_strings(200)))
+    predicted = GrammarMeasure.of(well_formed_utf8_grammar(backend.json_schema_grammar(schema))).predicted_export()
+    grammar = compile_valid(backend, "json", required_strings(200))
+    serialised = len(backend.serialize_grammar(grammar))
+    assert serialised / 2 < predicted.num_bytes < serialised * 1.5
 
 
 def test_strict_mode_narrowing_is_named_in_the_stats(backend: XGrammarGrammarBackend) -> None:

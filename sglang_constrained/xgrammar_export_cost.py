@@ -1,0 +1,85 @@
+"""What a compiled xgrammar grammar costs to send out of its compile process, predicted before it is compiled.
+
+A compile process sends its grammar back serialised (``CompiledGrammar.serialize_json``; the disk cache and shared
+grammars keep that form too), and xgrammar 0.2.8 writes each rule's FSM with a copy of the whole grammar's FSM: the
+serialised grammar grows with the grammar's rules times its size, quadratically in a schema's size, while the
+compile itself takes milliseconds. The measure here, the rules times the expression entries of the grammar about to
+be compiled, predicts that size; the serialising process peaks at about 14 times it and takes about 0.1 s per MB
+to serialise it and read it back. Measured by ``scripts/calibrate_xgrammar_export.py`` (AMD EPYC, 2 cores, 49k
+tokens): 1,000 required string properties measure 48.6 M, serialise to 286 MB (292 predicted) in 17 s, the process
+peaking at 4,044 MiB (3,896); 200 date-time strings 274 MB (315), 4,241 MiB (4,202); 20 objects of 30 properties
+100 MB (132), 1,402 MiB (1,764); 100 patterned strings 32 MB (20), 358 MiB (269).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import xgrammar
+
+from sglang_constrained.errors import GrammarSpecError
+
+BYTES_PER_MEASURE = 6.0
+"""Serialised bytes per rule x expression entry (measured 4.7-9.5, 5.9 on the largest). The token masks come on top
+(a few MB, growing with the vocabulary: 200 properties serialise to 15 MB at 49k tokens, 25 MB at 248k)."""
+PEAK_PER_BYTE = 14.5
+"""The serialising process's growth per serialised byte (measured 11-15.5)."""
+COMPILE_PROCESS_BASE_MIB = 300.0
+"""A compile process's resident memory before it compiles (measured 216-228 MiB at 49k tokens, 255-281 at 248k)."""
+SECONDS_PER_MB = 0.1
+"""Serialising and reading back, per MB (measured 0.08-0.11 on 100-290 MB)."""
+
+
+@dataclass(frozen=True)
+class ExportCost:
+    """A compiled grammar's predicted serialised size, the compile process's resident memory at its peak while it
+    serialises it, and the time to serialise it and read it back."""
+
+    num_bytes: int
+    peak_mib: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GrammarMeasure:
+    """The size of an xgrammar ``Grammar`` before compiling: its rules and its expression entries."""
+
+    num_rules: int
+    num_expression_entries: int
+
+    @classmethod
+    def of(cls, grammar: xgrammar.Grammar) -> GrammarMeasure:
+        serialized = json.loads(grammar.serialize_json())
+        return cls(len(serialized["rules"]), len(serialized["grammar_expr_data"]))
+
+    @property
+    def product(self) -> int:
+        return self.num_rules * self.num_expression_entries
+
+    def predicted_export(self) -> ExportCost:
+        num_bytes = int(BYTES_PER_MEASURE * self.product)
+        peak_mib = COMPILE_PROCESS_BASE_MIB + PEAK_PER_BYTE * num_bytes / 2**20
+        return ExportCost(num_bytes, peak_mib, SECONDS_PER_MB * num_bytes / 1e6)
+
+
+def refuse_costly_export(measure: GrammarMeasure, max_memory_mib: int | None, deadline_s: float, what: str) -> None:
+    """Raise ``GrammarSpecError`` when ``measure`` predicts that sending the compiled grammar out of a compile
+    process needs more than ``max_memory_mib`` (None: no bound) or takes longer than ``deadline_s``, naming the
+    measure, the prediction and the bound, before any compile time is spent."""
+    cost = measure.predicted_export()
+    if max_memory_mib is not None and cost.peak_mib > max_memory_mib:
+        bound = f"the memory bound of {max_memory_mib:,} MiB (--grammar-compile-max-memory)"
+        beyond = f"about {cost.peak_mib:,.0f} MiB, over {bound}"
+    elif cost.seconds > deadline_s:
+        beyond = (
+            f"about {cost.seconds:.0f} s, beyond the compile deadline of {deadline_s:g} s (--grammar-compile-timeout)"
+        )
+    else:
+        return
+    raise GrammarSpecError(
+        f"the {what}'s grammar has {measure.num_rules:,} rules over {measure.num_expression_entries:,} expression "
+        f"entries, which predict an xgrammar compiled grammar of about {cost.num_bytes / 1e6:,.0f} MB (xgrammar "
+        f"writes every rule with the whole grammar's FSM); a compile process sending it back would take {beyond}; "
+        "llguidance compiles such schemas in milliseconds (--grammar-backend llguidance or auto)"
+    )
