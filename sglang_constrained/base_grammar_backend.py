@@ -111,10 +111,16 @@ class CompiledGrammarStore(Protocol):
         """The export stored for ``key`` by a backend of ``identity``, or None."""
 
     def store_later(
-        self, identity: dict[str, Any], key: GrammarKey, export: Callable[[], GrammarExport], compile_s: float
+        self,
+        identity: dict[str, Any],
+        key: GrammarKey,
+        export: Callable[[], GrammarExport],
+        compile_s: float,
+        read_back: Callable[[GrammarExport], object],
     ) -> None:
         """Store ``export()`` (a valid grammar's, which took ``compile_s`` to compile) for ``key``, off the caller's
-        thread, if reading it back promises to be faster than compiling it; failures are not raised."""
+        thread, if reading it back (``read_back``: the backend's import) is faster than compiling it; failures are
+        not raised."""
 
     def discard(self, identity: dict[str, Any], key: GrammarKey) -> None:
         """Forget ``key``'s entry (it would not import)."""
@@ -377,7 +383,7 @@ class BaseGrammarBackend:
     def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
         """``build_grammar(key, control)``, or the grammar the disk cache holds for ``key`` (its stats then say
         ``is_disk_cache_hit``); a valid grammar compiled here is written to the disk cache after it is returned,
-        unless exporting it takes longer than compiling it did. What the compile service runs for a miss."""
+        if reading it back costs clearly less than compiling it did. What the compile service runs for a miss."""
         if self.disk_cache is None:
             return self.build_grammar(key, control)
         start = time.perf_counter()
@@ -398,7 +404,7 @@ class BaseGrammarBackend:
         start = time.perf_counter()
         grammar, export_later = self.build_exportable(key, control)
         if not isinstance(grammar, InvalidGrammarObject):  # errors are cached in memory only
-            self.disk_cache.store_later(identity, key, export_later, time.perf_counter() - start)
+            self.disk_cache.store_later(identity, key, export_later, time.perf_counter() - start, self.import_grammar)
         return grammar
 
     def build_exportable(

@@ -17,9 +17,12 @@ and a crash mid-write leaves only a temporary file that no reader opens (removed
 under ``max_bytes`` of entries: after each write the least recently used (by modification time, which a read
 refreshes) are removed. Writes run on one background thread at the compile threads' low priority, after the
 request that compiled the grammar has it; invalid grammars (errors) are never written, and neither are grammars
-that took less time to compile than to serialise (xgrammar's small ones compiled in a thread): reading them back,
-which costs about half the serialising, would not beat compiling them. (A compile process sends its grammar back
-serialised, so what it compiles is written as it came.)
+that do not pay to keep: the writer reads each entry back before writing it (checks its bytes and imports it, as
+a restart would), and writes it only if its compile took at least ``read_margin`` times that read, so that a
+restart never makes a grammar slower to get than a cold compile (xgrammar's compiled form of a schema with a few
+hundred properties, compiled in a thread, takes longer to read back than to compile). A grammar whose export
+alone took as long as its compile is not read back at all. (A compile process sends its grammar back serialised,
+so what it compiles is written as it came; its compile time counts the serialising and the import.)
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ HEADER = struct.Struct("<8s32sQ32s")
 ENTRY_SUFFIX = ".grammar"
 STALE_TEMPORARY_S = 3600.0
 """A temporary file this old belongs to a writer that died: eviction removes it."""
+READ_MARGIN = 1.5
+"""An entry is written only if its compile took at least this many times its read-back at write time: a restart
+reads from a cold page cache, on a machine busy starting up."""
 MAX_PENDING_WRITES = 16
 """Writes queued beyond this are dropped (each holds its grammar in memory until written): a cache may forget."""
 
@@ -63,12 +69,17 @@ class GrammarDiskCache:
     thread (a compile thread); ``store_later`` queues the write for this cache's writer thread.
     """
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, read_margin: float = READ_MARGIN) -> None:
+        """``read_margin``: how many times its read-back a grammar's compile must have taken to be written (0: every
+        grammar that exports faster than it compiled, not read back)."""
         if max_bytes < 0:
             raise ValueError("the grammar disk cache's byte bound must be 0 or more")
+        if read_margin < 0:
+            raise ValueError("the grammar disk cache's read margin must be 0 or more")
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.max_bytes = max_bytes
+        self.read_margin = read_margin
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-disk-writer")
         self._lock = threading.Lock()
         self._num_pending = 0
@@ -120,7 +131,9 @@ class GrammarDiskCache:
         if export.payload is None:
             raise ValueError("an invalid grammar (a compile error) is never written to the disk cache")
         digest = entry_digest(identity, key)
-        pieces = _encode(export, digest)
+        self._write_pieces(digest, _encode(export, digest))
+
+    def _write_pieces(self, digest: str, pieces: list[bytes]) -> None:
         if sum(map(len, pieces)) > self.max_bytes:
             return
         write_atomically(self._path(digest), pieces)
@@ -129,17 +142,24 @@ class GrammarDiskCache:
         self.evict()
 
     def store_later(
-        self, identity: Mapping[str, Any], key: GrammarKey, export: Callable[[], GrammarExport], compile_s: float
+        self,
+        identity: Mapping[str, Any],
+        key: GrammarKey,
+        export: Callable[[], GrammarExport],
+        compile_s: float,
+        read_back: Callable[[GrammarExport], object],
     ) -> None:
-        """``store(identity, key, export())`` on the writer thread, unless ``export()`` took ``compile_s`` (what the
-        compile took) or longer; dropped when ``MAX_PENDING_WRITES`` wait, or once closed. Failures are logged,
-        never raised: a cache that cannot write only misses."""
+        """``store(identity, key, export())`` on the writer thread if it pays to keep: reading the entry back,
+        decoded and imported with ``read_back`` as a restart would, took at most ``1 / read_margin`` of
+        ``compile_s`` (what the compile took); not read back when ``export()`` alone took ``compile_s`` or longer.
+        Dropped when ``MAX_PENDING_WRITES`` wait, or once closed. Failures are logged, never raised: a cache that
+        cannot write only misses."""
         with self._lock:
             if self._is_closed or self._num_pending >= MAX_PENDING_WRITES:
                 logger.debug("grammar disk cache: a %s grammar is not written (closed or busy)", key[0])
                 return
             self._num_pending += 1
-        self._writer.submit(self._write, identity, key, export, compile_s)
+        self._writer.submit(self._write, identity, key, export, compile_s, read_back)
 
     def flush(self) -> None:
         """Wait until every write queued so far is on disk."""
@@ -181,7 +201,12 @@ class GrammarDiskCache:
         return sorted(self.directory.glob(f"*{ENTRY_SUFFIX}"))
 
     def _write(
-        self, identity: Mapping[str, Any], key: GrammarKey, export: Callable[[], GrammarExport], compile_s: float
+        self,
+        identity: Mapping[str, Any],
+        key: GrammarKey,
+        export: Callable[[], GrammarExport],
+        compile_s: float,
+        read_back: Callable[[GrammarExport], object],
     ) -> None:
         set_nice(threading.get_native_id(), self._nice)
         try:
@@ -189,18 +214,28 @@ class GrammarDiskCache:
             exported = export()
             export_s = time.perf_counter() - start
             if export_s >= compile_s:
-                logger.debug(
-                    "a %s grammar compiled in %.3f s, serialised in %.3f s: not written", key[0], compile_s, export_s
-                )
-                with self._lock:
-                    self.num_skipped += 1
+                self._skip(key, f"compiled in {compile_s:.3f} s, serialised in {export_s:.3f} s")
                 return
-            self.store(identity, key, exported)
+            digest = entry_digest(identity, key)
+            pieces = _encode(exported, digest)
+            if self.read_margin > 0:
+                start = time.perf_counter()
+                read_back(_decode(b"".join(pieces), digest))
+                read_s = time.perf_counter() - start
+                if compile_s < self.read_margin * read_s:
+                    self._skip(key, f"compiled in {compile_s:.3f} s, read back in {read_s:.3f} s")
+                    return
+            self._write_pieces(digest, pieces)
         except Exception:
             logger.warning("cannot write a %s grammar to the disk cache in %s", key[0], self.directory, exc_info=True)
         finally:
             with self._lock:
                 self._num_pending -= 1
+
+    def _skip(self, key: GrammarKey, why: str) -> None:
+        logger.debug("a %s grammar %s: not written", key[0], why)
+        with self._lock:
+            self.num_skipped += 1
 
     def _path(self, digest: str) -> Path:
         return self.directory / f"{digest}{ENTRY_SUFFIX}"

@@ -49,9 +49,11 @@ WALK_STEPS = 24
 
 def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -> BaseGrammarBackend:
     """A backend as the server builds it, on the grammar disk cache in ``directory``; xgrammar's compiles in threads
-    (starting compile processes would take most of a test's time, and the disk cache reads and writes above either)."""
+    (starting compile processes would take most of a test's time, and the disk cache reads and writes above either).
+    Its cache writes every grammar that exports faster than it compiled, without weighing its read-back: these tests
+    are about what is written, the rule of what pays to keep has its own."""
     args = replace(ServerArgs(), grammar_backend=name, **{"grammar_backend_order": AUTO_ORDER, **overrides})
-    disk_cache = GrammarDiskCache(directory, 1 << 30)
+    disk_cache = GrammarDiskCache(directory, 1 << 30, read_margin=0.0)
     if name == "xgrammar":
         xgrammar = XGrammarGrammarBackend(
             args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, compile_in_processes=False
@@ -115,6 +117,33 @@ def test_a_restarted_backend_loads_the_grammar_and_masks_as_the_compiled_one(
         assert_masks_agree(loaded, compiled.copy(), smollm2_tokenizer)
     finally:
         restarted.shutdown()
+
+
+def test_an_entry_that_reads_back_slower_than_it_compiled_is_not_written(
+    smollm2_tokenizer: TokenizerSetup, tmp_path: Path
+) -> None:
+    """The keep rule on a real export: reading xgrammar's compiled form of 200 properties back (decoding 15 MB and
+    importing them) takes a tenth of a second, so a grammar recorded as compiled in 5 ms is not written, since a
+    restart would get it slower than a cold compile; recorded as compiled in an hour, it is. The export is ready
+    (as a compile process's is), so only the read-back decides."""
+    setup = smollm2_tokenizer
+    backend = build(setup, tmp_path / "compile", "xgrammar")
+    try:
+        names = [f"p{i}" for i in range(200)]
+        schema = {"type": "object", "properties": {name: {"type": "string"} for name in names}, "required": names}
+        key = make_grammar_key("json", schema)
+        export = backend.export_grammar(compile_grammar(backend, "json", schema))
+        identity = backend.compile_identity()
+        cache = GrammarDiskCache(tmp_path / "kept", 1 << 30)
+        cache.store_later(identity, key, lambda: export, 0.005, backend.import_grammar)
+        cache.flush()
+        assert cache.entry_paths() == [] and cache.num_skipped == 1
+        cache.store_later(identity, key, lambda: export, 3600.0, backend.import_grammar)
+        cache.flush()
+        assert len(cache.entry_paths()) == 1 and cache.num_writes == 1
+        cache.close()
+    finally:
+        backend.shutdown()
 
 
 def test_xgrammar_keeps_its_compile_process_export_for_the_disk(smollm2_tokenizer: TokenizerSetup) -> None:
