@@ -128,7 +128,7 @@ class ServerArgs:
     """Every server setting and its default. ``model_path=None`` means the embedded SmolLM2-135M-Instruct."""
 
     model_path: str | None = None
-    grammar_backend: str = "xgrammar"
+    grammar_backend: str = "auto"
     grammar_backend_order: tuple[str, ...] = ("xgrammar", "llguidance", "outlines")
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
@@ -152,7 +152,7 @@ class ServerArgs:
     grammar_compile_slow_after: float = 1.0
     grammar_max_slow_compiles: int = 2 * max(1, available_cores() - 1)
     grammar_compile_max_memory: int | None = 4096
-    grammar_auto_allow_narrowing: bool = False
+    grammar_auto_allow_narrowing: bool = True
     grammar_cache_max_entries: int = 1024
     grammar_cache_max_bytes: int = 512 * 1024 * 1024
     grammar_max_spec_bytes: int = 1024 * 1024
@@ -478,9 +478,12 @@ class ServerArgs:
         )
         parser.add_argument(
             "--grammar-auto-allow-narrowing",
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
+            default=d.grammar_auto_allow_narrowing,
             help="let auto choose a backend that would narrow a JSON schema (xgrammar's strict mode: objects admit "
-            "only the listed properties) when it compiles it first; the grammar's stats name the narrowing",
+            "only the listed properties) when it compiles it first, as xgrammar alone does (the default: a model "
+            "does not invent keys); the grammar's stats name the narrowing. --no-grammar-auto-allow-narrowing: "
+            "only backends that enforce the schema exactly",
         )
         parser.add_argument("--grammar-cache-max-entries", type=int, default=d.grammar_cache_max_entries)
         parser.add_argument("--grammar-cache-max-bytes", type=int, default=d.grammar_cache_max_bytes)

@@ -42,7 +42,7 @@ from sglang_constrained.base_grammar_backend import (
 )
 from sglang_constrained.compile_service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey
-from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileTimeoutError, refusal_reason
+from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileTimeoutError, bounded_message, refusal_reason
 from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND, check_grammar_backend_order, grammar_backend_factory
 
 logger = logging.getLogger(__name__)
@@ -237,10 +237,21 @@ def describe_refusals(refusals: Sequence[tuple[str, str]]) -> str:
     return "; ".join(f"{', '.join(names)} refused: {reason}" for reason, names in grouped.items())
 
 
+MAX_REFUSED_BY_ALL_CHARS = 640
+"""The longest error of a constraint no backend compiles (each backend's reason, and the first one's whole)."""
+
+
 def refused_by_all_message(key_type: str, refusals: Sequence[tuple[str, str]]) -> str:
-    """The error of a constraint no backend of the order compiles."""
-    reasons = describe_refusals(refusals)
-    return f"no grammar backend of --grammar-backend-order compiles this {key_type} constraint ({reasons})"
+    """The error of a constraint no backend of the order compiles: each backend's short reason, then the first
+    backend's whole message as far as it fits (what a user of that backend alone would read: a regex's or grammar's
+    parse error, say, where it is and what is wrong, which a short reason cuts)."""
+    summary = f"no grammar backend of --grammar-backend-order compiles this {key_type} constraint"
+    summary += f" ({describe_refusals(refusals)})"
+    first, message = refusals[0]
+    room = MAX_REFUSED_BY_ALL_CHARS - len(summary) - len(first) - 5
+    if refusal_reason(message) == message or room < 40:
+        return summary
+    return f"{summary}; {first}: {bounded_message(message, limit=room)}"
 
 
 def _build_backend(

@@ -48,6 +48,7 @@ def _has_name_needing_escapes(schema: dict[str, Any]) -> bool:
 OUTLINES_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
     SchemaRule("property names with a quote, backslash or control character", _has_name_needing_escapes),  # pasted raw
     enum_outside_type_rule(),  # the enum is kept, the sibling type dropped ("a" passes type: object)
+    SchemaRule("an empty enum", lambda schema: schema.get("enum") == []),  # compiles to the empty string, not JSON
     *(keyword_rule(k) for k in ("multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
     SchemaRule("uniqueItems", lambda schema: schema.get("uniqueItems") is True),
     *(keyword_rule(k) for k in ("contains", "if", "not", "dependentRequired", "dependentSchemas", "dependencies")),

@@ -15,7 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sglang_constrained.auto_grammar_backend import STILL_COMPILING, AutoGrammarBackend, describe_refusals
+from sglang_constrained.auto_grammar_backend import (
+    MAX_REFUSED_BY_ALL_CHARS,
+    STILL_COMPILING,
+    AutoGrammarBackend,
+    describe_refusals,
+)
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError, refusal_reason
@@ -289,8 +294,9 @@ class KnownOutcomes:
                 problems.append(f"auto chose {result.chosen_backend}, but the records have {expected} compile it")
         if result.compile_error is not None:
             message = result.compile_error
-            if len(message) > MAX_REFUSAL_CHARS:
-                problems.append(f"the refusal message has {len(message)} characters (at most {MAX_REFUSAL_CHARS})")
+            limit = MAX_REFUSED_BY_ALL_CHARS if backend == AUTO_GRAMMAR_BACKEND else MAX_REFUSAL_CHARS
+            if len(message) > limit:
+                problems.append(f"the refusal message has {len(message)} characters (at most {limit})")
             if expected_refusal is None:
                 problems.append(f"refused, and not listed in {KNOWN_REFUSALS_FILE}: {message}")
             elif expected_refusal not in message:

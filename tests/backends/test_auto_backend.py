@@ -25,7 +25,7 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
-from sglang_constrained.auto_grammar_backend import STILL_COMPILING, AutoGrammarBackend
+from sglang_constrained.auto_grammar_backend import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     InvalidGrammarObject,
@@ -42,7 +42,6 @@ from sglang_constrained.reasoner_grammar_backend import (
     think_end_token_id,
 )
 from sglang_constrained.testing.conformance import (
-    MAX_REFUSAL_CHARS,
     KnownOutcomes,
     MaskBenchSweep,
     check_constraint,
@@ -88,8 +87,12 @@ KIND_CASES = [
 
 def build_auto(setup: TokenizerSetup, **changes: Any) -> BaseGrammarBackend:
     """``auto`` ready to compile, its choices made by the order alone: no test compile runs long enough on a busy
-    machine to be handed over (``test_a_slow_first_choice_hands_over...`` builds one with the default budget)."""
-    args = ServerArgs(grammar_backend="auto", **{"grammar_compile_slow_after": NO_HANDOVER_S, **changes})
+    machine to be handed over (``test_a_slow_first_choice_hands_over...`` builds one with the default budget).
+    Exact (no narrowing), what these tests are about, unless ``changes`` say otherwise."""
+    args = ServerArgs(
+        grammar_backend="auto",
+        **{"grammar_compile_slow_after": NO_HANDOVER_S, "grammar_auto_allow_narrowing": False, **changes},
+    )
     backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     assert backend is not None
     backend.wait_until_ready()
@@ -163,7 +166,11 @@ def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGramma
     assert message.startswith("no grammar backend of --grammar-backend-order compiles this json constraint")
     assert "xgrammar, outlines refused: feature 'not' (at /)" in message
     assert 'llguidance refused: invalid JSON schema: Unimplemented keys: ["not"]' in message
-    assert len(message) <= MAX_REFUSAL_CHARS
+    assert message.endswith(  # the first backend's whole message after the short reasons
+        "; xgrammar: the xgrammar grammar backend does not support the JSON schema feature 'not' (at /); it would "
+        "be ignored, so the schema is refused"
+    )
+    assert len(message) <= MAX_REFUSED_BY_ALL_CHARS
     assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend is None
     assert [name for name, _ in grammar.grammar_stats.fallback_reasons] == ["xgrammar", "llguidance", "outlines"]
     assert auto.choice_counts().num_refused_by_all == before + 1

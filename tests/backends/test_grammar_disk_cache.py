@@ -42,7 +42,7 @@ NAME_SCHEMA = {
 is worth writing (a small one is not: reading it back would be slower than compiling it)."""
 CONSTRAINTS = {"xgrammar": NAME_SCHEMA, "llguidance": PERSON_SCHEMA, "outlines": PERSON_SCHEMA, "auto": PERSON_SCHEMA}
 AUTO_ORDER = ("outlines", "llguidance")
-"""auto's order in these tests: outlines refuses ``PERSON_SCHEMA`` (it would close the object), so llguidance's
+"""auto's order in these tests, exact: outlines refuses ``PERSON_SCHEMA`` (it would close the object), so llguidance's
 grammar is stored with the reason outlines was passed over."""
 WALK_STEPS = 24
 
@@ -52,7 +52,8 @@ def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -
     (starting compile processes would take most of a test's time, and the disk cache reads and writes above either).
     Its cache writes every grammar that exports faster than it compiled, without weighing its read-back: these tests
     are about what is written, the rule of what pays to keep has its own."""
-    args = replace(ServerArgs(), grammar_backend=name, **{"grammar_backend_order": AUTO_ORDER, **overrides})
+    settings = {"grammar_backend_order": AUTO_ORDER, "grammar_auto_allow_narrowing": False, **overrides}
+    args = replace(ServerArgs(), grammar_backend=name, **settings)
     disk_cache = GrammarDiskCache(directory, 1 << 30, read_margin=0.0)
     if name == "xgrammar":
         xgrammar = XGrammarGrammarBackend(
@@ -233,7 +234,7 @@ def test_the_tokenizer_backend_and_engine_version_change_the_entry(
 
 
 def test_auto_narrowing_and_order_change_the_entry(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:
-    built = [build(smollm2_tokenizer, tmp_path, "auto")]
+    built = [build(smollm2_tokenizer, tmp_path, "auto", grammar_auto_allow_narrowing=False)]
     built.append(build(smollm2_tokenizer, tmp_path, "auto", grammar_auto_allow_narrowing=True))
     built.append(build(smollm2_tokenizer, tmp_path, "auto", grammar_backend_order=AUTO_ORDER[::-1]))
     try:

@@ -41,6 +41,7 @@ REFUSED_FEATURES = [
     ("'exclusiveMinimum'", {"type": "array", "items": {**INT, "exclusiveMinimum": 5}}, "/items", "[5]"),
     ("'exclusiveMaximum'", {"type": "array", "items": {**INT, "exclusiveMaximum": 5}}, "/items", "[5]"),
     ("'uniqueItems'", {"type": "array", "items": INT, "uniqueItems": True}, "/", "[1,1]"),
+    ("'an empty enum'", {"enum": []}, "/", ""),  # compiles to the empty string, which is no JSON
     ("'contains'", {"type": "array", "items": INT, "contains": {"const": 5}}, "/", "[1]"),
     ("'if'", {"type": "array", "items": {"type": "string", "if": {"const": "a"}, "then": False}}, "/items", '["a"]'),
     ("'not'", {"type": "array", "items": {**INT, "not": {"const": 1}}}, "/items", "[1]"),

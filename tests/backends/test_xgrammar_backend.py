@@ -172,8 +172,9 @@ def test_xgrammar_sees_the_vocabulary_bytes_unchanged(backend):
 
 def test_builtin_registry_builds_this_backend(smollm2_tokenizer, server_args):
     case = smollm2_tokenizer
-    built = create_grammar_backend(server_args, case.tokenizer, case.vocab_size, case.eos_token_ids)
-    assert isinstance(built, XGrammarGrammarBackend) and built.name == server_args.grammar_backend == "xgrammar"
+    args = replace(server_args, grammar_backend="xgrammar")
+    built = create_grammar_backend(args, case.tokenizer, case.vocab_size, case.eos_token_ids)
+    assert isinstance(built, XGrammarGrammarBackend) and built.name == "xgrammar"
     built.shutdown()
 
 
@@ -222,6 +223,11 @@ BAD_TRIGGER_TAG = {**NEW_TAG, "format": {**NEW_TAG["format"], "triggers": ["<g="
 # kind, spec, words the message must contain
 MALFORMED_CASES = [
     ("regex", "user-(", ["regex", "parenthesis is not closed"]),
+    ("regex", "a**", ["regex", "Two consecutive repetition modifiers"]),  # llguidance reads it as a*
+    ("ebnf", 'root ::= "a" |', ["EBNF", "Expect element"]),  # llguidance takes the empty alternative
+    ("ebnf", "start", ["read as Lark because no line defines a GBNF rule with '::='"]),
+    ("json", {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}, ["'patternProperties'"]),
+    ("json", {"type": "array", "minItems": 3, "maxItems": 1}, ["minItems is greater than maxItems"]),
     ("regex", "(?=a)b", ["regex", "Lookahead is not supported"]),
     ("ebnf", 'root ::= item\nitem ::= "a" | missing', ["EBNF", 'Rule "missing" is not defined']),
     ("ebnf", 'start ::= "a"', ["EBNF", 'root rule with name "root" is not found']),

@@ -1,5 +1,5 @@
-"""``--grammar-backend auto`` in the scheduler on the embedded model: one batch whose constraints go to different
-backends, each output valid, the choice in the log."""
+"""``--grammar-backend auto`` (the default) in the scheduler on the embedded model: one batch whose constraints go to
+different backends, each output valid, the choice in the log."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from scheduler.client import make_request
-from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA, launch_scheduler
+from scheduler.testing.process import SchedulerProcess
+from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA
 
 pytestmark = pytest.mark.model
 
@@ -24,17 +25,17 @@ def ask(prompt: str, **constraint: object) -> dict[str, object]:
     }
 
 
-@pytest.mark.launches("--grammar-backend", "auto")
-def test_auto_serves_one_batch_across_backends() -> None:
+def test_auto_serves_one_batch_across_backends(one_rank_server: SchedulerProcess) -> None:
+    """The default backend (``auto``)."""
     requests = [
         ask("Describe a person as JSON with a name and an age.", json_schema=PERSON_SCHEMA),
         ask("Give a product code and its price as JSON.", json_schema=PRODUCT_SCHEMA),
         ask("What is your phone number?", regex=PHONE_REGEX),
     ]
-    with launch_scheduler("--grammar-backend", "auto") as launched, launched.client() as client:
+    with one_rank_server.client() as client:
         person, product, phone = client.generate_batch([make_request(**request) for request in requests])
-        status = launched.status()
-        log = launched.log()
+    status = one_rank_server.status()
+    log = one_rank_server.log()
     assert status.grammar_backend == "auto"
     for output in (person, product, phone):
         assert output.finish_reason is not None and output.finish_reason.type == "stop", output

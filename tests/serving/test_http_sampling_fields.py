@@ -248,7 +248,7 @@ def test_service_endpoints(server: HttpServer) -> None:
     model_info = httpx.get(f"{url}/get_model_info").json()
     assert model_info["is_generation"] is True and model_info["model_path"]
     server_info = httpx.get(f"{url}/get_server_info").json()
-    assert server_info["grammar_backend"] == "xgrammar" and server_info["version"]
+    assert server_info["grammar_backend"] == "auto" and server_info["version"]
     assert server_info["internal_states"][0]["num_running_requests"] == 0
     flushed = httpx.post(f"{url}/flush_cache", timeout=30)
     assert flushed.status_code == 200 and "flushed" in flushed.text

@@ -248,6 +248,30 @@ def test_requests_beyond_the_kv_bound_wait_and_a_compile_past_the_deadline_times
     assert again.finish_reason is not None and again.finish_reason.message == timed_out.finish_reason.message
 
 
+XGRAMMAR_FLAGS = ("--grammar-backend", "xgrammar")
+
+
+@pytest.mark.launches(*XGRAMMAR_FLAGS)
+def test_a_compile_whose_client_left_answers_the_same_constraint_sent_again() -> None:
+    """A client disconnects after 1 s while its grammar compiles (SGLang's ``--grammar-backend xgrammar``, which takes
+    seconds over ``SLOW_EBNF``), then sends it again: the new request joins the compile still running and is
+    answered from it. One compile ran: one move to the slow lane in the log, where a new compile would log a second."""
+    params = {"ebnf": SLOW_EBNF, "max_new_tokens": 4, "temperature": 0}
+    with launch_scheduler(*XGRAMMAR_FLAGS) as launched, launched.client() as client:
+        left = make_request(text="hi", sampling_params=params)
+        client.socket.send(encode(left))
+        time.sleep(1.0)
+        client.abort(left.rid)
+        again = client.generate(text="hi", sampling_params=params)
+        status = launched.status()
+        log = launched.log()
+    assert status.grammar_backend == "xgrammar"
+    assert f"request {left.rid} aborted by the client" in log
+    assert again.finish_reason is not None and again.finish_reason.type in ("stop", "length"), again.finish_reason
+    assert again.text.startswith('"')
+    assert log.count("xgrammar: a compile running") == 1
+
+
 def test_streamed_chunks_add_up_to_the_output(one_rank_server: SchedulerProcess) -> None:
     """One chunk per forward that commits tokens (speculation may commit many at once, so there are fewer chunks
     than tokens), and together they are the whole output."""
