@@ -18,8 +18,8 @@ under ``max_bytes`` of entries: after each write the least recently used (by mod
 refreshes) are removed. Writes run on one background thread at the compile threads' low priority, after the
 request that compiled the grammar has it; invalid grammars (errors) are never written, and neither are grammars
 that do not pay to keep: the writer reads each entry back before writing it (checks its bytes and imports it, as
-a restart would), and writes it only if its compile took at least ``read_margin`` times that read, so that a
-restart never makes a grammar slower to get than a cold compile (xgrammar's compiled form of a schema with a few
+a restart would; entries under ``READ_BACK_FROM_BYTES`` are not), and writes it only if its compile took at least
+``read_margin`` times that read, so that a restart never makes a grammar slower to get than a cold compile (xgrammar's compiled form of a schema with a few
 hundred properties, compiled in a thread, takes longer to read back than to compile). A grammar whose export
 alone took as long as its compile is not read back at all. (A compile process sends its grammar back serialised,
 so what it compiles is written as it came; its compile time counts the serialising and the import.)
@@ -55,9 +55,13 @@ HEADER = struct.Struct("<8s32sQ32s")
 ENTRY_SUFFIX = ".grammar"
 STALE_TEMPORARY_S = 3600.0
 """A temporary file this old belongs to a writer that died: eviction removes it."""
-READ_MARGIN = 1.5
-"""An entry is written only if its compile took at least this many times its read-back at write time: a restart
-reads from a cold page cache, on a machine busy starting up."""
+READ_MARGIN = 1.0
+"""An entry is written only if its compile took at least this many times its read-back at write time. (A compile
+process's compile time counts its import, which a read repeats: a small grammar's compile and read differ by the
+child's compile and the pipe against the checksum, so a wider margin would drop grammars that do pay.)"""
+READ_BACK_FROM_BYTES = 8 * 2**20
+"""Entries smaller than this are written without a read-back: they read back in tens of milliseconds (an xgrammar
+grammar of 4 MB: 30-50 ms), where a read-back against a compile of the same order would decide by noise."""
 MAX_PENDING_WRITES = 16
 """Writes queued beyond this are dropped (each holds its grammar in memory until written): a cache may forget."""
 
@@ -218,7 +222,7 @@ class GrammarDiskCache:
                 return
             digest = entry_digest(identity, key)
             pieces = _encode(exported, digest)
-            if self.read_margin > 0:
+            if self.read_margin > 0 and sum(map(len, pieces)) >= READ_BACK_FROM_BYTES:
                 start = time.perf_counter()
                 read_back(_decode(b"".join(pieces), digest))
                 read_s = time.perf_counter() - start

@@ -238,6 +238,9 @@ def test_replicas_behind_the_router_outlive_each_other(tmp_path: Path) -> None:
     and the router counts it healthy again; SIGTERM stops them all. (Its own launch, not one started ahead: the
     launcher's replicas and router are what is tested.)"""
     flags = [flag for flag in HTTP_SERVER_FLAGS if flag not in COLD_GRAMMARS]
+    # xgrammar's: its compile process's export is written as it came; auto re-serialises the grammar it chose, which
+    # for a grammar this small takes about as long as its compile, so it may not be written
+    flags += ["--grammar-backend", "xgrammar"]
     replicas = ReplicaSet(2, *flags, "--grammar-cache-dir", str(tmp_path), policy="round_robin")
     try:
         replicas.wait_for_workers(healthy=2)
