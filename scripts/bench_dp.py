@@ -20,7 +20,7 @@ from typing import Any
 from scheduler.client import AsyncSchedulerClient
 from scheduler.io_struct import Pong
 from scheduler.testing.process import SchedulerProcess
-from scripts.serving_workload import WARM_UP_INDEX, Outcome, format_row, run_kind, run_one, summarise
+from scripts.serving_workload import WARM_UP_INDEX, WARM_UP_TOKENS, Outcome, format_row, run_kind, run_one, summarise
 
 KIND = "json"
 DP_LABEL = "dp=2 x 1 thread"
@@ -64,7 +64,9 @@ async def _bench(
     try:
         for client in clients.values():
             await client.wait_until_ready(timeout_s=600)
-            await run_one(client, KIND, WARM_UP_INDEX, 4)  # compile and cache the schema, warm every path once
+            await run_one(
+                client, KIND, WARM_UP_INDEX, WARM_UP_TOKENS
+            )  # compile and cache the schema, warm every path once
         before = await clients[DP_LABEL].wait_until_ready()
         collected: dict[str, tuple[list[Outcome], float]] = {label: ([], 0.0) for label in clients}
         for round_index in range(rounds):

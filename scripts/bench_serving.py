@@ -71,6 +71,7 @@ from scripts.serving_workload import (
     PERSON_REGEX,
     PERSON_SCHEMA,
     WARM_UP_INDEX,
+    WARM_UP_TOKENS,
     Outcome,
     format_peer_ratio,
     format_ratio,
@@ -102,7 +103,7 @@ async def bench(endpoints: dict[str, str], args: argparse.Namespace) -> list[dic
         pong = await client.wait_until_ready(timeout_s=600)
         print(f"scheduler {label or ''} ready: {pong.model}, grammar backend {pong.grammar_backend}")
         for kind in KINDS:  # compile and cache the grammars, warm every path once
-            await run_one(client, kind, WARM_UP_INDEX, 4)
+            await run_one(client, kind, WARM_UP_INDEX, WARM_UP_TOKENS)
     rows = []
     level_start = 0  # each scheduler gets request i of a level, kind and round once: the same prompts, none repeated
     for concurrency in args.concurrency:

@@ -56,6 +56,8 @@ DISTINCT_PROMPTS = len(PROMPT_TEMPLATES) * len(ADJECTIVES) * len(ROLES)
 """Template, adjective and role counts are coprime, so request ``i`` < this gets its own prompt and consecutive
 requests differ in all three: no request repeats an earlier one, whose answer the n-gram cache would replay."""
 WARM_UP_INDEX = DISTINCT_PROMPTS - 1
+WARM_UP_TOKENS = 72
+"""The warm-up requests' budget: a JSON answer's shortest ending fits in it (a smaller budget is refused up front)."""
 
 
 def prompt_for(index: int) -> str:

@@ -54,7 +54,16 @@ from scheduler.model.loader import load_model
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import free_port, wait_until_healthy
 from scripts.bench_prefix_cache import system_prompt
-from scripts.serving_workload import PERSON_SCHEMA, WARM_UP_INDEX, Outcome, format_row, is_valid, prompt_for, summarise
+from scripts.serving_workload import (
+    PERSON_SCHEMA,
+    WARM_UP_INDEX,
+    WARM_UP_TOKENS,
+    Outcome,
+    format_row,
+    is_valid,
+    prompt_for,
+    summarise,
+)
 from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
 from triton_ops.cpu_info import describe_cpu
 
@@ -244,7 +253,7 @@ async def one_token_s(http: httpx.AsyncClient, server: Server, system: str) -> t
 async def warm_up(http: httpx.AsyncClient, server: Server, config_index: int) -> None:
     """Compile the schema's grammar and warm every path once, outside the timed rounds."""
     for kind in ("free", "json"):
-        await stream_chat(http, server, kind, WARM_UP_INDEX, 4, 0.7)
+        await stream_chat(http, server, kind, WARM_UP_INDEX, WARM_UP_TOKENS, 0.7)
     await one_token_s(http, server, system_prompt(f"Warmup{config_index}", LONG_PROMPT_WORDS))
 
 
