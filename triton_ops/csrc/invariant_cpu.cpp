@@ -561,6 +561,23 @@ static void mask_row_words(void* row, int32_t element_bytes, uint32_t neg_inf_bi
   }
 }
 
+// out[T, N] = gate / (1 + exp(exponent(gate))) * up, with gate = x[:, :N] and up = x[:, N:2N]: the gated MLPs'
+// one form (SiLU's exponent is -gate, GELU-tanh's -2u).
+template <class Exponent>
+static void gated_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads, const Exponent& exponent) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    const float* gate = x + t * 2 * N;
+    const float* up = gate + N;
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 g = vload_at(gate, n, N);
+      V16 e = vexp(exponent(g));
+      vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
+    }
+  }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -627,34 +644,16 @@ void invariant_rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const
 
 // out[T, N] = silu(gate) * up = gate / (1 + exp(-gate)) * up, with gate = x[:, :N] and up = x[:, N:2N].
 void invariant_silu_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
-  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
-  for (int64_t t = first; t < last; ++t) {
-    const float* gate = x + t * 2 * N;
-    const float* up = gate + N;
-    for (int64_t n = 0; n < N; n += kLanes) {
-      V16 g = vload_at(gate, n, N);
-      V16 e = vexp(vsub(vzero(), g));
-      vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
-    }
-  }
-  });
+  gated_mul(x, T, N, out, threads, [](V16 g) { return vsub(vzero(), g); });
 }
 
 // out[T, N] = gelu_tanh(gate) * up, with gate = x[:, :N] and up = x[:, N:2N] (Gemma's MLP). gelu_tanh(g) =
 // g / 2 * (1 + tanh(u)) with u = sqrt(2 / pi) * (g + 0.044715 g^3) is g / (1 + exp(-2u)): SiLU's form, u's
 // products rounded one by one, then one exp, one division.
 void invariant_gelu_tanh_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
-  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
-  for (int64_t t = first; t < last; ++t) {
-    const float* gate = x + t * 2 * N;
-    const float* up = gate + N;
-    for (int64_t n = 0; n < N; n += kLanes) {
-      V16 g = vload_at(gate, n, N);
-      V16 inner = vadd(g, vmul(vset1(0.044715f), vmul(vmul(g, g), g)));
-      V16 e = vexp(vmul(vset1(-1.5957691216057308f), inner));  // -2 sqrt(2 / pi)
-      vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
-    }
-  }
+  gated_mul(x, T, N, out, threads, [](V16 g) {
+    V16 inner = vadd(g, vmul(vset1(0.044715f), vmul(vmul(g, g), g)));
+    return vmul(vset1(-1.5957691216057308f), inner);  // -2 sqrt(2 / pi)
   });
 }
 
