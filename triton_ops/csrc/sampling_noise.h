@@ -69,8 +69,17 @@ static inline float exponential_of_word(uint32_t word) {
 
 constexpr int64_t kNoiseChunk = 1024;  // tokens a claim's words are drawn for at once
 
-// out[r, v] for rows r < rows, tokens v < vocab: the draws of row r's key. Counter c's 64-bit output, stored
-// little-endian, is the words of tokens 2c and 2c + 1.
+// The 32-bit words of 2 * pairs tokens from token `first` (even) on, for `key`: tokens 2c and 2c + 1 take the
+// c-th output of the key's SplitMix64 stream (counter c + 1), little-endian.
+static inline void draw_words(uint64_t key, int64_t first, int64_t pairs, uint32_t* words) {
+  const uint64_t counter = static_cast<uint64_t>(first / 2) + 1;
+  for (int64_t c = 0; c < pairs; ++c) {
+    const uint64_t z = splitmix64(key + (counter + c) * kSplitMixGamma);
+    memcpy(words + 2 * c, &z, sizeof z);
+  }
+}
+
+// out[r, v] for rows r < rows, tokens v < vocab: the draws of row r's key.
 static void exponentials_of_rows(const uint64_t* keys, int64_t rows, int64_t vocab, float* out, int threads) {
   static_assert(kNoiseChunk % 2 == 0, "a chunk holds whole counters");
   const int64_t chunks = (vocab + kNoiseChunk - 1) / kNoiseChunk;
@@ -79,11 +88,7 @@ static void exponentials_of_rows(const uint64_t* keys, int64_t rows, int64_t voc
     for (int64_t item = first; item < last; ++item) {
       const int64_t row = item / chunks, begin = (item % chunks) * kNoiseChunk;
       const int64_t n = std::min(kNoiseChunk, vocab - begin);
-      const uint64_t key = keys[row];
-      const uint64_t counter = static_cast<uint64_t>(begin / 2) + 1;
-      uint64_t draws64[kNoiseChunk / 2];
-      for (int64_t c = 0; c < (n + 1) / 2; ++c) draws64[c] = splitmix64(key + (counter + c) * kSplitMixGamma);
-      memcpy(words, draws64, sizeof draws64);
+      draw_words(keys[row], begin, (n + 1) / 2, words);
       float* draws = out + row * vocab + begin;
       for (int64_t v = 0; v < n; ++v) draws[v] = exponential_of_word(words[v]);
     }
@@ -114,8 +119,9 @@ constexpr float kMaxGumbel = 23.0f;  // above -log(1.1e-10)
 constexpr int64_t kRaceGroup = 16;
 
 static inline float race_score(float x, uint64_t key, int64_t token) {
-  const uint64_t z = splitmix64(key + static_cast<uint64_t>(token / 2 + 1) * kSplitMixGamma);
-  return x - log_positive(exponential_of_word(static_cast<uint32_t>(token % 2 ? z >> 32 : z)));
+  uint32_t pair[2];
+  draw_words(key, token - token % 2, 1, pair);
+  return x - log_positive(exponential_of_word(pair[token % 2]));
 }
 
 static void gumbel_race_rows(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperatures,
@@ -145,11 +151,8 @@ static void gumbel_race_rows(const float* logits, int64_t ld, int64_t rows, int6
             for (int64_t v = 0; v < kRaceGroup; ++v) group[v] = -INFINITY;
             continue;
           }
-          uint64_t draws64[kRaceGroup / 2];
-          uint32_t words[kRaceGroup];
-          const uint64_t counter = static_cast<uint64_t>((begin + g) / 2) + 1;
-          for (int64_t c = 0; c < kRaceGroup / 2; ++c) draws64[c] = splitmix64(key + (counter + c) * kSplitMixGamma);
-          memcpy(words, draws64, sizeof draws64);
+          alignas(64) uint32_t words[kRaceGroup];
+          draw_words(key, begin + g, kRaceGroup / 2, words);
           for (int64_t v = 0; v < kRaceGroup; ++v) group[v] = xs[g + v] - log_positive(exponential_of_word(words[v]));
         }
         V16 top = vset1(-INFINITY);
