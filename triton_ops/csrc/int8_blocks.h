@@ -219,6 +219,15 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
 
 static inline int64_t int8_block_bytes(int32_t format) { return format == kQ8_0 ? 8 * 64 + 32 : 4 * 64 + 64; }
 
+// A tile of several rows asks the cache for the same block of the next column group's panels (NP panels on) while
+// it computes: a group's panels span pages, which the hardware prefetcher does not cross, so the next group's first
+// tile would otherwise wait on memory (one thread, SmolLM2's matmuls at 8 rows from memory 5.7 -> 3.8 ms). A tile of
+// one row is bound by its reads already. Only a hint: past the last panel it fetches nothing anyone reads.
+static inline void prefetch_bytes(const uint8_t* p, int64_t n) {
+  for (int64_t at = 0; at < n; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + n - 1), _MM_HINT_T0);
+}
+
 // MR rows from `row` on, times NP panels, every block.
 template <int MR, int NP>
 static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const uint8_t* panels, int64_t pbytes,
@@ -233,6 +242,8 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
       for (int p = 0; p < NP; ++p) s[r][p] = izero();
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
     const uint8_t* block = panels + b * block_bytes;
+    if constexpr (MR > 1)
+      for (int p = 0; p < NP; ++p) prefetch_bytes(block + (NP + p) * pbytes, block_bytes);
     if (format == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         B64 w[NP];

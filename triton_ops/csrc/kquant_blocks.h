@@ -146,6 +146,11 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
     const uint8_t* head = panels + (b / per_super) * super_bytes;
     const uint8_t* block = head + head_bytes + (b % per_super) * block_bytes;
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
+    if constexpr (MR > 1)
+      for (int p = 0; p < NP; ++p) {  // the next column group's block (int8_blocks.h), and its super-block's head
+        prefetch_bytes(block + (NP + p) * pbytes, block_bytes);
+        if (b % per_super == 0) prefetch_bytes(head + (NP + p) * pbytes, head_bytes);
+      }
     I16 s[MR][NP], t[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < NP; ++p) s[r][p] = t[r][p] = izero();
