@@ -57,7 +57,11 @@ JSON_SCHEMA = "JSON schema"
 
 
 class XGrammarGrammar(BaseGrammarObject):
-    """One request's position in an xgrammar ``CompiledGrammar`` (a ``GrammarMatcher``); EOS is the stop token."""
+    """One request's position in an xgrammar ``CompiledGrammar`` (a ``GrammarMatcher``); EOS is the stop token.
+
+    A fill at the state of the previous fill copies that fill's row: a decode step fills a request's mask once to see
+    whether the grammar forces its next token and again, unchanged, for the next forward's logits (a fill is ~36 us
+    on a JSON schema; the copy ~1 us). ``_version`` counts the changes of the matcher's state."""
 
     def __init__(self, compiled_grammar: xgrammar.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> None:
         super().__init__()
@@ -65,15 +69,21 @@ class XGrammarGrammar(BaseGrammarObject):
         self.stop_token_ids = stop_token_ids
         self._stop_word_bits = token_word_bits(stop_token_ids)
         self.matcher = xgrammar.GrammarMatcher(compiled_grammar, override_stop_tokens=list(stop_token_ids))
+        self._version = 0
+        self._last_fill: tuple[int, torch.Tensor] | None = None  # (version, the row the fill wrote)
 
     def accept_token(self, token: int) -> None:
         """Advance by ``token``; a no-op once terminated. Raises ``TokenRejectedError`` for a disallowed token."""
+        self._version += 1
         if not self.matcher.accept_token(token) and not self.matcher.is_terminated():
             raise TokenRejectedError(token)
 
     def rollback(self, k: int) -> None:
         if k < 0:
             raise ValueError(f"cannot roll back {k} tokens")
+        if k == 0:
+            return
+        self._version += 1
         try:
             self.matcher.rollback(k)
         except RuntimeError as e:
@@ -84,14 +94,19 @@ class XGrammarGrammar(BaseGrammarObject):
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Fill row ``idx`` of the int32 CPU bitmask; once terminated only the stop tokens are allowed."""
+        row = vocab_mask[idx]
+        last = self._last_fill
+        if last is not None and last[0] == self._version and last[1].shape == row.shape:
+            row.copy_(last[1])
+            return
         try:  # no termination check up front: it would cost a tenth of a fill
             self.matcher.fill_next_token_bitmask(vocab_mask, idx)
-            return
         except RuntimeError:
             if not self.matcher.is_terminated():
                 raise
-        vocab_mask[idx].zero_()
-        set_token_bits(vocab_mask[idx], self._stop_word_bits)
+            row.zero_()
+            set_token_bits(row, self._stop_word_bits)
+        self._last_fill = (self._version, row.clone())
 
     def copy(self) -> XGrammarGrammar:
         return XGrammarGrammar(self.compiled_grammar, self.stop_token_ids)
@@ -126,6 +141,7 @@ class XGrammarGrammar(BaseGrammarObject):
         back where it was and ``TokenRejectedError`` is raised.
         """
         common = common_prefix_length(old_output_ids, new_output_ids)
+        self._version += 1
         self.rollback(len(old_output_ids) - common)
         for num_accepted, token in enumerate(new_output_ids[common:]):
             if not self.matcher.accept_token(token):

@@ -53,6 +53,33 @@ def test_rollback_then_reaccept_gives_identical_masks(backend, tokenizer_case, d
     assert allowed_tokens(grammar, tokenizer_case.vocab_size) == masks[-1]
 
 
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_a_fill_repeated_at_one_state_matches_a_fresh_walk_whatever_came_between(backend, tokenizer_case, data):
+    """A fill at the state of the previous fill reuses its row; accepts, rollbacks and validations between fills
+    must never leave a stale row: every fill equals a fresh grammar's after the same tokens."""
+    vocab_size = tokenizer_case.vocab_size
+    grammar = compile_grammar(backend, "json", PERSON_SCHEMA)
+    history: list[int] = []
+    for _ in range(data.draw(st.integers(1, 12))):
+        action = data.draw(st.sampled_from(["accept", "rollback", "validate", "fill"]))
+        allowed = sorted(allowed_tokens(grammar, vocab_size))
+        if action == "accept" and allowed and not grammar.is_terminated():
+            token = data.draw(st.sampled_from(allowed))
+            grammar.accept_token(token)
+            history.append(token)
+        elif action == "rollback" and history:
+            k = data.draw(st.integers(1, len(history)))
+            grammar.rollback(k)
+            del history[-k:]
+        elif action == "validate" and allowed:
+            grammar.validate_tokens([data.draw(st.sampled_from(allowed)), data.draw(st.integers(0, vocab_size - 1))])
+        fresh = grammar.copy()
+        for token in history:
+            fresh.accept_token(token)
+        assert allowed_tokens(grammar, vocab_size) == allowed_tokens(fresh, vocab_size)
+
+
 def test_rollback_past_the_start_is_a_value_error(backend, tokenizer_case):
     grammar, _ = walked(backend, tokenizer_case, "regex", r"[0-9]+", "12")
     with pytest.raises(ValueError, match="cannot roll back"):
