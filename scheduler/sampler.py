@@ -1,13 +1,14 @@
 """Token sampling from masked logits, one row per sampling position: greedy, or temperature with min-p, top-k and
 top-p (vLLM's order); and the log-probabilities a request asked for.
 
-A row at output position ``n`` of a request with sampling seed ``s`` samples by the exponential race
-``argmax p / E`` with ``E ~ Exp(1)`` drawn by a counter-based generator keyed by ``(s, n)``
-(``triton_ops.sampling_noise``): a request's tokens depend on its seed and its text only, whatever else is in its
-batch and whether its tokens came one forward at a time or as verified drafts. A row without top-k, top-p or min-p
-runs the race in logarithms over its logits (``gumbel_race``: ``argmax (l - max l) / T - log E``, one pass and the
-same bits on every CPU); a filtered row over its filtered probabilities. Each row may carry a draft token; the draft
-stands when the row's token is that draft (``triton_ops.sample_and_verify``).
+A greedy row takes its first largest logit. A row at output position ``n`` of a request with sampling seed ``s``
+samples by the exponential race ``argmax p / E`` with ``E ~ Exp(1)`` drawn by a counter-based generator keyed by
+``(s, n)`` (``triton_ops.sampling_noise``): a request's tokens depend on its seed and its text only, whatever else is
+in its batch and whether its tokens came one forward at a time or as verified drafts. A row without top-k, top-p or
+min-p runs the race in logarithms over its logits (``gumbel_race``: ``argmax (l - max l) / T - log E``, one pass and
+the same bits on every CPU; greedy rows go through it too, with no draws); a filtered row over its filtered
+probabilities. Each row may carry a draft token; the draft stands when the row's token is that draft
+(``triton_ops.sample_and_verify``).
 """
 
 from __future__ import annotations
@@ -52,31 +53,38 @@ def row_logprobs(logits: torch.Tensor, rows: SamplingRows) -> dict[int, torch.Te
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
-    """Each row's token (``logits`` ``[R, vocab]`` float32, already masked; rows may be changed); a row's draft
-    stands when its token is that draft. A row where every logit is -inf (its grammar allows nothing) gets None."""
-    tokens = logits.argmax(dim=-1)
-    dead = torch.isneginf(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))  # the row's best is -inf: all are
-    if bool(dead.any()):
-        logits[dead] = 0.0
-    sampled = (rows.temperatures > 0) & ~dead
+    """Each row's token (``logits`` ``[R, vocab]`` float32, already masked); a row's draft stands when its token is
+    that draft. A row where every logit is -inf (its grammar allows nothing) gets None."""
     unfiltered = (rows.top_ps >= 1.0) & (rows.min_ps <= 0.0) & torch.tensor([k is None for k in rows.top_ks])
-    if bool((sampled & unfiltered).any()):  # the race over the logits themselves: no softmax, no second pass
-        plain = (sampled & unfiltered).nonzero().flatten()
-        keys = _keys(rows, plain.tolist())
-        tokens[plain] = gumbel_race(logits[plain], rows.temperatures[plain], keys).to(tokens.device)
-    if bool((sampled & ~unfiltered).any()):
-        filtered = (sampled & ~unfiltered).nonzero().flatten()
-        indices = filtered.tolist()
-        probs = _filtered_probs(
-            logits[filtered] / rows.temperatures[filtered].unsqueeze(-1),
-            [rows.top_ks[i] for i in indices],
-            rows.top_ps[filtered],
-            rows.min_ps[filtered],
-        )
-        drafts = torch.tensor([rows.draft_token_ids[i] for i in indices])
-        draws = exponentials(_keys(rows, indices), probs.shape[1]).to(probs.device)
-        _, tokens[filtered] = sample_and_verify(probs, draws, drafts)
+    race = (rows.temperatures <= 0) | unfiltered  # greedy rows too: the race's first largest logit, no draws
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    dead = torch.zeros(logits.shape[0], dtype=torch.bool)
+    if bool(race.any()):  # over the logits themselves: no softmax, no second pass
+        raced = race.nonzero().flatten()
+        chosen = gumbel_race(_rows(logits, raced), rows.temperatures[raced], _keys(rows, raced.tolist()))
+        tokens[raced], dead[raced] = chosen, chosen < 0
+    if not bool(race.all()):  # sampled rows with min-p, top-k or top-p
+        filtered = (~race).nonzero().flatten()
+        alive = ~torch.isneginf(logits[filtered].max(dim=-1).values)
+        dead[filtered] = ~alive
+        filtered = filtered[alive]
+        if filtered.numel():
+            indices = filtered.tolist()
+            probs = _filtered_probs(
+                logits[filtered] / rows.temperatures[filtered].unsqueeze(-1),
+                [rows.top_ks[i] for i in indices],
+                rows.top_ps[filtered],
+                rows.min_ps[filtered],
+            )
+            drafts = torch.tensor([rows.draft_token_ids[i] for i in indices])
+            draws = exponentials(_keys(rows, indices), probs.shape[1]).to(probs.device)
+            _, tokens[filtered] = sample_and_verify(probs, draws, drafts)
     return [None if is_dead else token for token, is_dead in zip(tokens.tolist(), dead.tolist(), strict=True)]
+
+
+def _rows(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``logits[index]``, without the copy where ``index`` is every row in order."""
+    return logits if index.numel() == logits.shape[0] else logits[index]
 
 
 def _keys(rows: SamplingRows, indices: list[int]) -> torch.Tensor:

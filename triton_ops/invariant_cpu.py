@@ -702,7 +702,8 @@ def exponentials(keys: torch.Tensor, vocab: int, threads: int | None = None) -> 
 
 def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Per row, ``argmax (logits - max) / temperature - log E`` over the draws ``E`` of the row's key (the first on
-    ties; -1 where every logit is -inf): a sample of ``softmax(logits / temperature)`` (``csrc/sampling_noise.h``).
+    ties; ``argmax logits`` at temperature 0; -1 where every logit is -inf): a sample of
+    ``softmax(logits / temperature)`` (``csrc/sampling_noise.h``).
     ``logits``: float32 ``[rows, vocab]``, unit column stride; ``temperatures`` float32, ``keys`` int64 ``[rows]``."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"gumbel_race takes float32 [rows, vocab] logits with unit column stride, got {logits.dtype}")

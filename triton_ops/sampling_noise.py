@@ -33,20 +33,23 @@ _SQRT2_BITS = 0x3FB504F3
 
 
 def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Each row's sample of ``softmax(logits / temperature)`` by the race over its key's draws (-1 where every logit
-    is -inf): the C++ kernel where this process has loaded it, else the torch reference (the same tokens)."""
+    """Each row's sample of ``softmax(logits / temperature)`` by the race over its key's draws, its first largest logit
+    at temperature 0 (-1 where every logit is -inf): the C++ kernel where this process has loaded it, else the torch
+    reference (the same tokens)."""
     if invariant_cpu.is_loaded() and logits.device.type == "cpu":
         return invariant_cpu.gumbel_race(logits.float().contiguous(), temperatures, keys)
     return gumbel_race_reference(logits, temperatures, keys)
 
 
 def gumbel_race_reference(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The race in torch operations: ``argmax (l - max l) / t - log E``, the first on ties."""
+    """The race in torch operations: ``argmax (l - max l) / t - log E``, the first on ties; ``argmax l`` at t = 0."""
     logits = logits.float()
     peaks = logits.max(dim=-1, keepdim=True).values
     draws = exponentials_reference(keys.cpu(), logits.shape[1]).to(logits.device)
-    scores = (logits - peaks) / temperatures.to(logits).unsqueeze(-1) - _log_positive(draws)
-    return torch.where(torch.isneginf(peaks.squeeze(-1)), -1, scores.argmax(dim=-1))
+    temperatures = temperatures.to(logits)
+    scores = (logits - peaks) / temperatures.unsqueeze(-1) - _log_positive(draws)
+    picked = torch.where(temperatures > 0, scores.argmax(dim=-1), logits.argmax(dim=-1))
+    return torch.where(torch.isneginf(peaks.squeeze(-1)), -1, picked)
 
 
 def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:

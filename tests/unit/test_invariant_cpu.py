@@ -252,8 +252,9 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     outs.append(logits)
 # the sampler's Exp(1) draws: integer hashing and a log series of adds, multiplies and one division
 outs.append(invariant_cpu.exponentials(torch.tensor([0, -1, 2**63 - 1, 123456789]), 1301))
-race_logits = torch.randn(4, 1301, generator=torch.Generator().manual_seed(9)) * 5
-outs.append(invariant_cpu.gumbel_race(race_logits, torch.tensor([0.3, 0.7, 1.0, 1.5]), torch.tensor([1, 2, 3, 4])))
+race_logits = torch.randn(5, 1301, generator=torch.Generator().manual_seed(9)) * 5
+race_temperatures = torch.tensor([0.3, 0.7, 1.0, 1.5, 0.0])  # the last greedy
+outs.append(invariant_cpu.gumbel_race(race_logits, race_temperatures, torch.tensor([1, 2, 3, 4, 5])))
 bits = [o.view(torch.int32 if o.element_size() == 4 else torch.int16).flatten().tolist() for o in outs]
 print(json.dumps({"isa": invariant_cpu.isa(), "bits": bits}))
 """

@@ -58,8 +58,9 @@ def test_draws_are_exponential_along_rows_and_down_positions() -> None:
 
 @pytest.mark.parametrize("vocab", [3, 1025, 49_153])
 def test_the_race_kernel_picks_the_reference_tokens_whatever_the_rows_and_threads(vocab: int) -> None:
-    """Temperatures from 0.05 to 2, rows with half their tokens masked, a row of only -inf (-1), one token allowed,
-    ties between masked-off logits: the kernel's token is the torch reference's, alone or in the batch."""
+    """Temperatures from 0.05 to 2 and 0 (greedy: the first largest logit), rows with half their tokens masked, a row
+    of only -inf (-1), one token allowed, ties between masked-off logits: the kernel's token is the torch
+    reference's, alone or in the batch."""
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(len(EDGE_KEYS) + 4, vocab, generator=generator) * 6
     logits[1, ::2] = -torch.inf
@@ -68,9 +69,12 @@ def test_the_race_kernel_picks_the_reference_tokens_whatever_the_rows_and_thread
     logits[3, vocab // 2] = 0.0
     logits[4] = 1.0  # every token tied: the draws decide
     temperatures = torch.linspace(0.05, 2.0, len(logits))
+    temperatures[5] = temperatures[-1] = 0.0
+    logits[5, : vocab // 2] = 1.0  # greedy over ties: the first
     keys = torch.tensor(EDGE_KEYS + [position_key(9, n) for n in range(4)])
     expected = gumbel_race_reference(logits, temperatures, keys)
     assert expected[2] == -1 and expected[3] == vocab // 2
+    assert expected[5] == int(logits[5].argmax()) and expected[-1] == int(logits[-1].argmax())
     for threads in THREAD_COUNTS:
         invariant_cpu.set_kernel_threads(threads)
         try:
