@@ -16,8 +16,8 @@ before it is serialised: the compile merges their rules, so that their measure b
 several times (a tag of 100 tools of three parameters each measures 484 M before, 59.6 M compiled), and the compile
 takes well under the serialising (0.43 s there, then 272 MB: 357 predicted, in 11.6 s, peaking at 3,923 MiB: 4,942
 predicted). Tags of 25 and 50 tools: 22 MB (24), 72 MB (92); EBNF of 300 rules 50 MB (74), of 1,000 rules 557 MB
-(818). The compiled measure predicts a schema's size as well (the rows above), so it errs, where it errs, on the side
-of refusing.
+(818), peaking at 7,841 MiB (11,313). The bytes per measure of schemas overstate these by up to 1.5 times: where the
+prediction errs, it errs on the side of refusing (and ``auto`` then asks llguidance).
 """
 
 from __future__ import annotations
