@@ -1,9 +1,10 @@
 """First request after a restart: the time to a ready grammar, cold (compiled) and after a restart (read from the
 grammar disk cache), per backend and tokenizer, and the time to first token through a real scheduler started twice.
 
-Constraints: a structural tag of ``--tools`` tools (``<function=name>{json}</function>``, a JSON schema each), as a
-tool-calling request sends, and per backend the ``--schemas`` largest held-out MaskBench schemas (in the shared data,
-not in ``tests/data``) it compiles: the first cold phase tries them from the largest down and names those it refuses.
+Constraints: a structural tag of each of ``--tools`` many tools (``<function=name>{json}</function>``, a JSON schema
+each), as a tool-calling request sends (under ``auto``, xgrammar wins a small tag and llguidance a large one), and
+per backend the ``--schemas`` largest held-out MaskBench schemas (in the shared data, not in ``tests/data``) it
+compiles: the first cold phase tries them from the largest down and names those it refuses.
 
 Each round starts a fresh process per phase (a restart is a new process): ``cold`` builds the backend on an empty
 grammar cache dir and asks for every constraint in turn, timing each from ``get_cached_or_future_value`` to the
@@ -11,11 +12,11 @@ ready grammar (the compile, or the disk read), then waits for the disk writes; `
 directory. The two phases alternate round by round, and the table gives medians, the cold/restart ratio, whether the
 restart read the disk (``hit``; a grammar that serialises slower than it compiles is not written, so it compiles
 again) and the entry's size. The server part starts ``python -m scheduler.launch`` on an empty grammar cache dir,
-sends one unconstrained warm-up request and then each constraint once (one output token each), stops it, starts it
+sends one unconstrained warm-up request and then each constraint once (timed to its first token), stops it, starts it
 again on the same directory, and sends the same requests: TTFT cold and after the restart, side by side (medians
 over the rounds, a new directory each round).
 
-    python scripts/bench_grammar_disk_cache.py [--schemas 3] [--tools 100] [--rounds 2]
+    python scripts/bench_grammar_disk_cache.py [--schemas 3] [--tools 100,10] [--rounds 2]
         [--backends xgrammar,llguidance,outlines,auto] [--tokenizers smollm2,qwen35] [--server-backends xgrammar,auto]
 """
 
@@ -51,6 +52,9 @@ READY_TIMEOUT_S = 300.0
 """Also the compile deadline here: the machine is shared, and a cold compile of the largest constraints at 248k
 tokens takes tens of seconds."""
 SERVER_FLAGS = ("--max-running-requests", "4", "--max-seq-len", "512", "--grammar-compile-timeout", "300")
+TTFT_BUDGET = 400
+"""The TTFT requests' token budget: every measured constraint's shortest output fits in it (a budget too small for
+it is refused up front); the stream is left at the first token."""
 PHASES = ("cold", "restart")
 KEY_KINDS = {"json_schema": "json", "structural_tag": "structural_tag"}
 """A request's constraint field -> the grammar key's kind."""
@@ -110,7 +114,7 @@ def tools_tag(num_tools: int) -> dict[str, Any]:
 def candidates(options: argparse.Namespace) -> dict[str, tuple[str, Any]]:
     """Name -> (the request's constraint field, spec): the tool tag, then held-out schemas from the largest down."""
     chosen: dict[str, tuple[str, Any]] = {
-        f"{options.tools}-tool structural tag": ("structural_tag", tools_tag(options.tools))
+        f"{count}-tool structural tag": ("structural_tag", tools_tag(count)) for count in options.tools
     }
     for name, schema in largest_held_out_schemas(options.data, options.candidates).items():
         chosen[name] = ("json_schema", schema)
@@ -236,7 +240,8 @@ def first_token_s(server: SchedulerProcess, sampling_params: dict[str, Any]) -> 
     prompt = [{"role": "user", "content": "Answer with a tool call or a JSON object."}]
     with server.client() as client:
         sent = time.perf_counter()
-        for chunk in client.generate_stream(messages=prompt, sampling_params={"max_new_tokens": 1, **sampling_params}):
+        params = {"max_new_tokens": TTFT_BUDGET, **sampling_params}
+        for chunk in client.generate_stream(messages=prompt, sampling_params=params):
             if chunk.finish_reason is not None and chunk.finish_reason.type == "abort":
                 raise RuntimeError(f"the request failed: {chunk.finish_reason.message}")
             if chunk.token_ids:
@@ -276,7 +281,12 @@ def main() -> None:
         "--schemas", type=int, default=3, help="per backend, how many of the largest held-out schemas it compiles"
     )
     parser.add_argument("--candidates", type=int, default=40, help="the largest held-out schemas offered")
-    parser.add_argument("--tools", type=int, default=100)
+    parser.add_argument(
+        "--tools",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[100, 10],
+        help="a structural tag of each of these many tools (under auto, xgrammar wins the small one)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--backends", type=lambda text: text.split(","), default=["xgrammar", "llguidance", "outlines", "auto"]

@@ -17,7 +17,9 @@ choice and the backends passed over with why, the log says why at INFO, and ``ch
 
 The backends of the order are built at start-up with the server's settings, so their start-up costs add up (each
 decodes the vocabulary). Each compiles in its own compile service's slots (``submit``: outside their caches),
-under this backend's deadline; the grammar goes into this backend's one cache keyed by ``(type, spec)``.
+under this backend's deadline; the grammar goes into this backend's one cache keyed by ``(type, spec)``, and into
+the disk cache as the winner exported it (an xgrammar compile process's export as it came: ``build_exportable``), so
+that the disk cache keeps under ``auto`` what it keeps under the winner alone.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang_constrained.base_grammar_backend import (
@@ -100,24 +102,38 @@ class AutoGrammarBackend(BaseGrammarBackend):
         """The own grammar object of the backend that wins ``key`` (see the class), the choice in its stats; when
         every backend refuses or fails, an ``InvalidGrammarObject`` naming each one's reason. ``control``: this
         compile's deadline and cancellation, which the backends' compiles share (a deadline from now without)."""
+        return self.build_exportable(key, control)[0]
+
+    def build_exportable(
+        self, key: GrammarKey, control: CompileControl | None = None
+    ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
+        """``build_grammar``, and the winner's own way to export its grammar, with this backend's stats: an xgrammar
+        compile process's export as it came, not serialised again (which for a small grammar takes about as long as
+        its compile, so the disk cache's keep rule would not write it; for a large one, seconds)."""
         start = time.perf_counter()
         control = control or CompileControl(self.compile_service.timeout_s)
-        chosen_name, chosen, passed_over = self._race(key, control)
+        exports: dict[str, Callable[[], GrammarExport]] = {}
+        chosen_name, chosen, passed_over = self._race(key, control, exports)
         result = chosen if chosen is not None else InvalidGrammarObject(refused_by_all_message(key[0], passed_over))
-        result.grammar_stats = GrammarStats(
+        stats = GrammarStats(
             dispatch_type=key[0],
             compile_time_s=time.perf_counter() - start,
             chosen_backend=chosen_name,
             fallback_reasons=tuple(passed_over),
             narrowing=chosen.grammar_stats.narrowing if chosen is not None and chosen.grammar_stats else None,
         )
+        result.grammar_stats = stats
         self._record(key[0], chosen_name, passed_over)
-        return result
+        if chosen_name is None:
+            return result, lambda: self.export_grammar(result)
+        chosen_export = exports[chosen_name]
+        return result, lambda: replace(chosen_export(), stats=stats)
 
     def _race(
-        self, key: GrammarKey, control: CompileControl
+        self, key: GrammarKey, control: CompileControl, exports: dict[str, Callable[[], GrammarExport]]
     ) -> tuple[str | None, BaseGrammarObject | None, list[tuple[str, str]]]:
         """``(winner, its grammar, [(backend, why passed over)])``; no winner when every backend refused or failed.
+        ``exports`` receives, by backend, how to export each grammar compiled (``build_exportable``).
 
         The backends start in order, each when the ones before have refused or have compiled ``handover_s``
         alone; the compiles still running when one wins (or at the deadline: ``CompileTimeoutError``) are cancelled.
@@ -133,7 +149,7 @@ class AutoGrammarBackend(BaseGrammarBackend):
                 now = time.monotonic()
                 if waiting and (not running or now >= next_start):
                     name, backend = waiting.pop(0)
-                    running[name] = backend.compile_service.submit(key, control)
+                    running[name] = backend.compile_service.submit(key, control, _exportable(backend, name, exports))
                     started_at[name] = next_start = now
                     next_start += self.handover_s
                 until = min(next_start, control.deadline) if waiting else control.deadline
@@ -213,6 +229,19 @@ class AutoGrammarBackend(BaseGrammarBackend):
             )
         else:
             logger.debug("auto chose %s for a %s constraint", chosen_name, key_type)
+
+
+def _exportable(
+    backend: BaseGrammarBackend, name: str, exports: dict[str, Callable[[], GrammarExport]]
+) -> Callable[[GrammarKey, CompileControl], BaseGrammarObject]:
+    """A compile in ``backend``'s slot that keeps in ``exports[name]`` how to export its grammar. (The backends of
+    the order have no disk cache of their own: this is their ``compile_or_load``.)"""
+
+    def compile_value(key: GrammarKey, control: CompileControl) -> BaseGrammarObject:
+        grammar, exports[name] = backend.build_exportable(key, control)
+        return grammar
+
+    return compile_value
 
 
 def _outcome(future: Future[BaseGrammarObject]) -> tuple[BaseGrammarObject | None, str]:

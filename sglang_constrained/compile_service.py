@@ -153,6 +153,7 @@ class _Job(Generic[K, V]):
     queued_at: float
     start_by: float
     parent: CompileControl | None = None
+    compile_value: Callable[[K, CompileControl], V] | None = None
     control: CompileControl | None = None
     is_slow: bool = False
 
@@ -227,15 +228,19 @@ class CompileService(Generic[K, V]):
         self._dispatch()
         return map_future(shared, lambda value: self._copy(value, False)), False
 
-    def submit(self, key: K, parent: CompileControl) -> Future[V]:
+    def submit(
+        self, key: K, parent: CompileControl, compile_value: Callable[[K, CompileControl], V] | None = None
+    ) -> Future[V]:
         """Compile ``key`` once for the compile ``parent`` controls, outside the cache and the in-flight sharing:
         queued for a slot like any compile, under ``parent``'s deadline, cancelled when ``parent`` is. The future
-        holds the value itself (no copy); cancelling it stops the compile where that can be done."""
+        holds the value itself (no copy); cancelling it stops the compile where that can be done.
+        ``compile_value``: what runs in the slot instead of the service's own compile (one that also keeps what
+        its caller needs beside the value)."""
         shared: Future[V] = Future()
         with self._lock:
             self._refuse_after_shutdown()
             now = time.monotonic()
-            self._enqueue(_Job(key, shared, now, parent.deadline, parent=parent))
+            self._enqueue(_Job(key, shared, now, parent.deadline, parent=parent, compile_value=compile_value))
         parent.on_cancel(lambda _: _cancel(shared))
         self._dispatch()
         return shared
@@ -335,7 +340,7 @@ class CompileService(Generic[K, V]):
             set_nice(threading.get_native_id(), self._nice + COMPILE_NICENESS)
         try:
             if not job.shared.done():
-                value = self._compile(job.key, control)
+                value = (job.compile_value or self._compile)(job.key, control)
                 _settle(job.shared, value=value)
         except Exception as e:
             _settle(job.shared, error=e)

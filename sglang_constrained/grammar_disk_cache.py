@@ -22,8 +22,8 @@ a restart would; entries under ``READ_BACK_FROM_BYTES`` are not), and writes it 
 ``read_margin`` times that read, so that a restart never makes a grammar slower to get than a cold compile
 (xgrammar's compiled form of a schema with a few hundred properties, compiled in a thread, takes longer to read back
 than to compile). A grammar whose export alone took as long as its compile is not read back at all. (A compile
-process sends its grammar back serialised, so what it compiles is written as it came; its compile time counts the
-serialising and the import.)
+process sends its grammar back serialised, so what it compiles is written as it came, under ``auto`` too; its
+compile time counts the serialising and the import.)
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ from triton_ops.bitmask_format import set_token_bits, token_word_bits
 logger = logging.getLogger(__name__)
 
 JSON_SCHEMA = "JSON schema"
+STRUCTURAL_TAG = "structural tag"
+EBNF_GRAMMAR = "EBNF grammar"
 
 
 class XGrammarGrammar(BaseGrammarObject):
@@ -305,9 +307,12 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return self._compile("regex", lambda: xgrammar.Grammar.from_regex(key_string))
 
     def dispatch_ebnf(self, key_string: str) -> XGrammarGrammar:
-        """GBNF (root rule ``root``), or Lark (rule ``start``) written as GBNF first (``lark_grammar``)."""
-        gbnf = self._gbnf(key_string)
-        return self._compile("EBNF grammar", lambda: _from_ebnf(gbnf))
+        return self._compile(EBNF_GRAMMAR, lambda: self.ebnf_grammar(key_string))
+
+    def ebnf_grammar(self, key_string: str) -> xgrammar.Grammar:
+        """xgrammar's grammar for GBNF (root rule ``root``), or for Lark (rule ``start``) written as GBNF first
+        (``lark_grammar``)."""
+        return _from_ebnf(self._gbnf(key_string))
 
     def takes_as_written(self, key: GrammarKey) -> bool:
         return key[0] == "structural_tag" or (key[0] == "ebnf" and not is_lark_grammar(key[1]))
@@ -316,7 +321,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return lark_to_gbnf(grammar, self.name) if is_lark_grammar(grammar) else grammar
 
     def dispatch_structural_tag(self, key_string: str) -> XGrammarGrammar:
-        """Accepts xgrammar's ``{"type": "structural_tag", "format": ...}`` and the legacy ``structures`` form."""
+        return self._compile(STRUCTURAL_TAG, lambda: self.structural_tag_grammar(key_string))
+
+    def structural_tag_grammar(self, key_string: str) -> xgrammar.Grammar:
+        """xgrammar's grammar for a structural tag: xgrammar's ``{"type": "structural_tag", "format": ...}`` or the
+        legacy ``structures`` form, its JSON schemas prepared as a request's own (``_prepared_tag``)."""
         spec = _new_form_structural_tag(json.loads(key_string))
         try:
             StructuralTag.model_validate(spec)
@@ -325,19 +334,24 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             where = ".".join(str(part) for part in first["loc"])
             raise GrammarSpecError(f"invalid structural tag at {where}: {bounded_message(first['msg'])}") from e
         prepared = StructuralTag.model_validate({**spec, "format": self._prepared_tag(spec["format"], "/format")})
-        return self._compile("structural tag", lambda: xgrammar.Grammar.from_structural_tag(prepared))
+        return xgrammar.Grammar.from_structural_tag(prepared)
 
     def _compile(self, what: str, build: Callable[[], xgrammar.Grammar]) -> XGrammarGrammar:
-        """Build the grammar, limit its terminals to well-formed UTF-8 (``xgrammar_utf8``), refuse a JSON schema's if
-        sending its compiled form out of a compile process is predicted beyond the memory bound or the deadline
-        (``xgrammar_export_cost``), compile it."""
+        """Build the grammar, limit its terminals to well-formed UTF-8 (``xgrammar_utf8``), compile it, and refuse it
+        if sending its compiled form out of a compile process is predicted beyond the memory bound or the deadline
+        (``xgrammar_export_cost``): a JSON schema's before its compile, any other after it, before it is serialised
+        (xgrammar's compile merges a structural tag's or an EBNF grammar's rules, a 100-tool tag's 4,403 into
+        1,124, so only the compiled grammar's measure predicts their size; a schema's barely changes)."""
+        args = self.server_args
         try:
             grammar = well_formed_utf8_grammar(build())
-            if what == JSON_SCHEMA:  # the measure is calibrated on schemas (it overstates a structural tag's 10x)
-                args = self.server_args
+            if what == JSON_SCHEMA:
                 measure = GrammarMeasure.of(grammar)
                 refuse_costly_export(measure, args.grammar_compile_max_memory, args.compile_timeout_s, what)
             compiled = self.compiler.compile_grammar(grammar)
+            if what != JSON_SCHEMA and (measure_compiled := GrammarMeasure.of_compiled(compiled)) is not None:
+                max_memory_mib, deadline_s = args.grammar_compile_max_memory, args.compile_timeout_s
+                refuse_costly_export(measure_compiled, max_memory_mib, deadline_s, what, compiled=True)
         except RuntimeError as e:
             raise GrammarSpecError(f"xgrammar cannot compile the {what}: {_xgrammar_message(e)}") from e
         return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)

@@ -1,16 +1,23 @@
-"""What a compiled xgrammar grammar costs to send out of its compile process, predicted before it is compiled.
+"""What a compiled xgrammar grammar costs to send out of its compile process, predicted before it is serialised.
 
 A compile process sends its grammar back serialised (``CompiledGrammar.serialize_json``; the disk cache and shared
 grammars keep that form too), and xgrammar 0.2.8 writes each rule's FSM with a copy of the whole grammar's FSM: the
 serialised grammar grows with the grammar's rules times its size, quadratically in a schema's size, while the
-compile itself takes milliseconds. The measure here, the rules times the expression entries of the grammar about to
-be compiled, predicts that size; the serialising process peaks at about 14 times it and takes about 0.1 s per MB
-to serialise it and read it back. Measured by ``scripts/calibrate_xgrammar_export.py`` (AMD EPYC, 2 cores, 49k
-tokens): 1,000 required string properties measure 48.6 M, serialise to 286 MB (292 predicted) in 17 s, the process
-peaking at 4,044 MiB (3,896); 200 date-time strings 274 MB (315), 4,241 MiB (4,202); 20 objects of 30 properties
-100 MB (132), 1,402 MiB (1,764); 100 patterned strings 32 MB (20), 358 MiB (269). It is calibrated on JSON
-schemas: a 100-tool structural tag measures 188 M but serialises to 118 MB (1,129 predicted), its FSM being smaller
-than its expression entries suggest, so the xgrammar backend judges JSON schemas by it and nothing else.
+compile itself takes milliseconds. The measure here, the rules times the expression entries of a grammar, predicts
+that size; the serialising process peaks at about 14 times it and takes about 0.1 s per MB to serialise it and read
+it back. Measured by ``scripts/calibrate_xgrammar_export.py`` (AMD EPYC, 2 cores, 49k tokens): 1,000 required string
+properties measure 48.6 M, serialise to 286 MB (292 predicted) in 8-17 s, the process peaking at 3,979-4,044 MiB
+(4,035); 200 date-time strings 274 MB (315), 4,214 MiB (4,352); 20 objects of 30 properties 100 MB (132), 1,381
+MiB (1,827); 100 patterned strings 32 MB (20), 342 MiB (278).
+
+A JSON schema is judged before its compile: xgrammar's compile barely changes a schema's grammar (1,000 strings
+measure 47.7 M compiled). A structural tag or an EBNF grammar is judged after it (``GrammarMeasure.of_compiled``),
+before it is serialised: the compile merges their rules, so that their measure before it overstates the size
+several times (a tag of 100 tools of three parameters each measures 484 M before, 59.6 M compiled), and the compile
+takes well under the serialising (0.43 s there, then 272 MB: 357 predicted, in 11.6 s, peaking at 3,923 MiB: 4,942
+predicted). Tags of 25 and 50 tools: 22 MB (24), 72 MB (92); EBNF of 300 rules 50 MB (74), of 1,000 rules 557 MB
+(818), peaking at 7,841 MiB (11,313). The bytes per measure of schemas overstate these by up to 1.5 times: where the
+prediction errs, it errs on the side of refusing (and ``auto`` then asks llguidance).
 """
 
 from __future__ import annotations
@@ -55,6 +62,15 @@ class GrammarMeasure:
         serialized = json.loads(grammar.serialize_json())
         return cls(len(serialized["rules"]), len(serialized["grammar_expr_data"]))
 
+    @classmethod
+    def of_compiled(cls, compiled: xgrammar.CompiledGrammar) -> GrammarMeasure | None:
+        """The measure of the grammar xgrammar compiled, after the compile's optimisations, read from its printed
+        form (serialising it would cost what is predicted); None if that form does not parse back."""
+        try:
+            return cls.of(xgrammar.Grammar.from_ebnf(str(compiled.grammar), root_rule_name="root"))
+        except RuntimeError:
+            return None
+
     @property
     def product(self) -> int:
         return self.num_rules * self.num_expression_entries
@@ -65,10 +81,13 @@ class GrammarMeasure:
         return ExportCost(num_bytes, peak_mib, SECONDS_PER_MB * num_bytes / 1e6)
 
 
-def refuse_costly_export(measure: GrammarMeasure, max_memory_mib: int | None, deadline_s: float, what: str) -> None:
+def refuse_costly_export(
+    measure: GrammarMeasure, max_memory_mib: int | None, deadline_s: float, what: str, compiled: bool = False
+) -> None:
     """Raise ``GrammarSpecError`` when ``measure`` predicts that sending the compiled grammar out of a compile
     process needs more than ``max_memory_mib`` (None: no bound) or takes longer than ``deadline_s``, naming the
-    measure, the prediction and the bound, before any compile time is spent."""
+    measure, the prediction and the bound; ``compiled``: the measure is the compiled grammar's (``of_compiled``),
+    not the grammar's before its compile."""
     cost = measure.predicted_export()
     if max_memory_mib is not None and cost.peak_mib > max_memory_mib:
         bound = f"the memory bound of {max_memory_mib:,} MiB (--grammar-compile-max-memory)"
@@ -79,9 +98,11 @@ def refuse_costly_export(measure: GrammarMeasure, max_memory_mib: int | None, de
         )
     else:
         return
+    size = f"{measure.num_rules:,} rules over {measure.num_expression_entries:,} expression entries"
+    grammar = f"compiles to a grammar of {size}" if compiled else f"has a grammar of {size}"
+    llguidance = "such schemas in milliseconds" if what == "JSON schema" else "such grammars without this cost"
     raise GrammarSpecError(
-        f"the {what}'s grammar has {measure.num_rules:,} rules over {measure.num_expression_entries:,} expression "
-        f"entries, which predict an xgrammar compiled grammar of about {cost.num_bytes / 1e6:,.0f} MB (xgrammar "
-        f"writes every rule with the whole grammar's FSM); a compile process sending it back would take {beyond}; "
-        "llguidance compiles such schemas in milliseconds (--grammar-backend llguidance or auto)"
+        f"the {what} {grammar}, which predict an xgrammar compiled grammar of about {cost.num_bytes / 1e6:,.0f} MB "
+        f"(xgrammar writes every rule with the whole grammar's FSM); a compile process sending it back would take "
+        f"{beyond}; llguidance compiles {llguidance} (--grammar-backend llguidance or auto)"
     )

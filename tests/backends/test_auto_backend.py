@@ -25,6 +25,7 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
+from scripts.calibrate_xgrammar_export import ebnf_alternatives
 from sglang_constrained.auto_grammar_backend import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
@@ -156,6 +157,20 @@ def test_a_schema_too_large_for_xgrammar_s_compile_process_goes_to_llguidance_at
     assert refused_by == "xgrammar" and "over the memory bound of 4,096 MiB" in message
     instance = json.dumps(dict.fromkeys(names, "x"))
     assert accepts_text(grammar, tokenizer_case, instance)
+
+
+def test_a_grammar_too_large_for_xgrammar_s_compile_process_goes_to_llguidance(
+    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+) -> None:
+    """The same for EBNF (and structural tags), judged by the grammar xgrammar compiled, before it is serialised: the
+    compile process answers with the refusal in a fraction of a second instead of growing to the bound."""
+    grammar = compile_valid(auto, "ebnf", ebnf_alternatives(1000))
+    assert isinstance(grammar, GuidanceGrammar)
+    assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend == "llguidance"
+    [(refused_by, message)] = grammar.grammar_stats.fallback_reasons
+    assert refused_by == "xgrammar" and "compiles to a grammar of" in message
+    assert "over the memory bound of 4,096 MiB" in message
+    assert accepts_text(grammar, tokenizer_case, "key7=abc 12,key999=z 345")
 
 
 def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGrammarBackend) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from scheduler.data_parallel.shared_grammars import GrammarStore
 from scheduler.server_args import ServerArgs
+from sglang_constrained.auto_grammar_backend import AutoGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
@@ -30,7 +31,7 @@ from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from sglang_constrained.vocabulary import tokenizer_vocabulary, vocabulary_fingerprint
 from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 from tests.backends.conftest import BackendBuilder
-from tests.helpers import PERSON_SCHEMA, compile_grammar, wait_published
+from tests.helpers import PERSON_SCHEMA, YES_NO_SCHEMA, compile_grammar, wait_published
 from triton_ops.bitmask_format import allocate_bitmask, allowed_token_ids
 
 NAME_SCHEMA = {
@@ -159,6 +160,45 @@ def test_xgrammar_keeps_its_compile_process_export_for_the_disk(smollm2_tokenize
         assert_masks_agree(backend.import_grammar(export), grammar, setup)
     finally:
         backend.shutdown()
+
+
+def test_the_default_backend_writes_xgrammars_compile_process_export(
+    smollm2_tokenizer: TokenizerSetup, tmp_path: Path
+) -> None:
+    """Under the default backend (auto, xgrammar first, compiling in compile processes) and the default keep rule, a
+    small schema xgrammar compiled is written as its compile process sent it (auto used to serialise it again, which
+    took about as long as the compile, so the keep rule often left it out), and a restart reads it: same masks."""
+    setup, schema = smollm2_tokenizer, YES_NO_SCHEMA
+
+    def start() -> BaseGrammarBackend:
+        disk_cache = GrammarDiskCache(tmp_path, 1 << 30)
+        backend = create_grammar_backend(
+            ServerArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids, disk_cache=disk_cache
+        )
+        assert isinstance(backend, AutoGrammarBackend), backend
+        assert isinstance(backend.backends["xgrammar"], XGrammarGrammarBackend)
+        assert backend.backends["xgrammar"].compile_processes is not None
+        backend.wait_until_ready()  # as the server does before it serves: the compile processes have started
+        return backend
+
+    first = start()
+    try:
+        grammar, export_later = first.build_exportable(make_grammar_key("json", schema))
+        assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend == "xgrammar"
+        assert export_later().payload is export_later().payload  # kept, not serialised on each call
+        compiled = compile_grammar(first, "json", schema)
+        cache = flush(first)
+        assert len(cache.entry_paths()) == 1 and cache.num_skipped == 0
+    finally:
+        first.shutdown()
+    restarted = start()
+    try:
+        loaded = compile_grammar(restarted, "json", schema)
+        assert loaded.grammar_stats is not None and loaded.grammar_stats.is_disk_cache_hit
+        assert loaded.grammar_stats.chosen_backend == "xgrammar" and type(loaded) is type(compiled)
+        assert_masks_agree(loaded, compiled.copy(), setup)
+    finally:
+        restarted.shutdown()
 
 
 def test_a_reasoning_server_loads_what_a_plain_one_stored(smollm2_tokenizer: TokenizerSetup, tmp_path: Path) -> None:

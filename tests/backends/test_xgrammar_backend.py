@@ -12,10 +12,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from scripts.calibrate_xgrammar_export import ebnf_alternatives, tools
 from sglang_constrained.base_grammar_backend import InvalidGrammarObject, TokenRejectedError, create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
+from sglang_constrained.xgrammar_backend import XGrammarGrammar, XGrammarGrammarBackend
 from sglang_constrained.xgrammar_export_cost import GrammarMeasure
 from sglang_constrained.xgrammar_utf8 import well_formed_utf8_grammar
 from tests.backends.conftest import BackendBuilder
@@ -325,7 +326,7 @@ def test_a_grammar_whose_compiled_form_predicts_a_send_beyond_the_memory_bound_i
     about 400 MB, its compile process growing past 5 GiB on the way (measured at 1,000: 286 MB, 4 GiB, 17 s)."""
     grammar = compile_grammar(backend, "json", required_strings(1200))
     assert isinstance(grammar, InvalidGrammarObject)
-    assert "the JSON schema's grammar has 1,240 rules over" in grammar.error_message
+    assert "the JSON schema has a grammar of 1,240 rules over" in grammar.error_message
     assert "over the memory bound of 4,096 MiB (--grammar-compile-max-memory)" in grammar.error_message
     assert "--grammar-backend llguidance or auto" in grammar.error_message
 
@@ -338,6 +339,42 @@ def test_the_predicted_compiled_size_is_near_the_serialised_size(backend: XGramm
     grammar = compile_valid(backend, "json", required_strings(200))
     serialised = len(backend.serialize_grammar(grammar))
     assert serialised / 2 < predicted.num_bytes < serialised * 1.5
+
+
+LARGE_COMPILED_GRAMMARS = [
+    ("structural_tag", tools(100), "the structural tag compiles to a grammar of 1,124 rules over"),
+    ("ebnf", ebnf_alternatives(1000), "the EBNF grammar compiles to a grammar of 2,006 rules over"),
+]
+
+
+@pytest.mark.parametrize(("kind", "spec", "what"), LARGE_COMPILED_GRAMMARS, ids=["100-tools", "1000-rules"])
+def test_a_tag_or_grammar_whose_compiled_form_predicts_a_send_beyond_the_memory_bound_is_refused(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, kind: str, spec: Any, what: str
+) -> None:
+    """Measured by the grammar xgrammar compiled (its compile merges rules), before it is serialised: a 100-tool tag
+    compiles in 0.4 s but serialises to 272 MB, its process peaking near 4.2 GiB; 1,000 rules of EBNF in 0.2 s, then
+    557 MB in 16 s (``scripts/calibrate_xgrammar_export.py``)."""
+    grammar = compile_grammar(build_backend("xgrammar", smollm2_tokenizer), kind, spec)
+    assert isinstance(grammar, InvalidGrammarObject)
+    assert what in grammar.error_message
+    assert "over the memory bound of 4,096 MiB (--grammar-compile-max-memory)" in grammar.error_message
+    assert "--grammar-backend llguidance or auto" in grammar.error_message
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec"), [("structural_tag", tools(10)), ("ebnf", ebnf_alternatives(200))], ids=["10-tools", "200-rules"]
+)
+def test_the_compiled_measure_predicts_a_tag_s_or_grammar_s_serialised_size(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, kind: str, spec: Any
+) -> None:
+    """Where the measure before the compile overstates it several times (xgrammar merges their rules)."""
+    backend = build_backend("xgrammar", smollm2_tokenizer)
+    grammar = compile_valid(backend, kind, spec)
+    assert isinstance(grammar, XGrammarGrammar)
+    measure = GrammarMeasure.of_compiled(grammar.compiled_grammar)
+    assert measure is not None
+    serialised = len(backend.serialize_grammar(grammar))
+    assert serialised / 2 < measure.predicted_export().num_bytes < serialised * 2
 
 
 def test_strict_mode_narrowing_is_named_in_the_stats(backend: XGrammarGrammarBackend) -> None:

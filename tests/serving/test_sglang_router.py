@@ -232,15 +232,13 @@ def test_what_is_not_built_is_refused_by_name(
 
 def test_replicas_behind_the_router_outlive_each_other(tmp_path: Path) -> None:
     """``python -m scheduler.launch --dp-size 2 --router sglang``: two independent servers and the router in one
-    command. They share one grammar disk cache: a schema compiled on one is read from it by the other. One replica
+    command. They share one grammar disk cache: a schema compiled on one (by the default backend) is read from it by
+    the other. One replica
     killed under load: every request in flight and every one after it is answered (the router retries what the dead
     one held on the live one), the launcher restarts it on its port (it too reads the schema from the disk cache)
     and the router counts it healthy again; SIGTERM stops them all. (Its own launch, not one started ahead: the
     launcher's replicas and router are what is tested.)"""
     flags = [flag for flag in HTTP_SERVER_FLAGS if flag not in COLD_GRAMMARS]
-    # xgrammar's: its compile process's export is written as it came; auto re-serialises the grammar it chose, which
-    # for a grammar this small takes about as long as its compile, so it may not be written
-    flags += ["--grammar-backend", "xgrammar"]
     replicas = ReplicaSet(2, *flags, "--grammar-cache-dir", str(tmp_path), policy="round_robin")
     try:
         replicas.wait_for_workers(healthy=2)
