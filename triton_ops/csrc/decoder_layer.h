@@ -75,8 +75,10 @@ void rotate(float* x, int64_t heads, int64_t head_dim, int64_t rope_dim, const f
 void add_block(const ModelShape* shape, const float* norm, int64_t T, float* hidden, float* block, int32_t threads) {
   if (norm != nullptr)
     invariant_rms_norm(block, T, shape->hidden, shape->hidden, norm, shape->eps, block, shape->hidden, threads);
-  const int64_t n = T * shape->hidden;
-  for (int64_t j = 0; j < n; ++j) hidden[j] = hidden[j] + block[j];
+  const int64_t width = shape->hidden;
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+    for (int64_t j = first * width; j < last * width; ++j) hidden[j] = hidden[j] + block[j];
+  });
 }
 
 }  // namespace
@@ -87,26 +89,28 @@ void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, c
                                const float* hidden, float* k_layer, float* v_layer, float* out, int32_t threads) {
   const int64_t T = batch->tokens, D = shape->head_dim, H = shape->heads, Hkv = shape->kv_heads;
   const int64_t q_size = H * D, kv_size = Hkv * D, width = q_size + 2 * kv_size;
-  std::vector<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attention(T * q_size);
+  Buffer<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attention(T * q_size);
   invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = qkv.data() + t * width;
-    if (layer->qkv_bias != nullptr)
-      for (int64_t i = 0; i < width; ++i) row[i] = row[i] + layer->qkv_bias[i];
-    if (layer->q_norm != nullptr) {
-      invariant_rms_norm(row, H, D, D, layer->q_norm, shape->eps, row, D, 1);
-      invariant_rms_norm(row + q_size, Hkv, D, D, layer->k_norm, shape->eps, row + q_size, D, 1);
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {  // tokens apart: rows apart
+    for (int64_t t = first; t < last; ++t) {
+      float* row = qkv.data() + t * width;
+      if (layer->qkv_bias != nullptr)
+        for (int64_t i = 0; i < width; ++i) row[i] = row[i] + layer->qkv_bias[i];
+      if (layer->q_norm != nullptr) {
+        invariant_rms_norm(row, H, D, D, layer->q_norm, shape->eps, row, D, 1);
+        invariant_rms_norm(row + q_size, Hkv, D, D, layer->k_norm, shape->eps, row + q_size, D, 1);
+      }
+      if (layer->cos != nullptr) {
+        const int64_t at = batch->positions[t] * layer->rope_dim;
+        rotate(row, H + Hkv, D, layer->rope_dim, layer->cos + at, layer->sin + at);
+      }
+      memcpy(q.data() + t * q_size, row, q_size * sizeof(float));
+      memcpy(k_layer + batch->new_rows[t] * kv_size, row + q_size, kv_size * sizeof(float));
+      memcpy(v_layer + batch->new_rows[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
     }
-    if (layer->cos != nullptr) {
-      const int64_t at = batch->positions[t] * layer->rope_dim;
-      rotate(row, H + Hkv, D, layer->rope_dim, layer->cos + at, layer->sin + at);
-    }
-    memcpy(q.data() + t * q_size, row, q_size * sizeof(float));
-    memcpy(k_layer + batch->new_rows[t] * kv_size, row + q_size, kv_size * sizeof(float));
-    memcpy(v_layer + batch->new_rows[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
-  }
+  });
   const int64_t* key_starts = batch->key_starts;
   const int64_t* num_keys = batch->num_keys;
   std::vector<int64_t> window_starts, window_keys;
@@ -126,7 +130,7 @@ void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, c
 void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
                          int32_t threads) {
   const int64_t inter = layer->gate_up.out_features / 2;
-  std::vector<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
+  Buffer<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
   invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->gate_up, gate_up.data(), threads);
@@ -140,7 +144,7 @@ void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t
 // Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place).
 void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                        float* hidden, float* k_pool, float* v_pool, int64_t layer_stride, int32_t threads) {
-  std::vector<float> block(batch->tokens * shape->hidden);
+  Buffer<float> block(batch->tokens * shape->hidden);
   for (int32_t i = 0; i < num_layers; ++i) {
     invariant_attention_block(shape, &layers[i], batch, hidden, k_pool + i * layer_stride, v_pool + i * layer_stride,
                               block.data(), threads);

@@ -178,9 +178,9 @@ static inline void vstore_i8(int8_t* p, V16 a) {
 
 // Rows of x quantised per 32-block: q [M][K], and per row and block d_x, d_x * sum(q) and kSignedBias * sum(q).
 struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale, scaled_sum;
-  std::vector<int32_t> bias;
+  Buffer<int8_t> q;
+  Buffer<float> scale, scaled_sum;
+  Buffer<int32_t> bias;
   int64_t K = 0, nblocks = 0;
 };
 

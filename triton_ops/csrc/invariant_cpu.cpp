@@ -33,15 +33,42 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int kLanes = 16;  // one "vector" is 16 float32 lanes on every ISA
 constexpr int kBlock = 32;  // the GGUF block formats' group of k values sharing a scale
+
+// std::vector's allocator, except that a new element of a trivial type is left uninitialised: the kernels' scratch
+// buffers (a layer's activations, a matmul's quantised rows) are written in full before they are read, and zeroing
+// them first cost a long prefill ~1.4 GB of stores.
+template <class T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <class U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <class T>
+using Buffer = std::vector<T, UninitializedAllocator<T>>;
 
 // ---- a 16-lane float vector: one zmm, two ymm, or an array -------------------------------------------------
 

@@ -113,9 +113,9 @@ static int64_t kquant_panel_bytes(int32_t format, int64_t K) {
 }
 
 // Per row and 16-element half of each x block, the sum of its quants: [M][2 * nblocks].
-static std::vector<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int threads) {
+static Buffer<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int threads) {
   const int64_t halves = 2 * x.nblocks;
-  std::vector<int32_t> sums(M * halves);
+  Buffer<int32_t> sums(M * halves);
   parallel_for(M, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
     for (int64_t i = first * halves; i < last * halves; ++i) {
       const int8_t* q = x.q.data() + i * (kBlock / 2);
@@ -261,7 +261,7 @@ static void kquant_matmul(int32_t format, const float* x, int64_t M, int64_t K, 
                           int64_t N, float* y, int64_t ldy, int threads) {
   QuantizedRows quantized;
   quantize_rows(x, M, K, ldx, threads, &quantized);
-  const std::vector<int32_t> halves = half_block_sums(quantized, M, threads);
+  const Buffer<int32_t> halves = half_block_sums(quantized, M, threads);
   const int32_t* h = halves.data();
   switch (format) {
     case kQ4_0:
