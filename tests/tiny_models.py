@@ -16,10 +16,10 @@ ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "smollm3": "smollm3", "gemma3
 """Model type -> llama.cpp's architecture name."""
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path) -> None:
+def write_gguf(model: Any, tokenizer: Any, path: Path, chat_template: str | None = None) -> None:
     """``model`` (a transformers causal LM) and ``tokenizer`` (a BPE fast tokenizer) as a float32 GGUF at ``path``:
     q and k rows interleaved where llama.cpp's Llama converter does (Llama, SmolLM3), Gemma's norms stored as
-    ``1 + w``, Phi-3's projections fused as they are."""
+    ``1 + w``, Phi-3's projections fused as they are; ``chat_template`` as its ``tokenizer.chat_template``."""
     config = model.config
     arch = ARCHITECTURES[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -40,6 +40,8 @@ def write_gguf(model: Any, tokenizer: Any, path: Path) -> None:
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     _add_tokenizer(writer, tokenizer)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 99)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
