@@ -175,6 +175,25 @@ def test_tools_are_offered_in_a_system_message_only_where_the_template_renders_n
         assert '"name": "fib"' in system["content"] and text == rendered(template, call.messages)
 
 
+def test_of_named_templates_the_tool_use_one_renders_requests_with_tools(tokenizer: Any, tmp_path: Path) -> None:
+    """A folder with several named templates (``tokenizer_config.json``'s list, as Hermes-style models ship): tools
+    go to its ``tool_use`` template, which renders them and whose markers name the call syntax (Qwen2.5's, in a
+    comment that renders nothing); a chat without tools gets the default one."""
+    folder = tmp_path / "model"
+    tokenizer.save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    qwen25_house = HOUSE_TEMPLATE + "{# <tool_call> <args-json-object> #}"
+    named = [{"name": "default", "template": PLAIN_TEMPLATE}, {"name": "tool_use", "template": qwen25_house}]
+    config = json.loads((folder / "tokenizer_config.json").read_text()) | {"chat_template": named}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = encoder(folder, tmp_path / "cache")
+    tool_format = server_tool_format(None, prompts.tokenizer)
+    assert tool_format.template_renders_tools and tool_format.syntax.name == "qwen25"
+    with_tools = prompts.tokenizer.decode(prompts.encode(messages=MESSAGES, tools=TOOLS))
+    assert with_tools == rendered(HOUSE_TEMPLATE, MESSAGES, tools=TOOLS)
+    assert prompts.tokenizer.decode(prompts.encode(messages=MESSAGES)) == rendered(PLAIN_TEMPLATE, MESSAGES)
+
+
 @pytest.fixture(scope="module")
 def house_server(model_file: Path) -> Iterator[HttpServer]:
     """The tiny model served with its own template."""
