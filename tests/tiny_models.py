@@ -5,6 +5,7 @@ its family out (with ``gguf``'s writer, without llama.cpp)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, chat_template: str | None
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        _add_longrope(writer, config, rope)
     _add_tokenizer(writer, tokenizer)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
@@ -58,6 +61,17 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, chat_template: str | None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_longrope(writer: gguf.GGUFWriter, config: Any, rope: dict[str, Any]) -> None:
+    """Phi-3's longrope as llama.cpp's converter writes it: the original context and the attention factor as keys, the
+    short and long factors as tensors."""
+    original = rope["original_max_position_embeddings"]
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any) -> None:
