@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE_JSON = "chat_template.json"
 JINJA_MARKS = ("{{", "{%")
@@ -34,18 +35,35 @@ def read_chat_template(value: str) -> str:
 
 
 def check_compiles(template: str, origin: str) -> None:
-    """Raise ValueError, naming ``origin`` and the line, when ``template`` does not compile as a chat template.
-
-    Compiled by transformers itself (its sandbox, its ``{% generation %}`` tag), so that what passes here is what
-    renders; imported here, not at the top, because this module is imported by the server's argument parsing, which
-    otherwise never imports transformers (half a second)."""
+    """Raise ValueError, naming ``origin`` and the line, when ``template`` does not compile as a chat template."""
     import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        _compile_jinja_template(template)
+        _compiled(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{origin} does not parse: line {e.lineno}: {e.message}") from e
+
+
+def template_variables(template: str) -> set[str]:
+    """The variables a chat template reads from its caller (``messages``, ``tools``, ...); none for a template that
+    does not parse."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        environment = _compiled(template).environment
+        return set(jinja2.meta.find_undeclared_variables(environment.parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return set()
+
+
+def _compiled(template: str) -> Any:
+    """``template`` compiled by transformers itself (its sandbox, its ``{% generation %}`` tag), so that what parses
+    here is what renders. Imported here, not at the top, because this module is imported by the server's argument
+    parsing, which otherwise never imports transformers (half a second)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template)
 
 
 def folder_chat_template(folder: Path) -> str | None:
