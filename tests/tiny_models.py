@@ -17,10 +17,11 @@ ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "smollm3": "smollm3", "gemma3
 """Model type -> llama.cpp's architecture name."""
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path, chat_template: str | None = None) -> None:
+def write_gguf(model: Any, tokenizer: Any, path: Path, chat_template: str | list[dict[str, str]] | None = None) -> None:
     """``model`` (a transformers causal LM) and ``tokenizer`` (a BPE fast tokenizer) as a float32 GGUF at ``path``:
     q and k rows interleaved where llama.cpp's Llama converter does (Llama, SmolLM3), Gemma's norms stored as
-    ``1 + w``, Phi-3's projections fused as they are; ``chat_template`` as its ``tokenizer.chat_template``."""
+    ``1 + w``, Phi-3's projections fused as they are; ``chat_template`` as its ``tokenizer.chat_template`` (named
+    templates, ``{"name", "template"}``, as llama.cpp's converter writes them)."""
     config = model.config
     arch = ARCHITECTURES[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -64,6 +64,12 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="module")
 def model_file(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama as a GGUF file whose metadata carries ``HOUSE_TEMPLATE``."""
+    path = tmp_path_factory.mktemp("model") / "house.gguf"
+    write_gguf(tiny_llama(), tokenizer, path, chat_template=HOUSE_TEMPLATE)
+    return path
+
+
+def tiny_llama() -> Any:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -77,9 +83,7 @@ def model_file(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path
         pad_token_id=None,
     )
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("model") / "house.gguf"
-    write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, path, chat_template=HOUSE_TEMPLATE)
-    return path
+    return AutoModelForCausalLM.from_config(config)
 
 
 def encoder(model_path: Path, cache: Path, chat_template: str | None = None) -> PromptEncoder:
@@ -175,23 +179,32 @@ def test_tools_are_offered_in_a_system_message_only_where_the_template_renders_n
         assert '"name": "fib"' in system["content"] and text == rendered(template, call.messages)
 
 
-def test_of_named_templates_the_tool_use_one_renders_requests_with_tools(tokenizer: Any, tmp_path: Path) -> None:
-    """A folder with several named templates (``tokenizer_config.json``'s list, as Hermes-style models ship): tools
-    go to its ``tool_use`` template, which renders them and whose markers name the call syntax (Qwen2.5's, in a
-    comment that renders nothing); a chat without tools gets the default one."""
-    folder = tmp_path / "model"
-    tokenizer.save_pretrained(folder)
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_of_named_templates_the_tool_use_one_renders_requests_with_tools(
+    source: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    """A folder or a GGUF file with several named templates (``tokenizer_config.json``'s list; llama.cpp's
+    ``tokenizer.chat_template.tool_use``), as Hermes-style models ship: tools go to its ``tool_use`` template, which
+    renders them and whose markers name the call syntax (Qwen2.5's, in a comment that renders nothing); a chat without
+    tools gets the default one."""
     qwen25_house = HOUSE_TEMPLATE + "{# <tool_call> <args-json-object> #}"
     named = [{"name": "default", "template": PLAIN_TEMPLATE}, {"name": "tool_use", "template": qwen25_house}]
-    config = json.loads((folder / "tokenizer_config.json").read_text()) | {"chat_template": named}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    prompts = encoder(folder, tmp_path / "cache")
-    tool_format = server_tool_format(None, prompts.tokenizer)
-    assert tool_format.template_renders_tools and tool_format.syntax.name == "qwen25"
-    with_tools = prompts.tokenizer.decode(prompts.encode(messages=MESSAGES, tools=TOOLS))
-    assert with_tools == rendered(HOUSE_TEMPLATE, MESSAGES, tools=TOOLS)
-    assert prompts.tokenizer.decode(prompts.encode(messages=MESSAGES)) == rendered(PLAIN_TEMPLATE, MESSAGES)
+    model = tmp_path / "model"
+    if source == "folder":
+        tokenizer.save_pretrained(model)
+        (model / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((model / "tokenizer_config.json").read_text()) | {"chat_template": named}
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        model = tmp_path / "named.gguf"
+        write_gguf(tiny_llama(), tokenizer, model, chat_template=named)
+    for _ in ("converted", "cached"):
+        prompts = encoder(model, tmp_path / "cache")
+        tool_format = server_tool_format(None, prompts.tokenizer)
+        assert tool_format.template_renders_tools and tool_format.syntax.name == "qwen25"
+        with_tools = prompts.tokenizer.decode(prompts.encode(messages=MESSAGES, tools=TOOLS))
+        assert with_tools == rendered(HOUSE_TEMPLATE, MESSAGES, tools=TOOLS)
+        assert prompts.tokenizer.decode(prompts.encode(messages=MESSAGES)) == rendered(PLAIN_TEMPLATE, MESSAGES)
 
 
 @pytest.fixture(scope="module")
