@@ -10,6 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import jinja2
+
 
 class PromptEncoder:
     """Turns exactly one prompt source into token ids that fit the model: in range, non-empty, within the context.
@@ -35,12 +37,15 @@ class PromptEncoder:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of exactly one prompt source; raises ValueError naming what is wrong. ``chat_template_kwargs``:
         variables the chat template of ``messages`` reads (Qwen3's ``enable_thinking``). ``continue_final_message``:
         a final assistant message is continued, as SGLang does it: the messages before it go through the template
         with the generation prompt, and its text follows, tokenised without special tokens. ``tools``: the tools the
-        chat template renders (OpenAI's shape), as Hugging Face templates take them."""
+        chat template renders (OpenAI's shape), as Hugging Face templates take them; ``documents``: the documents it
+        renders (retrieval-augmented generation, as Hugging Face templates take them). A message the template refuses
+        (its ``raise_exception``) is a ValueError naming the template's reason."""
         sources = (("text", text), ("messages", messages), ("input_ids", input_ids))
         given = [name for name, value in sources if value is not None]
         if len(given) != 1:
@@ -54,10 +59,10 @@ class PromptEncoder:
                     "continue_final_message continues a final assistant message after the messages before it: "
                     "give at least one message before it"
                 )
-            ids = self._apply_chat_template(messages[:-1], chat_template_kwargs or {}, tools)
+            ids = self.chat_ids(messages[:-1], chat_template_kwargs or {}, tools, documents)
             ids += self._continued_text(messages[-1])
         elif messages is not None:
-            ids = self._apply_chat_template(messages, chat_template_kwargs or {}, tools)
+            ids = self.chat_ids(messages, chat_template_kwargs or {}, tools, documents)
         else:
             ids = list(input_ids or [])
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -114,9 +119,16 @@ class PromptEncoder:
             raise ValueError(f"each message needs a 'role' and a 'content' string; got {message!r}"[:200])
         return list(self.tokenizer.encode(content, add_special_tokens=False))
 
-    def _apply_chat_template(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], tools: list[dict[str, Any]] | None
+    def chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
+        """``messages`` rendered by the chat template as written (``tools``, ``documents`` and ``template_kwargs``
+        passed to it) and tokenised; raises ValueError naming what is wrong, or why the template refused them."""
         if not messages:
             raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
         for message in messages:
@@ -131,9 +143,18 @@ class PromptEncoder:
         reserved = sorted(set(template_kwargs) & set(inspect.signature(self.tokenizer.apply_chat_template).parameters))
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it")
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
-        )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as e:  # the template's raise_exception, or a variable it cannot read
+            raise ValueError(f"the chat template refused these messages: {e}"[:500]) from e
         return list(ids)
 
 

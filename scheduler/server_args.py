@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from sglang_constrained.chat_template import read_chat_template
 from sglang_constrained.reasoning_formats import REASONING_FORMATS
 from sglang_constrained.registry import available_grammar_backends, check_grammar_backend_order
 
@@ -135,6 +136,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     thinking_budget: int | None = None
     tool_call_parser: str | None = None
+    chat_template: str | None = None
     max_running_requests: int = 32
     max_seq_len: int = 2048
     max_total_tokens: int = 65536
@@ -234,6 +236,8 @@ class ServerArgs:
             raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_FORMATS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # a template that does not parse stops the start-up here
         if self.thinking_budget is not None and self.thinking_budget < 0:
             raise ValueError("--thinking-budget must be 0 or more")
         if self.log_level not in LOG_LEVELS:
@@ -359,6 +363,13 @@ class ServerArgs:
             choices=TOOL_CALL_PARSERS,
             help="the syntax tool calls are written in (SGLang's names); left out, the one the chat template's markers "
             "name unambiguously, else hermes",
+        )
+        parser.add_argument(
+            "--chat-template",
+            default=d.chat_template,
+            help="the chat template for chat messages instead of the model's (a GGUF file's tokenizer.chat_template, "
+            "a folder's tokenizer_config.json, chat_template.jinja or chat_template.json): a file (Jinja, or JSON "
+            "with a chat_template string) or the Jinja text itself",
         )
         parser.add_argument(
             "--thinking-budget",

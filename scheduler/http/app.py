@@ -178,7 +178,7 @@ def create_app(server_args: ServerArgs) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         source = Path(server_args.model_path) if server_args.model_path else embedded_model_path()
-        tokenizer = await asyncio.to_thread(load_tokenizer, source, server_args.cache_path)
+        tokenizer = await asyncio.to_thread(load_tokenizer, source, server_args.cache_path, server_args.chat_template)
         # Token ids are checked by the scheduler, which knows the model's vocabulary; the frontend sends only its own.
         prompt_encoder = PromptEncoder(tokenizer, len(tokenizer), server_args.max_seq_len)
         limits = RequestLimits(server_args.max_seq_len, server_args.grammar_max_spec_bytes)

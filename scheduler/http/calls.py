@@ -87,6 +87,7 @@ class FrontendState:
                 messages=call.messages,
                 chat_template_kwargs=call.chat_template_kwargs,
                 tools=call.tools,
+                documents=call.documents,
                 continue_final_message=call.continue_final_message,
             )
         except ValueError as e:

@@ -308,6 +308,8 @@ class ChatCompletionRequest(CommonRequest):
     web_search_options: dict[str, Any] | None = None
     # reasoning models (``--reasoning-parser``; ``scheduler.http.reasoning_fields``)
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    """vLLM's: documents for a chat template that renders them (retrieval-augmented generation)."""
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     """SGLang's: stream the think block as it is generated; false sends it in one delta once it has closed."""
@@ -360,7 +362,8 @@ class GenerateRequest(Body):
 
 
 class TokenizeRequest(Body):
-    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the chat template (with ``tools``,
+    ``documents`` and ``chat_template_kwargs`` as a chat completion gives them to it)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -368,6 +371,9 @@ class TokenizeRequest(Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Body):

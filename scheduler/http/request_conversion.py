@@ -56,10 +56,10 @@ class SchedulerCall:
     ``fills_context``: no token limit was asked for, so the output may take whatever room the prompt leaves.
     ``top_logprobs_num``: None for no logprobs, else the alternatives wanted per output token.
     ``chat_template_kwargs``: variables for the chat template of ``messages``; ``tools``: the tools it renders (when
-    it renders tools, ``scheduler.http.tool_calls``); ``continue_final_message``: a final
-    assistant message is continued (``PromptEncoder.encode``); ``separate_reasoning``: report the
-    think block apart (``--reasoning-parser``); ``prediction``: a predicted output, text until the frontend tokenises
-    it (``FrontendState.tokenized``).
+    it renders tools, ``scheduler.http.tool_calls``); ``documents``: the documents it renders;
+    ``continue_final_message``: a final assistant message is continued (``PromptEncoder.encode``);
+    ``separate_reasoning``: report the think block apart (``--reasoning-parser``); ``prediction``: a predicted
+    output, text until the frontend tokenises it (``FrontendState.tokenized``).
     """
 
     rid: str
@@ -71,6 +71,7 @@ class SchedulerCall:
     top_logprobs_num: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
     continue_final_message: bool = False
     separate_reasoning: bool = False
     prediction: str | list[int] | None = None
@@ -145,11 +146,7 @@ def chat_calls(
                 f"messages[{i}].tool_call_id is required on a tool message: it names the call whose result it is",
                 param="messages.tool_call_id",
             )
-    renders_tools = tool_format.template_renders_tools
-    messages = template_messages(request.messages, tool_format.syntax, renders_tools, tool_schemas(request))
-    tools = offered_tools(request) if plan is not None and renders_tools else None
-    if plan is not None and not renders_tools:
-        messages = with_tools_offered(messages, plan)
+    messages, tools = chat_template_input(request, plan, tool_format)
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = msgspec.structs.replace(
         _sampling_params(request, max_tokens or limits.max_seq_len, limits, plan, tool_format),
@@ -168,12 +165,26 @@ def chat_calls(
             top_logprobs_num=top_logprobs_num,
             chat_template_kwargs=request.chat_template_kwargs,
             tools=tools,
+            documents=request.documents,
             continue_final_message=request.continue_final_message,
             separate_reasoning=request.separate_reasoning,
             prediction=request.prediction.text if request.prediction is not None else None,
         )
         for i in range(request.n)
     ]
+
+
+def chat_template_input(
+    request: ChatCompletionRequest, plan: ToolPlan | None, tool_format: ToolFormat
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools a chat request gives the chat template: the tools to a template that renders them,
+    else offered in the system message (``scheduler.http.tool_calls``)."""
+    renders_tools = tool_format.template_renders_tools
+    messages = template_messages(request.messages, tool_format.syntax, renders_tools, tool_schemas(request))
+    tools = offered_tools(request) if plan is not None and renders_tools else None
+    if plan is not None and not renders_tools:
+        messages = with_tools_offered(messages, plan)
+    return messages, tools
 
 
 def completion_calls(request: CompletionRequest, request_id: str, limits: RequestLimits) -> list[SchedulerCall]:

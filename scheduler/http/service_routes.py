@@ -13,9 +13,17 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from scheduler.http.protocol import DetokenizeRequest, ProtocolError, TokenizeRequest, parse_body
+from scheduler.http.calls import FrontendState
+from scheduler.http.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    ProtocolError,
+    TokenizeRequest,
+    parse_body,
+)
+from scheduler.http.request_conversion import chat_template_input
 from scheduler.http.routing import frontend_of, json_response, read_body
-from scheduler.http.tool_calls import template_messages
+from scheduler.http.tool_calls import tool_plan
 from scheduler.io_struct import Pong, SamplingParams
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer_loading import embedded_model_path
@@ -98,19 +106,26 @@ async def tokenize(request: Request) -> Response:
     if body.prompt is not None:
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        tool_format = frontend.tool_format
-        messages = template_messages(body.messages or [], tool_format.syntax, tool_format.template_renders_tools)
-        ids = await asyncio.to_thread(
-            tokenizer.apply_chat_template,
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
+        ids = await asyncio.to_thread(_chat_ids, frontend, body)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": frontend.limits.max_seq_len, "tokens": list(ids)}
     if body.return_token_strs:
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
     return json_response(answer)
+
+
+def _chat_ids(frontend: FrontendState, body: TokenizeRequest) -> list[int]:
+    """The token ids of ``body``'s messages as a chat completion with its tools (``tool_choice`` auto), documents and
+    template kwargs has them, but for the generation prompt, which ``add_generation_prompt`` chooses."""
+    chat = ChatCompletionRequest.model_construct(messages=body.messages or [], tools=body.tools)
+    plan = tool_plan(chat, frontend.tool_format.syntax)
+    messages, tools = chat_template_input(chat, plan, frontend.tool_format)
+    try:
+        return frontend.prompt_encoder.chat_ids(
+            messages, body.chat_template_kwargs or {}, tools, body.documents, body.add_generation_prompt
+        )
+    except ValueError as e:
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+        raise ProtocolError(str(e), param=param) from e
 
 
 @router.post("/detokenize")

@@ -60,12 +60,23 @@ class ToolFormat:
 def server_tool_format(tool_call_parser: str | None, tokenizer: Any) -> ToolFormat:
     """The server's tool format from ``--tool-call-parser`` and its tokenizer's chat template (the choice is
     logged)."""
-    chat_template = getattr(tokenizer, "chat_template", None)
+    chat_template = _template_for_tools(tokenizer)
     syntax, why = resolve_syntax(tool_call_parser, chat_template)
     renders = renders_tools(chat_template)
     offered = "the chat template renders them" if renders else "offered in a system message"
     logger.info("tool calls are written in the %s syntax, chosen by %s; tools are %s", syntax.name, why, offered)
     return ToolFormat(syntax, renders, writes_special_tokens(syntax, tokenizer))
+
+
+def _template_for_tools(tokenizer: Any) -> str | None:
+    """The chat template a request with tools is rendered by: of a tokenizer with several named templates, its
+    ``tool_use`` one if it has one (as transformers chooses), else its default."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    try:
+        return str(tokenizer.get_chat_template(tools=[]))
+    except ValueError:  # several templates, none of them the default
+        return None
 
 
 DEFAULT_TOOL_FORMAT = ToolFormat(SYNTAXES[DEFAULT_SYNTAX], template_renders_tools=False)

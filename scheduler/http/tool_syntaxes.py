@@ -21,10 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-import jinja2.meta
-
 from scheduler.http.tool_parameters import Parameters, const
+from sglang_constrained.chat_template import template_variables
 
 INDEX = "{index}"
 CALL_NUMBER = "(0|[1-9][0-9]{0,3})"
@@ -268,13 +266,7 @@ def resolve_syntax(tool_call_parser: str | None, chat_template: str | None) -> t
 
 def renders_tools(chat_template: str | None) -> bool:
     """Whether a chat template reads a ``tools`` variable (then it is given the tools and earlier calls)."""
-    if not chat_template:
-        return False
-    try:
-        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
-    except jinja2.TemplateSyntaxError:
-        return False
-    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+    return bool(chat_template) and "tools" in template_variables(chat_template or "")
 
 
 def writes_special_tokens(syntax: ToolSyntax, tokenizer: Any) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from scheduler.model.gguf_config import ROPE_FACTOR_TENSORS
+
 FORMATS = ("q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 OFFSETS = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
 """What comes off a stored (unsigned) quant before its scale multiplies it."""
@@ -179,6 +181,8 @@ def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
     kv_heads = int(reader.fields[f"{architecture}.attention.head_count_kv"].parts[-1][0])
     weights: dict[str, torch.Tensor | BlockQuantized] = {}
     for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS.values():  # part of the config (``gguf_config``)
+            continue
         if tensor.name not in hf_names:
             raise ValueError(f"the GGUF file holds a tensor {tensor.name!r} this model runner does not know")
         raw = np.asarray(tensor.data)

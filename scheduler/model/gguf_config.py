@@ -2,7 +2,9 @@
 SmolLM3's, which transformers does not read at all.
 
 - Phi-3: llama.cpp's converter writes the sliding window and the RoPE dimension count, which transformers' GGUF
-  mapping skips (a Phi-3-mini-4k file would lose its 2047-token window, a partial-rotary file its partial RoPE).
+  mapping skips (a Phi-3-mini-4k file would lose its 2047-token window, a partial-rotary file its partial RoPE), and
+  longrope (Phi-3.5, Phi-4-mini) as two tensors of factors, ``ROPE_FACTOR_TENSORS``, with its original context and
+  attention factor as keys, which it does not read at all (the file would be served without its RoPE scaling).
 - SmolLM3: the Llama keys under ``smollm3.``; every fourth layer has no RoPE, as llama.cpp fixes it (no key says so).
 """
 
@@ -15,6 +17,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
 """llama.cpp's ``n_no_rope_layer_step`` for SmolLM3, set in its source rather than read from the file."""
+ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+"""Phi-3's longrope factors (one per rotated pair) as llama.cpp's converter stores them: config, not weights."""
 TRANSFORMERS_UNREAD = ("smollm3",)
 """Architectures whose GGUF files transformers reads neither config nor weights of."""
 
@@ -38,7 +42,7 @@ def read_gguf_config(gguf_file: Path, reader: Any) -> PretrainedConfig:
 
 
 def restore_phi3_fields(config: PretrainedConfig, reader: Any) -> None:
-    """Put the sliding window and the partial RoPE of a Phi-3 file back into ``config`` (see module doc)."""
+    """Put the sliding window, the partial RoPE and longrope of a Phi-3 file back into ``config`` (see module doc)."""
     window = _value(reader, "phi3.attention.sliding_window")
     if window:
         config.sliding_window = int(window)
@@ -46,6 +50,20 @@ def restore_phi3_fields(config: PretrainedConfig, reader: Any) -> None:
     head_dim = config.hidden_size // config.num_attention_heads
     if rope_dim is not None and int(rope_dim) != head_dim:
         config.rope_parameters["partial_rotary_factor"] = int(rope_dim) / head_dim
+    factors = {tensor.name: tensor for tensor in reader.tensors if tensor.name in ROPE_FACTOR_TENSORS.values()}
+    if factors:
+        if len(factors) != len(ROPE_FACTOR_TENSORS):
+            raise ValueError(f"a Phi-3 GGUF file with longrope needs both {sorted(ROPE_FACTOR_TENSORS.values())}")
+        original = int(_value(reader, "phi3.rope.scaling.original_context_length"))
+        config.original_max_position_embeddings = original
+        config.rope_parameters |= {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": original,
+            **{key: [float(f) for f in factors[name].data] for key, name in ROPE_FACTOR_TENSORS.items()},
+        }
+        attention_factor = _value(reader, "phi3.rope.scaling.attn_factor")
+        if attention_factor is not None:
+            config.rope_parameters["attention_factor"] = float(attention_factor)
 
 
 def _smollm3_config(reader: Any) -> PretrainedConfig:

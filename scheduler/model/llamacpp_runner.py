@@ -142,7 +142,7 @@ class LlamaCppModelRunner(BaseModelRunner):
                 f"{server_args.max_running_requests} sequences: lower --max-seq-len or --max-running-requests"
             )
         self._batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
-        self.tokenizer = load_tokenizer(source, server_args.cache_path)
+        self.tokenizer = load_tokenizer(source, server_args.cache_path, server_args.chat_template)
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
         self.eos_token_ids = [t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)]
         self.max_seq_len = server_args.max_seq_len

@@ -93,7 +93,7 @@ def load_model(server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1) -> L
     check_supported(config, server_args.max_seq_len)
     shard = ShardPlan.build(config, tp_rank, tp_size)
     weights = read_weights(folder, shard)
-    tokenizer = load_tokenizer(source, server_args.cache_path)
+    tokenizer = load_tokenizer(source, server_args.cache_path, server_args.chat_template)
     eos_token_ids = _eos_token_ids(config, _generation_config(folder), tokenizer)
     logger.info(
         "loaded %s (%s, %d layers) in %.1f s: %s",

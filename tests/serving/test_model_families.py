@@ -2,7 +2,8 @@
 models built from each family's transformers config (no download), from a Hugging Face folder and from a GGUF file
 written as llama.cpp lays that family out. Logits within float32 rounding of transformers', greedy tokens equal.
 
-What each family adds is engaged: Phi-3's fused projections, partial RoPE and sliding window; SmolLM3's layers without
+What each family adds is engaged: Phi-3's fused projections, partial RoPE and sliding window, and Phi-4-mini's longrope
+(its factors, from a GGUF file's tensors as llama.cpp's converter stores them); SmolLM3's layers without
 RoPE; Gemma 3's sliding-window layers with their own RoPE base, GELU-tanh, (1 + w) norms, norms of each block's output,
 scaled embedding, and (from a folder) soft-capped logits and its own attention scale. Prompts run past the windows.
 """
@@ -46,17 +47,6 @@ FAMILIES = {
     "gemma3 (window 8 on five layers of six)": lambda: Gemma3TextConfig(
         **(TINY | {"num_hidden_layers": 6}), head_dim=16, sliding_window=8
     ),
-}
-FOLDER_ONLY = {  # what a GGUF file does not say (llama.cpp's Gemma 3 has neither), or a family served before
-    "gemma3 soft-capped logits, query scale 24": lambda: Gemma3TextConfig(
-        **TINY,
-        head_dim=16,
-        sliding_window=8,
-        sliding_window_pattern=2,
-        final_logit_softcapping=2.5,
-        query_pre_attn_scalar=24,
-    ),
-    "mistral, window 12": lambda: MistralConfig(**TINY, sliding_window=12),
     # Phi-4-mini's RoPE: its short factors within the original context (max_seq_len 128)
     "phi3 longrope": lambda: Phi3Config(
         **TINY,
@@ -71,6 +61,17 @@ FOLDER_ONLY = {  # what a GGUF file does not say (llama.cpp's Gemma 3 has neithe
             "long_factor": [4.0 + i for i in range(6)],
         },
     ),
+}
+FOLDER_ONLY = {  # what a GGUF file does not say (llama.cpp's Gemma 3 has neither), or a family served before
+    "gemma3 soft-capped logits, query scale 24": lambda: Gemma3TextConfig(
+        **TINY,
+        head_dim=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        final_logit_softcapping=2.5,
+        query_pre_attn_scalar=24,
+    ),
+    "mistral, window 12": lambda: MistralConfig(**TINY, sliding_window=12),
 }
 PROMPT_LENGTHS = (70, 30)
 GREEDY_STEPS = 8

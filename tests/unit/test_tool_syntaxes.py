@@ -49,6 +49,18 @@ def test_the_parser_names_are_the_syntaxes_and_a_template_names_its_own() -> Non
     assert resolve_syntax(None, TEMPLATES["qwen25"] + TEMPLATES["mistral"])[0].name == "hermes"
 
 
+def test_a_template_with_transformers_generation_tag_is_read_for_tools() -> None:
+    """``{% generation %}`` (transformers' mark of the assistant's text) is no Jinja of its own: a template holding it
+    is parsed as transformers parses it, so that one rendering tools is still given them."""
+    marked = TEMPLATES["qwen25"].replace(
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+        "{%- generation %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- endgeneration %}",
+    )
+    assert "{%- generation %}" in marked and renders_tools(marked)
+    assert not renders_tools("{% if %}") and not renders_tools(None)
+
+
 def test_smollm2s_template_names_no_syntax_and_renders_no_tools(smollm2_tokenizer: TokenizerSetup) -> None:
     template = smollm2_tokenizer.tokenizer.chat_template
     assert detect_syntax(template) is None and not renders_tools(template)
