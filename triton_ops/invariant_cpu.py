@@ -19,6 +19,7 @@ import ctypes
 import enum
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -114,6 +115,39 @@ class PackedWeight:
     def num_weight_bytes(self) -> int:
         """The bytes of the ``out_features x in_features`` weights themselves in this format (no padding)."""
         return int(self.out_features * self.in_features * BYTES_PER_BLOCK[self.format] // BLOCK)
+
+
+@dataclass(frozen=True)
+class WeightStack:
+    """Weights stacked by rows whose formats differ, each part packed in its own format (a k-quant file's q and k
+    projections beside a v of more bits): multiplied part by part into consecutive output columns, each part's
+    products those of the part alone."""
+
+    parts: tuple[PackedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or len({part.in_features for part in self.parts}) != 1:
+            raise ValueError("a weight stack has two or more parts of the same in_features")
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return sum(part.num_weight_bytes for part in self.parts)
+
+
+MatmulWeight = PackedWeight | WeightStack
+"""A matmul's weight: one packed weight, or a stack of parts in different formats."""
 
 
 def _compiler() -> str:
@@ -427,25 +461,28 @@ def _check_rows(x: torch.Tensor, width: int, what: str) -> None:
         raise ValueError(f"{what} takes float32 [rows, {width}] with unit column stride, got {x.dtype} {x.shape}")
 
 
-def matmul(x: torch.Tensor, weight: PackedWeight, threads: int | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: MatmulWeight, threads: int | None = None) -> torch.Tensor:
     """``x @ W.T``: float32 ``[M, in_features]`` -> ``[M, out_features]``, each row independent of the others.
 
     ``threads`` (every kernel takes it): at most this many threads, ``kernel_threads()`` by default."""
     _check_rows(x, weight.in_features, "matmul")
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    if x.shape[0]:
-        _loaded().invariant_matmul(
-            int(weight.format),
-            x.data_ptr(),
-            x.shape[0],
-            weight.in_features,
-            x.stride(0),
-            weight.data.data_ptr(),
-            weight.out_features,
-            out.data_ptr(),
-            out.stride(0),
-            threads or kernel_threads(),
-        )
+    column = 0
+    for part in weight.parts if isinstance(weight, WeightStack) else (weight,):
+        if x.shape[0]:
+            _loaded().invariant_matmul(
+                int(part.format),
+                x.data_ptr(),
+                x.shape[0],
+                part.in_features,
+                x.stride(0),
+                part.data.data_ptr(),
+                part.out_features,
+                out[:, column:].data_ptr(),
+                out.stride(0),
+                threads or kernel_threads(),
+            )
+        column += part.out_features
     return out
 
 
@@ -547,12 +584,16 @@ def softcap(x: torch.Tensor, cap: float, threads: int | None = None) -> torch.Te
 
 
 class _PackedRef(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("format", ctypes.c_int32),
-        ("out_features", ctypes.c_int64),
-        ("in_features", ctypes.c_int64),
-    ]
+    pass
+
+
+_PackedRef._fields_ = [
+    ("data", ctypes.c_void_p),
+    ("format", ctypes.c_int32),
+    ("out_features", ctypes.c_int64),
+    ("in_features", ctypes.c_int64),
+    ("next", ctypes.POINTER(_PackedRef)),  # the part stacked below (a WeightStack), or null
+]
 
 
 class _LayerRef(ctypes.Structure):
@@ -620,10 +661,10 @@ class DecoderLayer:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor  # the MLP block's input norm
-    qkv: PackedWeight  # q, k and v projections stacked
-    o_proj: PackedWeight
-    gate_up: PackedWeight  # gate and up projections stacked
-    down: PackedWeight
+    qkv: MatmulWeight  # q, k and v projections stacked
+    o_proj: MatmulWeight
+    gate_up: MatmulWeight  # gate and up projections stacked
+    down: MatmulWeight
     rope: Rope | None
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
@@ -730,8 +771,15 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _packed_ref(weight: PackedWeight) -> _PackedRef:
-    return _PackedRef(weight.data.data_ptr(), int(weight.format), weight.out_features, weight.in_features)
+def _packed_ref(weight: MatmulWeight) -> _PackedRef:
+    """The C++ view of ``weight``: a stack's parts chained through ``next`` (each ref keeps the one it points to)."""
+    refs = [
+        _PackedRef(part.data.data_ptr(), int(part.format), part.out_features, part.in_features, None)
+        for part in (weight.parts if isinstance(weight, WeightStack) else (weight,))
+    ]
+    for upper, lower in itertools.pairwise(refs):
+        upper.next = ctypes.pointer(lower)
+    return refs[0]
 
 
 class Decoder:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from scheduler.model.gguf_blocks import AS_Q8_0, BlockQuantized, as_q8_0, stack_
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
 from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, PackedWeight, Rope
+from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, MatmulWeight, PackedWeight, Rope, WeightStack
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class LlamaModel:
         def norm(name: str) -> torch.Tensor:  # Gemma's 1 + w, in float32 as transformers adds it
             return weight(name) + arch.norm_offset if arch.norm_offset else weight(name)
 
-        def packed(*names: str, dtype: torch.dtype = matmul_dtype) -> PackedWeight:
+        def packed(*names: str, dtype: torch.dtype = matmul_dtype) -> MatmulWeight:
             return pack_weight([stored(name) for name in names], dtype)
 
         embed = stored("model.embed_tokens.weight")
@@ -227,8 +228,9 @@ class LlamaModel:
         return ", ".join(f"{count} {fmt}" for fmt, count in sorted(counts.items()))
 
     def _packed_weights(self) -> list[PackedWeight]:
+        """Every packed weight, a stack's parts each."""
         layers = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        return [self.lm_head, *layers]
+        return [part for w in (self.lm_head, *layers) for part in (w.parts if isinstance(w, WeightStack) else (w,))]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: TokenKVPool) -> torch.Tensor:
@@ -290,16 +292,20 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dtype) -> PackedWeight:
+def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dtype) -> MatmulWeight:
     """Matrices stacked by rows, packed for the kernels: GGUF blocks of one format as those blocks, of Q8_0, Q4_0 and
-    Q5_0 mixed as Q8_0 (the same weights and the same bits: kquant_blocks.h), float16 or bfloat16 tensors where
-    float32 is asked in their own dtype (the same bits), anything else as float ``dtype`` panels."""
+    Q5_0 mixed as Q8_0 (the same weights and the same bits: kquant_blocks.h), of other mixed formats as a stack of
+    runs of one format each (``WeightStack``: a Q4_K_M file's Q4_K q and k beside a Q6_K v), float16 or bfloat16
+    tensors where float32 is asked in their own dtype (the same bits), anything else as float ``dtype`` panels."""
     formats = {part.format if isinstance(part, BlockQuantized) else None for part in parts}
     blocks = [part for part in parts if isinstance(part, BlockQuantized)]
     if len(formats) == 1 and None not in formats:
         return pack_blocks(stack_blocks(blocks))
     if None not in formats and formats <= set(AS_Q8_0):
         return pack_blocks(stack_blocks([as_q8_0(part) for part in blocks]))
+    if None not in formats:
+        runs = [list(run) for _, run in itertools.groupby(blocks, key=lambda part: part.format)]
+        return WeightStack(tuple(pack_blocks(stack_blocks(run)) for run in runs))
     tensors = [part for part in parts if isinstance(part, torch.Tensor)]
     dtypes = {tensor.dtype for tensor in tensors}
     if not blocks and dtype == torch.float32 and dtypes in ({torch.float16}, {torch.bfloat16}):

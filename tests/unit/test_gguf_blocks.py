@@ -22,6 +22,7 @@ from scheduler.model.gguf_blocks import (
     read_blocks,
     read_gguf_weights,
     split_part_name,
+    stack_blocks,
 )
 from scheduler.model.llama import pack_blocks, pack_weight
 from scheduler.server_args import ServerArgs
@@ -133,6 +134,56 @@ def test_q4_0_and_q5_0_stacked_with_q8_0_are_packed_as_q8_0() -> None:
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([invariant_cpu.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
     assert torch.equal(invariant_cpu.matmul(x, stacked), alone)
+
+
+def test_other_mixed_formats_stack_each_run_of_a_format_as_its_blocks() -> None:
+    """A Q4_K_M file's q and k in Q4_K beside a v in Q6_K stay blocks (they were de-quantised to float32): a stack
+    of one part per run of a format, as compact as the file, each part's outputs its bits alone."""
+    shapes = (("q4_k", 32), ("q4_k", 16), ("q6_k", 16))
+    parts = [read_blocks(random_bytes(fmt, rows, 256, seed=rows), gguf_type(fmt)) for fmt, rows in shapes]
+    blocks = [part for part in parts if part is not None]
+    stacked = pack_weight(blocks, torch.float32)
+    assert isinstance(stacked, invariant_cpu.WeightStack)
+    assert [part.format for part in stacked.parts] == [invariant_cpu.WeightFormat.Q4_K, invariant_cpu.WeightFormat.Q6_K]
+    assert (stacked.out_features, stacked.in_features) == (64, 256)
+    assert stacked.num_weight_bytes == sum(GGML_QUANT_SIZES[gguf_type(fmt)][1] * rows for fmt, rows in shapes)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([invariant_cpu.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
+    assert torch.equal(invariant_cpu.matmul(x, stacked), alone)
+
+
+def test_the_decoder_multiplies_a_stack_part_by_part_into_its_columns() -> None:
+    """One layer whose q, k, v and gate, up are stacks of separately packed parts computes the bits of the same layer
+    with each stacked into one weight (the C++ side's chain of parts: columns, widths, the MLP's halves)."""
+    hidden, heads, kv_heads, head_dim, inter, tokens = 256, 4, 2, 64, 512, 6
+    q8 = lambda rows, columns, seed: read_blocks(random_bytes("q8_0", rows, columns, seed), gguf_type("q8_0"))  # noqa: E731
+    qkv = [q8(heads * head_dim, hidden, 1), q8(kv_heads * head_dim, hidden, 2), q8(kv_heads * head_dim, hidden, 3)]
+    gate_up = [q8(inter, hidden, 4), q8(inter, hidden, 5)]
+    angles = torch.arange(tokens)[:, None] * torch.rand(head_dim, generator=torch.Generator().manual_seed(9))
+    rope = invariant_cpu.Rope(torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+    norm = torch.ones(hidden)
+    batch = invariant_cpu.DecoderBatch(
+        torch.arange(tokens), torch.arange(tokens), torch.arange(tokens), torch.zeros(tokens, dtype=torch.int64),
+        torch.arange(1, tokens + 1),
+    )  # fmt: skip
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(10))
+    outputs = []
+    stacks = (
+        lambda parts: pack_blocks(stack_blocks(parts)),
+        lambda parts: invariant_cpu.WeightStack(tuple(pack_blocks(part) for part in parts)),
+    )
+    for stack in stacks:
+        layer = invariant_cpu.DecoderLayer(
+            input_norm=norm, post_norm=norm, qkv=stack(qkv), o_proj=pack_blocks(q8(hidden, heads * head_dim, 6)),
+            gate_up=stack(gate_up), down=pack_blocks(q8(hidden, inter, 7)), rope=rope,
+        )  # fmt: skip
+        decoder = invariant_cpu.Decoder([layer], heads, kv_heads, head_dim, 1e-5)
+        k_pool, v_pool = torch.zeros(2, 1, tokens, kv_heads, head_dim)
+        out = x.clone()
+        decoder.run(out, batch, k_pool, v_pool, threads=2)
+        outputs.append((out, k_pool, v_pool))
+    for whole, parts in zip(*outputs, strict=True):
+        assert torch.equal(whole, parts)
 
 
 def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:

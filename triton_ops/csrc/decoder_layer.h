@@ -13,10 +13,13 @@
 //   attention with RoPE tables of their own on most layers. Its norms' (1 + w) and its embedding's scale are taken
 //   care of by the caller (llama.py): they are a weight and an elementwise product.
 
+// A packed weight; `next`, where not null, the weight stacked below it (its rows are the next output columns): the
+// parts of a stack whose formats differ (a k-quant file's q and k beside a v of more bits), each multiplied as stored.
 struct PackedRef {
   const uint8_t* data;
   int32_t format;
   int64_t out_features, in_features;
+  const PackedRef* next;
 };
 
 struct LayerRef {
@@ -53,8 +56,20 @@ struct BatchRef {
 
 namespace {
 
+int64_t stacked_out_features(const PackedRef& w) {
+  int64_t width = 0;
+  for (const PackedRef* part = &w; part != nullptr; part = part->next) width += part->out_features;
+  return width;
+}
+
 void matmul_ref(const float* x, int64_t M, const PackedRef& w, float* y, int32_t threads) {
-  invariant_matmul(w.format, x, M, w.in_features, w.in_features, w.data, w.out_features, y, w.out_features, threads);
+  const int64_t width = stacked_out_features(w);
+  int64_t column = 0;
+  for (const PackedRef* part = &w; part != nullptr; part = part->next) {
+    invariant_matmul(part->format, x, M, part->in_features, part->in_features, part->data, part->out_features,
+                     y + column, width, threads);
+    column += part->out_features;
+  }
 }
 
 // RoPE in transformers' layout, in place on the first `rope_dim` values of `heads` heads of one token:
@@ -129,7 +144,7 @@ void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, c
 
 void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
                          int32_t threads) {
-  const int64_t inter = layer->gate_up.out_features / 2;
+  const int64_t inter = stacked_out_features(layer->gate_up) / 2;
   Buffer<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
   invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
                      threads);
