@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import regex
 import torch
 
 from sglang_constrained.base_grammar_backend import BaseGrammarObject
@@ -352,8 +353,10 @@ def _ecma_pattern_properties(validator: Any, pattern_properties: Any, instance: 
 
 
 def regex_judge(pattern: str) -> Judge:
-    """A regex constraint is in the engines' own dialect, whose classes are Unicode-aware as Python's are."""
-    compiled = re.compile(pattern)
+    """A regex constraint is in the engines' own dialect, whose classes are Unicode-aware as Python's are, but of
+    Unicode 16, as the engines': ``regex``'s database, not ``re``'s (Python 3.11's is Unicode 14, which has no
+    U+1CCF6, a digit to llguidance's ``\\d``)."""
+    compiled = regex.compile(pattern)
     return lambda text: None if compiled.fullmatch(text) else "does not match the regex"
 
 
