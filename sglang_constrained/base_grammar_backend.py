@@ -18,7 +18,7 @@ import importlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -175,6 +175,12 @@ class BaseGrammarObject(ABC):
     def validate_tokens(self, tokens: list[int]) -> int:
         """Length of the longest prefix of ``tokens`` the grammar accepts from here; the state does not change."""
         raise NotImplementedError(f"{type(self).__name__} cannot validate token sequences")
+
+    def state_key(self) -> Hashable | None:
+        """A value equal for two states of this grammar object exactly when they allow the same token sequences from
+        here on, or None where the engine does not expose its state (xgrammar's Earley chart, llguidance's
+        lexer and parser): ``exact_ending`` needs it to tell states apart. The state does not change."""
+        return None
 
     def memory_size_bytes(self) -> int:
         """Approximate bytes held by the compiled grammar; the cache's byte bound counts this.

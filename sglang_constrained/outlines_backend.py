@@ -118,6 +118,10 @@ class OutlinesGrammar(BaseGrammarObject):
     def copy(self) -> OutlinesGrammar:
         return OutlinesGrammar(self.compiled)
 
+    def state_key(self) -> tuple[int, bool]:
+        """The index's DFA state and whether a stop token was accepted: the whole state of a walk."""
+        return self._guide.get_state(), self._is_terminated
+
     def validate_tokens(self, tokens: list[int]) -> int:
         if self._is_terminated:
             return 0

@@ -9,6 +9,7 @@ Compiled grammars are cached unwrapped, so requests with and without reasoning s
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import Any
 
@@ -155,6 +156,11 @@ class ReasonerGrammarObject(BaseGrammarObject):
 
     def is_terminated(self) -> bool:
         return self.is_answering and self.grammar.is_terminated()
+
+    def state_key(self) -> Hashable | None:
+        """The answer grammar's state key while answering (a search from there stays in the answer); None while
+        thinking or undecided."""
+        return self.grammar.state_key() if self.is_answering else None
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Thinking: every token (the row is reset), or the think-end token alone once the budget is spent;

@@ -1,0 +1,186 @@
+"""The exact shortest ending in tokens, for grammars whose state the engine exposes (``state_key``: outlines-core's
+DFA state today).
+
+A token moves a byte-level grammar through its bytes one by one, so the fewest tokens from a state to the grammar's
+end is a shortest path over pairs (grammar state, place in the vocabulary's trie of pieces): a byte moves both at no
+cost, and closing a token at a trie node that is a piece costs one and starts the next token at the trie's root.
+This search runs that breadth first by token count over the states at token boundaries, each told apart by its exact
+key (no state is merged with another that could end sooner), and walks the trie from each with the grammar's byte
+moves, learnt once per state through the contract (the single-byte tokens its mask allows, each accepted, keyed and
+rolled back). A walk stops early where every byte below a trie node keeps the grammar in its state (a string's
+content): every piece there ends in that state. The first token count at which a state allows a stop token (or has
+terminated) is the minimum, because every state reachable in fewer tokens was expanded before it.
+
+It assumes what byte-level engines guarantee: a token is accepted exactly when its bytes are, one by one, and leads
+to the state they lead to (checked at the end: the path returned is walked). It gives up (None) beyond
+``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps or a byte path longer than ``MAX_PATH_BYTES``.
+
+xgrammar and llguidance expose no state (``state_key`` is None): for them ``EndingSearch`` keeps its sound bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.vocabulary import TokenizerVocabulary
+from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
+
+MAX_EXPLORED_STATES = 4000
+"""Most byte-level states whose moves one search learns (each a walk, a mask and a step per allowed byte)."""
+MAX_TRIE_STEPS = 400_000
+"""Most trie steps one search takes."""
+MAX_PATH_BYTES = 180
+"""Longest byte path from the search's start to a state it learns (outlines-core keeps 200 tokens to roll back)."""
+
+
+@dataclass
+class _State:
+    """What one grammar state does: its byte path from the search's start, the state key after each allowed byte,
+    the bytes that keep it where it is (as a 256-bit set), and how it can end."""
+
+    path: tuple[int, ...]
+    moves: dict[int, Hashable] = field(default_factory=dict)
+    loop_bytes: int = 0
+    stop: int | None = None
+    is_terminated: bool = False
+
+
+class _PieceTrie:
+    """The vocabulary's pieces (special tokens left out) as a trie over bytes: per node its children, the token whose
+    piece ends there (-1 if none; the first of equal pieces), the bytes anywhere below it, and a token below it."""
+
+    def __init__(self, vocabulary: TokenizerVocabulary) -> None:
+        self.children: list[dict[int, int]] = [{}]
+        self.token: list[int] = [-1]
+        for token, piece in enumerate(vocabulary.decoded_vocab):
+            if not piece or token in vocabulary.special_token_ids:
+                continue
+            node = 0
+            for byte in piece:
+                child = self.children[node].get(byte)
+                if child is None:
+                    child = len(self.children)
+                    self.children[node][byte] = child
+                    self.children.append({})
+                    self.token.append(-1)
+                node = child
+            if self.token[node] < 0:
+                self.token[node] = token
+        self.bytes_below = [0] * len(self.children)
+        self.token_below = list(self.token)
+        for node in range(len(self.children) - 1, -1, -1):  # children come after their parents
+            for byte, child in self.children[node].items():
+                self.bytes_below[node] |= self.bytes_below[child] | (1 << byte)
+                if self.token_below[node] < 0:
+                    self.token_below[node] = self.token_below[child]
+
+
+class ExactEndingSearch:
+    """Shortest endings in tokens over one vocabulary; not thread-safe (one scratch mask row). Every method leaves the
+    grammar's state as it found it."""
+
+    def __init__(self, vocabulary: TokenizerVocabulary) -> None:
+        self.stop_token_ids = tuple(vocabulary.stop_token_ids)
+        self._trie = _PieceTrie(vocabulary)
+        tokens = self._trie.token
+        self._byte_token = {byte: tokens[child] for byte, child in self._trie.children[0].items() if tokens[child] >= 0}
+        self.is_walkable = all(byte in self._byte_token for node in self._trie.children for byte in node)
+        """Whether every byte of every piece has a token of its own (the trie's walks need it)."""
+        self._scratch = allocate_bitmask(1, vocabulary.model_vocab_size, "cpu")
+
+    def shortest(self, grammar: BaseGrammarObject) -> list[int] | None:
+        """The fewest tokens after which ``grammar`` has terminated (the last a stop token unless it ends by
+        itself), ``[]`` if it has; None where its engine exposes no state or the search gives up. The state does not
+        change."""
+        start = grammar.state_key()
+        if start is None or not self.is_walkable:
+            return None
+        states: dict[Hashable, _State] = {}
+        reached: dict[Hashable, tuple[Hashable, int] | None] = {start: None}  # a boundary state: (previous, token)
+        level = [start]
+        num_trie_steps = 0
+        while level:
+            learnt = [self._learn(grammar, states, key, ()) for key in level]  # all but the start learnt before
+            if None in learnt:
+                return None
+            ends = [(not s.is_terminated, key, s.stop) for key, s in zip(level, learnt, strict=True) if s and _ends(s)]
+            if ends:  # a terminated state ends at this count, a state allowing a stop token at one more
+                is_stop_needed, key, stop = min(ends, key=lambda end: end[0])
+                return _tokens_to(reached, key) + ([stop] if is_stop_needed and stop is not None else [])
+            next_level: list[Hashable] = []
+            for key in level:
+                stack = [(0, key)]
+                while stack:
+                    node, at = stack.pop()
+                    for byte, child in self._trie.children[node].items():
+                        after = states[at].moves.get(byte)
+                        if after is None:
+                            continue
+                        num_trie_steps += 1
+                        state = self._learn(grammar, states, after, (*states[at].path, self._byte_token[byte]))
+                        if state is None or num_trie_steps > MAX_TRIE_STEPS:
+                            return None
+                        stays = self._trie.bytes_below[child] & ~state.loop_bytes == 0
+                        token = self._trie.token_below[child] if stays else self._trie.token[child]
+                        if token >= 0 and after not in reached:
+                            reached[after] = (key, token)
+                            next_level.append(after)
+                        if not stays:
+                            stack.append((child, after))
+            level = next_level
+        return None
+
+    def _learn(
+        self, grammar: BaseGrammarObject, states: dict[Hashable, _State], key: Hashable, path: tuple[int, ...]
+    ) -> _State | None:
+        """The moves of the state ``key``, reached from the start by the byte tokens ``path`` (learnt the first time
+        it is met); None past the search's limits."""
+        state = states.get(key)
+        if state is not None:
+            return state
+        if len(states) >= MAX_EXPLORED_STATES or len(path) > MAX_PATH_BYTES:
+            return None
+        state = states[key] = _State(path)
+        for token in path:
+            grammar.accept_token(token)
+        try:
+            state.is_terminated = grammar.is_terminated()
+            if state.is_terminated:
+                return state
+            grammar.fill_vocab_mask(self._scratch, 0)
+            row = self._scratch[0].tolist()
+            state.stop = next((t for t in self.stop_token_ids if _is_set(row, t)), None)
+            for byte, token in self._byte_token.items():
+                if not _is_set(row, token):
+                    continue
+                grammar.accept_token(token)
+                try:
+                    after = grammar.state_key()
+                finally:
+                    grammar.rollback(1)
+                state.moves[byte] = after
+                if after == key:
+                    state.loop_bytes |= 1 << byte
+            return state
+        finally:
+            grammar.rollback(len(path))
+
+
+def _ends(state: _State) -> bool:
+    return state.is_terminated or state.stop is not None
+
+
+def _is_set(row: list[int], token: int) -> bool:
+    return (row[token // BITS_PER_WORD] >> (token % BITS_PER_WORD)) & 1 == 1
+
+
+def _tokens_to(reached: dict[Hashable, tuple[Hashable, int] | None], key: Hashable) -> list[int]:
+    tokens: list[int] = []
+    step = reached[key]
+    while step is not None:
+        key, token = step
+        tokens.append(token)
+        step = reached[key]
+    return tokens[::-1]

@@ -1,0 +1,123 @@
+"""The shortest ending in tokens against brute force, on SmolLM2's tokenizer.
+
+Regexes with finite languages are drawn by hypothesis together with their languages; the brute force is the fewest
+vocabulary pieces spelling any string of the language, plus the stop token. outlines-core exposes its state, so its
+ending is the exact minimum; xgrammar and llguidance do not, and their ending is a bound at or above it that finishes
+the grammar. Small schemas are checked against an exhaustive search over outlines-core's own index (every token from
+every state, breadth first). llguidance ends a string nothing can extend without a stop token, which the brute force
+counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_constrained.base_grammar_backend import InvalidGrammarObject
+from sglang_constrained.ending_search import EndingSearch
+from sglang_constrained.outlines_backend import OutlinesGrammar
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
+from sglang_constrained.vocabulary import tokenizer_vocabulary
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import compile_grammar
+
+WORDS = ("a", "ab", "the", " b", "12", "0", "internationalization", "a b c d", "Hello world", "xyz")
+"""Words whose fewest pieces and byte lengths disagree ("internationalization" is few tokens, "a b c d" many)."""
+
+
+@st.composite
+def finite_regexes(draw: st.DrawFn) -> tuple[str, set[str]]:
+    """A regex of one to three parts, each an alternation of words, optional or repeated one to two times; and its
+    language."""
+    pattern, language = "", {""}
+    for _ in range(draw(st.integers(1, 3))):
+        words = draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3, unique=True))
+        quantifier = draw(st.sampled_from(("", "?", "{1,2}")))
+        repeats = {"": (1,), "?": (0, 1), "{1,2}": (1, 2)}[quantifier]
+        pattern += "(" + "|".join(words) + ")" + quantifier
+        part = {"".join(choice) for n in repeats for choice in _products(words, n)}
+        language = {prefix + suffix for prefix in language for suffix in part}
+    return pattern, language
+
+
+def _products(words: list[str], n: int) -> list[tuple[str, ...]]:
+    if n == 0:
+        return [()]
+    return [(word, *rest) for word in words for rest in _products(words, n - 1)]
+
+
+@pytest.fixture(scope="module")
+def search(smollm2_tokenizer: TokenizerSetup) -> EndingSearch:
+    setup = smollm2_tokenizer
+    return EndingSearch(tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regex=finite_regexes())
+def test_shortest_ending_matches_brute_force(
+    regex: tuple[str, set[str]],
+    build_backend: BackendBuilder,
+    smollm2_tokenizer: TokenizerSetup,
+    search: EndingSearch,
+) -> None:
+    pattern, language = regex
+    for backend_name in ("outlines", "xgrammar", "llguidance"):
+        brute_force = min(ending_length(text, language, backend_name, search) for text in language)
+        grammar = compile_grammar(build_backend(backend_name, smollm2_tokenizer), "regex", pattern)
+        assert not isinstance(grammar, InvalidGrammarObject), grammar.error_message
+        ending = search.find(grammar)
+        assert ending is not None and search.finishes(grammar, ending), (backend_name, pattern)
+        if backend_name == "outlines":
+            assert len(ending) == brute_force, (pattern, smollm2_tokenizer.tokenizer.decode(ending))
+        else:
+            assert len(ending) >= brute_force, (backend_name, pattern)
+
+
+def ending_length(text: str, language: set[str], backend_name: str, search: EndingSearch) -> int:
+    """Fewest tokens for ``text``: its fewest pieces, and a stop token unless llguidance ends by itself (no string
+    of the language goes on from ``text``)."""
+    spelling = search.spell(text.encode())
+    assert spelling is not None
+    goes_on = any(len(other) > len(text) and other.startswith(text) for other in language)
+    ends_by_itself = backend_name == "llguidance" and not goes_on
+    return len(spelling) + (0 if ends_by_itself else 1)
+
+
+def index_shortest(grammar: OutlinesGrammar, eos_token_ids: list[int]) -> int:
+    """Fewest tokens to a stop token from the start, breadth first over every token of every state of the index."""
+    index = grammar.compiled.index
+    start = index.get_initial_state()
+    depth = {start: 0}
+    queue = deque([start])
+    while queue:
+        state = queue.popleft()
+        if index.is_final_state(state):
+            return depth[state] + 1
+        for token in index.get_allowed_tokens(state):
+            after = index.get_next_state(state, token)
+            if token not in eos_token_ids and after is not None and after not in depth:
+                depth[after] = depth[state] + 1
+                queue.append(after)
+    raise AssertionError("no final state")
+
+
+SMALL_SCHEMAS: list[Any] = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "array", "items": {"enum": ["internationalization", "a b c"]}, "minItems": 2},
+    {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["x", "y"]}}, "required": ["n", "tag"]},
+]
+
+
+@pytest.mark.parametrize("schema", SMALL_SCHEMAS)
+def test_schema_ending_matches_an_exhaustive_search_of_the_index(
+    schema: Any, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    grammar = compile_grammar(build_backend("outlines", smollm2_tokenizer), "json", schema)
+    assert isinstance(grammar, OutlinesGrammar)
+    ending = search.find(grammar)
+    assert ending is not None and search.finishes(grammar, ending)
+    assert len(ending) == index_shortest(grammar, smollm2_tokenizer.eos_token_ids)
