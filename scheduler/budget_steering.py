@@ -7,9 +7,12 @@ what ``max_new_tokens`` (and the context) still allow, this token included; the 
 spends it first (after its own thinking budget), and is closed (the think-end token forced) where one more thinking
 token would leave the answer's shortest ending no room.
 
-- Far from the budget (the remaining budget at least ``HORIZON`` tokens more than the plan) nothing is computed:
-  the plan follows the output where the output follows the plan, else it goes stale until the budget comes near.
-  Greedy outputs that never come near their budget are the same token for token as without the feature.
+- Far from the budget (the remaining budget at least ``HORIZON`` tokens more than the plan) no row is steered. The
+  plan follows the output where the output follows it. Beyond ``WATCH`` tokens of slack nothing else is computed
+  (the plan goes stale); within it the plan is kept current after every token (``record``): the plan itself where
+  it still ends the output (a string's content), a suffix of it, or an ending searched for this constraint's other
+  requests; where none fits it goes stale until the budget comes near (a search costs milliseconds). Greedy
+  outputs that never come near their budget are the same token for token as without the feature.
 - Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
   (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
   search), and the row keeps those that pass plus the plan's next token, which always does. The guarantee is
@@ -18,9 +21,10 @@ token would leave the answer's shortest ending no room.
   (the grammar allows one token) keep any ending's length minus one and need no check.
 
 A budget below the shortest ending from the grammar's start is refused when the grammar is ready (``refusal``). Within
-the horizon every token is checked, so the guarantee is exact there; what it assumes is that far from the budget, where
-nothing is computed, the ending does not grow by more than ``HORIZON`` tokens beyond the last one known before the
-horizon is reached (one JSON array item with a dozen required fields could).
+the horizon every token is checked, so the guarantee is exact there. What it assumes: within ``WATCH``, that one token
+does not grow the ending by more than the slack it had (at least ``HORIZON``: one token opening an item with a dozen
+required fields could); where the plan is stale (beyond ``WATCH``, or where no known ending fitted), that the ending
+does not grow by more than the slack left beyond ``HORIZON`` before the plan is current again.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
 
 HORIZON = 12
 """Slack (remaining budget beyond the plan's length) below which every sampled token is checked."""
+WATCH = 48
+"""Slack below which the plan is kept current after every token (``record``); beyond it nothing is computed."""
 NUM_CANDIDATES = 8
 """Tokens a sampled row keeps near the budget (a greedy row needs one): the most likely that pass."""
 MAX_CHECKED = 24
@@ -51,7 +57,12 @@ MAX_CHECK_STEPS = 300
 """Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
 kept (the plan's next token always is)."""
 MAX_CACHED_STARTS = 1024
-"""Start endings kept, by constraint key."""
+"""Start endings kept, by constraint key (and as many keys' known endings)."""
+MAX_GROWTH = 64
+"""Most tokens a replayed ending may have beyond the one it replaces (far from the budget any length will do)."""
+MAX_KNOWN_ENDINGS = 8
+"""Endings kept per constraint key for its other requests, shortest first (endings recur: after ``"age": 34,`` every
+request of a schema needs the same closing fields)."""
 
 
 class BudgetSteering:
@@ -62,6 +73,10 @@ class BudgetSteering:
         self.max_seq_len = max_seq_len
         self.on_steered = on_steered
         self._start_endings: OrderedDict[GrammarKey, list[int] | None] = OrderedDict()
+        self._known_endings: OrderedDict[GrammarKey, list[list[int]]] = OrderedDict()
+        self.num_stale = 0
+        """Plans gone stale within ``WATCH``: no plan, suffix or known ending fitted (searched anew once the budget is
+        near; ``bench_budget_steering`` counts them)."""
 
     def refusal(self, req: Req) -> Abort | None:
         """Give ``req`` (whose grammar is ready, at its start) its first plan; why it must be refused if its budget
@@ -73,6 +88,7 @@ class BudgetSteering:
         if ending is None:
             return None
         req.ending = EndingPlan(list(ending), len(ending))
+        self._remember(req.grammar_key, ending)
         budget = min(req.sampling_params.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
         if budget < len(ending):
             return Abort(
@@ -109,19 +125,42 @@ class BudgetSteering:
             self._steer_row(grammar, plan, remaining, logits[req_rows.start], 1 if is_greedy else NUM_CANDIDATES)
 
     def record(self, req: Req, token: int) -> None:
-        """``req`` took ``token`` (its grammar accepted it): follow it with the plan."""
+        """``req`` took ``token`` (its grammar accepted it): follow it with the plan. Within ``WATCH`` tokens of the
+        budget a plan the output left is found anew (the plan itself where it still ends the output, a suffix of it,
+        an ending searched for this constraint's other requests), so that its length is current at every step there;
+        it goes stale where none fits, or beyond ``WATCH`` (nothing is checked there)."""
         plan = req.ending
-        if plan is None or not _is_answering(req.ready_grammar, counting_last=True):
+        grammar = req.ready_grammar
+        if plan is None or grammar is None or not _is_answering(grammar, counting_last=True):
             return
         after, plan.after = plan.after, {}
         if plan.tokens and plan.tokens[0] == token:
             plan.tokens = plan.tokens[1:]
         elif token in after:
             plan.tokens = after[token]
-        else:
+        elif self._remaining(req) - plan.length >= WATCH:
             plan.tokens = None
-            return
-        plan.length = len(plan.tokens)
+        else:
+            plan.tokens = self._ending_anew(grammar, req.grammar_key, plan.tokens, token)
+        if plan.tokens is not None:
+            plan.length = len(plan.tokens)
+
+    def _ending_anew(
+        self, grammar: BaseGrammarObject, key: GrammarKey | None, ending: list[int] | None, token: int
+    ) -> list[int] | None:
+        """An ending from ``grammar``'s state after ``token`` left ``ending`` (None: a stale plan); None if none of the
+        cheap ones fits."""
+        search = self.search
+        if ending is not None:
+            if search.finishes(grammar, ending):
+                return ending
+            found = search.replay(grammar, ending, len(ending) + MAX_GROWTH, search.piece(token))
+            if found is not None:
+                return found
+        found = next((known for known in self._known_for(key) if search.finishes(grammar, known)), None)
+        if found is None and ending is not None:
+            self.num_stale += 1
+        return found
 
     def _plan(self, req: Req) -> EndingPlan | None:
         """``req``'s plan, made current if it went stale and the budget is near; None where nothing is steered."""
@@ -135,6 +174,7 @@ class BudgetSteering:
                 req.ending = None  # no ending within the search's reach: this request is not steered
                 return None
             plan.length = len(plan.tokens)
+            self._remember(req.grammar_key, plan.tokens)
         return plan
 
     def _close_thinking_in_time(self, req: Req, think_end_id: int, row: torch.Tensor) -> None:
@@ -209,6 +249,23 @@ class BudgetSteering:
             return (found if found is not None and len(found) <= budget else None), 1
         finally:
             grammar.rollback(1)
+
+    def _known_for(self, key: GrammarKey | None) -> list[list[int]]:
+        """The endings searched for ``key``'s requests, shortest first."""
+        return self._known_endings.get(key, []) if key is not None else []
+
+    def _remember(self, key: GrammarKey | None, ending: list[int]) -> None:
+        """Keep ``ending`` (found by a search) for ``key``'s other requests."""
+        if key is None or not ending:
+            return
+        known = self._known_endings.setdefault(key, [])
+        self._known_endings.move_to_end(key)
+        if len(self._known_endings) > MAX_CACHED_STARTS:
+            self._known_endings.popitem(last=False)
+        if ending not in known:
+            known.append(ending)
+            known.sort(key=len)
+            del known[MAX_KNOWN_ENDINGS:]
 
     def _start_ending(self, key: GrammarKey, grammar: BaseGrammarObject) -> list[int] | None:
         if key in self._start_endings:

@@ -5,8 +5,9 @@ the grammar, steered as the scheduler steers them (``BudgetSteering.steer`` and 
 walk runs twice, interleaved: with a budget its output never nears (the feature's cost there is its bookkeeping) and
 with the constraint's shortest output plus ``--slack`` tokens (every step near the budget: every sampled row
 checked). Printed per backend and constraint: microseconds per token of the mask fill (for scale) and of the
-steering, far and near, and the steering over the fill. The start's ending (searched once per constraint, when its
-first request is admitted) is timed apart.
+steering, far and near, and the steering over the fill; how often a plan went stale (no plan, suffix or known
+ending fitted after a token: searched anew once the budget nears). The start's ending (searched once per constraint,
+when its first request is admitted) is timed apart.
 
     python -m scripts.bench_budget_steering [--walks 12] [--slack 6] [--backends xgrammar llguidance outlines]
 """
@@ -42,10 +43,10 @@ MAX_FAR_TOKENS = 96
 
 
 def walk(
-    grammar: BaseGrammarObject, key: Any, search: EndingSearch, budget: int, seed: int, vocab_size: int
+    grammar: BaseGrammarObject, key: Any, steering: BudgetSteering, budget: int, seed: int, vocab_size: int
 ) -> tuple[float, float, int, bool]:
-    """Seconds spent filling masks and steering, tokens walked, and whether the grammar ended."""
-    steering = BudgetSteering(search, max_seq_len=FAR_BUDGET * 2)
+    """Seconds spent filling masks and steering, tokens walked, and whether the grammar ended. ``steering`` is
+    shared by the walks of one constraint, as the scheduler shares it among requests."""
     params = SamplingParams(max_new_tokens=budget, temperature=1.0)
     req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
     steering.refusal(req)
@@ -101,12 +102,13 @@ def main(argv: list[str] | None = None) -> None:
                 start_ms = (time.perf_counter() - start) * 1e3
                 assert ending is not None, f"{name} {kind}: no ending from the start"
                 per_token: dict[str, list[float]] = {"fill": [], "far": [], "near": []}
+                steering = BudgetSteering(search, max_seq_len=FAR_BUDGET * 2)
                 num_ended = 0
                 for i in range(args.walks):
                     distances = [("far", FAR_BUDGET), ("near", len(ending) + args.slack)]
                     for label, budget in distances if i % 2 == 0 else distances[::-1]:
                         fill_s, steer_s, num_tokens, ended = walk(
-                            grammar.copy(), key, search, budget, i, setup.vocab_size
+                            grammar.copy(), key, steering, budget, i, setup.vocab_size
                         )
                         per_token[label].append(steer_s / num_tokens * 1e6)
                         per_token["fill"].append(fill_s / num_tokens * 1e6)
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"{name:10} {kind:5} fill {fill:7.1f} | far {far:6.1f} ({far / fill:5.2f}x fill)"
                     f" | near {near:8.1f} ({near / fill:6.1f}x fill)  near walks ended in budget"
-                    f" {num_ended}/{args.walks}; start ending {len(ending)} tokens in {start_ms:.0f} ms"
+                    f" {num_ended}/{args.walks}; start ending {len(ending)} tokens in {start_ms:.0f} ms;"
+                    f" plans gone stale {steering.num_stale} (over {args.walks * 2} walks)"
                 )
         finally:
             backend.shutdown()
