@@ -10,8 +10,9 @@ token would leave the answer's shortest ending no room.
 - Far from the budget (the remaining budget at least ``HORIZON`` tokens more than the plan) no row is steered. The
   plan follows the output where the output follows it. Beyond ``WATCH`` tokens of slack nothing else is computed
   (the plan goes stale); within it the plan is kept current after every token (``record``): the plan itself where
-  it still ends the output (a string's content), a suffix of it, or an ending searched for this constraint's other
-  requests; where none fits it goes stale until the budget comes near (a search costs milliseconds). Greedy
+  it still ends the output (a string's content), a suffix of it, an ending searched for this constraint's other
+  requests, else a bounded search (milliseconds, remembered for the others); where that finds nothing it goes stale
+  until the budget comes near. Greedy
   outputs that never come near their budget are the same token for token as without the feature.
 - Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
   (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
@@ -23,8 +24,8 @@ token would leave the answer's shortest ending no room.
 A budget below the shortest ending from the grammar's start is refused when the grammar is ready (``refusal``). Within
 the horizon every token is checked, so the guarantee is exact there. What it assumes: within ``WATCH``, that one token
 does not grow the ending by more than the slack it had (at least ``HORIZON``: one token opening an item with a dozen
-required fields could); where the plan is stale (beyond ``WATCH``, or where no known ending fitted), that the ending
-does not grow by more than the slack left beyond ``HORIZON`` before the plan is current again.
+required fields could); where the plan is stale (beyond ``WATCH``, or where the bounded search found nothing), that
+the ending does not grow by more than the slack left beyond ``HORIZON`` before the plan is current again.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ class BudgetSteering:
         self.on_steered = on_steered
         self._start_endings: OrderedDict[GrammarKey, list[int] | None] = OrderedDict()
         self._known_endings: OrderedDict[GrammarKey, list[list[int]]] = OrderedDict()
+        self.num_searches = 0
+        """Bounded searches run within ``WATCH`` because no plan, suffix or known ending fitted."""
         self.num_stale = 0
-        """Plans gone stale within ``WATCH``: no plan, suffix or known ending fitted (searched anew once the budget is
-        near; ``bench_budget_steering`` counts them)."""
+        """Plans gone stale within ``WATCH``: nothing fitted and the bounded search found nothing (searched anew,
+        unbounded, once the budget is near; ``bench_budget_steering`` counts both)."""
 
     def refusal(self, req: Req) -> Abort | None:
         """Give ``req`` (whose grammar is ready, at its start) its first plan; why it must be refused if its budget
@@ -127,8 +130,8 @@ class BudgetSteering:
     def record(self, req: Req, token: int) -> None:
         """``req`` took ``token`` (its grammar accepted it): follow it with the plan. Within ``WATCH`` tokens of the
         budget a plan the output left is found anew (the plan itself where it still ends the output, a suffix of it,
-        an ending searched for this constraint's other requests), so that its length is current at every step there;
-        it goes stale where none fits, or beyond ``WATCH`` (nothing is checked there)."""
+        an ending searched for this constraint's other requests, a bounded search), so that its length is current at
+        every step there; it goes stale where none is found, or beyond ``WATCH`` (nothing is checked there)."""
         plan = req.ending
         grammar = req.ready_grammar
         if plan is None or grammar is None or not _is_answering(grammar, counting_last=True):
@@ -148,8 +151,8 @@ class BudgetSteering:
     def _ending_anew(
         self, grammar: BaseGrammarObject, key: GrammarKey | None, ending: list[int] | None, token: int
     ) -> list[int] | None:
-        """An ending from ``grammar``'s state after ``token`` left ``ending`` (None: a stale plan); None if none of the
-        cheap ones fits."""
+        """An ending from ``grammar``'s state after ``token`` left ``ending``, or None. A stale plan (``ending`` None)
+        is tried only against the known endings: its search waits for the horizon, as beyond ``WATCH``."""
         search = self.search
         if ending is not None:
             if search.finishes(grammar, ending):
@@ -159,7 +162,12 @@ class BudgetSteering:
                 return found
         found = next((known for known in self._known_for(key) if search.finishes(grammar, known)), None)
         if found is None and ending is not None:
-            self.num_stale += 1
+            self.num_searches += 1
+            found = search.find(grammar, MAX_CHECK_STEPS, ascii_only=True)
+            if found is None:
+                self.num_stale += 1
+            else:
+                self._remember(key, found)
         return found
 
     def _plan(self, req: Req) -> EndingPlan | None:

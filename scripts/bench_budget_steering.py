@@ -2,14 +2,18 @@
 
 Walks SmolLM2's vocabulary through ``bench_serving``'s JSON schema and regex on each backend: random logits masked by
 the grammar, steered as the scheduler steers them (``BudgetSteering.steer`` and ``record``), sampled, accepted. Each
-walk runs twice, interleaved: with a budget its output never nears (the feature's cost there is its bookkeeping) and
-with the constraint's shortest output plus ``--slack`` tokens (every step near the budget: every sampled row
-checked). Printed per backend and constraint: microseconds per token of the mask fill (for scale) and of the
-steering, far and near, and the steering over the fill; how often a plan went stale (no plan, suffix or known
-ending fitted after a token: searched anew once the budget nears). The start's ending (searched once per constraint,
-when its first request is admitted) is timed apart.
+walk runs three times, interleaved: with a budget its output never nears (the feature's cost there is its
+bookkeeping), with the constraint's shortest output plus ``--watch-slack`` tokens (within ``WATCH``: the plan kept
+current after every token, rows steered once the horizon comes) and plus ``--slack`` tokens (every step near the
+budget: every sampled row checked). One ``BudgetSteering`` serves a constraint's walks, as the scheduler's serves its
+requests. Printed per backend and constraint: microseconds per token of the mask fill (for scale) and of the
+steering far and near, of ``record`` within ``WATCH`` (the watch walks' rows are steered too once their horizon
+comes: that cost is near's), and each over the fill; the bounded searches run to keep plans current and the
+plans gone stale (nothing found: searched anew once the budget nears). The start's ending (searched once per
+constraint, when its first request is admitted) is timed apart.
 
-    python -m scripts.bench_budget_steering [--walks 12] [--slack 6] [--backends xgrammar llguidance outlines]
+    python -m scripts.bench_budget_steering [--walks 12] [--slack 6] [--watch-slack 30]
+        [--backends xgrammar llguidance outlines]
 """
 
 from __future__ import annotations
@@ -44,15 +48,16 @@ MAX_FAR_TOKENS = 96
 
 def walk(
     grammar: BaseGrammarObject, key: Any, steering: BudgetSteering, budget: int, seed: int, vocab_size: int
-) -> tuple[float, float, int, bool]:
-    """Seconds spent filling masks and steering, tokens walked, and whether the grammar ended. ``steering`` is
+) -> tuple[float, float, float, int, bool]:
+    """Seconds spent filling masks, steering rows and recording tokens (``record``: keeping the plan current), tokens
+    walked, and whether the grammar ended. ``steering`` is
     shared by the walks of one constraint, as the scheduler shares it among requests."""
     params = SamplingParams(max_new_tokens=budget, temperature=1.0)
     req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
     steering.refusal(req)
     generator = torch.Generator().manual_seed(seed)
     mask = allocate_bitmask(1, vocab_size, "cpu")
-    fill_s = steer_s = 0.0
+    fill_s = steer_s = record_s = 0.0
     limit = min(budget, MAX_FAR_TOKENS) if budget == FAR_BUDGET else budget
     while len(req.output_ids) < limit and not grammar.is_terminated():
         start = time.perf_counter()
@@ -69,14 +74,18 @@ def walk(
         record_start = time.perf_counter()
         steering.record(req, token)
         fill_s += filled - start
-        steer_s += steered - steer_start + time.perf_counter() - record_start
-    return fill_s, steer_s, len(req.output_ids), grammar.is_terminated()
+        steer_s += steered - steer_start
+        record_s += time.perf_counter() - record_start
+    return fill_s, steer_s, record_s, len(req.output_ids), grammar.is_terminated()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--walks", type=int, default=12, help="walks per backend, constraint and distance")
     parser.add_argument("--slack", type=int, default=6, help="near: the shortest output plus this many tokens")
+    parser.add_argument(
+        "--watch-slack", type=int, default=30, help="watch: the shortest output plus this many tokens (within WATCH)"
+    )
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance", "outlines"])
     args = parser.parse_args(argv)
     server_args = ServerArgs()
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     vocabulary = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     search = EndingSearch(vocabulary)
     print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; SmolLM2 vocabulary ({setup.vocab_size})")
-    print("us/token: fill (the grammar's mask) | steering far from the budget | steering near it (every step)")
+    print("us/token: fill (the grammar's mask) | steering far from the budget | record within WATCH | steering near it")
     for name in args.backends:
         backend = create_grammar_backend(
             replace(server_args, grammar_backend=name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
@@ -101,24 +110,31 @@ def main(argv: list[str] | None = None) -> None:
                 ending = search.find(grammar)
                 start_ms = (time.perf_counter() - start) * 1e3
                 assert ending is not None, f"{name} {kind}: no ending from the start"
-                per_token: dict[str, list[float]] = {"fill": [], "far": [], "near": []}
+                per_token: dict[str, list[float]] = {"fill": [], "far": [], "watch": [], "near": []}
                 steering = BudgetSteering(search, max_seq_len=FAR_BUDGET * 2)
                 num_ended = 0
                 for i in range(args.walks):
-                    distances = [("far", FAR_BUDGET), ("near", len(ending) + args.slack)]
+                    distances = [
+                        ("far", FAR_BUDGET),
+                        ("watch", len(ending) + args.watch_slack),
+                        ("near", len(ending) + args.slack),
+                    ]
                     for label, budget in distances if i % 2 == 0 else distances[::-1]:
-                        fill_s, steer_s, num_tokens, ended = walk(
+                        fill_s, steer_s, record_s, num_tokens, ended = walk(
                             grammar.copy(), key, steering, budget, i, setup.vocab_size
                         )
-                        per_token[label].append(steer_s / num_tokens * 1e6)
+                        spent = record_s if label == "watch" else steer_s + record_s
+                        per_token[label].append(spent / num_tokens * 1e6)
                         per_token["fill"].append(fill_s / num_tokens * 1e6)
                         num_ended += ended and label == "near"
-                fill, far, near = (statistics.median(per_token[k]) for k in ("fill", "far", "near"))
+                fill, far, watch, near = (statistics.median(per_token[k]) for k in ("fill", "far", "watch", "near"))
                 print(
                     f"{name:10} {kind:5} fill {fill:7.1f} | far {far:6.1f} ({far / fill:5.2f}x fill)"
+                    f" | watch (record) {watch:6.1f} ({watch / fill:5.2f}x fill)"
                     f" | near {near:8.1f} ({near / fill:6.1f}x fill)  near walks ended in budget"
                     f" {num_ended}/{args.walks}; start ending {len(ending)} tokens in {start_ms:.0f} ms;"
-                    f" plans gone stale {steering.num_stale} (over {args.walks * 2} walks)"
+                    f" bounded searches {steering.num_searches}, plans gone stale {steering.num_stale}"
+                    f" (over {args.walks * 3} walks)"
                 )
         finally:
             backend.shutdown()
