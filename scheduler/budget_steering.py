@@ -12,8 +12,8 @@ token would leave the answer's shortest ending no room.
   (the plan goes stale); within it the plan is kept current after every token (``record``): the plan itself where
   it still ends the output (a string's content), a suffix of it, an ending searched for this constraint's other
   requests, else a bounded search (milliseconds, remembered for the others); where that finds nothing it goes stale
-  until the budget comes near. Greedy
-  outputs that never come near their budget are the same token for token as without the feature.
+  until the budget comes near. Greedy outputs that never come near their budget are the same token for token as
+  without the feature (nothing here changes a row beyond the horizon).
 - Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
   (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
   search), and the row keeps those that pass plus the plan's next token, which always does. The guarantee is

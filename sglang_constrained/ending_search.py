@@ -18,6 +18,7 @@ the grammar, so a budget kept at or above its length can always be finished.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,10 +30,16 @@ from sglang_constrained.exact_ending import ExactEndingSearch
 from sglang_constrained.vocabulary import TokenizerVocabulary
 from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 
-MAX_ENDING_BYTES = 96
-"""Longest ending searched for, in bytes; a grammar whose ending is longer gets no plan (and no steering)."""
-MAX_STATES = 6000
-"""Most byte steps one search tries (each an accept, a mask and a rollback) before it gives up."""
+MAX_ENDING_BYTES = 192
+"""Longest ending searched for, in bytes; a grammar whose ending is longer gets no plan (and no steering). Below
+outlines-core's 200 tokens of rollback (a path, and a candidate token before it)."""
+MAX_STATES = 20_000
+"""Most byte steps one search tries (each an accept, a mask and a rollback) before it gives up; ``MAX_SEARCH_SECONDS``
+bounds it first wherever a mask costs more than 5 us. MaskBench's 424 schemas xgrammar takes, searched from their
+start: 8 give up at 6,000 steps and 96 bytes, 4 at 20,000 and 192 (no deadline); with the deadline 16 and 14."""
+MAX_SEARCH_SECONDS = 1.0
+"""Longest one search runs (it runs in the scheduler's loop): a step's mask costs what the grammar's mask costs, 5 ms
+for xgrammar's string of ``maxLength`` 255 (MaskBench's o58909: 781 masks, 4.1 s without this bound)."""
 MAX_PIECE_BYTES = 24
 """Longest vocabulary piece used to spell an ending."""
 BEAM_WIDTH = 16
@@ -97,23 +104,25 @@ class EndingSearch:
     ) -> list[int] | None:
         """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
-        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte). A full
+        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte) and
+        ``MAX_SEARCH_SECONDS`` (both passes; the exact search before them gets half as long). A full
         search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
         budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change."""
         if grammar.is_terminated():
             return []
         if not ascii_only and grammar.state_key() is not None:
-            exact = self._exact_search().shortest(grammar)
+            exact = self._exact_search().shortest(grammar, time.perf_counter() + MAX_SEARCH_SECONDS / 2)
             if exact is not None and self.finishes(grammar, exact):
                 return exact
+        deadline = time.perf_counter() + MAX_SEARCH_SECONDS
         grammar.fill_vocab_mask(self._scratch, 0)
         stop = self._allowed_stop()
         if stop is not None:
             return [stop]
         start = _Node((), self._moves(), hash(self._scratch_bytes()))
-        found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps)
+        found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps, deadline)
         if found is None and not ascii_only:
-            found = self._breadth_first(grammar, start, range(256), max_steps)
+            found = self._breadth_first(grammar, start, range(256), max_steps, deadline)
         if found is None:
             return None
         path, stop = found
@@ -192,7 +201,7 @@ class EndingSearch:
         return tokens[::-1]
 
     def _breadth_first(
-        self, grammar: BaseGrammarObject, start: _Node, byte_values: range, max_steps: int
+        self, grammar: BaseGrammarObject, start: _Node, byte_values: range, max_steps: int, deadline: float
     ) -> tuple[tuple[int, ...], int | None] | None:
         """The token path to the nearest end (and the stop token that ends it, None where the grammar terminated by
         itself), over the single-byte tokens of bytes in ``byte_values`` (and forced tokens).
@@ -220,7 +229,7 @@ class EndingSearch:
                 try:
                     for token in candidates:
                         num_steps += 1
-                        if num_steps > max_steps:
+                        if num_steps > max_steps or time.perf_counter() > deadline:
                             return None
                         try:
                             grammar.accept_token(token)

@@ -13,13 +13,15 @@ terminated) is the minimum, because every state reachable in fewer tokens was ex
 
 It assumes what byte-level engines guarantee: a token is accepted exactly when its bytes are, one by one, and leads
 to the state they lead to (checked at the end: the path returned is walked). It gives up (None) beyond
-``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps or a byte path longer than ``MAX_PATH_BYTES``.
+``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps, a byte path longer than ``MAX_PATH_BYTES`` or its
+caller's deadline.
 
 xgrammar and llguidance expose no state (``state_key`` is None): for them ``EndingSearch`` keeps its sound bound.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -92,10 +94,10 @@ class ExactEndingSearch:
         """Whether every byte of every piece has a token of its own (the trie's walks need it)."""
         self._scratch = allocate_bitmask(1, vocabulary.model_vocab_size, "cpu")
 
-    def shortest(self, grammar: BaseGrammarObject) -> list[int] | None:
+    def shortest(self, grammar: BaseGrammarObject, deadline: float = float("inf")) -> list[int] | None:
         """The fewest tokens after which ``grammar`` has terminated (the last a stop token unless it ends by
-        itself), ``[]`` if it has; None where its engine exposes no state or the search gives up. The state does not
-        change."""
+        itself), ``[]`` if it has; None where its engine exposes no state or the search gives up (its limits, or
+        ``time.perf_counter()`` past ``deadline`` when it learns a state). The state does not change."""
         start = grammar.state_key()
         if start is None or not self.is_walkable:
             return None
@@ -104,7 +106,7 @@ class ExactEndingSearch:
         level = [start]
         num_trie_steps = 0
         while level:
-            learnt = [self._learn(grammar, states, key, ()) for key in level]  # all but the start learnt before
+            learnt = [self._learn(grammar, states, key, (), deadline) for key in level]  # learnt when reached
             if None in learnt:
                 return None
             ends = [(not s.is_terminated, key, s.stop) for key, s in zip(level, learnt, strict=True) if s and _ends(s)]
@@ -121,7 +123,8 @@ class ExactEndingSearch:
                         if after is None:
                             continue
                         num_trie_steps += 1
-                        state = self._learn(grammar, states, after, (*states[at].path, self._byte_token[byte]))
+                        path = (*states[at].path, self._byte_token[byte])
+                        state = self._learn(grammar, states, after, path, deadline)
                         if state is None or num_trie_steps > MAX_TRIE_STEPS:
                             return None
                         stays = self._trie.bytes_below[child] & ~state.loop_bytes == 0
@@ -135,14 +138,19 @@ class ExactEndingSearch:
         return None
 
     def _learn(
-        self, grammar: BaseGrammarObject, states: dict[Hashable, _State], key: Hashable, path: tuple[int, ...]
+        self,
+        grammar: BaseGrammarObject,
+        states: dict[Hashable, _State],
+        key: Hashable,
+        path: tuple[int, ...],
+        deadline: float,
     ) -> _State | None:
         """The moves of the state ``key``, reached from the start by the byte tokens ``path`` (learnt the first time
         it is met); None past the search's limits."""
         state = states.get(key)
         if state is not None:
             return state
-        if len(states) >= MAX_EXPLORED_STATES or len(path) > MAX_PATH_BYTES:
+        if len(states) >= MAX_EXPLORED_STATES or len(path) > MAX_PATH_BYTES or time.perf_counter() > deadline:
             return None
         state = states[key] = _State(path)
         for token in path:
