@@ -11,9 +11,10 @@ token would leave the answer's shortest ending no room.
   plan follows the output where the output follows it. Beyond ``WATCH`` tokens of slack nothing else is computed
   (the plan goes stale); within it the plan is kept current after every token (``record``): the plan itself where
   it still ends the output (a string's content), a suffix of it, an ending searched for this constraint's other
-  requests, else a bounded search (milliseconds, remembered for the others); where that finds nothing it goes stale
-  until the budget comes near. Greedy outputs that never come near their budget are the same token for token as
-  without the feature (nothing here changes a row beyond the horizon).
+  requests, one byte followed by the plan (``]`` after one more ``[``), else a bounded search (milliseconds,
+  remembered for the others); where that finds nothing it goes stale until the budget comes near. Greedy outputs
+  that never come near their budget are the same token for token as without the feature (nothing here changes a
+  row beyond the horizon).
 - Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
   (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
   search), and the row keeps those that pass plus the plan's next token, which always does. The guarantee is
@@ -130,8 +131,9 @@ class BudgetSteering:
     def record(self, req: Req, token: int) -> None:
         """``req`` took ``token`` (its grammar accepted it): follow it with the plan. Within ``WATCH`` tokens of the
         budget a plan the output left is found anew (the plan itself where it still ends the output, a suffix of it,
-        an ending searched for this constraint's other requests, a bounded search), so that its length is current at
-        every step there; it goes stale where none is found, or beyond ``WATCH`` (nothing is checked there)."""
+        an ending searched for this constraint's other requests, one byte and the plan, a bounded search), so that its
+        length is current at every step there; it goes stale where none is found, or beyond ``WATCH`` (nothing is
+        checked there)."""
         plan = req.ending
         grammar = req.ready_grammar
         if plan is None or grammar is None or not _is_answering(grammar, counting_last=True):
@@ -161,6 +163,8 @@ class BudgetSteering:
             if found is not None:
                 return found
         found = next((known for known in self._known_for(key) if search.finishes(grammar, known)), None)
+        if found is None and ending is not None:
+            found = search.bridge(grammar, ending)
         if found is None and ending is not None:
             self.num_searches += 1
             found = search.find(grammar, MAX_CHECK_STEPS, ascii_only=True)

@@ -153,6 +153,16 @@ class EndingSearch:
                 return suffix
         return None
 
+    def bridge(self, grammar: BaseGrammarObject, ending: Sequence[int]) -> list[int] | None:
+        """One single-byte token followed by ``ending`` that finishes ``grammar`` from its state, or None: an ending
+        known before the last token often still ends the output after one byte more (``]`` after one more ``[``).
+        Tries at most ``MAX_MOVES`` bytes, in move order. The state does not change."""
+        grammar.fill_vocab_mask(self._scratch, 0)
+        for token in self._moves()[:MAX_MOVES]:
+            if token in self._byte_tokens and self.finishes(grammar, [token, *ending]):
+                return [token, *ending]
+        return None
+
     def _exact_search(self) -> ExactEndingSearch:
         """The exact search, its trie of pieces built the first time a grammar exposes its state (0.1 s at 49k)."""
         if self._exact is None:

@@ -5,6 +5,7 @@ that parses and validates; hypothesis draws schemas from the vendored MaskBench 
 A walk draws random logits, masks them with the grammar, lets ``BudgetSteering`` steer the row as the scheduler does,
 samples among what is left, and feeds the token to the grammar and the steering; it must end with the grammar
 terminated (a stop token accepted, or nothing more possible) within its budget. Walks run on SmolLM2's tokenizer.
+A greedy walk whose ending grows a token at a time checks that the plan is kept current before the horizon.
 """
 
 from __future__ import annotations
@@ -199,3 +200,38 @@ def test_maskbench_schemas_end_valid_within_their_budget(
     if isinstance(grammar, InvalidGrammarObject) or search.find(grammar) is None:
         return  # refused by this backend, or an ending beyond the search's reach (not steered, nothing to check)
     assert check_budgets(backend, smollm2_tokenizer, search, "json", case.schema, json_judge(case.schema), seed) == []
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_an_ending_that_grows_a_token_at_a_time_still_fits(
+    backend_name: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """A greedy model that opens one more bracket per token: every ``[`` grows the shortest ending by one, while the
+    slack is still beyond the horizon. Kept current after every token, the plan brings the steering in on time, and
+    the output closes every bracket within the budget (it was cut at both budgets while the plan was stale)."""
+    setup = smollm2_tokenizer
+    tokenizer = setup.tokenizer
+    preferred = tokenizer.encode('{"a": ') + tokenizer.encode("[") * 40
+    backend = build_backend(backend_name, setup)
+    for budget in (30, 44):
+        grammar = compile_grammar(backend, "json_object", True)
+        steering = BudgetSteering(search, max_seq_len=1 << 20)
+        params = SamplingParams(max_new_tokens=budget, temperature=0.0)
+        key = make_grammar_key("json_object", True)
+        req = Req(rid="nested", client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
+        assert steering.refusal(req) is None
+        mask = allocate_bitmask(1, setup.vocab_size, "cpu")
+        while len(req.output_ids) < budget and not grammar.is_terminated():
+            grammar.fill_vocab_mask(mask, 0)
+            logits = torch.zeros(1, setup.vocab_size)
+            if len(req.output_ids) < len(preferred):
+                logits[0, preferred[len(req.output_ids)]] = 10.0
+            logits[~unpack_bitmask(mask, setup.vocab_size)] = float("-inf")
+            steering.steer([req], [range(1)], logits, [True])
+            token = int(logits[0].argmax())
+            grammar.accept_token(token)
+            req.output_ids.append(token)
+            steering.record(req, token)
+        text = tokenizer.decode([t for t in req.output_ids if t not in setup.eos_token_ids])
+        assert grammar.is_terminated(), f"budget {budget}: cut: {text!r}"
+        assert text.count("[") >= 5 and json_judge({"type": "object"})(text) is None, text
