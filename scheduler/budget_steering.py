@@ -58,6 +58,9 @@ MAX_SEARCHES = 1
 MAX_CHECK_STEPS = 300
 """Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
 kept (the plan's next token always is)."""
+MAX_RECORD_SEARCH_SECONDS = 0.02
+"""Longest a bounded search keeping a plan current may run (its 300 steps take 3 ms over a cheap mask, 1.5 s over a
+5 ms one): beyond it the plan goes stale, as before."""
 MAX_CACHED_STARTS = 1024
 """Start endings kept, by constraint key (and as many keys' known endings)."""
 MAX_GROWTH = 64
@@ -167,7 +170,7 @@ class BudgetSteering:
             found = search.bridge(grammar, ending)
         if found is None and ending is not None:
             self.num_searches += 1
-            found = search.find(grammar, MAX_CHECK_STEPS, ascii_only=True)
+            found = search.find(grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_RECORD_SEARCH_SECONDS)
             if found is None:
                 self.num_stale += 1
             else:

@@ -102,21 +102,25 @@ class EndingSearch:
         self._exact: ExactEndingSearch | None = None
 
     def find(
-        self, grammar: BaseGrammarObject, max_steps: int = MAX_STATES, ascii_only: bool = False
+        self,
+        grammar: BaseGrammarObject,
+        max_steps: int = MAX_STATES,
+        ascii_only: bool = False,
+        max_seconds: float = MAX_SEARCH_SECONDS,
     ) -> list[int] | None:
         """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
         found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte) and
-        ``MAX_SEARCH_SECONDS`` (both passes; the exact search before them gets half as long). A full
+        ``max_seconds`` (both passes; the exact search before them gets half as long). A full
         search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
         budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change."""
         if grammar.is_terminated():
             return []
         if not ascii_only and grammar.state_key() is not None:
-            exact = self._exact_search().shortest(grammar, time.perf_counter() + MAX_SEARCH_SECONDS / 2)
+            exact = self._exact_search().shortest(grammar, time.perf_counter() + max_seconds / 2)
             if exact is not None and self.finishes(grammar, exact):
                 return exact
-        deadline = time.perf_counter() + MAX_SEARCH_SECONDS
+        deadline = time.perf_counter() + max_seconds
         grammar.fill_vocab_mask(self._scratch, 0)
         stop = self._allowed_stop()
         if stop is not None:
