@@ -127,7 +127,7 @@ class WeightStack:
 
     def __post_init__(self) -> None:
         if len(self.parts) < 2 or len({part.in_features for part in self.parts}) != 1:
-            raise ValueError("a weight stack has two or more parts of the same in_features")
+            raise ValueError("a weight stack takes two or more parts of one in_features")
 
     @property
     def out_features(self) -> int:
@@ -467,21 +467,22 @@ def matmul(x: torch.Tensor, weight: MatmulWeight, threads: int | None = None) ->
     ``threads`` (every kernel takes it): at most this many threads, ``kernel_threads()`` by default."""
     _check_rows(x, weight.in_features, "matmul")
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    if not x.shape[0]:
+        return out
     column = 0
     for part in weight.parts if isinstance(weight, WeightStack) else (weight,):
-        if x.shape[0]:
-            _loaded().invariant_matmul(
-                int(part.format),
-                x.data_ptr(),
-                x.shape[0],
-                part.in_features,
-                x.stride(0),
-                part.data.data_ptr(),
-                part.out_features,
-                out[:, column:].data_ptr(),
-                out.stride(0),
-                threads or kernel_threads(),
-            )
+        _loaded().invariant_matmul(
+            int(part.format),
+            x.data_ptr(),
+            x.shape[0],
+            part.in_features,
+            x.stride(0),
+            part.data.data_ptr(),
+            part.out_features,
+            out[:, column:].data_ptr(),
+            out.stride(0),
+            threads or kernel_threads(),
+        )
         column += part.out_features
     return out
 
