@@ -248,7 +248,6 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_row_tile.restype = i32
         library.invariant_attention_supports.argtypes = [i64, i64]
         library.invariant_attention_supports.restype = i32
-        library.invariant_matmul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i32]
         library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
         library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
         library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
@@ -258,11 +257,12 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
         library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
         shape, layer, batch = ctypes.POINTER(_ModelShape), ctypes.POINTER(_LayerRef), ctypes.POINTER(_BatchRef)
+        library.invariant_packed_matmul.argtypes = [ctypes.POINTER(_PackedRef), ptr, i64, i64, ptr, i64, i32]
         library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
         library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
         library.invariant_decoder.argtypes = [shape, layer, i32, batch, ptr, ptr, ptr, i64, i32]
         for name in (
-            "invariant_matmul",
+            "invariant_packed_matmul",
             "invariant_attention",
             "invariant_rms_norm",
             "invariant_silu_mul",
@@ -467,23 +467,16 @@ def matmul(x: torch.Tensor, weight: MatmulWeight, threads: int | None = None) ->
     ``threads`` (every kernel takes it): at most this many threads, ``kernel_threads()`` by default."""
     _check_rows(x, weight.in_features, "matmul")
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    if not x.shape[0]:
-        return out
-    column = 0
-    for part in weight.parts if isinstance(weight, WeightStack) else (weight,):
-        _loaded().invariant_matmul(
-            int(part.format),
+    if x.shape[0]:
+        _loaded().invariant_packed_matmul(
+            ctypes.byref(_packed_ref(weight)),
             x.data_ptr(),
             x.shape[0],
-            part.in_features,
             x.stride(0),
-            part.data.data_ptr(),
-            part.out_features,
-            out[:, column:].data_ptr(),
+            out.data_ptr(),
             out.stride(0),
             threads or kernel_threads(),
         )
-        column += part.out_features
     return out
 
 

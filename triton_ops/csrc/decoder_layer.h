@@ -54,6 +54,21 @@ struct BatchRef {
   const int64_t* num_keys;
 };
 
+extern "C" {
+
+// y[M, columns of every part] = x[M, K] @ W.T for a packed weight or a stack of parts, each part into its columns.
+void invariant_packed_matmul(const PackedRef* w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+                             int32_t threads) {
+  int64_t column = 0;
+  for (const PackedRef* part = w; part != nullptr; part = part->next) {
+    invariant_matmul(part->format, x, M, part->in_features, ldx, part->data, part->out_features, y + column, ldy,
+                     threads);
+    column += part->out_features;
+  }
+}
+
+}  // extern "C"
+
 namespace {
 
 int64_t stacked_out_features(const PackedRef& w) {
@@ -63,13 +78,7 @@ int64_t stacked_out_features(const PackedRef& w) {
 }
 
 void matmul_ref(const float* x, int64_t M, const PackedRef& w, float* y, int32_t threads) {
-  const int64_t width = stacked_out_features(w);
-  int64_t column = 0;
-  for (const PackedRef* part = &w; part != nullptr; part = part->next) {
-    invariant_matmul(part->format, x, M, part->in_features, part->in_features, part->data, part->out_features,
-                     y + column, width, threads);
-    column += part->out_features;
-  }
+  invariant_packed_matmul(&w, x, M, w.in_features, y, stacked_out_features(w), threads);
 }
 
 // RoPE in transformers' layout, in place on the first `rope_dim` values of `heads` heads of one token:

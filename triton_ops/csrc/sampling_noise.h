@@ -107,8 +107,9 @@ static inline float log_positive(float x) {
 // tokens[r] = argmax over v of (l_v - max l) / t_r - log E_v, the first such v on ties, over row r's logits l and
 // the draws E of keys[r]: the Gumbel race, a sample of softmax(l / t_r) (-log E is Gumbel-distributed), which is
 // the exponential race argmax p_v / E_v in logarithms, with no exp and no normalisation. A row at temperature 0
-// (greedy) gets its first largest logit, with no draws. A row whose logits are all -inf gets -1. The scores are the same bits in every build (the operations above, one division, one
-// subtraction) and the maximum is exact in any order, so every build picks the same token.
+// (greedy) gets its first largest logit, with no draws. A row whose logits are all -inf gets -1. The scores are the
+// same bits in every build (the operations above, one division, one subtraction) and the maximum is exact in any
+// order, so every build picks the same token.
 //
 // Draws are made only where they can matter: -log E never exceeds kMaxGumbel (E >= 1.1e-10), so a group of 16
 // tokens whose (l_v - max l) / t_r all lie more than kMaxGumbel + 1 below a score already reached cannot hold the
