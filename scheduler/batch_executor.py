@@ -28,7 +28,7 @@ from scheduler.request import Abort, Req
 from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.speculative import NO_DRAFTS, DraftProposer, Drafts
-from sglang_constrained.base_grammar_backend import common_prefix_length
+from sglang_constrained.backends.base import common_prefix_length
 
 logger = logging.getLogger(__name__)
 

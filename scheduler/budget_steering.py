@@ -2,7 +2,7 @@
 in a state its grammar accepts, with ``finish_reason: "stop"``.
 
 Each constrained request carries an ``EndingPlan``: a token path from its grammar's state to the grammar's end
-(``sglang_constrained.ending_search``), whose length bounds the shortest ending from above. Its remaining budget is
+(``sglang_constrained.endings.search``), whose length bounds the shortest ending from above. Its remaining budget is
 what ``max_new_tokens`` (and the context) still allow, this token included; the thinking of a reasoning request
 spends it first (after its own thinking budget), and is closed (the think-end token forced) where one more thinking
 token would leave the answer's shortest ending no room.
@@ -40,10 +40,10 @@ import torch
 from scheduler.ending_plan import EndingPlan
 from scheduler.io_struct import AbortCause
 from scheduler.request import Abort, Req
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.backends.reasoner import ReasonerGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
-from sglang_constrained.ending_search import EndingSearch
-from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
+from sglang_constrained.endings.search import EndingSearch
 
 HORIZON = 12
 """Slack (remaining budget beyond the plan's length) below which every sampled token is checked."""

@@ -23,7 +23,7 @@ from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import AbortCause
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import CLIENT_ABORT, Abort, Req
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.errors import CompileNotStartedError, CompileTimeoutError
 
 logger = logging.getLogger(__name__)

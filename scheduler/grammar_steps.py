@@ -15,7 +15,7 @@ import torch
 
 from scheduler.io_struct import AbortCause
 from scheduler.request import Abort, Req
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.errors import TokenRejectedError
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import scheduler.lean_imports  # noqa: F401  (first: before anything imports jso
 from scheduler.replicas import serve_replicas
 from scheduler.server_args import WORLD_SIZE, ServerArgs
 from scheduler.session_priority import keep_launch_priority
-from sglang_constrained.forked_fork_server import can_fork_fork_server
-from sglang_constrained.xgrammar_fork_server import start_xgrammar_fork_server
+from sglang_constrained.backends.xgrammar.fork_server import start_xgrammar_fork_server
+from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,14 +12,14 @@ from typing import Any
 
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
-from sglang_constrained.reasoner_grammar_backend import (
+from sglang_constrained.backends.reasoner import (
     FreeGrammarObject,
     ReasonerGrammarObject,
     reasoning_start,
     think_end_token_id,
     think_start_token_id,
 )
-from sglang_constrained.reasoning_formats import ReasoningStart, reasoning_format
+from sglang_constrained.backends.reasoning_formats import ReasoningStart, reasoning_format
 
 
 class ReasoningGate:

@@ -11,9 +11,9 @@ from scheduler.io_struct import AbortCause, FinishReason, SamplingParams, TokenL
 from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
 from scheduler.predicted_output import PredictionAligner
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.backends.reasoner import ReasonerGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
-from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject
 
 
 @dataclass(frozen=True)

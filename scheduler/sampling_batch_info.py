@@ -12,7 +12,7 @@ from scheduler.grammar_steps import Lookahead
 from scheduler.logits_processing import RowAdjustment, adjust_logits
 from scheduler.request import Req
 from scheduler.sampler import SamplingRows
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
 from triton_ops import NO_DRAFT, apply_token_bitmask_inplace
 from triton_ops.bitmask_format import VocabMaskLayout, reset_rows
 

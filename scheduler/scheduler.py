@@ -43,11 +43,11 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, common_prefix_length
-from sglang_constrained.ending_search import EndingSearch
-from sglang_constrained.grammar_disk_cache import open_grammar_disk_cache
-from sglang_constrained.registry import create_grammar_backend
-from sglang_constrained.vocabulary import tokenizer_vocabulary
+from sglang_constrained.backends.base import BaseGrammarBackend, common_prefix_length
+from sglang_constrained.backends.registry import create_grammar_backend
+from sglang_constrained.cache.disk import open_grammar_disk_cache
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
+from sglang_constrained.endings.search import EndingSearch
 from triton_ops import load_cpu_bitmask_kernel
 from triton_ops.bitmask_format import VocabMaskLayout
 

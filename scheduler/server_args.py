@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from sglang_constrained.chat_template import read_chat_template
-from sglang_constrained.reasoning_formats import REASONING_FORMATS
-from sglang_constrained.registry import available_grammar_backends, check_grammar_backend_order
+from sglang_constrained.backends.reasoning_formats import REASONING_FORMATS
+from sglang_constrained.backends.registry import available_grammar_backends, check_grammar_backend_order
+from sglang_constrained.tokenizer.chat_template import read_chat_template
 
 T = TypeVar("T")
 

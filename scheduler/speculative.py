@@ -47,7 +47,7 @@ from scheduler.grammar_steps import Lookahead
 from scheduler.model.runner_contract import LOOKUP_MAX_BATCH, TOKENS_PER_FORWARD
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
 from triton_ops.bitmask_format import allocate_bitmask, only_allowed_token
 
 NGRAM_MAX = 4

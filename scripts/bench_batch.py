@@ -32,7 +32,7 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.benchmarking import (
     BACKENDS,

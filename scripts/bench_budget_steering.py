@@ -31,13 +31,13 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
 from scripts.serving_workload import PERSON_REGEX, PERSON_SCHEMA
-from sglang_constrained.base_grammar_backend import BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.registry import create_grammar_backend
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.ending_search import EndingSearch
-from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
-from sglang_constrained.vocabulary import tokenizer_vocabulary
 from triton_ops.bitmask_format import allocate_bitmask, unpack_bitmask
 from triton_ops.cpu_info import cpu_model
 

@@ -33,10 +33,10 @@ import torch
 import xgrammar
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.auto_grammar_backend import AutoGrammarBackend
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from sglang_constrained.backends.auto import AutoGrammarBackend
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject
+from sglang_constrained.backends.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
-from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.testing.benchmarking import (
     BACKENDS,
     compile_grammar,

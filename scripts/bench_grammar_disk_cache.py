@@ -36,10 +36,10 @@ from typing import Any
 
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.registry import create_grammar_backend
+from sglang_constrained.cache.disk import GrammarDiskCache, entry_digest
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
-from sglang_constrained.grammar_disk_cache import GrammarDiskCache, entry_digest
-from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.benchmarking import FOLDERS, cpu_pressure
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
 from triton_ops.cpu_info import describe_cpu

@@ -33,7 +33,7 @@ from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
 from scheduler.testing.runner_greedy import admitted, greedy_tokens
-from sglang_constrained.tokenizer_loading import embedded_model_path
+from sglang_constrained.tokenizer.loading import embedded_model_path
 from triton_ops.cpu_info import describe_cpu
 
 GREEDY_PROMPTS = (

@@ -25,13 +25,13 @@ import xgrammar
 
 from scheduler.server_args import ServerArgs
 from scripts.bench_grammar import Walks, raw_step, walk_interleaved
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
+from sglang_constrained.backends.xgrammar.utf8 import well_formed_utf8_grammar
 from sglang_constrained.constraint_spec import lower_constraint, make_grammar_key
 from sglang_constrained.errors import GrammarSpecError
 from sglang_constrained.testing.benchmarking import cpu_pressure, percentile, sample_cases
 from sglang_constrained.testing.maskbench import MaskBenchCase
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
-from sglang_constrained.xgrammar_utf8 import well_formed_utf8_grammar
 
 REPO = Path(__file__).resolve().parents[1]
 FILL_RATIO_TARGET = 1.05

@@ -30,9 +30,9 @@ from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.auto_grammar_backend import AutoGrammarBackend, describe_refusals
+from sglang_constrained.backends.auto import AutoGrammarBackend, describe_refusals
+from sglang_constrained.backends.registry import AUTO_GRAMMAR_BACKEND, create_grammar_backend
 from sglang_constrained.errors import refusal_reason
-from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND, create_grammar_backend
 from sglang_constrained.testing.conformance import (
     KNOWN_DEVIATIONS_FILE,
     KNOWN_REFUSALS_FILE,

@@ -21,8 +21,8 @@ from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
+from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.testing.benchmarking import cpu_pressure
-from sglang_constrained.tokenizer_loading import embedded_model_path
+from sglang_constrained.tokenizer.loading import embedded_model_path
 from triton_ops.cpu_info import describe_cpu
 
 TYPES = ("Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0", "Q5_0", "Q5_1", "Q8_0")

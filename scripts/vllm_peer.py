@@ -64,7 +64,7 @@ from scripts.serving_workload import (
     prompt_for,
     summarise,
 )
-from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
+from sglang_constrained.tokenizer.loading import conversion_cache_dir, embedded_model_path
 from triton_ops.cpu_info import describe_cpu
 
 VLLM_CONFIGS: dict[str, dict[str, str]] = {

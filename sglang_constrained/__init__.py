@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sglang_constrained.base_grammar_backend import (
+    from sglang_constrained.backends.base import (
         BaseGrammarBackend,
         BaseGrammarObject,
         GrammarBackendArgs,
@@ -18,25 +18,25 @@ if TYPE_CHECKING:
         InvalidGrammarObject,
         TokenRejectedError,
     )
-    from sglang_constrained.constraint_spec import CONSTRAINT_KINDS, GrammarKey, GrammarSpecError, make_grammar_key
-    from sglang_constrained.registry import (
+    from sglang_constrained.backends.registry import (
         GRAMMAR_BACKEND_REGISTRY,
         available_grammar_backends,
         create_grammar_backend,
         register_grammar_backend,
     )
+    from sglang_constrained.constraint_spec import CONSTRAINT_KINDS, GrammarKey, GrammarSpecError, make_grammar_key
 
 _EXPORTS = {
-    "GRAMMAR_BACKEND_REGISTRY": "registry",
-    "BaseGrammarBackend": "base_grammar_backend",
-    "BaseGrammarObject": "base_grammar_backend",
-    "GrammarBackendArgs": "base_grammar_backend",
-    "GrammarStats": "base_grammar_backend",
-    "InvalidGrammarObject": "base_grammar_backend",
-    "TokenRejectedError": "base_grammar_backend",
-    "available_grammar_backends": "registry",
-    "create_grammar_backend": "registry",
-    "register_grammar_backend": "registry",
+    "GRAMMAR_BACKEND_REGISTRY": "backends.registry",
+    "BaseGrammarBackend": "backends.base",
+    "BaseGrammarObject": "backends.base",
+    "GrammarBackendArgs": "backends.base",
+    "GrammarStats": "backends.base",
+    "InvalidGrammarObject": "backends.base",
+    "TokenRejectedError": "backends.base",
+    "available_grammar_backends": "backends.registry",
+    "create_grammar_backend": "backends.registry",
+    "register_grammar_backend": "backends.registry",
     "CONSTRAINT_KINDS": "constraint_spec",
     "GrammarKey": "constraint_spec",
     "GrammarSpecError": "constraint_spec",

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
-from sglang_constrained.registry import GRAMMAR_BACKEND_REGISTRY
+from sglang_constrained.backends.registry import GRAMMAR_BACKEND_REGISTRY
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
 from tests.helpers import LAUNCH_AHEAD, launch_scheduler
 from tests.prepare_ahead import PrepareAhead

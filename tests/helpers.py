@@ -27,7 +27,7 @@ from scheduler.client import AsyncSchedulerClient
 from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.server_args import EMBEDDED_MODEL_NAME
 from scheduler.testing.process import SchedulerProcess, free_port
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.launch_ahead import Launch, LaunchAhead

@@ -25,7 +25,7 @@ from scheduler.io_struct import Pong, ReplicaStatus
 from scheduler.ipc import SchedulerIPC
 from scheduler.server_args import ServerArgs
 from scheduler.turn_transport import Messages, Outbox, TurnTransport
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend
+from sglang_constrained.backends.base import BaseGrammarBackend
 from sglang_constrained.constraint_spec import GrammarKey
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarExport
-from sglang_constrained.compile_service import CompileControl, CompileService
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, GrammarExport
+from sglang_constrained.compile.service import CompileControl, CompileService
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import CompileTimeoutError
 

@@ -53,7 +53,7 @@ from scheduler.http.tool_calls import server_tool_format, tool_plan
 from scheduler.io_struct import Pong
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
+from sglang_constrained.tokenizer.loading import embedded_model_path, load_tokenizer
 
 logger = logging.getLogger("scheduler.http")
 

@@ -26,7 +26,7 @@ from scheduler.http.routing import frontend_of, json_response, read_body
 from scheduler.http.tool_calls import tool_plan
 from scheduler.io_struct import Pong, SamplingParams
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import embedded_model_path
+from sglang_constrained.tokenizer.loading import embedded_model_path
 
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.http.tool_parameters import Parameters, const
-from sglang_constrained.chat_template import template_variables
+from sglang_constrained.tokenizer.chat_template import template_variables
 
 INDEX = "{index}"
 CALL_NUMBER = "(0|[1-9][0-9]{0,3})"

@@ -36,7 +36,7 @@ from scheduler.model.gguf_config import (
 )
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import (
+from sglang_constrained.tokenizer.loading import (
     conversion_cache_dir,
     conversion_lock,
     embedded_model_path,

@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from scheduler.model.kv_pool import TokenKVPool
-from sglang_constrained.base_grammar_backend import common_prefix_length
+from sglang_constrained.backends.base import common_prefix_length
 
 
 @dataclass(eq=False)

@@ -17,22 +17,22 @@ import outlines_core
 import torch
 import xgrammar
 
-from sglang_constrained.base_grammar_backend import (
+from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
     InvalidGrammarObject,
 )
-from sglang_constrained.llguidance_backend import GuidanceBackend
-from sglang_constrained.outlines_backend import OutlinesGrammar
-from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.outlines.backend import OutlinesGrammar
+from sglang_constrained.backends.registry import create_grammar_backend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
 from sglang_constrained.testing.maskbench import MaskBenchCase, iter_case_paths, load_case
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammar
 
 BACKENDS = ("xgrammar", "llguidance", "outlines")
 FOLDERS = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten")
-# The llguidance backend's parser limits (sglang_constrained/llguidance_backend.py), so both matchers do equal work.
+# The llguidance backend's parser limits (its backend module), so both matchers do equal work.
 LLGUIDANCE_LIMITS = llguidance.LLParserLimits(verbose_errors=False, step_lexer_fuel=2_000_000)
 
 

@@ -15,16 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sglang_constrained.auto_grammar_backend import (
+from sglang_constrained.backends.auto import (
     MAX_REFUSED_BY_ALL_CHARS,
     STILL_COMPILING,
     AutoGrammarBackend,
     describe_refusals,
 )
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError, refusal_reason
-from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.testing.maskbench import MaskBenchCase
 from sglang_constrained.testing.random_walk import Judge, WalkTally, json_judge, walk_and_judge
 from sglang_constrained.testing.text_acceptance import walk_tokens

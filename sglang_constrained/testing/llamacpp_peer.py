@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
-from sglang_constrained.tokenizer_loading import embedded_model_path
+from sglang_constrained.tokenizer.loading import embedded_model_path
 
 PEER_KINDS = ("free", "json")
 

@@ -25,9 +25,9 @@ import jsonschema
 import regex
 import torch
 
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import tokenizer_vocabulary
 from triton_ops.bitmask_format import allocate_bitmask, bitmask_from_token_ids, unpack_bitmask
 
 CONTROL_WEIGHT = 50.0

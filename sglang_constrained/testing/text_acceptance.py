@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.errors import TokenRejectedError
 from triton_ops.bitmask_format import allowed_token_ids, bitmask_from_token_ids, is_token_allowed
 

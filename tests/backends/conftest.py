@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend
-from sglang_constrained.llguidance_backend import GuidanceBackend
-from sglang_constrained.outlines_backend import OutlinesGrammarBackend
+from sglang_constrained.backends.base import BaseGrammarBackend
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 
 BACKEND_CLASSES: dict[str, type[BaseGrammarBackend]] = {
     "xgrammar": XGrammarGrammarBackend,

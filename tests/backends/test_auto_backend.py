@@ -26,7 +26,15 @@ from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scripts.calibrate_xgrammar_export import ebnf_alternatives
-from sglang_constrained.auto_grammar_backend import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
+from sglang_constrained.backends.auto import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend, GuidanceGrammar
+from sglang_constrained.backends.outlines.backend import OutlinesGrammar
+from sglang_constrained.backends.reasoner import (
+    ReasonerGrammarBackend,
+    ReasonerGrammarObject,
+    think_end_token_id,
+)
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     InvalidGrammarObject,
@@ -35,13 +43,6 @@ from sglang_constrained.base_grammar_backend import (
 )
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.errors import GrammarSpecError
-from sglang_constrained.llguidance_backend import GuidanceBackend, GuidanceGrammar
-from sglang_constrained.outlines_backend import OutlinesGrammar
-from sglang_constrained.reasoner_grammar_backend import (
-    ReasonerGrammarBackend,
-    ReasonerGrammarObject,
-    think_end_token_id,
-)
 from sglang_constrained.testing.conformance import (
     KnownOutcomes,
     MaskBenchSweep,
@@ -51,7 +52,6 @@ from sglang_constrained.testing.conformance import (
 from sglang_constrained.testing.maskbench import MaskBenchCase, load_case
 from sglang_constrained.testing.random_walk import json_judge, walk_and_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammar
 from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA, accepts_text, allowed_tokens, compile_valid, encode_exactly
 from triton_ops.bitmask_format import allowed_token_ids
 
@@ -125,7 +125,7 @@ def test_auto_falls_back_to_llguidance_and_says_why(
     auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup, caplog: pytest.LogCaptureFixture
 ) -> None:
     before = auto.choice_counts()
-    with caplog.at_level(logging.INFO, logger="sglang_constrained.auto_grammar_backend"):
+    with caplog.at_level(logging.INFO, logger="sglang_constrained.backends.auto"):
         grammar = auto.build_grammar(make_grammar_key("json", PRODUCT_SCHEMA))
     assert isinstance(grammar, GuidanceGrammar)
     stats = grammar.grammar_stats

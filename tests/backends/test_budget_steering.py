@@ -24,14 +24,14 @@ from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.registry import create_grammar_backend
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.ending_search import EndingSearch
-from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.maskbench import iter_case_paths, load_case
 from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import tokenizer_vocabulary
 from tests.backends.conftest import BackendBuilder
 from tests.backends.test_soundness import legacy_tag, tagged_json_judge
 from tests.helpers import compile_grammar

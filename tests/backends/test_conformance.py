@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend
+from sglang_constrained.backends.base import BaseGrammarBackend
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import KnownOutcomes, MaskBenchSweep, check_constraint
 from sglang_constrained.testing.maskbench import load_case

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.base_grammar_backend import InvalidGrammarObject
-from sglang_constrained.ending_search import EndingSearch
-from sglang_constrained.outlines_backend import OutlinesGrammar
+from sglang_constrained.backends.base import InvalidGrammarObject
+from sglang_constrained.backends.outlines.backend import OutlinesGrammar
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
+from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import tokenizer_vocabulary
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import compile_grammar
 

@@ -16,20 +16,20 @@ import torch
 
 from scheduler.data_parallel.shared_grammars import GrammarStore
 from scheduler.server_args import ServerArgs
-from sglang_constrained.auto_grammar_backend import AutoGrammarBackend
-from sglang_constrained.base_grammar_backend import (
+from sglang_constrained.backends.auto import AutoGrammarBackend
+from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarExport,
     InvalidGrammarObject,
 )
+from sglang_constrained.backends.reasoner import ReasonerGrammarBackend
+from sglang_constrained.backends.registry import create_grammar_backend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
+from sglang_constrained.cache.disk import GrammarDiskCache, entry_digest
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary, vocabulary_fingerprint
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.grammar_disk_cache import GrammarDiskCache, entry_digest
-from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarBackend
-from sglang_constrained.registry import create_grammar_backend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import tokenizer_vocabulary, vocabulary_fingerprint
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import PERSON_SCHEMA, YES_NO_SCHEMA, compile_grammar, wait_published
 from triton_ops.bitmask_format import allocate_bitmask, allowed_token_ids

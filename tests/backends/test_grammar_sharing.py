@@ -14,7 +14,7 @@ import pytest
 
 from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammars
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, InvalidGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BACKEND_CLASSES

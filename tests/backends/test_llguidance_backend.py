@@ -8,11 +8,11 @@ import torch
 from llguidance.hf import from_tokenizer
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend, ll_tokenizer
 from sglang_constrained.base_grammar_backend import (
     TokenRejectedError,
     create_grammar_backend,
 )
-from sglang_constrained.llguidance_backend import GuidanceBackend, ll_tokenizer
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from llguidance import LLMatcher
 
-from sglang_constrained.base_grammar_backend import InvalidGrammarObject
-from sglang_constrained.llguidance_backend import GuidanceBackend
+from sglang_constrained.backends.base import InvalidGrammarObject
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder

@@ -13,7 +13,7 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampler import row_logprobs, sample
 from scheduler.sampling_batch_info import SamplingBatchInfo
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup

@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 from outlines_core.json_schema import build_regex_from_schema
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarObject,
     InvalidGrammarObject,
     TokenRejectedError,
     create_grammar_backend,
 )
+from sglang_constrained.cache.vocabulary import tokenizer_special_token_ids
 from sglang_constrained.constraint_spec import choices_to_regex
-from sglang_constrained.outlines_backend import OutlinesGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import tokenizer_special_token_ids
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import allowed_tokens, compile_grammar, compile_valid
 

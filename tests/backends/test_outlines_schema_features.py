@@ -9,8 +9,8 @@ import outlines_core
 import pytest
 from outlines_core.json_schema import build_regex_from_schema
 
-from sglang_constrained.base_grammar_backend import InvalidGrammarObject
-from sglang_constrained.outlines_backend import OutlinesGrammarBackend
+from sglang_constrained.backends.base import InvalidGrammarObject
+from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import compile_grammar

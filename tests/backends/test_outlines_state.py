@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_constrained.outlines_backend import OutlinesGrammarBackend
+from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import PERSON_SCHEMA, allowed_tokens, compile_valid

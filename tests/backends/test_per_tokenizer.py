@@ -6,10 +6,10 @@ from __future__ import annotations
 import copy
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.llguidance_backend import GuidanceBackend
-from sglang_constrained.outlines_backend import OutlinesGrammarBackend
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import tokenizer_vocabulary
 
 
 def test_backends_on_one_tokenizer_share_its_decoded_vocabulary(smollm2_tokenizer: TokenizerSetup) -> None:

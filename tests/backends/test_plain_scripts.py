@@ -21,7 +21,7 @@ from tests.fresh_interpreter import REPO_ROOT
 COMPILE = """
 from scheduler.server_args import ServerArgs
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.registry import create_grammar_backend
+from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
 
 

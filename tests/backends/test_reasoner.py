@@ -9,10 +9,7 @@ from typing import Any
 import pytest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, create_grammar_backend
-from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.errors import TokenRejectedError
-from sglang_constrained.reasoner_grammar_backend import (
+from sglang_constrained.backends.reasoner import (
     FreeGrammarObject,
     ReasonerGrammarBackend,
     ReasonerGrammarObject,
@@ -20,6 +17,9 @@ from sglang_constrained.reasoner_grammar_backend import (
     think_end_token_id,
     think_start_token_id,
 )
+from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, create_grammar_backend
+from sglang_constrained.constraint_spec import make_grammar_key
+from sglang_constrained.errors import TokenRejectedError
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.helpers import allowed_tokens

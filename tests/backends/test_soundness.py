@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, InvalidGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.testing.maskbench import load_case
 from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge, walk_and_judge

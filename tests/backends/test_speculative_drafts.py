@@ -10,7 +10,7 @@ from scheduler.io_struct import SamplingParams
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
 from scheduler.speculative import NO_DRAFTS, DraftProposer, prompt_lookup
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -166,7 +166,7 @@ def test_prompt_lookup_finds_the_latest_longest_match() -> None:
 def test_nothing_is_forced_while_a_reasoner_thinks(
     build_backend: BackendBuilder, qwen35_tokenizer: TokenizerSetup
 ) -> None:
-    from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject, think_end_token_id
+    from sglang_constrained.backends.reasoner import ReasonerGrammarObject, think_end_token_id
 
     backend = build_backend("xgrammar", qwen35_tokenizer)
     inner = compile_grammar(backend, make_grammar_key("regex", r"7"))  # Qwen splits digits: one token
@@ -184,7 +184,7 @@ def test_nothing_is_forced_while_a_reasoner_thinks(
 def test_a_draft_run_crosses_the_think_end_where_the_thinking_budget_runs_out(
     build_backend: BackendBuilder, qwen35_tokenizer: TokenizerSetup
 ) -> None:
-    from sglang_constrained.reasoner_grammar_backend import ReasonerGrammarObject, think_end_token_id
+    from sglang_constrained.backends.reasoner import ReasonerGrammarObject, think_end_token_id
 
     think_end = think_end_token_id(qwen35_tokenizer.tokenizer, "qwen3")
     assert think_end is not None

@@ -16,11 +16,11 @@ import pytest
 import xgrammar
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.outlines_backend import OutlinesGrammarBackend
+from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
+from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
+from sglang_constrained.cache.vocabulary_disk import read_token_table, write_token_table
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
-from sglang_constrained.vocabulary_disk_cache import read_token_table, write_token_table
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 
 
 def kept(setup: TokenizerSetup, folder: Path, **changes: Any) -> TokenizerVocabulary:

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from sglang_constrained.json_string_patterns import Charset
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.schema.string_patterns import Charset
 from sglang_constrained.testing.random_walk import token_traits
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder

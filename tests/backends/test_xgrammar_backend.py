@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 
 from scripts.calibrate_xgrammar_export import ebnf_alternatives, tools
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar, XGrammarGrammarBackend
+from sglang_constrained.backends.xgrammar.export_cost import GrammarMeasure
+from sglang_constrained.backends.xgrammar.utf8 import well_formed_utf8_grammar
 from sglang_constrained.base_grammar_backend import InvalidGrammarObject, TokenRejectedError, create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammar, XGrammarGrammarBackend
-from sglang_constrained.xgrammar_export_cost import GrammarMeasure
-from sglang_constrained.xgrammar_utf8 import well_formed_utf8_grammar
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import accepts_text, allowed_tokens, compile_grammar, compile_valid, encode_exactly
 

@@ -9,10 +9,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sglang_constrained.base_grammar_backend import InvalidGrammarObject
+from sglang_constrained.backends.base import InvalidGrammarObject
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar, XGrammarGrammarBackend
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammar, XGrammarGrammarBackend
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import accepts_text, compile_grammar
 
@@ -161,7 +161,7 @@ def smollm2_backend(build_backend: BackendBuilder, smollm2_tokenizer: TokenizerS
 
 
 def test_every_refusal_rule_has_a_case():
-    from sglang_constrained.xgrammar_backend import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
+    from sglang_constrained.backends.xgrammar.backend import XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES
 
     assert {rule.feature for rule in XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES} == {row[0] for row in REFUSED_FEATURES}
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.base_grammar_backend import TokenRejectedError
+from sglang_constrained.backends.base import TokenRejectedError
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 from tests.backends.conftest import BackendBuilder
 from tests.helpers import allowed_tokens, compile_grammar, encode_exactly
 

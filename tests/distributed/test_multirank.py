@@ -21,13 +21,13 @@ from scheduler.client import make_request
 from scheduler.io_struct import GenerateReq
 from scheduler.session_priority import autogroup_nice
 from scheduler.testing.process import SchedulerProcess, process_tree
-from sglang_constrained.base_grammar_backend import ENTRY_POINT_GROUP
+from sglang_constrained.backends.registry import ENTRY_POINT_GROUP
 from tests.helpers import flush_prefix_cache, launch_scheduler
 
 PLUGINS = Path(__file__).parent / "plugins"
 PLUGIN_SITE = Path(__file__).parent / "plugin_site"
 """A folder holding an installed distribution that declares ``slow-on-rank-1`` in the backends' entry-point group
-(``sglang_constrained.registry.ENTRY_POINT_GROUP``)."""
+(``sglang_constrained.backends.registry.ENTRY_POINT_GROUP``)."""
 SLOW_ON_RANK_1 = ("--grammar-backend", "slow-on-rank-1", "--import-module", "rank_skewed_backends")
 pytestmark = [
     pytest.mark.model,

@@ -25,7 +25,7 @@ from scheduler.http.request_conversion import RequestLimits, chat_calls
 from scheduler.http.tool_calls import server_tool_format, tool_plan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import load_tokenizer
+from sglang_constrained.tokenizer.loading import load_tokenizer
 from tests.helpers import HttpServer, serving
 from tests.tiny_models import tiny_tokenizer, write_gguf
 

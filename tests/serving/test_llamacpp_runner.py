@@ -17,7 +17,7 @@ import pytest
 from scheduler.client import make_request
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import embedded_model_path
+from sglang_constrained.tokenizer.loading import embedded_model_path
 from tests.helpers import launch_scheduler
 from tests.serving.test_speculative import CONSTRAINTS, PERSON, serve
 

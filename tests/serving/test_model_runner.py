@@ -32,7 +32,7 @@ from scheduler.model.runner_contract import LOOKUP_MAX_BATCH, TOKENS_PER_FORWARD
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import conversion_cache_dir, embedded_model_path
+from sglang_constrained.tokenizer.loading import conversion_cache_dir, embedded_model_path
 from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
 from triton_ops import invariant_cpu
 from triton_ops.invariant_cpu import DecoderBatch

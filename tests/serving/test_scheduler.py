@@ -20,8 +20,8 @@ from scheduler.io_struct import AbortCause, GenerateOutput, decode_server_messag
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess, process_tree
 from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
+from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
 from sglang_constrained.constraint_spec import make_grammar_key
-from sglang_constrained.forked_fork_server import can_fork_fork_server
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup

@@ -29,7 +29,7 @@ import pytest
 
 from scheduler.http.generate_conversion import GENERATE_REFUSED_FIELDS
 from scheduler.testing.router import ReplicaSet, RouterProcess, num_generations, router_installed, server_metric
-from sglang_constrained.grammar_disk_cache import ENTRY_SUFFIX
+from sglang_constrained.cache.disk import ENTRY_SUFFIX
 from tests.helpers import (
     ANSWER_TAG,
     COLD_GRAMMARS,

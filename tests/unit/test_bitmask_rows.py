@@ -4,7 +4,7 @@ buffer changed in place so that a write could leave its storage is checked again
 import pytest
 import torch
 
-from sglang_constrained.bitmask_rows import BitmaskRowAddresser
+from sglang_constrained.backends.bitmask_rows import BitmaskRowAddresser
 
 
 def test_rows_are_addressed_by_their_stride_and_negative_rows_count_from_the_end() -> None:

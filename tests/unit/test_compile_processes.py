@@ -15,8 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sglang_constrained.compile_processes import CompileProcesses
-from sglang_constrained.compile_service import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, CompileControl
+from sglang_constrained.compile.processes import CompileProcesses
+from sglang_constrained.compile.service import CompileControl
+from sglang_constrained.cpu_priority import COMPILE_NICENESS, SLOW_COMPILE_NICENESS
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
 from tests.fresh_interpreter import run_python_in
 
@@ -157,7 +158,7 @@ MAIN_MODULE = """
 import os
 
 import imported_by_main  # what a server's main module imports (its engine, its settings)
-from sglang_constrained.compile_processes import CompileProcesses
+from sglang_constrained.compile.processes import CompileProcesses
 
 
 def start():

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sglang_constrained.compile_service import CompileControl, CompileService
+from sglang_constrained.compile.service import CompileControl, CompileService
 from sglang_constrained.errors import CompileNotStartedError, CompileTimeoutError
 
 

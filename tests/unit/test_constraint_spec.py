@@ -16,7 +16,7 @@ from sglang_constrained.constraint_spec import (
     lower_constraint,
     make_grammar_key,
 )
-from sglang_constrained.schema_features import iter_subschemas
+from sglang_constrained.schema.features import iter_subschemas
 
 
 def _no_feature_check(schema: object) -> None:

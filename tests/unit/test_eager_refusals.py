@@ -13,10 +13,10 @@ import psutil
 import pytest
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.errors import CompileTimeoutError
-from sglang_constrained.llguidance_backend import GuidanceBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 from tests.helpers import compile_grammar, compile_valid
 
 REFUSED = [

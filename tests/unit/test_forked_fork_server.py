@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sglang_constrained.forked_fork_server import can_fork_fork_server
+from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
 from tests.fresh_interpreter import run_python_in
 
 LAUNCHER = """
@@ -21,7 +21,7 @@ import threading
 
 import psutil
 
-from sglang_constrained.compile_processes import CompileProcesses, start_fork_server
+from sglang_constrained.compile.processes import CompileProcesses, start_fork_server
 
 
 def start():

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_constrained.grammar_cache import GrammarCache
+from sglang_constrained.cache.memory import GrammarCache
 
 
 def test_least_recently_used_entry_is_evicted_first() -> None:

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.atomic_file import TEMPORARY_PREFIX
-from sglang_constrained.base_grammar_backend import GrammarExport, GrammarStats
-from sglang_constrained.grammar_disk_cache import STALE_TEMPORARY_S, GrammarDiskCache, entry_digest
+from sglang_constrained.cache.atomic_file import TEMPORARY_PREFIX
+from sglang_constrained.cache.compiled import GrammarExport, GrammarStats
+from sglang_constrained.cache.disk import STALE_TEMPORARY_S, GrammarDiskCache, entry_digest
 
 IDENTITY = {"backend": "test", "tokenizer": "0" * 64}
 STATS = GrammarStats("json", 1.5, chosen_backend="llguidance", fallback_reasons=(("xgrammar", "refused: pattern"),))

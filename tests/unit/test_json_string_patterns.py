@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_constrained.errors import GrammarSpecError
-from sglang_constrained.json_string_formats import FORMAT_PATTERNS, format_pattern
-from sglang_constrained.json_string_patterns import json_safe_pattern
-from sglang_constrained.schema_soundness import sound_json_schema, user_patterns_in
+from sglang_constrained.schema.soundness import sound_json_schema, user_patterns_in
+from sglang_constrained.schema.string_formats import FORMAT_PATTERNS, format_pattern
+from sglang_constrained.schema.string_patterns import json_safe_pattern
 from sglang_constrained.testing.random_walk import ecma_regex
 
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER

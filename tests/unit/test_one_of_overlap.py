@@ -8,7 +8,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sglang_constrained.schema_features import one_of_overlap_rule
+from sglang_constrained.schema.features import one_of_overlap_rule
 
 DEFS = {"$defs": {"int": {"type": "integer"}, "str": {"type": "string"}, "num": {"type": "number"}}}
 CIRCLE = {"type": "object", "properties": {"k": {"const": "circle"}}, "required": ["k"]}

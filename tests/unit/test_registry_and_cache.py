@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
@@ -25,7 +26,6 @@ from sglang_constrained.base_grammar_backend import (
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 
 SCHEMA_KEY = make_grammar_key("json", {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
 

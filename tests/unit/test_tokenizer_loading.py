@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.tokenizer_loading import (
+from sglang_constrained.tokenizer.loading import (
     conversion_cache_dir,
     conversion_lock,
     embedded_model_path,
@@ -48,7 +48,7 @@ def test_loading_it_imports_no_torch(server_args: ServerArgs) -> None:
         """
         import sys
         from scheduler.server_args import ServerArgs
-        from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
+        from sglang_constrained.tokenizer.loading import embedded_model_path, load_tokenizer
         load_tokenizer(embedded_model_path(), ServerArgs().cache_path)
         print("torch" in sys.modules)
         """
@@ -69,7 +69,7 @@ def test_a_process_finding_a_conversion_under_way_waits_for_it_and_loads_its_res
         """
         import sys
         from pathlib import Path
-        from sglang_constrained.tokenizer_loading import embedded_model_path, load_tokenizer
+        from sglang_constrained.tokenizer.loading import embedded_model_path, load_tokenizer
         tokenizer = load_tokenizer(embedded_model_path(), Path(sys.argv[1]))
         print("gguf" in sys.modules, len(tokenizer))
         """

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.vocabulary_disk_cache import read_token_table, write_token_table
+from sglang_constrained.cache.vocabulary_disk import read_token_table, write_token_table
 
 HEADER = {"xgrammar_metadata": '{"vocab_type": 0}'}
 

@@ -14,9 +14,9 @@ import xgrammar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_constrained.backends.xgrammar.utf8 import well_formed_regex, well_formed_utf8_grammar
 from sglang_constrained.errors import GrammarSpecError
-from sglang_constrained.json_string_patterns import MAX_CODEPOINT, SAFE, Charset
-from sglang_constrained.xgrammar_utf8 import well_formed_regex, well_formed_utf8_grammar
+from sglang_constrained.schema.string_patterns import MAX_CODEPOINT, SAFE, Charset
 
 BYTE_VOCABULARY = xgrammar.TokenizerInfo([bytes([byte]) for byte in range(256)] + [b"</s>"], stop_token_ids=[256])
 COMPILER = xgrammar.GrammarCompiler(BYTE_VOCABULARY, max_threads=1, cache_enabled=False)

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarObject,
     GrammarBackendArgs,
     InvalidGrammarObject,
     register_grammar_backend,
 )
-from sglang_constrained.xgrammar_backend import XGrammarGrammarBackend
 
 SLOW_RANK_DELAY_S = 3.0
 REFUSED_TITLE = "refused-on-rank-1"

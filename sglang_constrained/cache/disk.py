@@ -42,10 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sglang_constrained.atomic_file import TEMPORARY_PREFIX, write_atomically
-from sglang_constrained.base_grammar_backend import GrammarExport, GrammarStats
-from sglang_constrained.compile_service import COMPILE_NICENESS, set_nice, thread_nice
+from sglang_constrained.cache.atomic_file import TEMPORARY_PREFIX, write_atomically
+from sglang_constrained.cache.compiled import GrammarExport, GrammarStats
 from sglang_constrained.constraint_spec import GrammarKey
+from sglang_constrained.cpu_priority import COMPILE_NICENESS, set_nice, thread_nice
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ import functools
 import heapq
 import itertools
 import logging
-import os
 import sys
 import threading
 import time
@@ -37,27 +36,20 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from sglang_constrained.cache.memory import GrammarCache
+from sglang_constrained.cpu_priority import COMPILE_NICENESS, set_nice, thread_nice
 from sglang_constrained.errors import (
     COMPILE_NOT_STARTED_PREFIX,
     COMPILE_TIMEOUT_PREFIX,
     CompileNotStartedError,
     CompileTimeoutError,
 )
-from sglang_constrained.grammar_cache import GrammarCache
 
 logger = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 T = TypeVar("T")
-
-COMPILE_NICENESS = 10
-"""How far below the server's CPU priority compiles run: a busy compile gets the cycles the loop leaves, and the
-loop loses about a tenth of a core to it at worst (Linux CFS weights 1024 against 110)."""
-SLOW_COMPILE_NICENESS = 19
-"""The lowest priority, where compile processes run once their compile leaves its slot (CFS weight 15: a new
-compile at ``COMPILE_NICENESS`` gets seven times their share of a core). Threads keep theirs: a thread's priority
-cannot be raised back without privileges, and the threads it would start inherit it."""
 
 
 class CompileControl:
@@ -500,16 +492,3 @@ class _Timers:
                 callback()
             except Exception:  # a bug in a callback must not stop every later deadline
                 logger.exception("%s: a timed callback failed", self._name)
-
-
-def thread_nice() -> int:
-    """The calling thread's nice value (0 where there is none)."""
-    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
-
-
-def set_nice(pid: int, nice: int) -> None:
-    """Set a process's nice value (on Linux also a thread's, by its native id: a thread has its own there), if it
-    is allowed (raising it always is); the threads it starts inherit it. Without ``setpriority`` it does nothing."""
-    if hasattr(os, "setpriority"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, pid, min(nice, SLOW_COMPILE_NICENESS))

@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang_constrained.base_grammar_backend import (
+from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
@@ -42,10 +42,14 @@ from sglang_constrained.base_grammar_backend import (
     GrammarStats,
     InvalidGrammarObject,
 )
-from sglang_constrained.compile_service import CompileControl
+from sglang_constrained.backends.registry import (
+    AUTO_GRAMMAR_BACKEND,
+    check_grammar_backend_order,
+    grammar_backend_factory,
+)
+from sglang_constrained.compile.service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileTimeoutError, bounded_message, refusal_reason
-from sglang_constrained.registry import AUTO_GRAMMAR_BACKEND, check_grammar_backend_order, grammar_backend_factory
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import xgrammar
 
-from sglang_constrained.compile_identity import engine_version, tokens_fingerprint
-from sglang_constrained.per_tokenizer import per_tokenizer
-from sglang_constrained.vocabulary_disk_cache import read_token_table, write_token_table
+from sglang_constrained.cache.identity import engine_version, tokens_fingerprint
+from sglang_constrained.cache.per_tokenizer import per_tokenizer
+from sglang_constrained.cache.vocabulary_disk import read_token_table, write_token_table
 
 ENTRY_SUFFIX = ".vocab"
 

@@ -17,7 +17,7 @@ from itertools import accumulate, pairwise
 from pathlib import Path
 from typing import Any
 
-from sglang_constrained.atomic_file import write_atomically
+from sglang_constrained.cache.atomic_file import write_atomically
 
 logger = logging.getLogger(__name__)
 

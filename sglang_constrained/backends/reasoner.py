@@ -15,17 +15,17 @@ from typing import Any
 
 import torch
 
-from sglang_constrained.base_grammar_backend import (
+from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     CompiledGrammarStore,
     InvalidGrammarObject,
     common_prefix_length,
 )
-from sglang_constrained.compile_service import CompileControl, map_future
+from sglang_constrained.backends.reasoning_formats import ReasoningStart, reasoning_format
+from sglang_constrained.compile.service import CompileControl, map_future
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import TokenRejectedError
-from sglang_constrained.reasoning_formats import ReasoningStart, reasoning_format
 from triton_ops.bitmask_format import reset_rows, token_word_bits
 
 THINKING = -1

@@ -25,14 +25,14 @@ import outlines_core
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarBackendArgs
-from sglang_constrained.bitmask_rows import BitmaskRowAddresser
-from sglang_constrained.compile_identity import engine_version
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, GrammarBackendArgs
+from sglang_constrained.backends.bitmask_rows import BitmaskRowAddresser
+from sglang_constrained.backends.outlines.schema_rules import outlines_narrowing, refuse_outlines_unsupported
+from sglang_constrained.cache.identity import engine_version
+from sglang_constrained.cache.per_tokenizer import per_tokenizer
+from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
-from sglang_constrained.json_whitespace import OUTLINES_JSON_WHITESPACE_PATTERN, json_whitespace_pattern
-from sglang_constrained.outlines_schema_rules import outlines_narrowing, refuse_outlines_unsupported
-from sglang_constrained.per_tokenizer import per_tokenizer
-from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
+from sglang_constrained.schema.whitespace import OUTLINES_JSON_WHITESPACE_PATTERN, json_whitespace_pattern
 from triton_ops.bitmask_format import allocate_bitmask, set_token_bits, token_word_bits, words_per_row
 
 MAX_ROLLBACK_TOKENS = 200
@@ -153,7 +153,11 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         self, server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
     ) -> None:
         super().__init__(server_args, vocab_size)
-        self.whitespace_pattern = json_whitespace_pattern(server_args, OUTLINES_JSON_WHITESPACE_PATTERN)
+        self.whitespace_pattern = json_whitespace_pattern(
+            server_args.constrained_json_whitespace_pattern,
+            server_args.constrained_json_disable_any_whitespace,
+            OUTLINES_JSON_WHITESPACE_PATTERN,
+        )
         if any(not 0 <= token < vocab_size for token in eos_token_ids):
             raise ValueError(f"stop token ids {eos_token_ids} must lie in the model's vocabulary [0, {vocab_size})")
         vocab = tokenizer_vocabulary(tokenizer, vocab_size, eos_token_ids, server_args.vocabulary_cache_path)

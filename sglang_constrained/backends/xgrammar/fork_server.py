@@ -8,9 +8,9 @@ on two cores. The server's ``XGrammarGrammarBackend`` later forks its compile pr
 
 from __future__ import annotations
 
-from sglang_constrained.compile_processes import start_fork_server
+from sglang_constrained.compile.processes import start_fork_server
 
-XGRAMMAR_COMPILE_PRELOAD = ("sglang_constrained.xgrammar_backend",)
+XGRAMMAR_COMPILE_PRELOAD = ("sglang_constrained.backends.xgrammar.backend",)
 """What the compile processes' fork server imports once (the backend's module, and so xgrammar)."""
 
 

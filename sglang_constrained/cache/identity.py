@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def tokens_fingerprint(token_bytes: Iterable[bytes], *facts: object) -> str:
@@ -45,12 +45,13 @@ def code_fingerprint(backend_class: type) -> str:
 
 @functools.cache
 def _modules_fingerprint(module_names: tuple[str, ...]) -> str:
-    files = set(PACKAGE_DIR.glob("*.py"))
+    files = {path for path in PACKAGE_DIR.rglob("*.py") if path.relative_to(PACKAGE_DIR).parts[0] != "testing"}
     for name in module_names:
         source = getattr(sys.modules.get(name), "__file__", None)
         if source is not None and source.endswith(".py"):
             files.add(Path(source).resolve())
     digest = hashlib.sha256()
     for path in sorted(files):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        name = path.relative_to(PACKAGE_DIR).as_posix() if path.is_relative_to(PACKAGE_DIR) else path.name
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()

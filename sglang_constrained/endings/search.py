@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy
 
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.cache.vocabulary import TokenizerVocabulary
+from sglang_constrained.endings.exact import ExactEndingSearch
 from sglang_constrained.errors import TokenRejectedError
-from sglang_constrained.exact_ending import ExactEndingSearch
-from sglang_constrained.vocabulary import TokenizerVocabulary
 from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 
 MAX_ENDING_BYTES = 192

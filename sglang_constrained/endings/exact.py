@@ -25,8 +25,8 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from sglang_constrained.base_grammar_backend import BaseGrammarObject
-from sglang_constrained.vocabulary import TokenizerVocabulary
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.cache.vocabulary import TokenizerVocabulary
 from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 
 MAX_EXPLORED_STATES = 4000

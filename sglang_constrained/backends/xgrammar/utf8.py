@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import xgrammar
 
 from sglang_constrained.errors import GrammarSpecError
-from sglang_constrained.json_string_patterns import MAX_CODEPOINT, SAFE, Charset
+from sglang_constrained.schema.string_patterns import MAX_CODEPOINT, SAFE, Charset
 
 GRAMMAR_FORMAT_VERSION = "v16"
 """The version of xgrammar's serialised ``Grammar`` whose layout this module edits (xgrammar 0.2.8)."""
@@ -51,7 +51,7 @@ def check_grammar_format() -> None:
         raise RuntimeError(
             f"xgrammar serialises grammars as {version}, not {GRAMMAR_FORMAT_VERSION}: check whether its character "
             "matching is still lenient (tests/backends/test_engine_faults.py) and update "
-            "sglang_constrained/xgrammar_utf8.py"
+            "sglang_constrained/backends/xgrammar/utf8.py"
         )
 
 

@@ -22,25 +22,17 @@ import torch
 import xgrammar
 from xgrammar.structural_tag import StructuralTag
 
-from sglang_constrained.base_grammar_backend import (
+from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
     GrammarExport,
     common_prefix_length,
 )
-from sglang_constrained.compile_identity import engine_version
-from sglang_constrained.compile_processes import CompileProcesses, why_processes_cannot_start
-from sglang_constrained.compile_service import CompileControl
-from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
-from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
-from sglang_constrained.lark_grammar import is_lark_grammar, lark_to_gbnf
-from sglang_constrained.schema_features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
-from sglang_constrained.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
-from sglang_constrained.xgrammar_export_cost import GrammarMeasure, refuse_costly_export
-from sglang_constrained.xgrammar_fork_server import XGRAMMAR_COMPILE_PRELOAD
-from sglang_constrained.xgrammar_json_whitespace import compact_json_schema_ebnf, json_schema_ebnf
-from sglang_constrained.xgrammar_schema_rules import (
+from sglang_constrained.backends.xgrammar.export_cost import GrammarMeasure, refuse_costly_export
+from sglang_constrained.backends.xgrammar.fork_server import XGRAMMAR_COMPILE_PRELOAD
+from sglang_constrained.backends.xgrammar.json_whitespace import compact_json_schema_ebnf, json_schema_ebnf
+from sglang_constrained.backends.xgrammar.schema_rules import (
     XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
     allow_unlisted_properties,
     refuse_predicted_beyond_deadline,
@@ -48,7 +40,15 @@ from sglang_constrained.xgrammar_schema_rules import (
     schema_patterns,
     strict_mode_narrowing,
 )
-from sglang_constrained.xgrammar_utf8 import check_grammar_format, well_formed_utf8_grammar
+from sglang_constrained.backends.xgrammar.utf8 import check_grammar_format, well_formed_utf8_grammar
+from sglang_constrained.cache.identity import engine_version
+from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
+from sglang_constrained.compile.processes import CompileProcesses, why_processes_cannot_start
+from sglang_constrained.compile.service import CompileControl
+from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
+from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.schema.features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
+from sglang_constrained.schema.lark import is_lark_grammar, lark_to_gbnf
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
 logger = logging.getLogger(__name__)

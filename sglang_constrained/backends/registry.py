@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sglang_constrained.base_grammar_backend import BaseGrammarBackend, CompiledGrammarStore, GrammarBackendArgs
+    from sglang_constrained.backends.base import BaseGrammarBackend, CompiledGrammarStore, GrammarBackendArgs
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +27,12 @@ GRAMMAR_BACKEND_REGISTRY: dict[str, GrammarBackendFactory] = {}
 AUTO_GRAMMAR_BACKEND = "auto"
 """Asks the backends of ``--grammar-backend-order`` in turn for each constraint (``auto_grammar_backend``)."""
 _BUILTIN_BACKENDS: dict[str, str] = {
-    "xgrammar": "sglang_constrained.xgrammar_backend:XGrammarGrammarBackend",
-    "llguidance": "sglang_constrained.llguidance_backend:GuidanceBackend",
-    "outlines": "sglang_constrained.outlines_backend:OutlinesGrammarBackend",
-    AUTO_GRAMMAR_BACKEND: "sglang_constrained.auto_grammar_backend:AutoGrammarBackend",
+    "xgrammar": "sglang_constrained.backends.xgrammar.backend:XGrammarGrammarBackend",
+    "llguidance": "sglang_constrained.backends.llguidance.backend:GuidanceBackend",
+    "outlines": "sglang_constrained.backends.outlines.backend:OutlinesGrammarBackend",
+    AUTO_GRAMMAR_BACKEND: "sglang_constrained.backends.auto:AutoGrammarBackend",
 }
-_REASONER_BACKEND = "sglang_constrained.reasoner_grammar_backend:ReasonerGrammarBackend"
+_REASONER_BACKEND = "sglang_constrained.backends.reasoner:ReasonerGrammarBackend"
 NO_GRAMMAR_BACKEND = "none"
 
 

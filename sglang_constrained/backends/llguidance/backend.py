@@ -25,21 +25,21 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer, StructTag
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from llguidance.hf import from_tokenizer
 
-from sglang_constrained.base_grammar_backend import (
+from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
     common_prefix_length,
 )
-from sglang_constrained.bitmask_rows import BitmaskRowAddresser
-from sglang_constrained.compile_identity import engine_version, tokens_fingerprint
+from sglang_constrained.backends.bitmask_rows import BitmaskRowAddresser
+from sglang_constrained.backends.llguidance.structural_tag_lark import structural_tag_to_lark
+from sglang_constrained.cache.identity import engine_version, tokens_fingerprint
+from sglang_constrained.cache.per_tokenizer import per_tokenizer
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
-from sglang_constrained.json_whitespace import json_whitespace_pattern
-from sglang_constrained.lark_grammar import is_lark_grammar
-from sglang_constrained.per_tokenizer import per_tokenizer
-from sglang_constrained.schema_features import SchemaRule, keyword_rule, refuse_unsupported_features
-from sglang_constrained.structural_tag_lark import structural_tag_to_lark
+from sglang_constrained.schema.features import SchemaRule, keyword_rule, refuse_unsupported_features
+from sglang_constrained.schema.lark import is_lark_grammar
+from sglang_constrained.schema.whitespace import json_whitespace_pattern
 from triton_ops.bitmask_format import clear_token_bits, lowest_allowed_token, token_word_bits, words_per_row
 
 if TYPE_CHECKING:
@@ -381,7 +381,9 @@ def _check_gbnf_rules(grammar: str) -> None:
 def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:
     """llguidance JSON options for the server's whitespace flags (``json_whitespace``); raises ValueError for a
     conflict or a bad regex."""
-    pattern = json_whitespace_pattern(server_args)
+    pattern = json_whitespace_pattern(
+        server_args.constrained_json_whitespace_pattern, server_args.constrained_json_disable_any_whitespace
+    )
     if not pattern:
         return _COMPACT_JSON.copy()
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({}, defaults={"whitespace_pattern": pattern}))

@@ -12,9 +12,9 @@ import copy
 from typing import Any
 
 from sglang_constrained.errors import GrammarSpecError
-from sglang_constrained.json_string_formats import format_pattern
-from sglang_constrained.json_string_patterns import json_safe_pattern
-from sglang_constrained.schema_features import iter_subschemas
+from sglang_constrained.schema.features import iter_subschemas
+from sglang_constrained.schema.string_formats import format_pattern
+from sglang_constrained.schema.string_patterns import json_safe_pattern
 
 
 def sound_json_schema(schema: Any, originals: dict[str, str] | None = None) -> Any:

@@ -9,8 +9,6 @@ blank lines and runs of spaces do not, so a model cannot wander off into whitesp
 
 from __future__ import annotations
 
-from sglang_constrained.base_grammar_backend import GrammarBackendArgs
-
 MAX_INDENT = 20
 DEFAULT_JSON_WHITESPACE_PATTERN = rf"(\r?\n)?[ \t]{{0,{MAX_INDENT}}}"
 DEFAULT_JSON_WHITESPACE_EBNF = f'("\\n" | "\\r\\n")? [ \\t]{{0,{MAX_INDENT}}}'
@@ -20,15 +18,16 @@ OUTLINES_JSON_WHITESPACE_PATTERN = r"(\r?\n)?[ \t]*"
 ``DEFAULT_JSON_WHITESPACE_PATTERN`` the any-object schema (``json_object``) compiled past the 50 s deadline."""
 
 
-def json_whitespace_pattern(server_args: GrammarBackendArgs, default: str = DEFAULT_JSON_WHITESPACE_PATTERN) -> str:
-    """The whitespace regex allowed between JSON tokens (``default`` when no flag is set); raises ``ValueError`` for
-    contradictory settings."""
-    pattern = server_args.constrained_json_whitespace_pattern
-    if pattern is not None and server_args.constrained_json_disable_any_whitespace:
+def json_whitespace_pattern(
+    pattern: str | None, disable_any_whitespace: bool, default: str = DEFAULT_JSON_WHITESPACE_PATTERN
+) -> str:
+    """The whitespace regex allowed between JSON tokens (``default`` when neither flag is set); raises
+    ``ValueError`` for contradictory settings."""
+    if pattern is not None and disable_any_whitespace:
         raise ValueError(
             "--constrained-json-whitespace-pattern and --constrained-json-disable-any-whitespace conflict: "
             "set one, not both"
         )
     if pattern is not None:
         return pattern
-    return "" if server_args.constrained_json_disable_any_whitespace else default
+    return "" if disable_any_whitespace else default

@@ -14,7 +14,7 @@ import re
 
 import xgrammar
 
-from sglang_constrained.json_whitespace import DEFAULT_JSON_WHITESPACE_EBNF
+from sglang_constrained.schema.whitespace import DEFAULT_JSON_WHITESPACE_EBNF
 
 _BOUND = 7919
 _WHITESPACE_USE = re.compile(rf"\bwhitespace(?:_\d+)?\{{0, {_BOUND}\}}")
