@@ -4,7 +4,7 @@ HTTP with ``--port``) until SIGINT/SIGTERM; under ``torchrun`` on every rank (se
 
 With xgrammar, its compile processes' fork server is this process forked once the server's modules are imported
 (``forked_fork_server``), with nothing left to import. Where this Python's fork server cannot be made so, it is
-multiprocessing's own, a new interpreter importing xgrammar (~2.5 s of CPU): it starts first, so that its imports run
+multiprocessing's own, a new interpreter importing xgrammar (seconds of CPU): it starts first, so that its imports run
 beside this process's own, and finds this module light (it imports no engine, model or torch at its top).
 """
 

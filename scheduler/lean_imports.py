@@ -2,9 +2,9 @@
 server never uses from being imported along with what it does.
 
 jsonschema imports ``rfc3987_syntax`` whenever it is installed (by the test extra's ``jsonschema[format-nongpl]``;
-jsonschema checks the ``iri`` formats with it), and that module builds 39 lark parsers at import: about a second of
-CPU in every server process (the scheduler, its compile processes' fork server, the HTTP frontend), 1.05 s of the
-1.16 s that importing jsonschema takes. The server validates a schema against its metaschema and never checks a
+jsonschema checks the ``iri`` formats with it), and that module builds 39 lark parsers at import: nearly all of
+what importing jsonschema costs, in every server process (the scheduler, its compile processes' fork server, the
+HTTP frontend). The server validates a schema against its metaschema and never checks a
 string's format, so it goes without; a process that checks formats (the tests) imports jsonschema as it is.
 """
 

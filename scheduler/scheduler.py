@@ -455,8 +455,8 @@ class Scheduler:
 
 
 def _share_start(a: list[int], b: list[int], length: int) -> bool:
-    """Whether ``a`` and ``b`` both begin with the same ``length`` tokens. Slices compare in C: 64 requests after a
-    cached 2,000-token system prompt, every pair, 2.8 ms against 185 ms walking the tokens one by one."""
+    """Whether ``a`` and ``b`` both begin with the same ``length`` tokens (slices compare in C, far faster than a
+    walk over the tokens for every pair of a batch after a long shared prompt)."""
     return len(a) >= length and len(b) >= length and a[:length] == b[:length]
 
 

@@ -107,7 +107,7 @@ def _load(server_args: ServerArgs, dist: DistributedContext | None) -> Scheduler
 
 
 def _start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
-    """Imported here: a server without ``--port`` need not import the frontend's web stack (0.25 s of CPU)."""
+    """Imported here: a server without ``--port`` need not import the frontend's web stack."""
     from scheduler.http.server import start_http_frontend
 
     return start_http_frontend(server_args)

@@ -22,10 +22,8 @@ Two things make a constrained answer cheaper than one forward per token:
   drafts before are in step with it, whatever ``--speculative-algorithm`` names (except ``none``, which verifies no
   drafts), up to ``--speculative-num-prediction-tokens`` per forward, in batches of any size; the other sources take
   over (up to ``--speculative-num-draft-tokens``) where it is used up or the output has departed from it. Its drafts
-  stand far more often than lookups', so it may draft more: on a 300-token JSON edit at batch 1
-  (``scripts/bench_predicted_outputs.py`` on a busy 2-core machine), up to 16 per forward took 0.071 forwards per
-  token against 0.134 without a prediction, and 1.19x-1.31x the tok/s; up to 8 took 0.124 and 1.04x; up to 32
-  (measured on an earlier aligner, beside 1.64x for 16) 0.043 and 1.34x.
+  stand far more often than lookups', so it may draft more (``scripts/bench_predicted_outputs.py``; figures in
+  docs/benchmarks.md).
 
 k adapts: each request's lookup length (prompt lookup and the cache share it) doubles after a fully accepted run and
 halves after a rejected first draft (pausing at 0, then probing again), its prediction length likewise (from the

@@ -1,14 +1,14 @@
 """How many threads a CPU mask apply gets: one, or all of torch's, whichever is currently faster here.
 
-Neither wins everywhere, and the shape alone does not decide it. On this 2-core machine, with the other core
-free, two threads masked 8-32 rows of a 49k-248k vocab ~2x faster than one. When another process keeps a core
-busy, an OpenMP region waits for its descheduled thread: in such a spell, 78 of 80 parallel applies of 32 rows at
-248k took over 3 ms (median 18 ms) where one thread took a median 1.4 ms. So both counts are timed as they run,
+Neither wins everywhere, and the shape alone does not decide it: with the other cores free, all threads mask a
+batch faster than one; when another process keeps a core busy, an OpenMP region waits for its descheduled thread,
+and nearly every parallel apply then takes many times what one thread takes (figures in docs/benchmarks.md). So both
+counts are timed as they run,
 per size class (a power of two of logits), and the one with the lower median cost per logit over its last few
 applies serves; the other is re-timed now and then to notice when the load changes.
 
 The median, not the mean: a parallel kernel that stalls now and then (one apply in ten, say) keeps serving,
-as it is still ~2x faster in the usual case, but one that stalls in two of its last three applies gives way to one
+as it is still faster in the usual case, but one that stalls in two of its last three applies gives way to one
 thread.
 """
 

@@ -283,7 +283,7 @@ class LlamaModel:
 def one_torch_thread() -> Iterator[None]:
     """torch's ops on one thread meanwhile: for copies and small ops a thread team only adds its fork-join, and on a
     busy machine, where one of its threads is often descheduled, that wait dominates (packing the embedded model's
-    weights: 0.2 s of CPU on one thread, 3.4-4.0 s on two under a load average of 16)."""
+    weights took over ten times as long on two threads as on one under load)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

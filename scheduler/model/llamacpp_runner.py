@@ -125,7 +125,7 @@ class LlamaCppModelRunner(BaseModelRunner):
         threads = available_cores()
         params = llama_cpp.llama_context_default_params()
         # A KV stream of --max-seq-len cells per sequence: in a unified cache every token's attention spans the
-        # cells of every sequence (measured: one decode step 7.1 ms alone, 37.8 ms beside 12,000 other cells).
+        # cells of every sequence (one decode step several times slower beside thousands of other cells).
         params.n_ctx = server_args.max_running_requests * server_args.max_seq_len
         params.n_batch = params.n_ubatch = BATCH_TOKENS
         params.n_seq_max = server_args.max_running_requests

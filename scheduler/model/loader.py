@@ -205,8 +205,8 @@ def _dequantise(gguf_file: Path, staging: Path) -> None:
     """Convert ``gguf_file`` with transformers into a float32 Hugging Face folder at ``staging``.
 
     The config read first serves both the architecture check and the model's load (which reads the config itself
-    when given none): the file is parsed once less than with a reader of its own for the check (~2 s of a first
-    start of the embedded model, measured). Architectures transformers does not read (``TRANSFORMERS_UNREAD``) are
+    when given none): the file is parsed once less than with a reader of its own for the check (a large share of a
+    first start of the embedded model). Architectures transformers does not read (``TRANSFORMERS_UNREAD``) are
     de-quantised by ``gguf_blocks`` instead, in ``gguf.quants``' order and rounding."""
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM

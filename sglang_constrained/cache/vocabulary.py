@@ -52,7 +52,7 @@ def tokenizer_vocabulary(
 ) -> TokenizerVocabulary:
     """The vocabulary of ``tokenizer`` for a model with ``vocab_size`` logits and stop tokens ``eos_token_ids``.
 
-    Decoding a 248k vocabulary takes ~2.9 s of CPU: built once per tokenizer in a process (``per_tokenizer``) and,
+    Decoding a 248k vocabulary takes seconds of CPU: built once per tokenizer in a process (``per_tokenizer``) and,
     with ``cache_dir``, kept there for the next process on the same tokenizer (``vocabulary_disk_cache``).
     """
     if not eos_token_ids:
@@ -91,7 +91,7 @@ def _kept_or_decoded(
 def _entry_name(tokenizer: Any, vocab_size: int, eos_token_ids: list[int], special_ids: frozenset[int]) -> str | None:
     """A hex digest of everything a decoded vocabulary follows from: the tokenizer's whole serialised form (tokens,
     merges, added tokens, normalizer, pre-tokenizer, decoder: what xgrammar reads), its added tokens, special ids
-    and length, the model's vocab size and stop ids, and the code that decodes (~0.4 s at 248k tokens). None for a
+    and length, the model's vocab size and stop ids, and the code that decodes. None for a
     tokenizer with no Rust tokenizer behind it, which is decoded every time."""
     rust_tokenizer = getattr(tokenizer, "backend_tokenizer", None)
     if rust_tokenizer is None:
@@ -135,7 +135,7 @@ def _decode_vocabulary(
 
 def vocabulary_fingerprint(vocab: TokenizerVocabulary) -> str:
     """A hex digest of everything in ``vocab`` that masks are built from: every token's bytes, the stop and special
-    ids, both vocab sizes and xgrammar's tokenizer metadata (about 10 ms at 49k tokens, 40 ms at 248k)."""
+    ids, both vocab sizes and xgrammar's tokenizer metadata."""
     return tokens_fingerprint(
         vocab.decoded_vocab,
         vocab.stop_token_ids,

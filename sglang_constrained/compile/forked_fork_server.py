@@ -1,7 +1,7 @@
 """The compile processes' fork server made by forking this process, where multiprocessing starts a new interpreter.
 
 multiprocessing's fork server is a fresh interpreter that imports the modules it preloads: for xgrammar's compile
-processes, xgrammar and with it torch and transformers, ~2.5 s of CPU at every server start and on every rank,
+processes, xgrammar and with it torch and transformers, seconds of CPU at every server start and on every rank,
 importing what the server has just imported itself. A process whose imports are done can fork itself into that
 server instead: the fork runs multiprocessing's own loop (``multiprocessing.forkserver.main``) and the compile
 processes fork from it as before, finding every import done.

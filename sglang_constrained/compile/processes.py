@@ -68,7 +68,7 @@ def _main_module_preload() -> str:
     multiprocessing's own ``"__main__"`` entry imports nothing here (Python 3.11 never passes the fork server the
     main script's path): each child would run the main module afresh (all of its imports, in each child), and the
     fork server would import the engine without the main module's own settings first (``scheduler.launch`` imports
-    ``scheduler.lean_imports``: ~1.5 s of CPU). A module run with ``-m`` is therefore
+    ``scheduler.lean_imports``). A module run with ``-m`` is therefore
     preloaded by its name, which its ``__main__`` guard keeps from running (each child still runs its body, on
     imports already done: see ``fork_server_setup``); a package's ``__main__`` module (``python -m pytest``) is
     neither preloaded nor run in the children, and a main script keeps the ``"__main__"`` entry.

@@ -168,7 +168,7 @@ class EndingSearch:
         return None
 
     def _exact_search(self) -> ExactEndingSearch:
-        """The exact search, its trie of pieces built the first time a grammar exposes its state (0.1 s at 49k)."""
+        """The exact search, its trie of pieces built the first time a grammar exposes its state."""
         if self._exact is None:
             self._exact = ExactEndingSearch(self._vocabulary)
         return self._exact

@@ -53,7 +53,7 @@ def load_tokenizer(model_path: Path, cache_dir: Path, chat_template: str | None 
     or the folder's (``tokenizer_config.json``, ``chat_template.jinja`` or ``chat_template.json``); ``chat_template``,
     ``--chat-template``'s value (a file or inline Jinja, ``chat_template.read_chat_template``), instead of it.
 
-    ``AutoTokenizer`` is imported only where it is used: importing it imports torch (1.5 s of CPU), which the HTTP
+    ``AutoTokenizer`` is imported only where it is used: importing it imports torch, which the HTTP
     frontend, loading a converted tokenizer, does not need."""
     tokenizer = _load_model_tokenizer(model_path, cache_dir)
     if chat_template is not None:
@@ -91,8 +91,8 @@ def _load_model_tokenizer(model_path: Path, cache_dir: Path) -> Any:
 def gguf_named_chat_templates(gguf_file: Path) -> dict[str, str]:
     """A GGUF file's chat templates beside its default, by name (llama.cpp's ``tokenizer.chat_template.<name>``,
     listed in ``tokenizer.chat_templates``: a ``tool_use`` one, as Hermes-style models ship), which transformers'
-    reader drops. Read by transformers' own GGUF metadata reader, which skips the vocabulary's arrays (SmolLM2's
-    file: 11 ms, where ``gguf.GGUFReader`` takes 2.5 s)."""
+    reader drops. Read by transformers' own GGUF metadata reader, which skips the vocabulary's arrays
+    (``gguf.GGUFReader`` reads them all)."""
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
     metadata, _ = read_gguf_metadata(str(gguf_file), ("tokenizer.chat_templates",))

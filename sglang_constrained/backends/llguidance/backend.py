@@ -1,11 +1,11 @@
 """The llguidance grammar backend: JSON schema, regex, EBNF (GBNF or Lark) and structural tags.
 
-One ``LLTokenizer`` is built per backend (0.5 s at 49k tokens, 5-7 s at 248k) with the model's vocab size as its
+One ``LLTokenizer`` is built per backend (seconds at 248k tokens) with the model's vocab size as its
 width, so padding ids past the tokenizer's end are never allowed, and with the model's stop ids as its EOS tokens
 (llguidance takes a list). llguidance never allows a special token unless a Lark grammar names it, and the
 grammars built here never do: special tokens other than the stop tokens are never allowed, and the stop tokens
 only where the grammar may end. Each compiled grammar keeps a template matcher at the start state that is never
-advanced; ``copy()`` deep-copies it (about 1 µs, against about 1 ms to build a matcher from the grammar text).
+advanced; ``copy()`` deep-copies it (far cheaper than building a matcher from the grammar text).
 Over 300 lines as the other backends' modules hold: the grammar object and its backend together, each of
 llguidance's constraint kinds lowered here.
 """
@@ -127,8 +127,8 @@ class GuidanceGrammar(BaseGrammarObject):
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Write row ``idx`` of a CPU int32 ``[batch, words]`` bitmask; words past the model's vocab are zeroed.
 
-        The row is addressed by pointer arithmetic (``BitmaskRowAddresser``): taking a row view costs about 1.5 µs
-        on this project's machine, more than llguidance's own mask for many states.
+        The row is addressed by pointer arithmetic (``BitmaskRowAddresser``): taking a row view costs more than
+        llguidance's own mask for many states.
         """
         address = self._rows.row_address(vocab_mask, idx)
         num_mask_bytes = self._rows.min_words * 4
@@ -207,7 +207,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> L
     """llguidance's tokenizer of a Hugging Face fast tokenizer, as ``llguidance.hf.from_tokenizer`` builds it.
 
     ``from_tokenizer`` first copies the Rust tokenizer (to switch its padding and truncation off without touching the
-    caller's): a JSON round trip of the whole vocabulary, 2.4 s at 248k tokens. A tokenizer with neither switched on
+    caller's): a JSON round trip of the whole vocabulary, seconds at 248k tokens. A tokenizer with neither switched on
     is serialised as it is instead."""
     rust_tokenizer = getattr(tokenizer, "backend_tokenizer", None)
     if rust_tokenizer is None or rust_tokenizer.padding is not None or rust_tokenizer.truncation is not None:
@@ -301,8 +301,7 @@ class GuidanceBackend(BaseGrammarBackend):
 
     @functools.cached_property
     def _fingerprint(self) -> str:
-        """The bytes, special flags and stop ids of the ``LLTokenizer`` grammars are built over (about 25 ms at 49k
-        tokens, 0.1 s at 248k)."""
+        """The bytes, special flags and stop ids of the ``LLTokenizer`` grammars are built over."""
         ll_tokenizer, ids = self.ll_tokenizer, range(self.ll_tokenizer.vocab_size)
         special = [token for token in ids if ll_tokenizer.is_special_token(token)]
         token_bytes = (ll_tokenizer.decode_bytes([token]) for token in ids)
@@ -310,7 +309,7 @@ class GuidanceBackend(BaseGrammarBackend):
 
     def serialize_grammar(self, grammar: BaseGrammarObject) -> str:
         """The validated llguidance grammar text. llguidance has no compiled form to ship: its lexer and parser
-        states are built lazily as masks are computed, and a matcher builds from the text in about 1 ms. What the
+        states are built lazily as masks are computed, and a matcher builds from the text quickly. What the
         importer skips is the lowering (schema to grammar), the validation and the start probe."""
         if not isinstance(grammar, GuidanceGrammar):
             raise TypeError(f"not an llguidance grammar: {type(grammar).__name__}")

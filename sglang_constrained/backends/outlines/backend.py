@@ -1,13 +1,13 @@
 """The outlines grammar backend: outlines-core's token index over a regex (JSON schemas become regexes first).
 
 outlines-core speaks regex only: EBNF and structural tags stay unsupported (the base class says so). Facts about
-outlines-core 0.2.14 this module is built around, measured on this machine:
+outlines-core 0.2.14 this module is built around (timings in docs/benchmarks.md):
 
 * ``Guide.advance(eos)`` raises even at a final state, so stop tokens are handled here, never given to the Guide.
-* Building an ``Index`` releases the GIL and costs 4-90 ms per small grammar at 49k tokens and 0.1-1.5 s at
-  248k; ``{"type": "object"}`` (what ``json_object`` lowers to) takes ~10 s and ~36 s.
-* A string length bound makes the automaton double with every character (``maxLength`` 12: 0.7 s,
-  16: 10 s, 20: minutes), so bounds above ``OUTLINES_MAX_STRING_LENGTH_BOUND`` are refused up front.
+* Building an ``Index`` releases the GIL; it grows with the vocabulary, and ``{"type": "object"}`` (what
+  ``json_object`` lowers to) takes seconds to tens of seconds.
+* A string length bound makes the automaton double with every character, so bounds above
+  ``OUTLINES_MAX_STRING_LENGTH_BOUND`` are refused up front.
 * The index drops a token that ends one byte past a point where the text already matches the whole regex
   and does not itself complete a match (so ``1(\\.5)?`` cannot take the token ``.`` after ``1``; ``.5`` is fine).
   Such texts stay reachable only through other tokenisations.
@@ -136,11 +136,8 @@ class OutlinesGrammar(BaseGrammarObject):
         return len(tokens)
 
     def memory_size_bytes(self) -> int:
-        """The index's serialised size, measured once at compile time; its resident size is of that order.
-
-        Serialising holds the GIL for ~8 ns a byte: ~8 ms for a small schema at 248k tokens, 0.2 s for
-        ``json_object`` at 49k.
-        """
+        """The index's serialised size, measured once at compile time (serialising holds the GIL); its resident size
+        is of that order."""
         return self.compiled.num_bytes
 
 
@@ -224,7 +221,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
 
 
 def _outlines_vocabulary(vocab: TokenizerVocabulary, eos_token_ids: list[int]) -> outlines_core.Vocabulary:
-    """outlines-core's vocabulary of ``vocab`` (~0.5 s at 248k tokens), shared by every backend on the tokenizer: no
+    """outlines-core's vocabulary of ``vocab`` (costly at 248k tokens), shared by every backend on the tokenizer: no
     backend changes it after it is built."""
     stop_ids = set(eos_token_ids)
     token_ids_by_bytes: dict[bytes, list[int]] = {}

@@ -139,8 +139,8 @@ def _refuse_long_string_bounds(schema: Any) -> None:
 def _refuse_nested_unconstrained_values(schema: Any) -> None:
     """Refuse values of any JSON type below the root: each takes outlines-core seconds to minutes to compile.
 
-    Measured at 49k tokens: ``{"type": "object"}`` alone 10-14 s (36 s at 248k); four such values in one
-    object over 250 s. The root may be one (that is ``json_object``), which the compile deadline bounds.
+    Several such values in one object take minutes (docs/benchmarks.md). The root may be one (that is
+    ``json_object``), which the compile deadline bounds.
     """
     for pointer, subschema in iter_subschemas(schema):
         if pointer and _is_unconstrained_value(subschema):

@@ -62,8 +62,8 @@ class XGrammarGrammar(BaseGrammarObject):
     """One request's position in an xgrammar ``CompiledGrammar`` (a ``GrammarMatcher``); EOS is the stop token.
 
     A fill at the state of the previous fill copies that fill's row: a decode step fills a request's mask once to see
-    whether the grammar forces its next token and again, unchanged, for the next forward's logits (a fill is ~36 us
-    on a JSON schema; the copy ~1 us). ``_version`` counts the changes of the matcher's state."""
+    whether the grammar forces its next token and again, unchanged, for the next forward's logits (a copy costs a
+    small fraction of a fill). ``_version`` counts the changes of the matcher's state."""
 
     def __init__(self, compiled_grammar: xgrammar.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> None:
         super().__init__()
@@ -156,7 +156,7 @@ class XGrammarGrammar(BaseGrammarObject):
 class XGrammarGrammarBackend(BaseGrammarBackend):
     """Compiles constraints with xgrammar ``GrammarCompiler``s over the tokenizer's vocabulary.
 
-    Building the vocabulary decodes every token: about 0.5 s for 49k tokens and 5 s for 248k. Compiles run in
+    Building the vocabulary decodes every token (seconds at 248k tokens). Compiles run in
     ``CompileProcesses`` (a compile can take xgrammar seconds to minutes): at low priority, on one thread each, so
     the compile service's slots bound the cores they take, and killed at the compile deadline, past the memory
     bound or when cancelled. The compiled grammar comes back serialised. Where no process can be started
@@ -227,8 +227,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def build_exportable(
         self, key: GrammarKey, control: CompileControl | None = None
     ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
-        """Keeps the export a compile process sent back: serialising again is costly (a 100-tool structural tag:
-        1.4 s to compile in a thread, 13 s to serialise, 4.7 s to read back; measured)."""
+        """Keeps the export a compile process sent back: serialising again can cost several times the compile."""
         if self.compile_processes is None:
             return super().build_exportable(key, control)
         export = self.compile_processes.run((key, self.require_exact), control)
@@ -292,8 +291,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         xgrammar's strict mode, as SGLang: objects hold only the properties the schema lists. Every output still
         validates against the schema; the model just cannot invent keys (which would also make it likelier to run
         out of tokens before closing the object). Non-strict mode would accept the 18 valid Github_trivial instances
-        that have unlisted properties, but makes compiles up to 250x slower at 248k tokens (a GeoJSON schema: 0.1 s
-        strict, 25 s not; measured).
+        that have unlisted properties, but makes compiles up to hundreds of times slower at 248k tokens
+        (docs/benchmarks.md).
         """
         if not self.is_compact_json:  # the default whitespace (``xgrammar_json_whitespace``)
             return _from_ebnf(json_schema_ebnf(key_string))

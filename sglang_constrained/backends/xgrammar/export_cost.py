@@ -4,20 +4,14 @@ A compile process sends its grammar back serialised (``CompiledGrammar.serialize
 grammars keep that form too), and xgrammar 0.2.8 writes each rule's FSM with a copy of the whole grammar's FSM: the
 serialised grammar grows with the grammar's rules times its size, quadratically in a schema's size, while the
 compile itself takes milliseconds. The measure here, the rules times the expression entries of a grammar, predicts
-that size; the serialising process peaks at about 14 times it and takes about 0.1 s per MB to serialise it and read
-it back. Measured by ``scripts/calibrate_xgrammar_export.py`` (AMD EPYC, 2 cores, 49k tokens): 1,000 required string
-properties measure 48.6 M, serialise to 286 MB (292 predicted) in 8-17 s, the process peaking at 3,979-4,044 MiB
-(4,035); 200 date-time strings 274 MB (315), 4,214 MiB (4,352); 20 objects of 30 properties 100 MB (132), 1,381
-MiB (1,827); 100 patterned strings 32 MB (20), 342 MiB (278).
+that size, and the serialising process's peak memory and time grow in proportion to it (the constants are calibrated
+by ``scripts/calibrate_xgrammar_export.py``; its figures are in docs/benchmarks.md).
 
-A JSON schema is judged before its compile: xgrammar's compile barely changes a schema's grammar (1,000 strings
-measure 47.7 M compiled). A structural tag or an EBNF grammar is judged after it (``GrammarMeasure.of_compiled``),
-before it is serialised: the compile merges their rules, so that their measure before it overstates the size
-several times (a tag of 100 tools of three parameters each measures 484 M before, 59.6 M compiled), and the compile
-takes well under the serialising (0.43 s there, then 272 MB: 357 predicted, in 11.6 s, peaking at 3,923 MiB: 4,942
-predicted). Tags of 25 and 50 tools: 22 MB (24), 72 MB (92); EBNF of 300 rules 50 MB (74), of 1,000 rules 557 MB
-(818), peaking at 7,841 MiB (11,313). The bytes per measure of schemas overstate these by up to 1.5 times: where the
-prediction errs, it errs on the side of refusing (and ``auto`` then asks llguidance).
+A JSON schema is judged before its compile: xgrammar's compile barely changes a schema's grammar. A structural tag
+or an EBNF grammar is judged after it (``GrammarMeasure.of_compiled``), before it is serialised: the compile merges
+their rules, so that their measure before it overstates the size several times, and the compile takes well under the
+serialising. The bytes per measure of schemas overstate tags' and EBNF's sizes: where the prediction errs, it errs on
+the side of refusing (and ``auto`` then asks llguidance).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fork server of xgrammar's compile processes, started by a launcher that has not imported xgrammar yet.
 
 Where this process can fork itself into the fork server (``forked_fork_server``), starting it imports xgrammar here
-first; else the fork server is a new interpreter, which spends ~2.5 s of CPU importing xgrammar (and with it torch
+first; else the fork server is a new interpreter, which spends seconds of CPU importing xgrammar (and with it torch
 and transformers), and a launcher that starts it before its own imports (``scheduler.launch``) has both run at once,
 on two cores. The server's ``XGrammarGrammarBackend`` later forks its compile processes from it.
 """
