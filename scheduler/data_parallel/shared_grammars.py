@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, GrammarExport
-from sglang_constrained.compile.service import CompileControl, CompileService
+from sglang_constrained.compile.control import CompileControl
+from sglang_constrained.compile.service import CompileService
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import CompileTimeoutError
 

@@ -47,7 +47,7 @@ from sglang_constrained.backends.registry import (
     check_grammar_backend_order,
     grammar_backend_factory,
 )
-from sglang_constrained.compile.service import CompileControl
+from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileTimeoutError, bounded_message, refusal_reason
 

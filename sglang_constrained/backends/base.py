@@ -27,7 +27,8 @@ import torch
 
 from sglang_constrained.cache.compiled import CompiledGrammarStore, GrammarExport, GrammarStats
 from sglang_constrained.cache.identity import code_fingerprint
-from sglang_constrained.compile.service import CompileControl, CompileService
+from sglang_constrained.compile.control import CompileControl
+from sglang_constrained.compile.service import CompileService
 from sglang_constrained.constraint_spec import GrammarKey, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema.soundness import sound_json_schema, user_patterns_in

@@ -23,7 +23,8 @@ from sglang_constrained.backends.base import (
     common_prefix_length,
 )
 from sglang_constrained.backends.reasoning_formats import ReasoningStart, reasoning_format
-from sglang_constrained.compile.service import CompileControl, map_future
+from sglang_constrained.compile.control import CompileControl
+from sglang_constrained.compile.futures import map_future
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import TokenRejectedError
 from triton_ops.bitmask_format import reset_rows, token_word_bits

@@ -27,8 +27,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.forked_fork_server import fork_fork_server
-from sglang_constrained.compile.service import CompileControl
 from sglang_constrained.cpu_priority import COMPILE_NICENESS, SLOW_COMPILE_NICENESS, set_nice
 from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileProcessError, CompileTimeoutError
 

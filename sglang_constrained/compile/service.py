@@ -17,7 +17,7 @@ the same hit-or-miss decision for the same request. ``compile_elsewhere`` makes 
 process that compiles once for many) instead of the slots; cache, dedup and deadline stay. ``submit`` compiles
 once outside the cache for another compile (``auto`` asks its backends so). Generic over keys and values: it
 knows nothing of grammars. ``CompileControl`` carries a compile's deadline, cancellation and slowness to whatever
-works on it (``compile_processes`` kills a child process on cancellation).
+works on it (``compile.processes`` kills a child process on cancellation; ``compile.control``).
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import heapq
-import itertools
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from sglang_constrained.cache.memory import GrammarCache
+from sglang_constrained.compile.control import CompileControl
+from sglang_constrained.compile.futures import cancel, map_future, relay, settle
+from sglang_constrained.compile.timers import Timers
 from sglang_constrained.cpu_priority import COMPILE_NICENESS, set_nice, thread_nice
 from sglang_constrained.errors import (
     COMPILE_NOT_STARTED_PREFIX,
@@ -49,91 +50,6 @@ logger = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-T = TypeVar("T")
-
-
-class CompileControl:
-    """The terms of one compile, shared with whatever works on it (its thread, a compile process, ``auto``'s
-    attempts): its deadline, whether its result is still wanted, and whether it has left its slot as slow.
-
-    Callbacks run once, on the thread that cancels or marks slow, outside any lock of this object; a callback
-    registered after the fact runs at once.
-    """
-
-    def __init__(self, timeout_s: float, deadline: float | None = None) -> None:
-        self.timeout_s = timeout_s
-        self.started_at = time.monotonic()
-        self.deadline = self.started_at + timeout_s if deadline is None else deadline
-        self._lock = threading.Lock()
-        self._cancel_reason: str | None = None
-        self._is_slow = False
-        self._on_cancel: list[Callable[[str], None]] = []
-        self._on_slow: list[Callable[[], None]] = []
-        self._children: list[CompileControl] = []
-
-    @property
-    def cancel_reason(self) -> str | None:
-        """Why the result is no longer wanted (None while it is)."""
-        return self._cancel_reason
-
-    @property
-    def is_slow(self) -> bool:
-        return self._is_slow
-
-    def remaining_s(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def cancel(self, reason: str) -> None:
-        """Nobody wants the result any more (deadline, reset, another backend won): stop what can be stopped."""
-        with self._lock:
-            if self._cancel_reason is not None:
-                return
-            self._cancel_reason = reason
-            callbacks, self._on_cancel = self._on_cancel, []
-        for callback in callbacks:
-            callback(reason)
-
-    def extend_deadline(self, deadline: float) -> None:
-        """Someone else now waits for the result, until ``deadline``: this compile and the work done for it
-        (``child``) may run until then."""
-        with self._lock:
-            self.deadline = max(self.deadline, deadline)
-            children = list(self._children)
-        for child in children:
-            child.extend_deadline(deadline)
-
-    def mark_slow(self) -> None:
-        """The compile left its slot: whatever works on it lowers its CPU priority."""
-        with self._lock:
-            if self._is_slow:
-                return
-            self._is_slow = True
-            callbacks, self._on_slow = self._on_slow, []
-        for callback in callbacks:
-            callback()
-
-    def on_cancel(self, callback: Callable[[str], None]) -> None:
-        with self._lock:
-            if self._cancel_reason is None:
-                self._on_cancel.append(callback)
-                return
-        callback(self._cancel_reason)
-
-    def on_slow(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._is_slow:
-                self._on_slow.append(callback)
-                return
-        callback()
-
-    def child(self) -> CompileControl:
-        """A control for work done for this compile: the same deadline (extended with it), cancelled when this one
-        is (slowness is each one's own: work started after this one turned slow is not slow yet)."""
-        child = CompileControl(self.timeout_s, self.deadline)
-        with self._lock:
-            self._children.append(child)
-        self.on_cancel(child.cancel)
-        return child
 
 
 @dataclass(eq=False)
@@ -189,7 +105,7 @@ class CompileService(Generic[K, V]):
         self._fetch: Callable[[K], Future[V]] | None = None
         self._is_shut_down = False
         self._nice = thread_nice()
-        self._timers = _Timers(f"{name}-compile-timers")
+        self._timers = Timers(f"{name}-compile-timers")
         self.num_compilations = 0
 
     @property
@@ -211,7 +127,7 @@ class CompileService(Generic[K, V]):
                 shared = Future()
                 self._in_flight[key] = shared
                 if self._fetch is not None:
-                    self._fetch(key).add_done_callback(lambda done: _relay(done, shared))
+                    self._fetch(key).add_done_callback(lambda done: relay(done, shared))
                     self._timers.call_at(now + self.timeout_s, lambda: self._expire_fetch(key, shared))
                 else:
                     self._enqueue(_Job(key, shared, now, now + self.timeout_s))
@@ -233,7 +149,7 @@ class CompileService(Generic[K, V]):
             self._refuse_after_shutdown()
             now = time.monotonic()
             self._enqueue(_Job(key, shared, now, parent.deadline, parent=parent, compile_value=compile_value))
-        parent.on_cancel(lambda _: _cancel(shared))
+        parent.on_cancel(lambda _: cancel(shared))
         self._dispatch()
         return shared
 
@@ -333,9 +249,9 @@ class CompileService(Generic[K, V]):
         try:
             if not job.shared.done():
                 value = (job.compile_value or self._compile)(job.key, control)
-                _settle(job.shared, value=value)
+                settle(job.shared, value=value)
         except Exception as e:
-            _settle(job.shared, error=e)
+            settle(job.shared, error=e)
         finally:
             with self._lock:
                 self._running.remove(job)
@@ -381,7 +297,7 @@ class CompileService(Generic[K, V]):
             busy = len(self._running)
         waited = time.monotonic() - job.queued_at
         slots = "the compile slot" if self.threads == 1 else f"one of the {self.threads} compile slots"
-        _settle(
+        settle(
             job.shared,
             error=CompileNotStartedError(
                 f"{COMPILE_NOT_STARTED_PREFIX}: it waited {waited:.1f} s for {slots}, busy with {busy} other "
@@ -396,7 +312,7 @@ class CompileService(Generic[K, V]):
                 return  # settled, or given a later deadline by a request that joined it
             if self._in_flight.get(job.key) is job.shared:
                 del self._in_flight[job.key]
-        _settle(job.shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))
+        settle(job.shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))
 
     def _expire_fetch(self, key: K, shared: Future[V]) -> None:
         with self._lock:
@@ -404,91 +320,4 @@ class CompileService(Generic[K, V]):
                 return
             if self._in_flight.get(key) is shared:
                 del self._in_flight[key]
-        _settle(shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))
-
-
-def _settle(future: Future[T], value: T | None = None, error: BaseException | None = None) -> None:
-    """Settle ``future`` unless it already is: the compile and its deadline race, and the first one wins.
-
-    Called outside any lock of ours: settling runs every waiter's callback (copies of the value among them).
-    """
-    with contextlib.suppress(InvalidStateError):
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)  # type: ignore[arg-type]
-
-
-def _cancel(future: Future[T]) -> None:
-    future.cancel()
-
-
-def _relay(source: Future[T], target: Future[T]) -> None:
-    """Settle ``target`` as ``source`` settled (cancelled, failed or with its value)."""
-    if source.cancelled():
-        target.cancel()
-    elif (error := source.exception()) is not None:
-        _settle(target, error=error)
-    else:
-        _settle(target, value=source.result())
-
-
-def map_future(source: Future[T], transform: Callable[[T], T]) -> Future[T]:
-    """A future resolving to ``transform(source.result())``; cancelled or failed when ``source`` is."""
-    derived: Future[T] = Future()
-
-    def on_done(done: Future[T]) -> None:
-        if done.cancelled():
-            derived.cancel()
-            return
-        try:
-            derived.set_result(transform(done.result()))
-        except Exception as e:
-            derived.set_exception(e)
-
-    source.add_done_callback(on_done)
-    return derived
-
-
-class _Timers:
-    """One thread that runs callbacks at their times (one thread for every compile, not one each). Started on the
-    first call; where no thread can start (the interpreter is exiting), nothing is timed."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._order = itertools.count()
-        self._condition = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the timer thread once ``time.monotonic()`` reaches ``when``."""
-        with self._condition:
-            if self._stopped:
-                return
-            heapq.heappush(self._heap, (when, next(self._order), callback))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                with contextlib.suppress(RuntimeError):
-                    self._thread.start()
-            self._condition.notify()
-
-    def stop(self) -> None:
-        with self._condition:
-            self._stopped = True
-            self._heap.clear()
-            self._condition.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._condition:
-                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._condition.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
-                if self._stopped:
-                    return
-                _, _, callback = heapq.heappop(self._heap)
-            try:
-                callback()
-            except Exception:  # a bug in a callback must not stop every later deadline
-                logger.exception("%s: a timed callback failed", self._name)
+        settle(shared, error=CompileTimeoutError(f"{COMPILE_TIMEOUT_PREFIX} after {self.timeout_s:g} s"))

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.processes import CompileProcesses
-from sglang_constrained.compile.service import CompileControl
 from sglang_constrained.cpu_priority import COMPILE_NICENESS, SLOW_COMPILE_NICENESS
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError
 from tests.fresh_interpreter import run_python_in

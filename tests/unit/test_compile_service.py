@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sglang_constrained.compile.service import CompileControl, CompileService
+from sglang_constrained.compile.control import CompileControl
+from sglang_constrained.compile.service import CompileService
 from sglang_constrained.errors import CompileNotStartedError, CompileTimeoutError
 
 

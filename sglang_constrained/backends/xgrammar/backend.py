@@ -43,8 +43,8 @@ from sglang_constrained.backends.xgrammar.schema_rules import (
 from sglang_constrained.backends.xgrammar.utf8 import check_grammar_format, well_formed_utf8_grammar
 from sglang_constrained.cache.identity import engine_version
 from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
+from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.processes import CompileProcesses, why_processes_cannot_start
-from sglang_constrained.compile.service import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema.features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
