@@ -2,9 +2,9 @@
 
 deptry runs twice, because the project has two kinds of code with different promises:
 
-1. the packages a user installs (``sglang_constrained``, ``scheduler``, ``triton_ops``, without their ``testing``
-   subpackages) may import runtime dependencies only (and the extras in ``OPTIONAL_RUNTIME``): a test-only import
-   there is an error (DEP004), and so is a runtime dependency nothing imports (DEP002);
+1. the packages a user installs (``sglang_constrained``, ``scheduler``, ``triton_ops``, ``cpu_kernels``, without
+   their ``testing`` subpackages) may import runtime dependencies only (and the extras in ``OPTIONAL_RUNTIME``): a
+   test-only import there is an error (DEP004), and so is a runtime dependency nothing imports (DEP002);
 2. the tests, the scripts and the ``testing`` subpackages may import anything the project declares, in any group;
    a test or lint dependency nothing imports and no check runs is an error.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = ("sglang_constrained", "scheduler", "triton_ops")
+LIBRARY = ("sglang_constrained", "scheduler", "triton_ops", "cpu_kernels")
 TESTING = ("sglang_constrained/testing", "scheduler/testing")
 TOOLING = ("tests", "scripts", *TESTING)
 NOT_IMPORTED = {

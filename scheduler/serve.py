@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cpu_kernels import library
 from scheduler.distributed import (
     DistributedContext,
     RankFailureError,
@@ -30,7 +31,6 @@ from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs
-from triton_ops import invariant_cpu
 
 if TYPE_CHECKING:
     from scheduler.http.server import HttpFrontend
@@ -54,9 +54,9 @@ def serve(server_args: ServerArgs) -> int:
         raise
     # The cores go to the model's kernels; torch's own ops between forwards (sampling, logprobs) run on one thread,
     # whose OpenMP team would otherwise spin after each op on the very cores the next forward needs.
-    invariant_cpu.set_kernel_threads(torch.get_num_threads())
+    library.set_kernel_threads(torch.get_num_threads())
     torch.set_num_threads(1)
-    logger.info("model kernels on %d threads, torch's own ops on 1", invariant_cpu.kernel_threads())
+    logger.info("model kernels on %d threads, torch's own ops on 1", library.kernel_threads())
 
     def request_stop(signum: int, _: FrameType | None) -> None:
         logger.info("received %s, shutting down", signal.Signals(signum).name)

@@ -223,7 +223,7 @@ class ServerArgs:
 
     @property
     def kernel_build_path(self) -> Path:
-        """Where the model's CPU kernels are compiled, once per machine (``triton_ops.invariant_cpu``)."""
+        """Where the model's CPU kernels are compiled, once per machine (``cpu_kernels.build``)."""
         return self.cache_path / "kernels"
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ import llguidance.torch
 import torch
 import xgrammar
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.server_args import ServerArgs
 from sglang_constrained.testing.benchmarking import cpu_pressure
 from triton_ops import (
@@ -37,7 +38,6 @@ from triton_ops import (
     load_cpu_bitmask_kernel,
 )
 from triton_ops.bitmask_format import pack_bool_mask
-from triton_ops.cpu_info import describe_cpu
 
 BATCH_SIZES = (1, 8, 32, 128)
 VOCAB_SIZES = (49_280, 248_192)  # SmolLM2 and Qwen3.5, padded as their models' logits are

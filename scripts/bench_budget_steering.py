@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from cpu_kernels.cpu_info import cpu_model
 from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
@@ -39,7 +40,6 @@ from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.conformance import compile_grammar
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
 from triton_ops.bitmask_format import allocate_bitmask, unpack_bitmask
-from triton_ops.cpu_info import cpu_model
 
 FAR_BUDGET = 1 << 20
 MAX_FAR_TOKENS = 96

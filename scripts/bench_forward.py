@@ -20,14 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from triton_ops.cpu_info import describe_cpu
+from cpu_kernels.cpu_info import describe_cpu
 
 MEASURE = """
 import json, statistics, sys, time, torch
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
 from tests.unit.invariant_cases import random_weight
-from triton_ops import invariant_cpu
+from cpu_kernels import ops
 
 prompt_length = int(sys.argv[1])
 runner = ModelRunner(ServerArgs(max_running_requests=40, disable_radix_cache=True))
@@ -72,7 +72,7 @@ for fmt in ("q4_1", "q8_0"):
         for _ in range(3):
             started = time.perf_counter()
             for weight, x, _, _ in weights:
-                invariant_cpu.matmul(x[:rows], weight)
+                ops.matmul(x[:rows], weight)
             best = min(best, time.perf_counter() - started)
         operations = sum(2 * rows * k * n for _, _, k, n in weights)
         out[f"{fmt} matmuls M={rows} (GOP/s)"] = operations / best / 1e9
@@ -86,7 +86,7 @@ for tokens in (context, 8, 16):
     times = []
     for _ in range(3 if tokens == context else 30):
         started = time.perf_counter()
-        invariant_cpu.attention(queries, k_pool, v_pool, rows, starts, keys, scale)
+        ops.attention(queries, k_pool, v_pool, rows, starts, keys, scale)
         times.append(time.perf_counter() - started)
     pairs = int((positions + 1).sum())
     if tokens == context:

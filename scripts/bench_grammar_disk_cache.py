@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
@@ -42,7 +43,6 @@ from sglang_constrained.cache.disk import GrammarDiskCache, entry_digest
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.testing.benchmarking import FOLDERS, cpu_pressure
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
-from triton_ops.cpu_info import describe_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path("shared") / "data" / "jsonschemabench" / "maskbench"

@@ -15,8 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.testing.process import SchedulerProcess
-from triton_ops.cpu_info import describe_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 GROUP_FLAGS = ("--tp-size", "2", "--max-running-requests", "48", "--max-seq-len", "640")

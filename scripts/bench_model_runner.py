@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.model import llamacpp_runner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
@@ -34,7 +35,6 @@ from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
 from scheduler.testing.runner_greedy import admitted, greedy_tokens
 from sglang_constrained.tokenizer.loading import embedded_model_path
-from triton_ops.cpu_info import describe_cpu
 
 GREEDY_PROMPTS = (
     "Invent a person as JSON.",

@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.client import AsyncSchedulerClient
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.testing.benchmarking import cpu_pressure
-from triton_ops.cpu_info import describe_cpu
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "bench_predicted_outputs.json"
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.testing.router import ReplicaSet, RouterProcess, router_installed
-from triton_ops.cpu_info import describe_cpu
 
 POLICIES = ("cache_aware", "round_robin")
 SERVER_FLAGS = ("--max-running-requests", "16", "--max-seq-len", "1536")

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import psutil
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.testing.process import REPO_ROOT, SchedulerProcess
 from sglang_constrained.testing.benchmarking import cpu_pressure
-from triton_ops.cpu_info import describe_cpu
 
 SERVER_FLAGS = ("--max-running-requests", "48", "--max-seq-len", "640")
 """The test suite's flags (``tests.helpers.TEST_SERVER_FLAGS``): what its twenty-odd starts pay."""

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from triton_ops.cpu_info import describe_cpu
+from cpu_kernels.cpu_info import describe_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 

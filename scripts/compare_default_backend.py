@@ -24,11 +24,11 @@ from typing import Any
 
 import psutil
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.client import make_request
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.testing.benchmarking import cpu_pressure
 from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA
-from triton_ops.cpu_info import describe_cpu
 
 BACKENDS = ("xgrammar", "auto")
 FLAGS = ("--disable-grammar-disk-cache", "--max-seq-len", "512")

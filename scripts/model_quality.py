@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.model import llamacpp_runner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
 from scheduler.testing.runner_greedy import greedy_tokens
-from triton_ops.cpu_info import describe_cpu
 
 BASELINE = "float32"
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "model_quality.json"

@@ -4,7 +4,7 @@ For each of the embedded model's matmul shapes (K, N), each thread count and M =
 M rows of real-scale activations and compares each row with that row multiplied alone, bit for bit, through:
 - ``torch F.linear``: torch's BLAS as it is (MKL or oneDNN picks a kernel per shape and CPU);
 - ``F.linear, rows padded to 4``: the torch runner before the invariant kernels (MATMUL_ROW_MULTIPLE);
-- ``invariant float32`` and ``invariant Q8_0`` / ``Q4_1``: the runner's kernels (``triton_ops.invariant_cpu``).
+- ``invariant float32`` and ``invariant Q8_0`` / ``Q4_1``: the runner's kernels (``cpu_kernels``).
 Prints, per way and thread count, the row counts M at which some row differed, and the CPU it ran on.
 
     python scripts/probe_batch_invariance.py [--max-rows 64]
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cpu_kernels import library, ops, packed_weights
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.server_args import ServerArgs
-from triton_ops import invariant_cpu
-from triton_ops.cpu_info import describe_cpu
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))
 """(K, N) of SmolLM2-135M's q/o projections, gate/up, down and lm_head."""
@@ -34,19 +34,19 @@ def _padded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(F.pad(x, (0, 0, 0, padding)), weight)[:rows]
 
 
-def _q8_0(weight: torch.Tensor) -> invariant_cpu.PackedWeight:
+def _q8_0(weight: torch.Tensor) -> packed_weights.PackedWeight:
     blocks = weight.reshape(weight.shape[0], -1, 32)
     scales = blocks.abs().amax(dim=2) / 127
     quants = torch.round(blocks / scales.clamp_min(1e-12).unsqueeze(2)).to(torch.int8)
-    return invariant_cpu.pack_q8_0(scales.half(), quants.reshape(weight.shape[0], -1))
+    return packed_weights.pack_q8_0(scales.half(), quants.reshape(weight.shape[0], -1))
 
 
-def _q4_1(weight: torch.Tensor) -> invariant_cpu.PackedWeight:
+def _q4_1(weight: torch.Tensor) -> packed_weights.PackedWeight:
     blocks = weight.reshape(weight.shape[0], -1, 32)
     low, high = blocks.amin(dim=2), blocks.amax(dim=2)
     scales = (high - low) / 15
     quants = torch.round((blocks - low.unsqueeze(2)) / scales.clamp_min(1e-12).unsqueeze(2)).clamp(0, 15)
-    return invariant_cpu.pack_q4_1(scales.half(), low.half(), quants.to(torch.uint8).reshape(weight.shape[0], -1))
+    return packed_weights.pack_q4_1(scales.half(), low.half(), quants.to(torch.uint8).reshape(weight.shape[0], -1))
 
 
 def differing_row_counts(compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, threads: int) -> list[int]:
@@ -71,8 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-rows", type=int, default=64)
     options = parser.parse_args()
-    invariant_cpu.load(ServerArgs().kernel_build_path)
-    print(f"CPU: {describe_cpu()}; kernels: {invariant_cpu.isa()} build; torch {torch.__version__}")
+    library.load(ServerArgs().kernel_build_path)
+    print(f"CPU: {describe_cpu()}; kernels: {library.isa()} build; torch {torch.__version__}")
     generator = torch.Generator().manual_seed(0)
     thread_counts = sorted({1, torch.get_num_threads()})
     print(
@@ -85,9 +85,9 @@ def main() -> None:
         ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "torch F.linear": functools.partial(F.linear, weight=weight),
             f"F.linear, rows padded to {PADDED_ROWS}": functools.partial(_padded, weight=weight),
-            "invariant float32": functools.partial(invariant_cpu.matmul, weight=invariant_cpu.pack_dense(weight)),
-            "invariant Q8_0": functools.partial(invariant_cpu.matmul, weight=_q8_0(weight)),
-            "invariant Q4_1": functools.partial(invariant_cpu.matmul, weight=_q4_1(weight)),
+            "invariant float32": functools.partial(ops.matmul, weight=packed_weights.pack_dense(weight)),
+            "invariant Q8_0": functools.partial(ops.matmul, weight=_q8_0(weight)),
+            "invariant Q4_1": functools.partial(ops.matmul, weight=_q4_1(weight)),
         }
         for name, compute in ways.items():
             cells = [_ranges(differing_row_counts(compute, x, threads)) for threads in thread_counts]

@@ -24,12 +24,12 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from triton_ops.cpu_info import describe_cpu
+from cpu_kernels.cpu_info import describe_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_NATIVE_KERNELS = (
-    "from scheduler.server_args import ServerArgs; from triton_ops import invariant_cpu; "
-    "invariant_cpu.load(ServerArgs().kernel_build_path)"
+    "from scheduler.server_args import ServerArgs; from cpu_kernels import library; "
+    "library.load(ServerArgs().kernel_build_path)"
 )
 """What ``scripts/setup.sh`` runs before the tests."""
 

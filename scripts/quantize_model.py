@@ -30,10 +30,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.server_args import ServerArgs
 from sglang_constrained.testing.benchmarking import cpu_pressure
 from sglang_constrained.tokenizer.loading import embedded_model_path
-from triton_ops.cpu_info import describe_cpu
 
 TYPES = ("Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0", "Q5_0", "Q5_1", "Q8_0")
 """The file types this script makes (llama.cpp's ``LLAMA_FTYPE_MOSTLY_<type>``)."""
@@ -64,15 +64,15 @@ print(json.dumps({
 STREAM = """
 import json, time, torch
 from scheduler.server_args import ServerArgs
-from triton_ops import invariant_cpu
+from cpu_kernels import library, ops, packed_weights
 
-invariant_cpu.load(ServerArgs().kernel_build_path)
-weight = invariant_cpu.pack_dense(torch.randn(16384, 4096) * 0.01)
+library.load(ServerArgs().kernel_build_path)
+weight = packed_weights.pack_dense(torch.randn(16384, 4096) * 0.01)
 x = torch.randn(1, 4096)
 best = float("inf")
 for _ in range(10):
     started = time.perf_counter()
-    invariant_cpu.matmul(x, weight)
+    ops.matmul(x, weight)
     best = min(best, time.perf_counter() - started)
 print(json.dumps({"bandwidth": weight.nbytes / best}))
 """

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.testing.router import ReplicaSet, ReplicaStart, is_healthy, num_generations, router_installed
 from scripts.load_and_faults import QUESTION, VALID_KINDS, Kind, percentile
-from triton_ops.cpu_info import describe_cpu
 
 SERVER_FLAGS = ("--max-running-requests", "16", "--max-seq-len", "512")
 

@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.model.loader import load_model
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import free_port, wait_until_healthy
@@ -65,7 +66,6 @@ from scripts.serving_workload import (
     summarise,
 )
 from sglang_constrained.tokenizer.loading import conversion_cache_dir, embedded_model_path
-from triton_ops.cpu_info import describe_cpu
 
 VLLM_CONFIGS: dict[str, dict[str, str]] = {
     "defaults": {},

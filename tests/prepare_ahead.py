@@ -21,13 +21,13 @@ import sys
 
 import pytest
 
-from triton_ops import invariant_cpu
+from cpu_kernels import build
 
 _LOWEST_PRIORITY = "import os; os.nice(19)\n"
 _KERNELS = (
     "from scheduler.server_args import ServerArgs\n"
-    "from triton_ops import invariant_cpu\n"
-    "invariant_cpu.load(ServerArgs().kernel_build_path, {target!r})\n"
+    "from cpu_kernels import library\n"
+    "library.load(ServerArgs().kernel_build_path, {target!r})\n"
 )
 PREPARATIONS: dict[str, str] = {
     "float32 weights": (
@@ -56,7 +56,7 @@ PREPARATIONS: dict[str, str] = {
 
 
 def _runs_here(name: str) -> bool:
-    return not name.endswith(" kernels") or invariant_cpu.runs_here(name.removesuffix(" kernels"))
+    return not name.endswith(" kernels") or build.runs_here(name.removesuffix(" kernels"))
 
 
 class PrepareAhead:

@@ -1,5 +1,6 @@
-"""The CPU path: the batch-invariant library's masking loop (``invariant_cpu.mask_logits``), with a vectorised
-eager fallback in a process that has not loaded that library (``load_cpu_bitmask_kernel``).
+"""The CPU path: the masking loop of the model's kernel library (``mask_logits``, over ``cpu_kernels``'
+``csrc/mask_logits.h``), with a vectorised eager fallback in a process that has not loaded that library
+(``load_cpu_bitmask_kernel``).
 
 The loop stores -inf into the logits whose bit is clear, 32 at a time from each word (one masked store per 16
 logits on AVX-512), and nothing else: it is loaded with the model's kernels, so a server compiles nothing for it
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from triton_ops import invariant_cpu
+from cpu_kernels import library
 from triton_ops.bitmask_format import BITS_PER_WORD
 from triton_ops.bitmask_reference import normalize_bitmask_args
 from triton_ops.thread_choice import ThreadChoice
@@ -34,14 +35,54 @@ _TO_SIGN_BIT = (BITS_PER_WORD - 1) - torch.arange(BITS_PER_WORD, dtype=torch.int
 
 _THREAD_CHOICE = ThreadChoice()
 
+NEG_INF_BITS = {
+    torch.float32: int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32)),
+    torch.float16: int(torch.tensor(float("-inf"), dtype=torch.float16).view(torch.int16)),
+    torch.bfloat16: int(torch.tensor(float("-inf"), dtype=torch.bfloat16).view(torch.int16)),
+}
+"""-inf's bit pattern per logits dtype, as the signed integer of the same width (what a view of the logits holds)."""
+
+
+def mask_logits(
+    logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | None = None, threads: int | None = None
+) -> None:
+    """Set ``logits[r, c] = -inf`` in place where bit ``c % 32`` of ``words[r, c // 32]`` is clear or ``c`` lies past
+    the last word, for every row ``r`` (or those in ``rows``: int64 ids, which the caller has range-checked).
+
+    ``logits``: float32, float16 or bfloat16 ``[batch, vocab]``; ``words``: int32 ``[batch, num_words]``; both
+    with unit column stride. The bits written are -inf's or the logit's own, whatever the build or thread count.
+    """
+    if logits.dtype not in NEG_INF_BITS or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"mask_logits takes float [rows, vocab] logits with unit column stride, got {logits.dtype}")
+    if words.dtype != torch.int32 or words.dim() != 2 or words.stride(1) != 1 or words.shape[0] != logits.shape[0]:
+        raise ValueError(f"mask_logits takes int32 [rows, words] with unit column stride, got {words.dtype}")
+    if rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()):
+        raise ValueError("mask_logits takes contiguous int64 row ids")
+    num_rows = logits.shape[0] if rows is None else rows.numel()
+    if num_rows == 0 or logits.shape[1] == 0:
+        return
+    library.loaded().invariant_mask_logits(
+        logits.data_ptr(),
+        logits.element_size(),
+        NEG_INF_BITS[logits.dtype] & 0xFFFFFFFF,  # the kernel stores its low 16 bits for 16-bit logits
+        logits.shape[1],
+        logits.stride(0),
+        words.data_ptr(),
+        words.shape[1],
+        words.stride(0),
+        None if rows is None else rows.data_ptr(),
+        num_rows,
+        threads or library.kernel_threads(),
+    )
+
 
 def load_cpu_bitmask_kernel(build_dir: Path) -> bool:
-    """Load the masking loop (``invariant_cpu.load``: built once per machine into ``build_dir``, a few seconds;
+    """Load the masking loop (``cpu_kernels.library.load``: built once per machine into ``build_dir``, a few seconds;
     a process that runs the model has it loaded already). Returns False, and the eager path serves, where it
     cannot be built (no C++ compiler)."""
-    if not invariant_cpu.is_loaded():
+    if not library.is_loaded():
         try:
-            invariant_cpu.load(build_dir)
+            library.load(build_dir)
         except (OSError, RuntimeError) as e:
             logger.warning("the CPU mask kernel is unavailable, masking with the eager path: %s", e)
             return False
@@ -51,9 +92,9 @@ def load_cpu_bitmask_kernel(build_dir: Path) -> bool:
 def _mask_with_library(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     num_rows = logits.shape[0] if rows is None else rows.numel()
     num_elements = num_rows * logits.shape[1]
-    threads = _THREAD_CHOICE.threads_for(num_elements, invariant_cpu.kernel_threads())
+    threads = _THREAD_CHOICE.threads_for(num_elements, library.kernel_threads())
     start = time.perf_counter()
-    invariant_cpu.mask_logits(logits, bitmask, rows, threads)
+    mask_logits(logits, bitmask, rows, threads)
     _THREAD_CHOICE.record(threads, num_elements, time.perf_counter() - start)
 
 
@@ -71,7 +112,7 @@ def _mask_words_eager(words: torch.Tensor, bitmask_words: torch.Tensor) -> None:
         keep = keep.to(bits.dtype)
         chunk = bits[start : start + rows_per_chunk]
         chunk &= keep
-        chunk |= keep.bitwise_not_().bitwise_and_(invariant_cpu.NEG_INF_BITS[words.dtype])
+        chunk |= keep.bitwise_not_().bitwise_and_(NEG_INF_BITS[words.dtype])
 
 
 def _mask_leftover_columns(logits: torch.Tensor, bitmask: torch.Tensor, start: int) -> None:
@@ -110,7 +151,7 @@ def _apply(
     # The loop takes rows with unit column stride (any row stride); other layouts are rare enough for the eager path.
     # It trusts its row ids: only CPU ones have been range-checked (``normalize_bitmask_args``).
     is_checked = args.rows is None or args.rows.device.type == "cpu"
-    if use_library and invariant_cpu.is_loaded() and logits_2d.stride(1) == 1 and is_checked:
+    if use_library and library.is_loaded() and logits_2d.stride(1) == 1 and is_checked:
         rows = None if args.rows is None else args.rows.contiguous()
         _mask_with_library(logits_2d, bitmask_2d if bitmask_2d.stride(1) == 1 else bitmask_2d.contiguous(), rows)
         return

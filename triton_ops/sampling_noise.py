@@ -1,18 +1,19 @@
 """The sampler's ``Exp(1)`` draws, one row per sampling position keyed by an int64 alone, and the race over them.
 
-The generator (``csrc/sampling_noise.h`` spells it out) is counter-based: SplitMix64 at counter ``c`` from the row's
-key gives the 32-bit words of tokens ``2c`` and ``2c + 1``, and each word becomes ``-log u`` by integer operations and
-IEEE float adds, multiplies and one division. So a row costs one pass over the vocabulary, with no generator object
-per row (docs/benchmarks.md), and any token's draw can be made alone. The race ``gumbel_race`` samples a row's
-softmax from its logits and draws in logarithms. The torch references below serve where the C++ kernels are not
-loaded and give the very same bits and tokens.
+The generator (``cpu_kernels/csrc/sampling_noise.h`` spells it out) is counter-based: SplitMix64 at counter ``c``
+from the row's key gives the 32-bit words of tokens ``2c`` and ``2c + 1``, and each word becomes ``-log u`` by integer
+operations and IEEE float adds, multiplies and one division. So a row costs one pass over the vocabulary, with no
+generator object per row (docs/benchmarks.md), and any token's draw can be made alone. The race ``gumbel_race``
+samples a row's softmax from its logits and draws in logarithms. The C++ kernels are compiled into the model's kernel
+library (``cpu_kernels``), whose thread pool they share (``exponentials_cpu``, ``gumbel_race_cpu``); the torch
+references below serve where it is not loaded and give the very same bits and tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from triton_ops import invariant_cpu
+from cpu_kernels import library
 
 _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -36,8 +37,8 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     """Each row's sample of ``softmax(logits / temperature)`` by the race over its key's draws, its first largest logit
     at temperature 0 (-1 where every logit is -inf): the C++ kernel where this process has loaded it, else the torch
     reference (the same tokens)."""
-    if invariant_cpu.is_loaded() and logits.device.type == "cpu":
-        return invariant_cpu.gumbel_race(logits.float().contiguous(), temperatures, keys)
+    if library.is_loaded() and logits.device.type == "cpu":
+        return gumbel_race_cpu(logits.float().contiguous(), temperatures, keys)
     return gumbel_race_reference(logits, temperatures, keys)
 
 
@@ -55,9 +56,49 @@ def gumbel_race_reference(logits: torch.Tensor, temperatures: torch.Tensor, keys
 def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[len(keys), vocab]`` float32 ``Exp(1)`` draws, row ``r`` a function of ``keys[r]`` (int64) alone: the C++
     kernel where this process has loaded it, else the torch reference (the same bits)."""
-    if invariant_cpu.is_loaded():
-        return invariant_cpu.exponentials(keys, vocab)
+    if library.is_loaded():
+        return exponentials_cpu(keys, vocab)
     return exponentials_reference(keys, vocab)
+
+
+def exponentials_cpu(keys: torch.Tensor, vocab: int, threads: int | None = None) -> torch.Tensor:
+    """``Exp(1)`` draws ``[len(keys), vocab]`` float32: row ``r`` a function of ``keys[r]`` (int64, read as 64 bits)
+    alone, the same bits whatever the build, the thread count or the other rows (the library's kernel)."""
+    if keys.dtype != torch.int64 or keys.dim() != 1:
+        raise ValueError(f"exponentials takes int64 keys [rows], got {keys.dtype} {tuple(keys.shape)}")
+    keys = keys.contiguous()
+    out = torch.empty(keys.numel(), vocab, dtype=torch.float32)
+    if out.numel():
+        library.loaded().invariant_exponentials(
+            keys.data_ptr(), keys.numel(), vocab, out.data_ptr(), threads or library.kernel_threads()
+        )
+    return out
+
+
+def gumbel_race_cpu(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row, ``argmax (logits - max) / temperature - log E`` over the draws ``E`` of the row's key (the first on
+    ties; ``argmax logits`` at temperature 0; -1 where every logit is -inf): a sample of
+    ``softmax(logits / temperature)`` (the library's kernel).
+    ``logits``: float32 ``[rows, vocab]``, unit column stride; ``temperatures`` float32, ``keys`` int64 ``[rows]``."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"gumbel_race takes float32 [rows, vocab] logits with unit column stride, got {logits.dtype}")
+    temperatures = temperatures.to(torch.float32).contiguous()
+    keys = keys.to(torch.int64).contiguous()
+    if temperatures.shape != (logits.shape[0],) or keys.shape != (logits.shape[0],):
+        raise ValueError("gumbel_race takes one temperature and one key per row")
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0]:
+        library.loaded().invariant_gumbel_race(
+            logits.data_ptr(),
+            logits.stride(0),
+            logits.shape[0],
+            logits.shape[1],
+            temperatures.data_ptr(),
+            keys.data_ptr(),
+            tokens.data_ptr(),
+            library.kernel_threads(),
+        )
+    return tokens
 
 
 def exponentials_reference(keys: torch.Tensor, vocab: int) -> torch.Tensor:

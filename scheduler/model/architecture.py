@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from triton_ops.invariant_cpu import Activation
+from cpu_kernels.ops import Activation
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text")
 ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}

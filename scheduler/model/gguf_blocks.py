@@ -1,7 +1,7 @@
 """A GGUF file's quantised weights as they are: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 blocks and Q4_K, Q5_K, Q6_K
 super-blocks, never de-quantised to float.
 
-The model runner multiplies these blocks directly (``triton_ops.invariant_cpu``), so it streams the file's 0.56-1.06
+The model runner multiplies these blocks directly (``cpu_kernels``), so it streams the file's 0.56-1.06
 bytes per weight instead of a float32 copy's 4, and computes with exactly the weights gguf (and transformers, through
 it) de-quantises to. F16 and BF16 tensors stay 16-bit floats; tensors of other types (norms in F32, other
 quantisations) are read as float32.

@@ -8,7 +8,7 @@ flat batch of new tokens, writes their K/V into the rows of a token pool, attend
 returns logits for the last new token of each sequence (or, for verifying drafts, after every new token).
 
 The forward is batch-invariant by construction: its matmuls, attention, RMSNorm and SiLU run on
-``triton_ops.invariant_cpu``, whose every output element is one fixed sequence of float operations over its own
+``cpu_kernels``, whose every output element is one fixed sequence of float operations over its own
 inputs, and the rest (embedding, RoPE, residual adds, biases) are elementwise. So a token's logits are bit for bit
 the same whatever else shares its forward (other sequences, their lengths, the drafts after it, a long prompt),
 however many threads run it, on any CPU, and whether its prompt was computed in one piece or resumed after a cached
@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from cpu_kernels import library, ops, packed_weights
+from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Rope
+from cpu_kernels.packed_weights import MatmulWeight, PackedWeight, WeightStack
 from scheduler.model import architecture
 from scheduler.model.gguf_blocks import AS_Q8_0, BlockQuantized, as_q8_0, stack_blocks
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
-from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import Decoder, DecoderBatch, DecoderLayer, MatmulWeight, PackedWeight, Rope, WeightStack
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class LlamaModel:
     lm_head, nearly all the bytes a decode step streams) are packed as they come: GGUF blocks as blocks (Q8_0,
     Q4_1: about 0.6 bytes a weight), float tensors in ``matmul_dtype`` (float32 or bfloat16); decode is bound by
     memory bandwidth, so fewer bytes make it faster. A block-quantised embedding is looked up from its blocks.
-    The kernels (``triton_ops.invariant_cpu.load``) must be loaded first.
+    The kernels (``cpu_kernels.library.load``) must be loaded first.
     """
 
     def __init__(
@@ -237,10 +238,10 @@ class LlamaModel:
         """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.
 
         Row ``j`` holds the next-token logits after packed token ``batch.logit_indices[j]``. The kernels run on
-        ``invariant_cpu.kernel_threads()`` threads; the small torch ops between them on one (a torch op's thread team
+        ``library.kernel_threads()`` threads; the small torch ops between them on one (a torch op's thread team
         waits for all its threads, and on a busy machine one of them is often descheduled).
         """
-        threads = invariant_cpu.kernel_threads()
+        threads = library.kernel_threads()
         with one_torch_thread():
             return self._forward(batch, pool, threads)
 
@@ -259,10 +260,10 @@ class LlamaModel:
                 self.decoder.add_block(
                     i, hidden, self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads)), False, threads
                 )
-        selected = invariant_cpu.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
-        logits = self.tp.gather_columns(invariant_cpu.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
+        selected = ops.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
+        logits = self.tp.gather_columns(ops.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
         if self.architecture.final_softcap is not None:
-            invariant_cpu.softcap(logits, self.architecture.final_softcap, threads)
+            ops.softcap(logits, self.architecture.final_softcap, threads)
         return logits
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -309,25 +310,25 @@ def pack_weight(parts: Sequence[torch.Tensor | BlockQuantized], dtype: torch.dty
     tensors = [part for part in parts if isinstance(part, torch.Tensor)]
     dtypes = {tensor.dtype for tensor in tensors}
     if not blocks and dtype == torch.float32 and dtypes in ({torch.float16}, {torch.bfloat16}):
-        return invariant_cpu.pack_dense(torch.cat(tensors), dtypes.pop())  # the float32 bits in half the bytes
+        return packed_weights.pack_dense(torch.cat(tensors), dtypes.pop())  # the float32 bits in half the bytes
     dense = [part.dequantize() if isinstance(part, BlockQuantized) else part.to(torch.float32) for part in parts]
-    return invariant_cpu.pack_dense(torch.cat(dense), dtype)
+    return packed_weights.pack_dense(torch.cat(dense), dtype)
 
 
 def pack_blocks(blocks: BlockQuantized) -> PackedWeight:
     """GGUF blocks packed for the kernels in their own format."""
     b, parts = blocks, blocks.parts
     if b.format in ("q8_0", "q4_0", "q5_0"):
-        pack = {"q8_0": invariant_cpu.pack_q8_0, "q4_0": invariant_cpu.pack_q4_0, "q5_0": invariant_cpu.pack_q5_0}
+        pack = {"q8_0": packed_weights.pack_q8_0, "q4_0": packed_weights.pack_q4_0, "q5_0": packed_weights.pack_q5_0}
         return pack[b.format](b.scales, b.quants)
     if b.format in ("q4_1", "q5_1") and "mins" in parts:
-        pack_with_mins = invariant_cpu.pack_q4_1 if b.format == "q4_1" else invariant_cpu.pack_q5_1
+        pack_with_mins = packed_weights.pack_q4_1 if b.format == "q4_1" else packed_weights.pack_q5_1
         return pack_with_mins(b.scales, parts["mins"], b.quants)
     if b.format in ("q4_k", "q5_k") and {"mins", "super_scales", "super_mins"} <= parts.keys():
-        pack_k = invariant_cpu.pack_q4_k if b.format == "q4_k" else invariant_cpu.pack_q5_k
+        pack_k = packed_weights.pack_q4_k if b.format == "q4_k" else packed_weights.pack_q5_k
         return pack_k(parts["super_scales"], parts["super_mins"], b.scales, parts["mins"], b.quants)
     if b.format == "q6_k" and "super_scales" in parts:
-        return invariant_cpu.pack_q6_k(parts["super_scales"], b.scales, b.quants)
+        return packed_weights.pack_q6_k(parts["super_scales"], b.scales, b.quants)
     raise ValueError(f"{b.format} blocks without the parts of their format: {sorted(parts)}")
 
 

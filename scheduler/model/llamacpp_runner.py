@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from cpu_kernels.cpu_info import cpu_flags
 from scheduler.model.kv_cache import KVCacheManager, KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.server_args import ServerArgs, available_cores
 from sglang_constrained.tokenizer.loading import embedded_model_path, load_tokenizer
-from triton_ops.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3")
 """llama.cpp's names of the families (``scheduler.model.architecture``); Mistral's files say "llama"."""
-# What the attention kernel runs (triton_ops.invariant_cpu.attention).
+# What the attention kernel runs (cpu_kernels.ops.attention).
 ATTENTION_HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8
 BLOCKS_KIND = "blocks2"
@@ -312,7 +312,7 @@ def _owned_blocks(blocks: BlockQuantized, where: tuple[int, tuple[int, int]] | N
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy: float32, or float16 and bfloat16 as they are (their matmul weights are packed in their own
-    dtype, which the kernels convert to float32 exactly: ``triton_ops.invariant_cpu.pack_dense``)."""
+    dtype, which the kernels convert to float32 exactly: ``cpu_kernels.packed_weights.pack_dense``)."""
     dtype = tensor.dtype if tensor.dtype in (torch.float16, torch.bfloat16) else torch.float32
     return tensor.to(dtype, memory_format=torch.contiguous_format, copy=True)
 

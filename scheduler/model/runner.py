@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cpu_kernels import library
 from scheduler.model.kv_cache import KVCacheManager, KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel, one_torch_thread
@@ -19,7 +20,6 @@ from scheduler.model.loader import load_model
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.model.tensor_parallel import TensorParallelGroup
 from scheduler.server_args import ServerArgs
-from triton_ops import invariant_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ they made free text 0.96x and JSON 0.95x as fast as no speculation (docs/benchma
 
 class ModelRunner(BaseModelRunner):
     """Loads the model named by ``server_args`` onto the CPU (float32 activations, ``--weight-dtype`` matmul
-    weights, on the batch-invariant kernels of ``triton_ops.invariant_cpu``) with a KV pool of
+    weights, on the batch-invariant kernels of ``cpu_kernels``) with a KV pool of
     ``--max-total-tokens`` rows and, unless ``--disable-radix-cache``, prefix reuse.
 
     Sequences (``KVSequence``) come from ``kv.admit``; each forward appends tokens to them. Logits are float32
@@ -46,7 +46,7 @@ class ModelRunner(BaseModelRunner):
 
     def __init__(self, server_args: ServerArgs, tp: TensorParallelGroup | None = None) -> None:
         tp = tp or TensorParallelGroup()
-        invariant_cpu.load(server_args.kernel_build_path)
+        library.load(server_args.kernel_build_path)
         matmul_dtype = torch.bfloat16 if server_args.weight_dtype == "bfloat16" else torch.float32
         with one_torch_thread():  # reading and packing the weights are copies
             loaded = load_model(server_args, tp.rank, tp.size)
@@ -63,7 +63,7 @@ class ModelRunner(BaseModelRunner):
             self.row_multiple, self.tokens_per_forward = 1, BLOCK_TOKENS_PER_FORWARD
             self.lookup_max_batch = BLOCK_LOOKUP_MAX_BATCH
         else:
-            self.row_multiple = invariant_cpu.row_tile()
+            self.row_multiple = library.row_tile()
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
             capacity=server_args.max_total_tokens,
@@ -77,7 +77,7 @@ class ModelRunner(BaseModelRunner):
             "model runner on the CPU (batch-invariant %s kernels, matmul weights: %s; tensor-parallel rank %d of %d: "
             "weight_bytes=%d, %d of %d KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as "
             "used), prefix cache %s",
-            invariant_cpu.isa(),
+            library.isa(),
             self.model.weight_formats,
             tp.rank,
             tp.size,

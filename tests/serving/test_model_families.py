@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Phi3Config, SmolLM3Config
 
+from cpu_kernels import library
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
 from tests.tiny_models import random_norms, tiny_tokenizer, write_gguf
-from triton_ops import invariant_cpu
 
 VOCAB = 300
 TINY: dict[str, Any] = dict(
@@ -82,7 +82,7 @@ measured up to 2e-5)."""
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels(server_args: ServerArgs) -> None:
-    invariant_cpu.load(server_args.kernel_build_path)
+    library.load(server_args.kernel_build_path)
 
 
 @pytest.fixture(scope="module")

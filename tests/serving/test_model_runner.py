@@ -23,6 +23,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from cpu_kernels import library, ops
+from cpu_kernels.decoder import DecoderBatch
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch
@@ -34,8 +36,6 @@ from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer.loading import conversion_cache_dir, embedded_model_path
 from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
-from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import DecoderBatch
 
 pytestmark = pytest.mark.prepared_ahead("float32 weights")
 NUM_STEPS = 16
@@ -131,7 +131,7 @@ def test_block_weights_plan_forwards_by_what_their_rows_cost(
     )
     for dense in (runner, compact_runner):
         assert (dense.row_multiple, dense.tokens_per_forward, dense.lookup_max_batch) == (
-            invariant_cpu.row_tile(),
+            library.row_tile(),
             TOKENS_PER_FORWARD,
             LOOKUP_MAX_BATCH,
         )
@@ -304,12 +304,12 @@ def test_the_runners_matmuls_give_each_row_its_result_alone(
     runner = request.getfixturevalue("runner" if fmt == "float32" else "blocks_runner")
     model = runner.model
     tokens = torch.tensor((prompts[0] + prompts[1] + prompts[2])[:64])
-    hidden = invariant_cpu.rms_norm(model._lookup(tokens), model.layers[0].input_norm, model.eps)
+    hidden = ops.rms_norm(model._lookup(tokens), model.layers[0].input_norm, model.eps)
     layer = model.layers[0]
-    intermediate = invariant_cpu.silu_mul(invariant_cpu.matmul(hidden, layer.gate_up))
+    intermediate = ops.silu_mul(ops.matmul(hidden, layer.gate_up))
     for weight, inputs in ((layer.qkv, hidden), (layer.o_proj, hidden), (layer.gate_up, hidden),
                            (layer.down, intermediate), (model.lm_head, hidden)):  # fmt: skip
-        assert_rows_invariant(lambda rows, weight=weight: invariant_cpu.matmul(rows, weight), inputs, 64)
+        assert_rows_invariant(lambda rows, weight=weight: ops.matmul(rows, weight), inputs, 64)
 
 
 @pytest.mark.model

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from triton_ops import invariant_cpu
-from triton_ops.invariant_cpu import PackedWeight
+from cpu_kernels import ops, packed_weights
+from cpu_kernels.packed_weights import PackedWeight
 
 DENSE_FORMATS = ("float32", "bfloat16", "float16")
 FORMATS = ("float32", "bfloat16", "float16", "q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -19,7 +19,7 @@ K_FORMATS = ("q4_k", "q5_k", "q6_k")
 
 def fitted_width(fmt: str, in_features: int) -> int:
     """``in_features``, rounded up to whole super-blocks for a k-quant."""
-    unit = invariant_cpu.SUPER_BLOCK if fmt in K_FORMATS else 1
+    unit = packed_weights.SUPER_BLOCK if fmt in K_FORMATS else 1
     return -(-in_features // unit) * unit
 
 
@@ -29,35 +29,35 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
     if fmt in DENSE_FORMATS:
         dense = torch.randn(out_features, in_features, generator=generator) * 0.05
         dtype = getattr(torch, fmt)
-        return invariant_cpu.pack_dense(dense, dtype), dense.to(dtype).double()
-    blocks = in_features // invariant_cpu.BLOCK
+        return packed_weights.pack_dense(dense, dtype), dense.to(dtype).double()
+    blocks = in_features // packed_weights.BLOCK
     scales = (torch.rand(out_features, blocks, generator=generator) * 0.01).half()
     mins = (-torch.rand(out_features, blocks, generator=generator) * 0.08).half()
-    expand = lambda t, n=invariant_cpu.BLOCK: t.double().repeat_interleave(n, dim=1)  # noqa: E731
+    expand = lambda t, n=packed_weights.BLOCK: t.double().repeat_interleave(n, dim=1)  # noqa: E731
     unsigned = lambda bits: torch.randint(0, 2**bits, (out_features, in_features), generator=generator).byte()  # noqa: E731
     if fmt == "q8_0":
         quants = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
-        return invariant_cpu.pack_q8_0(scales, quants), expand(scales) * quants.double()
+        return packed_weights.pack_q8_0(scales, quants), expand(scales) * quants.double()
     if fmt in ("q4_1", "q5_1"):
         quants = unsigned(4 if fmt == "q4_1" else 5)
-        return getattr(invariant_cpu, f"pack_{fmt}")(scales, mins, quants), expand(scales) * quants + expand(mins)
+        return getattr(packed_weights, f"pack_{fmt}")(scales, mins, quants), expand(scales) * quants + expand(mins)
     if fmt in ("q4_0", "q5_0"):
         quants = unsigned(4 if fmt == "q4_0" else 5)
         offset = 8 if fmt == "q4_0" else 16
-        return getattr(invariant_cpu, f"pack_{fmt}")(scales, quants), expand(scales) * (quants.double() - offset)
-    supers = in_features // invariant_cpu.SUPER_BLOCK
+        return getattr(packed_weights, f"pack_{fmt}")(scales, quants), expand(scales) * (quants.double() - offset)
+    supers = in_features // packed_weights.SUPER_BLOCK
     d = (torch.rand(out_features, supers, generator=generator) * 2e-4).half()
     if fmt == "q6_k":
         sub_scales = torch.randint(-128, 128, (out_features, 2 * blocks), generator=generator, dtype=torch.int8)
         quants = unsigned(6)
-        exact = expand(d, invariant_cpu.SUPER_BLOCK) * expand(sub_scales, 16) * (quants.double() - 32)
-        return invariant_cpu.pack_q6_k(d, sub_scales, quants), exact
+        exact = expand(d, packed_weights.SUPER_BLOCK) * expand(sub_scales, 16) * (quants.double() - 32)
+        return packed_weights.pack_q6_k(d, sub_scales, quants), exact
     dmin = (torch.rand(out_features, supers, generator=generator) * 2e-4).half()
     sub_scales, sub_mins = torch.randint(0, 64, (2, out_features, blocks), generator=generator).byte()
     quants = unsigned(4 if fmt == "q4_k" else 5)
-    exact = expand(d, invariant_cpu.SUPER_BLOCK) * expand(sub_scales) * quants.double()
-    exact -= expand(dmin, invariant_cpu.SUPER_BLOCK) * expand(sub_mins)
-    return getattr(invariant_cpu, f"pack_{fmt}")(d, dmin, sub_scales, sub_mins, quants), exact
+    exact = expand(d, packed_weights.SUPER_BLOCK) * expand(sub_scales) * quants.double()
+    exact -= expand(dmin, packed_weights.SUPER_BLOCK) * expand(sub_mins)
+    return getattr(packed_weights, f"pack_{fmt}")(d, dmin, sub_scales, sub_mins, quants), exact
 
 
 def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -65,7 +65,7 @@ def activations_as_multiplied(x: torch.Tensor, fmt: str) -> torch.Tensor:
     formats quantise each 32-block to int8 (d = amax / 127, q = round-half-even(x * (127 / amax)), float32 steps)."""
     if fmt in DENSE_FORMATS:
         return x.double()
-    blocks = x.reshape(x.shape[0], -1, invariant_cpu.BLOCK)
+    blocks = x.reshape(x.shape[0], -1, packed_weights.BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # 127 / amax is reciprocal() * 127
     quants = torch.round(blocks * inverse).clamp(-127, 127)
@@ -107,7 +107,7 @@ def attention_case(seed: int = 0, shape: str = "smollm2", runs: bool = False) ->
 
 def run_attention(case: dict[str, torch.Tensor], tokens: slice) -> torch.Tensor:
     head_dim = case["q"].shape[-1]
-    return invariant_cpu.attention(
+    return ops.attention(
         case["q"][tokens].contiguous(),
         case["k"],
         case["v"],

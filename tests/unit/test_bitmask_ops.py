@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cpu_kernels import build, library, ops, packed_weights
 from scheduler.server_args import ServerArgs
 from triton_ops import (
     apply_token_bitmask_inplace,
@@ -27,9 +28,9 @@ from triton_ops import (
     apply_token_bitmask_inplace_reference,
     apply_token_bitmask_inplace_triton,
     bitmask_cpu,
-    invariant_cpu,
     load_cpu_bitmask_kernel,
 )
+from triton_ops.bitmask_cpu import mask_logits
 from triton_ops.bitmask_format import ALL_ALLOWED, pack_bool_mask, unpack_bitmask
 from triton_ops.thread_choice import RECENT_APPLIES
 
@@ -289,8 +290,8 @@ def test_without_a_cpp_compiler_the_eager_path_serves(monkeypatch: pytest.Monkey
     def no_compiler() -> str:
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(invariant_cpu, "_library", None)
-    monkeypatch.setattr(invariant_cpu, "_compiler", no_compiler)
+    monkeypatch.setattr(library, "_library", None)
+    monkeypatch.setattr(build, "_compiler", no_compiler)
     eager_calls: list[int] = []
     mask_eagerly = bitmask_cpu._mask_words_eager
 
@@ -310,9 +311,9 @@ def test_masks_applied_beside_a_running_forward_kernel_are_exact() -> None:
     thread pool: each call waits its turn, and both results are exact. (Without the turns, measured: the two jobs'
     claims interleave and neither call returns.)"""
     generator = torch.Generator().manual_seed(0)
-    weight = invariant_cpu.pack_dense(torch.randn(1536, 576, generator=generator))
+    weight = packed_weights.pack_dense(torch.randn(1536, 576, generator=generator))
     x = torch.randn(16, 576, generator=generator)
-    expected_product = invariant_cpu.matmul(x, weight, threads=2)
+    expected_product = ops.matmul(x, weight, threads=2)
     case = Case("beside", 8, 49_152, mask="sparse")
     source = make_logits((case.batch, case.vocab), torch.float32, seed=0)
     bitmask = make_bitmask(case, seed=0)
@@ -324,7 +325,7 @@ def test_masks_applied_beside_a_running_forward_kernel_are_exact() -> None:
 
     def multiply() -> None:
         for _ in range(400):
-            if not torch.equal(invariant_cpu.matmul(x, weight, threads=2), expected_product):
+            if not torch.equal(ops.matmul(x, weight, threads=2), expected_product):
                 wrong_products.append(1)
 
     worker = threading.Thread(target=multiply)
@@ -333,7 +334,7 @@ def test_masks_applied_beside_a_running_forward_kernel_are_exact() -> None:
     try:
         while worker.is_alive():
             logits.copy_(source)
-            invariant_cpu.mask_logits(logits, bitmask, threads=2)
+            mask_logits(logits, bitmask, threads=2)
             wrong_masks += not torch.equal(logits.view(torch.int32), expected_bits)
     finally:
         worker.join(120)

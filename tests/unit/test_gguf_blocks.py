@@ -15,6 +15,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
+from cpu_kernels import library, ops, packed_weights
+from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Rope
 from scheduler.model.gguf_blocks import (
     FORMATS,
     BlockQuantized,
@@ -27,7 +29,6 @@ from scheduler.model.gguf_blocks import (
 from scheduler.model.llama import pack_blocks, pack_weight
 from scheduler.server_args import ServerArgs
 from tests.unit.invariant_cases import activations_as_multiplied
-from triton_ops import invariant_cpu
 
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 FLOAT16_FIELDS = {
@@ -45,7 +46,7 @@ FLOAT16_FIELDS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    invariant_cpu.load(ServerArgs().kernel_build_path)
+    library.load(ServerArgs().kernel_build_path)
 
 
 def gguf_type(fmt: str) -> GGMLQuantizationType:
@@ -121,7 +122,7 @@ def test_quantizer_blocks_multiply_as_their_weights(fmt: str) -> None:
     assert packed.format.name.lower() == fmt
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(4))
     expected = activations_as_multiplied(x, fmt) @ weights.double().T
-    assert torch.allclose(invariant_cpu.matmul(x, packed).double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ops.matmul(x, packed).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_q4_0_and_q5_0_stacked_with_q8_0_are_packed_as_q8_0() -> None:
@@ -130,10 +131,10 @@ def test_q4_0_and_q5_0_stacked_with_q8_0_are_packed_as_q8_0() -> None:
     parts = [read_blocks(quantized_bytes(fmt, 24, 256, seed=5), gguf_type(fmt)) for fmt in ("q5_0", "q8_0", "q4_0")]
     blocks = [part for part in parts if part is not None]
     stacked = pack_weight(blocks, torch.float32)
-    assert stacked.format == invariant_cpu.WeightFormat.Q8_0
+    assert stacked.format == packed_weights.WeightFormat.Q8_0
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
-    alone = torch.cat([invariant_cpu.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
-    assert torch.equal(invariant_cpu.matmul(x, stacked), alone)
+    alone = torch.cat([ops.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
+    assert torch.equal(ops.matmul(x, stacked), alone)
 
 
 def test_other_mixed_formats_stack_each_run_of_a_format_as_its_blocks() -> None:
@@ -143,13 +144,16 @@ def test_other_mixed_formats_stack_each_run_of_a_format_as_its_blocks() -> None:
     parts = [read_blocks(random_bytes(fmt, rows, 256, seed=rows), gguf_type(fmt)) for fmt, rows in shapes]
     blocks = [part for part in parts if part is not None]
     stacked = pack_weight(blocks, torch.float32)
-    assert isinstance(stacked, invariant_cpu.WeightStack)
-    assert [part.format for part in stacked.parts] == [invariant_cpu.WeightFormat.Q4_K, invariant_cpu.WeightFormat.Q6_K]
+    assert isinstance(stacked, packed_weights.WeightStack)
+    assert [part.format for part in stacked.parts] == [
+        packed_weights.WeightFormat.Q4_K,
+        packed_weights.WeightFormat.Q6_K,
+    ]
     assert (stacked.out_features, stacked.in_features) == (64, 256)
     assert stacked.num_weight_bytes == sum(GGML_QUANT_SIZES[gguf_type(fmt)][1] * rows for fmt, rows in shapes)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8))
-    alone = torch.cat([invariant_cpu.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
-    assert torch.equal(invariant_cpu.matmul(x, stacked), alone)
+    alone = torch.cat([ops.matmul(x, pack_blocks(part)) for part in blocks], dim=1)
+    assert torch.equal(ops.matmul(x, stacked), alone)
 
 
 def test_the_decoder_multiplies_a_stack_part_by_part_into_its_columns() -> None:
@@ -160,9 +164,9 @@ def test_the_decoder_multiplies_a_stack_part_by_part_into_its_columns() -> None:
     qkv = [q8(heads * head_dim, hidden, 1), q8(kv_heads * head_dim, hidden, 2), q8(kv_heads * head_dim, hidden, 3)]
     gate_up = [q8(inter, hidden, 4), q8(inter, hidden, 5)]
     angles = torch.arange(tokens)[:, None] * torch.rand(head_dim, generator=torch.Generator().manual_seed(9))
-    rope = invariant_cpu.Rope(torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+    rope = Rope(torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
     norm = torch.ones(hidden)
-    batch = invariant_cpu.DecoderBatch(
+    batch = DecoderBatch(
         torch.arange(tokens), torch.arange(tokens), torch.arange(tokens), torch.zeros(tokens, dtype=torch.int64),
         torch.arange(1, tokens + 1),
     )  # fmt: skip
@@ -170,14 +174,14 @@ def test_the_decoder_multiplies_a_stack_part_by_part_into_its_columns() -> None:
     outputs = []
     stacks = (
         lambda parts: pack_blocks(stack_blocks(parts)),
-        lambda parts: invariant_cpu.WeightStack(tuple(pack_blocks(part) for part in parts)),
+        lambda parts: packed_weights.WeightStack(tuple(pack_blocks(part) for part in parts)),
     )
     for stack in stacks:
-        layer = invariant_cpu.DecoderLayer(
+        layer = DecoderLayer(
             input_norm=norm, post_norm=norm, qkv=stack(qkv), o_proj=pack_blocks(q8(hidden, heads * head_dim, 6)),
             gate_up=stack(gate_up), down=pack_blocks(q8(hidden, inter, 7)), rope=rope,
         )  # fmt: skip
-        decoder = invariant_cpu.Decoder([layer], heads, kv_heads, head_dim, 1e-5)
+        decoder = Decoder([layer], heads, kv_heads, head_dim, 1e-5)
         k_pool, v_pool = torch.zeros(2, 1, tokens, kv_heads, head_dim)
         out = x.clone()
         decoder.run(out, batch, k_pool, v_pool, threads=2)

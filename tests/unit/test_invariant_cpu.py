@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpu_kernels import library, ops, packed_weights
+from cpu_kernels.build import runs_here
 from scheduler.server_args import ServerArgs
 from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from tests.unit.invariant_cases import (
@@ -31,7 +33,6 @@ from tests.unit.invariant_cases import (
     random_weight,
     run_attention,
 )
-from triton_ops import invariant_cpu
 
 NARROWER_TARGETS = ("scalar", "avx2", "avx2-vnni", "avx512")
 
@@ -41,7 +42,7 @@ MODEL_SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072),
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    invariant_cpu.load(ServerArgs().kernel_build_path)
+    library.load(ServerArgs().kernel_build_path)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -51,16 +52,16 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt: str, name: str) -> None:
     in_features = fitted_width(fmt, in_features)
     weight, exact = random_weight(fmt, out_features, in_features)
     x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(1))
-    assert_rows_invariant(lambda rows: invariant_cpu.matmul(rows, weight), x, 64)
+    assert_rows_invariant(lambda rows: ops.matmul(rows, weight), x, 64)
     expected = activations_as_multiplied(x, fmt) @ exact.T
-    assert torch.allclose(invariant_cpu.matmul(x, weight).double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ops.matmul(x, weight).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_rows_cross_the_row_block() -> None:
     """Past 96 rows the kernel streams the weights again for the next block of rows: nothing changes for a row."""
     weight, _ = random_weight("q4_1", 100, 64)
     x = torch.randn(100, 64, generator=torch.Generator().manual_seed(2))
-    assert_rows_invariant(lambda rows: invariant_cpu.matmul(rows, weight), x, 100)
+    assert_rows_invariant(lambda rows: ops.matmul(rows, weight), x, 100)
 
 
 @settings(max_examples=25, deadline=None)
@@ -76,13 +77,13 @@ def test_matmul_computes_the_product_for_any_shape(
 ) -> None:
     """Widths that leave part of a 16-column panel empty, and any row count, give the product of the weights the
     format stands for, and each row as it is alone."""
-    in_features = blocks * (invariant_cpu.SUPER_BLOCK if fmt in K_FORMATS else invariant_cpu.BLOCK)
+    in_features = blocks * (packed_weights.SUPER_BLOCK if fmt in K_FORMATS else packed_weights.BLOCK)
     weight, exact = random_weight(fmt, out_features, in_features, seed)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
-    out = invariant_cpu.matmul(x, weight)
+    out = ops.matmul(x, weight)
     assert out.shape == (rows, out_features)
     assert torch.allclose(out.double(), activations_as_multiplied(x, fmt) @ exact.T, rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[-1:], invariant_cpu.matmul(x[-1:], weight))
+    assert torch.equal(out[-1:], ops.matmul(x[-1:], weight))
 
 
 @pytest.mark.parametrize("fmt", [fmt for fmt in FORMATS if fmt not in DENSE_FORMATS])
@@ -92,11 +93,11 @@ def test_block_formats_quantise_activations_with_little_error(fmt: str) -> None:
     and rows of zeros or of one repeated value come out exact."""
     weight, exact = random_weight(fmt, 576, 1536)
     x = torch.randn(32, 1536, generator=torch.Generator().manual_seed(8))
-    error = (invariant_cpu.matmul(x, weight).double() - x.double() @ exact.T).norm() / (x.double() @ exact.T).norm()
+    error = (ops.matmul(x, weight).double() - x.double() @ exact.T).norm() / (x.double() @ exact.T).norm()
     assert 1e-4 < error < 1e-2
     constant = torch.zeros(2, 1536)
     constant[1] = -0.375  # |x| = amax everywhere: q = -127 exactly
-    assert torch.allclose(invariant_cpu.matmul(constant, weight).double(), constant.double() @ exact.T, atol=1e-4)
+    assert torch.allclose(ops.matmul(constant, weight).double(), constant.double() @ exact.T, atol=1e-4)
 
 
 @pytest.mark.parametrize(("fmt", "offset"), [("q4_0", 8), ("q5_0", 16)])
@@ -107,9 +108,9 @@ def test_offset_formats_compute_what_q8_0_computes(fmt: str, offset: int) -> Non
     scales = (torch.rand(50, 6, generator=generator) * 0.01).half()
     quants = torch.randint(0, 2 * offset, (50, 192), generator=generator).byte()
     x = torch.randn(5, 192, generator=generator)
-    as_q8_0 = invariant_cpu.pack_q8_0(scales, (quants.short() - offset).to(torch.int8))
-    packed = getattr(invariant_cpu, f"pack_{fmt}")(scales, quants)
-    assert torch.equal(invariant_cpu.matmul(x, packed), invariant_cpu.matmul(x, as_q8_0))
+    as_q8_0 = packed_weights.pack_q8_0(scales, (quants.short() - offset).to(torch.int8))
+    packed = getattr(packed_weights, f"pack_{fmt}")(scales, quants)
+    assert torch.equal(ops.matmul(x, packed), ops.matmul(x, as_q8_0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -117,10 +118,8 @@ def test_16_bit_weights_packed_as_they_are_compute_their_float32_bits(dtype: tor
     """float16 and bfloat16 panels convert each weight to float32 exactly, then run the float32 fma chain."""
     weight = (torch.randn(40, 96, generator=torch.Generator().manual_seed(10)) * 0.05).to(dtype)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(11))
-    as_float32 = invariant_cpu.pack_dense(weight.float(), torch.float32)
-    assert torch.equal(
-        invariant_cpu.matmul(x, invariant_cpu.pack_dense(weight, dtype)), invariant_cpu.matmul(x, as_float32)
-    )
+    as_float32 = packed_weights.pack_dense(weight.float(), torch.float32)
+    assert torch.equal(ops.matmul(x, packed_weights.pack_dense(weight, dtype)), ops.matmul(x, as_float32))
 
 
 ATTENTION_LAYOUTS = [("smollm2", False), *((shape, True) for shape in ATTENTION_SHAPES)]
@@ -165,13 +164,13 @@ def test_rms_norm_and_silu_rows_do_not_depend_on_the_batch(width: int) -> None:
     generator = torch.Generator().manual_seed(4)
     hidden = torch.randn(64, width, generator=generator) * 3
     weight = torch.randn(width, generator=generator)
-    assert_rows_invariant(lambda rows: invariant_cpu.rms_norm(rows, weight, 1e-5), hidden, 64)
+    assert_rows_invariant(lambda rows: ops.rms_norm(rows, weight, 1e-5), hidden, 64)
     expected = hidden.double() * torch.rsqrt(hidden.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
-    assert torch.allclose(invariant_cpu.rms_norm(hidden, weight, 1e-5).double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ops.rms_norm(hidden, weight, 1e-5).double(), expected, rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(64, 2 * width, generator=generator) * 8
-    assert_rows_invariant(lambda rows: invariant_cpu.silu_mul(rows.contiguous()), gate_up, 64)
+    assert_rows_invariant(lambda rows: ops.silu_mul(rows.contiguous()), gate_up, 64)
     gate, up = gate_up.double().chunk(2, dim=1)
-    assert torch.allclose(invariant_cpu.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ops.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernels_keep_their_threads_when_torch_drops_to_one() -> None:
@@ -181,16 +180,16 @@ def test_the_kernels_keep_their_threads_when_torch_drops_to_one() -> None:
     weight = random_weight("q4_1", 40, 256)[0]
     torch_threads = torch.get_num_threads()
     try:
-        invariant_cpu.set_kernel_threads(3)
+        library.set_kernel_threads(3)
         torch.set_num_threads(1)
-        assert invariant_cpu.kernel_threads() == 3
-        assert torch.equal(invariant_cpu.matmul(x, weight), invariant_cpu.matmul(x, weight, threads=1))
+        assert library.kernel_threads() == 3
+        assert torch.equal(ops.matmul(x, weight), ops.matmul(x, weight, threads=1))
         with pytest.raises(ValueError, match="at least one thread"):
-            invariant_cpu.set_kernel_threads(0)
+            library.set_kernel_threads(0)
     finally:
-        invariant_cpu.set_kernel_threads(None)
+        library.set_kernel_threads(None)
         torch.set_num_threads(torch_threads)
-    assert invariant_cpu.kernel_threads() == torch_threads
+    assert library.kernel_threads() == torch_threads
 
 
 def test_gelu_tanh_and_softcap_rows_do_not_depend_on_the_batch() -> None:
@@ -199,12 +198,12 @@ def test_gelu_tanh_and_softcap_rows_do_not_depend_on_the_batch() -> None:
     generator = torch.Generator().manual_seed(8)
     gate_up = torch.randn(64, 2 * 99, generator=generator) * 4
     gate_up[0, :4] = torch.tensor([100.0, -100.0, 1e20, -1e20])
-    assert_rows_invariant(lambda rows: invariant_cpu.gelu_tanh_mul(rows.contiguous()), gate_up, 64)
+    assert_rows_invariant(lambda rows: ops.gelu_tanh_mul(rows.contiguous()), gate_up, 64)
     gate, up = gate_up.double().chunk(2, dim=1)
     expected = F.gelu(gate, approximate="tanh") * up
-    assert torch.allclose(invariant_cpu.gelu_tanh_mul(gate_up).double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ops.gelu_tanh_mul(gate_up).double(), expected, rtol=1e-5, atol=1e-5)
     logits = torch.randn(64, 1301, generator=generator) * 40
-    capped = lambda rows: invariant_cpu.softcap(rows.clone(), 30.0)  # noqa: E731
+    capped = lambda rows: ops.softcap(rows.clone(), 30.0)  # noqa: E731
     assert_rows_invariant(capped, logits, 64)
     expected = torch.tanh(logits.double() / 30) * 30
     assert torch.allclose(capped(logits).double(), expected, rtol=0, atol=1e-5)
@@ -213,50 +212,52 @@ def test_gelu_tanh_and_softcap_rows_do_not_depend_on_the_batch() -> None:
 CROSS_ISA_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
-from triton_ops import invariant_cpu
+from cpu_kernels import library, ops, packed_weights
+from triton_ops.bitmask_cpu import mask_logits
+from triton_ops.sampling_noise import exponentials_cpu, gumbel_race_cpu
 from tests.unit.invariant_cases import ATTENTION_SHAPES, FORMATS, attention_case, random_weight, run_attention
-invariant_cpu.load(Path(sys.argv[1]), sys.argv[2])
+library.load(Path(sys.argv[1]), sys.argv[2])
 x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5))
-outs = [invariant_cpu.matmul(x, random_weight(fmt, 40, 256)[0]) for fmt in FORMATS]
+outs = [ops.matmul(x, random_weight(fmt, 40, 256)[0]) for fmt in FORMATS]
 # the extremes of 8-bit products (-128 and 127 weights times +-127 quants): no build's pairwise sums saturate
 wide = torch.tensor([-128, 127, -128, -128, 127, 127, -128, 127], dtype=torch.int8).repeat(40, 32)
 extreme, signs = wide[:, :96], torch.tensor([1.0, -1.0, -1.0, 1.0]).repeat(7, 64)
-outs.append(invariant_cpu.matmul(signs[:, :96], invariant_cpu.pack_q8_0(torch.ones(40, 3).half(), extreme)))
+outs.append(ops.matmul(signs[:, :96], packed_weights.pack_q8_0(torch.ones(40, 3).half(), extreme)))
 nibbles = (extreme.to(torch.int16) & 15).to(torch.uint8)
 scales, mins = torch.ones(40, 3).half(), torch.zeros(40, 3).half()
-outs.append(invariant_cpu.matmul(signs[:, :96], invariant_cpu.pack_q4_1(scales, mins, nibbles)))
+outs.append(ops.matmul(signs[:, :96], packed_weights.pack_q4_1(scales, mins, nibbles)))
 # and the other formats' largest quants (every high bit set) against zeros, with the largest sub-block scales
 top = lambda bits: (wide >= 0).byte() * (2**bits - 1)
 ones, sub = torch.ones(40, 8).half(), torch.full((40, 8), 63).byte()
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q4_0(ones, top(4))))
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q5_0(ones, top(5))))
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q5_1(ones, -ones, top(5))))
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q4_k(ones[:, :1], ones[:, :1], sub, sub, top(4))))
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q5_k(ones[:, :1], ones[:, :1], sub, sub, top(5))))
-outs.append(invariant_cpu.matmul(signs, invariant_cpu.pack_q6_k(ones[:, :1], wide[:, :16], top(6))))
+outs.append(ops.matmul(signs, packed_weights.pack_q4_0(ones, top(4))))
+outs.append(ops.matmul(signs, packed_weights.pack_q5_0(ones, top(5))))
+outs.append(ops.matmul(signs, packed_weights.pack_q5_1(ones, -ones, top(5))))
+outs.append(ops.matmul(signs, packed_weights.pack_q4_k(ones[:, :1], ones[:, :1], sub, sub, top(4))))
+outs.append(ops.matmul(signs, packed_weights.pack_q5_k(ones[:, :1], ones[:, :1], sub, sub, top(5))))
+outs.append(ops.matmul(signs, packed_weights.pack_q6_k(ones[:, :1], wide[:, :16], top(6))))
 # one and two rows take wider tiles, narrow and wide weights other groupings: the same bits in every build
 for fmt in FORMATS:
-    outs += [invariant_cpu.matmul(x[:m], random_weight(fmt, n, 256)[0]) for m in (1, 2) for n in (40, 1100)]
+    outs += [ops.matmul(x[:m], random_weight(fmt, n, 256)[0]) for m in (1, 2) for n in (40, 1100)]
 # attention of tokens alone (head_dim in lanes) and in runs (keys in lanes), for each shape's tiles
 for shape in ATTENTION_SHAPES:
     outs += [run_attention(attention_case(shape=shape, runs=runs), slice(0, 64)) for runs in (False, True)]
-outs.append(invariant_cpu.rms_norm(x, torch.linspace(-1, 1, 256), 1e-6))
-outs.append(invariant_cpu.silu_mul(x * 10))
-outs.append(invariant_cpu.gelu_tanh_mul(x * 10))
-outs.append(invariant_cpu.softcap(x[:, :250] * 40, 30.0))
+outs.append(ops.rms_norm(x, torch.linspace(-1, 1, 256), 1e-6))
+outs.append(ops.silu_mul(x * 10))
+outs.append(ops.gelu_tanh_mul(x * 10))
+outs.append(ops.softcap(x[:, :250] * 40, 30.0))
 # the grammar mask: masked stores on AVX-512, a select loop elsewhere; a vocab past the last word, and a row subset
 words = torch.randint(-2**31, 2**31, (3, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(6))
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     logits = torch.randn(3, 1300, generator=torch.Generator().manual_seed(7)).to(dtype)
-    invariant_cpu.mask_logits(logits, words, torch.tensor([2, 0]))
+    mask_logits(logits, words, torch.tensor([2, 0]))
     outs.append(logits)
 # the sampler's Exp(1) draws: integer hashing and a log series of adds, multiplies and one division
-outs.append(invariant_cpu.exponentials(torch.tensor([0, -1, 2**63 - 1, 123456789]), 1301))
+outs.append(exponentials_cpu(torch.tensor([0, -1, 2**63 - 1, 123456789]), 1301))
 race_logits = torch.randn(5, 1301, generator=torch.Generator().manual_seed(9)) * 5
 race_temperatures = torch.tensor([0.3, 0.7, 1.0, 1.5, 0.0])  # the last greedy
-outs.append(invariant_cpu.gumbel_race(race_logits, race_temperatures, torch.tensor([1, 2, 3, 4, 5])))
+outs.append(gumbel_race_cpu(race_logits, race_temperatures, torch.tensor([1, 2, 3, 4, 5])))
 bits = [o.view(torch.int32 if o.element_size() == 4 else torch.int16).flatten().tolist() for o in outs]
-print(json.dumps({"isa": invariant_cpu.isa(), "bits": bits}))
+print(json.dumps({"isa": library.isa(), "bits": bits}))
 """
 
 
@@ -267,7 +268,7 @@ def test_every_instruction_set_computes_the_same_bits() -> None:
     sums are exact whatever instruction forms them, and the fixed reduction trees and exp polynomial are the same in
     every build; the logits mask stores the same -inf bits, and the sampler's draws are the same.
     So a model's outputs are the same on every CPU, not only on each."""
-    targets = ["native", *filter(invariant_cpu.runs_here, NARROWER_TARGETS)]
+    targets = ["native", *filter(runs_here, NARROWER_TARGETS)]
     runs = [  # at once: each builds its library (seconds of compiler) and imports torch
         subprocess.Popen(
             [sys.executable, "-c", CROSS_ISA_SCRIPT, str(ServerArgs().kernel_build_path), target],

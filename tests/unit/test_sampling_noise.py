@@ -11,18 +11,25 @@ import dataclasses
 import pytest
 import torch
 
+from cpu_kernels import library
 from scheduler.sampler import SamplingRows, position_key, sample
 from scheduler.server_args import ServerArgs
 from tests.helpers import THREAD_COUNTS
-from triton_ops import NO_DRAFT, invariant_cpu
-from triton_ops.sampling_noise import exponentials, exponentials_reference, gumbel_race_reference
+from triton_ops import NO_DRAFT
+from triton_ops.sampling_noise import (
+    exponentials,
+    exponentials_cpu,
+    exponentials_reference,
+    gumbel_race_cpu,
+    gumbel_race_reference,
+)
 
 EDGE_KEYS = [0, 1, -1, 2**63 - 1, -(2**63), 0x5DEECE66D]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    invariant_cpu.load(ServerArgs().kernel_build_path)
+    library.load(ServerArgs().kernel_build_path)
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 1023, 1024, 1025, 49_153])
@@ -31,22 +38,22 @@ def test_the_kernel_draws_the_reference_bits_whatever_the_rows_and_threads(vocab
     keys = torch.tensor(EDGE_KEYS + [position_key(7, n) for n in range(4)])
     expected = exponentials_reference(keys, vocab).view(torch.int32)
     for threads in THREAD_COUNTS:
-        assert torch.equal(invariant_cpu.exponentials(keys, vocab, threads).view(torch.int32), expected)
-    alone = torch.cat([invariant_cpu.exponentials(keys[i : i + 1], vocab, 1) for i in range(len(keys))])
+        assert torch.equal(exponentials_cpu(keys, vocab, threads).view(torch.int32), expected)
+    alone = torch.cat([exponentials_cpu(keys[i : i + 1], vocab, 1) for i in range(len(keys))])
     assert torch.equal(alone.view(torch.int32), expected)
     assert torch.equal(exponentials(keys, vocab).view(torch.int32), expected)
 
 
 def test_a_shorter_vocabulary_draws_a_prefix_of_the_same_row() -> None:
     keys = torch.tensor(EDGE_KEYS)
-    assert torch.equal(invariant_cpu.exponentials(keys, 777), invariant_cpu.exponentials(keys, 2000)[:, :777])
+    assert torch.equal(exponentials_cpu(keys, 777), exponentials_cpu(keys, 2000)[:, :777])
 
 
 def test_draws_are_exponential_along_rows_and_down_positions() -> None:
     """Along a row (one position's draws over the vocabulary) and down a column (one token over a request's output
     positions): Exp(1) by Kolmogorov-Smirnov, mean and variance 1, strictly positive and finite; neighbouring
     positions' draws are uncorrelated."""
-    rows = invariant_cpu.exponentials(torch.tensor([position_key(11, n) for n in range(2048)]), 256).double()
+    rows = exponentials_cpu(torch.tensor([position_key(11, n) for n in range(2048)]), 256).double()
     for sample_ in (rows.flatten(), rows[:, 0], rows[:, 255], rows[0]):
         assert kolmogorov_smirnov_exp1(sample_) < 1.95 / len(sample_) ** 0.5  # the 0.1 % critical value
     draws = rows.flatten()
@@ -76,12 +83,12 @@ def test_the_race_kernel_picks_the_reference_tokens_whatever_the_rows_and_thread
     assert expected[2] == -1 and expected[3] == vocab // 2
     assert expected[5] == int(logits[5].argmax()) and expected[-1] == int(logits[-1].argmax())
     for threads in THREAD_COUNTS:
-        invariant_cpu.set_kernel_threads(threads)
+        library.set_kernel_threads(threads)
         try:
-            assert torch.equal(invariant_cpu.gumbel_race(logits, temperatures, keys), expected)
+            assert torch.equal(gumbel_race_cpu(logits, temperatures, keys), expected)
         finally:
-            invariant_cpu.set_kernel_threads(None)
-    alone = [invariant_cpu.gumbel_race(logits[i : i + 1], temperatures[i : i + 1], keys[i : i + 1]) for i in range(8)]
+            library.set_kernel_threads(None)
+    alone = [gumbel_race_cpu(logits[i : i + 1], temperatures[i : i + 1], keys[i : i + 1]) for i in range(8)]
     assert torch.equal(torch.cat(alone), expected[:8])
 
 

@@ -1,4 +1,4 @@
-// ---- the sampler's Exp(1) draws ---------------------------------------------------------------------------------
+// The sampler's Exp(1) draws and the race over them: in this library for the reason mask_logits.h gives.
 //
 // Row r of the sampler's exponential race takes one Exp(1) draw per token, keyed by (its request's seed, its output
 // position) alone: that key keeps a request's tokens independent of its batch and of speculation. The draws come
@@ -11,6 +11,18 @@
 // - log1p(y) = 2 atanh(y / (2 + y)) by its odd series to s^17 (|s| <= 1/3: truncation below 2e-10).
 // Integer operations and IEEE float adds, multiplies and one division (no fma, no library call): the same bits in
 // every lane of every build, and a loop the compiler vectorises. Draws lie in [1.1e-10, 22.9].
+
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
 
 constexpr uint64_t kSplitMixGamma = 0x9E3779B97F4A7C15ull;
 
@@ -174,3 +186,5 @@ static void gumbel_race_rows(const float* logits, int64_t ld, int64_t rows, int6
     }
   });
 }
+
+}  // namespace

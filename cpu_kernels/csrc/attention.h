@@ -1,5 +1,4 @@
-// Causal attention over a token KV pool: included by invariant_cpu.cpp, whose vectors, pool, tree_sum and exp it
-// uses.
+// Causal attention over a token KV pool, on the SIMD layer's vectors, tree_sum and exp.
 //
 // Per query token and head, over its keys j = 0 .. L - 1, one fixed sequence whatever else is in the call:
 //   s_j = (q . k_j) * scale, where q . k_j is 16 partial sums P_l = chain over c of q[l + 16c] * k_j[l + 16c]
@@ -13,6 +12,20 @@
 //   over the sequence's keys transposed once per call. Lane j's P_l are then whole vectors and the tree is vertical
 //   additions, no shuffles; a tile of tokens (times the query heads of a KV head) shares every key and value load,
 //   which a token alone cannot (docs/benchmarks.md: a 1,550-token prompt's attention 1.5x faster).
+
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
 
 // Accumulator budgets (vectors) of the two tiled loops: the register file is 32 zmm, or 16 ymm holding 8 vectors.
 #if defined(__AVX512F__)
@@ -280,7 +293,8 @@ static void transpose_keys(const std::vector<Run>& runs, const float* k_pool, in
   });
 }
 
-// Causal attention of query tokens over their own rows of a token KV pool; see invariant_attention.
+// Causal attention of query tokens over their own rows of a token KV pool; see invariant_attention in
+// cpu_kernels.cpp.
 static void attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
                       int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys, float scale,
                       float* out, int threads) {
@@ -353,3 +367,11 @@ static void attention(const float* q, int64_t T, int64_t H, int64_t D, const flo
     }
   });
 }
+
+// The head sizes and query heads per KV head `attention` runs.
+static bool attention_supports(int64_t head_dim, int64_t group) {
+  return (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256) &&
+         group >= 1 && group <= 8;
+}
+
+}  // namespace

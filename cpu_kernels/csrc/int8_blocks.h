@@ -1,5 +1,5 @@
 // Matmuls over GGUF block weights (Q8_0, Q4_1) as integer dot products with activations quantised per block, as
-// llama.cpp multiplies its quantised weights: included by invariant_cpu.cpp, whose vectors, pool and formats it uses.
+// llama.cpp multiplies its quantised weights, in the column groups of dense_matmul.h.
 //
 // Each row of x is quantised per 32-block: amax = max |x|, d = amax / 127, q = round-half-even(x * (127 / amax)) in
 // [-127, 127] (q = 0 where amax is 0). A weight block's product with it is an integer sum, exact in any order, so the
@@ -14,6 +14,21 @@
 // - Q8_0: int8 q[8 quads][16 lanes][4], then float16 d[16]                              (544 bytes)
 // - Q4_1: uint8 [4][16 lanes][4]: byte j of lane l in vector i holds k = 4i + j in its low nibble and k = 16 + 4i + j
 //   in its high nibble; then float16 d[16], m[16]                                          (320 bytes)
+
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "buffer.h"
+#include "dense_matmul.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
 
 // ---- 64 bytes as 16 lanes of 4, and 16 int32 sums ----------------------------------------------------------------
 
@@ -347,3 +362,5 @@ static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, in
     int8_groups<decltype(mr)::value, decltype(np)::value>(format, quantized, M, packed, N, y, ldy, threads);
   });
 }
+
+}  // namespace

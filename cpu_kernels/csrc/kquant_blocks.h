@@ -1,7 +1,6 @@
 // Matmuls over the other GGUF block formats (Q4_0, Q5_0, Q5_1 in blocks of 32; the k-quants Q4_K, Q5_K, Q6_K in
 // super-blocks of 256) as integer dot products with activations quantised per 32-block, exactly as int8_blocks.h
-// does for Q8_0 and Q4_1: included by invariant_cpu.cpp after it, whose quantised rows, byte vectors and tile
-// shapes it uses.
+// does for Q8_0 and Q4_1, whose quantised rows, byte vectors and tile shapes it uses.
 //
 // Every quant enters the dot product unsigned (0..15, 0..31 or 0..63: vpmaddubsw's pairs stay below 2 * 63 * 127,
 // so no build saturates), and a format's offset comes off the exact integer sum: s = sum(q_w q_x) - offset * sum(q_x).
@@ -28,6 +27,21 @@
 // Then per block:       Q4_0 float16 d[16] (288 bytes); Q5_0 d[16] (352); Q5_1 d[16], m[16] (384);
 //                       Q4_K uint8 sc[16], m[16] (288); Q5_K sc[16], m[16] (352); Q6_K int8 sc_0[16], sc_1[16] (416).
 // A k-quant super-block is a head, Q4_K and Q5_K float16 d[16], dmin[16], Q6_K d[16], then its 8 blocks.
+
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <algorithm>
+
+#include "buffer.h"
+#include "dense_matmul.h"
+#include "int8_blocks.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
 
 // ---- the bits above the nibble, and 16 small integers as floats ----------------------------------------------
 
@@ -278,3 +292,5 @@ static void kquant_matmul(int32_t format, const float* x, int64_t M, int64_t K, 
       return kquant_shapes<kQ6_K>(quantized, h, M, packed, N, y, ldy, threads);
   }
 }
+
+}  // namespace

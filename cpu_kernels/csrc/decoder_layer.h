@@ -1,8 +1,8 @@
-// A decoder layer in two blocks: included by invariant_cpu.cpp after its kernels, which it composes.
+// A decoder layer in two blocks, composed of the other kernels.
 //
 // The forward of one layer as transformers' models compute it, each operation one of the batch-invariant kernels or
 // an elementwise step in a fixed order: the attention block returns o_proj's output, the MLP block down's, each
-// before its residual add (under tensor parallelism the ranks sum those between the blocks). invariant_decoder runs
+// before its residual add (under tensor parallelism the ranks sum those between the blocks). `decoder` runs
 // every layer, residual adds included, for one rank: one call per forward instead of ~150 kernel calls from Python.
 //
 // What the families differ in is data, not code paths through the kernels:
@@ -13,14 +13,21 @@
 //   attention with RoPE tables of their own on most layers. Its norms' (1 + w) and its embedding's scale are taken
 //   care of by the caller (llama.py): they are a weight and an elementwise product.
 
-// A packed weight; `next`, where not null, the weight stacked below it (its rows are the next output columns): the
-// parts of a stack whose formats differ (a k-quant file's q and k beside a v of more bits), each multiplied as stored.
-struct PackedRef {
-  const uint8_t* data;
-  int32_t format;
-  int64_t out_features, in_features;
-  const PackedRef* next;
-};
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention.h"
+#include "buffer.h"
+#include "norm_activation.h"
+#include "packed_matmul.h"
+#include "thread_pool.h"
+
+namespace {
 
 struct LayerRef {
   const float* input_norm;
@@ -54,23 +61,6 @@ struct BatchRef {
   const int64_t* num_keys;
 };
 
-extern "C" {
-
-// y[M, columns of every part] = x[M, K] @ W.T for a packed weight or a stack of parts, each part into its columns.
-void invariant_packed_matmul(const PackedRef* w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
-                             int32_t threads) {
-  int64_t column = 0;
-  for (const PackedRef* part = w; part != nullptr; part = part->next) {
-    invariant_matmul(part->format, x, M, part->in_features, ldx, part->data, part->out_features, y + column, ldy,
-                     threads);
-    column += part->out_features;
-  }
-}
-
-}  // extern "C"
-
-namespace {
-
 int64_t stacked_out_features(const PackedRef& w) {
   int64_t width = 0;
   for (const PackedRef* part = &w; part != nullptr; part = part->next) width += part->out_features;
@@ -78,7 +68,7 @@ int64_t stacked_out_features(const PackedRef& w) {
 }
 
 void matmul_ref(const float* x, int64_t M, const PackedRef& w, float* y, int32_t threads) {
-  invariant_packed_matmul(&w, x, M, w.in_features, y, stacked_out_features(w), threads);
+  stacked_matmul(&w, x, M, w.in_features, y, stacked_out_features(w), threads);
 }
 
 // RoPE in transformers' layout, in place on the first `rope_dim` values of `heads` heads of one token:
@@ -98,23 +88,19 @@ void rotate(float* x, int64_t heads, int64_t head_dim, int64_t rope_dim, const f
 // hidden += norm(block), or += block without a norm: one residual add of T rows.
 void add_block(const ModelShape* shape, const float* norm, int64_t T, float* hidden, float* block, int32_t threads) {
   if (norm != nullptr)
-    invariant_rms_norm(block, T, shape->hidden, shape->hidden, norm, shape->eps, block, shape->hidden, threads);
+    rms_norm(block, T, shape->hidden, shape->hidden, norm, shape->eps, block, shape->hidden, threads);
   const int64_t width = shape->hidden;
   parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
     for (int64_t j = first * width; j < last * width; ++j) hidden[j] = hidden[j] + block[j];
   });
 }
 
-}  // namespace
-
-extern "C" {
-
-void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
+void attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
                                const float* hidden, float* k_layer, float* v_layer, float* out, int32_t threads) {
   const int64_t T = batch->tokens, D = shape->head_dim, H = shape->heads, Hkv = shape->kv_heads;
   const int64_t q_size = H * D, kv_size = Hkv * D, width = q_size + 2 * kv_size;
-  Buffer<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attention(T * q_size);
-  invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
+  Buffer<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attended(T * q_size);
+  rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
   parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {  // tokens apart: rows apart
@@ -123,8 +109,8 @@ void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, c
       if (layer->qkv_bias != nullptr)
         for (int64_t i = 0; i < width; ++i) row[i] = row[i] + layer->qkv_bias[i];
       if (layer->q_norm != nullptr) {
-        invariant_rms_norm(row, H, D, D, layer->q_norm, shape->eps, row, D, 1);
-        invariant_rms_norm(row + q_size, Hkv, D, D, layer->k_norm, shape->eps, row + q_size, D, 1);
+        rms_norm(row, H, D, D, layer->q_norm, shape->eps, row, D, 1);
+        rms_norm(row + q_size, Hkv, D, D, layer->k_norm, shape->eps, row + q_size, D, 1);
       }
       if (layer->cos != nullptr) {
         const int64_t at = batch->positions[t] * layer->rope_dim;
@@ -146,36 +132,36 @@ void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, c
     }
     key_starts = window_starts.data(), num_keys = window_keys.data();
   }
-  invariant_attention(q.data(), T, H, D, k_layer, v_layer, Hkv, batch->key_rows, key_starts, num_keys, shape->scale,
-                      attention.data(), threads);
-  matmul_ref(attention.data(), T, layer->o_proj, out, threads);
+  attention(q.data(), T, H, D, k_layer, v_layer, Hkv, batch->key_rows, key_starts, num_keys, shape->scale,
+            attended.data(), threads);
+  matmul_ref(attended.data(), T, layer->o_proj, out, threads);
 }
 
-void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
+void mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
                          int32_t threads) {
   const int64_t inter = stacked_out_features(layer->gate_up) / 2;
   Buffer<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
-  invariant_rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
+  rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->gate_up, gate_up.data(), threads);
   if (shape->activation == kGeluTanh)
-    invariant_gelu_tanh_mul(gate_up.data(), T, inter, mlp.data(), threads);
+    gelu_tanh_mul(gate_up.data(), T, inter, mlp.data(), threads);
   else
-    invariant_silu_mul(gate_up.data(), T, inter, mlp.data(), threads);
+    silu_mul(gate_up.data(), T, inter, mlp.data(), threads);
   matmul_ref(mlp.data(), T, layer->down, out, threads);
 }
 
 // Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place).
-void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
+void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                        float* hidden, float* k_pool, float* v_pool, int64_t layer_stride, int32_t threads) {
   Buffer<float> block(batch->tokens * shape->hidden);
   for (int32_t i = 0; i < num_layers; ++i) {
-    invariant_attention_block(shape, &layers[i], batch, hidden, k_pool + i * layer_stride, v_pool + i * layer_stride,
+    attention_block(shape, &layers[i], batch, hidden, k_pool + i * layer_stride, v_pool + i * layer_stride,
                               block.data(), threads);
     add_block(shape, layers[i].attention_out_norm, batch->tokens, hidden, block.data(), threads);
-    invariant_mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
+    mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
     add_block(shape, layers[i].mlp_out_norm, batch->tokens, hidden, block.data(), threads);
   }
 }
 
-}  // extern "C"
+}  // namespace

@@ -1,0 +1,143 @@
+// The packed weight formats and the dense (float32, bfloat16, float16) matmul's tiles, which the block formats'
+// matmuls (int8_blocks.h, kquant_blocks.h) share their column groups with.
+
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
+
+constexpr int kBlock = 32;  // the GGUF block formats' group of k values sharing a scale
+
+// ---- matmuls over packed weights -------------------------------------------------------------------------------
+//
+// Weights [N, K] are packed in panels of 16 columns: panel p holds columns 16p..16p+15 (zero past N), so that one
+// vector load gives 16 columns. Dense formats, k-major: F32 float [K][16], BF16 bfloat16 [K][16], F16 float16
+// [K][16] (both converted to float exactly); a y[m][n] is one fma chain over k in order. The GGUF block formats Q8_0 (w = d * q) and Q4_1 (w = d * q + m), K a multiple of 32,
+// are integer dot products with x quantised per block: int8_blocks.h, which states their layout and arithmetic;
+// the other block formats (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) likewise in kquant_blocks.h.
+
+enum Format : int32_t {
+  kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_0 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9,
+  kF16 = 10
+};
+
+static int64_t kquant_panel_bytes(int32_t format, int64_t K);  // kquant_blocks.h
+
+static inline int64_t panel_bytes(int32_t format, int64_t K) {
+  switch (format) {
+    case kF32:
+      return K * kLanes * 4;
+    case kBF16:
+    case kF16:
+      return K * kLanes * 2;
+    case kQ8_0:
+      return K / kBlock * (kBlock * kLanes + kLanes * 2);
+    case kQ4_1:
+      return K / kBlock * (kBlock / 2 * kLanes + 2 * kLanes * 2);
+    default:
+      return kquant_panel_bytes(format, K);
+  }
+}
+
+// A tile's accumulators into y: row r's panel p to columns 16p.., the first `cols` columns of the tile only.
+template <int MR, int NP>
+static inline void store_tile(const V16 (&acc)[MR][NP], float* y, int64_t ldy, int cols) {
+  alignas(64) float out[kLanes];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const int n = std::min(kLanes, cols - p * kLanes);
+      if (n <= 0) break;
+      vstore(out, acc[r][p]);
+      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+    }
+}
+
+// One tile: MR rows of x times NP panels, every k. acc[r][p] is y[row r][panel p's 16 columns].
+template <int MR, int NP>
+static void tile_dense(int32_t format, const float* x, int64_t ldx, const uint8_t* panels, int64_t pbytes, int64_t K,
+                       float* y, int64_t ldy, int cols) {
+  V16 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    V16 w[NP];
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* base = panels + p * pbytes;
+      const uint16_t* halves = reinterpret_cast<const uint16_t*>(base) + k * kLanes;
+      w[p] = format == kF32    ? vload(reinterpret_cast<const float*>(base) + k * kLanes)
+             : format == kBF16 ? vfrom_bf16(halves)
+                               : vfrom_f16(halves);
+    }
+    for (int r = 0; r < MR; ++r) {
+      V16 xv = vset1(x[r * ldx + k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = vfma(xv, w[p], acc[r][p]);
+    }
+  }
+  store_tile<MR, NP>(acc, y, ldy, cols);
+}
+
+// Tile shapes: accumulators MR x NP vectors must fit the register file with the weights (32 zmm or 16 ymm).
+#if defined(__AVX512F__)
+constexpr int kMR = 6, kNP = 2, kWideNP = 8;
+#elif defined(__AVX2__)
+constexpr int kMR = 4, kNP = 1, kWideNP = 1;
+#else
+constexpr int kMR = 4, kNP = 1, kWideNP = 1;
+#endif
+constexpr int kRowBlock = 96;  // rows of x per pass over a column group: they stay in cache while it streams
+
+// A tile of 1..kMR rows and 1..kNP panels, each with the code compiled for exactly that many (a tile never reads
+// past the last panel).
+template <int MR = kMR, int NP = kNP>
+static void run_rows(int rows, int panels_here, int32_t format, const float* x, int64_t ldx, const uint8_t* panels,
+                     int64_t pbytes, int64_t K, float* y, int64_t ldy, int cols) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return run_rows<MR - 1, NP>(rows, panels_here, format, x, ldx, panels, pbytes, K, y, ldy, cols);
+  }
+  if constexpr (NP > 1) {
+    if (panels_here < NP) return run_rows<MR, NP - 1>(rows, panels_here, format, x, ldx, panels, pbytes, K, y, ldy, cols);
+  }
+  tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
+}
+
+// The tiles of one matmul over N columns of packed panels (pbytes each): threads take column groups of NP panels;
+// each group runs its rows in blocks of `row_block` (they stay in cache while the group streams), in tiles of MR.
+// tile(rows, panels_here, m, panel, column, cols) computes rows m.. of panels `panel`.. (columns `column`..).
+template <int MR, int NP, class Tile>
+static void for_each_tile(int64_t M, int64_t N, int64_t pbytes, int64_t row_block, int threads, const Tile& tile) {
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t num_groups = (num_panels + NP - 1) / NP;
+  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
+      const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
+      for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+        const int64_t m1 = std::min(M, m0 + row_block);
+        for (int64_t m = m0; m < m1; m += MR)
+          tile(static_cast<int>(std::min<int64_t>(MR, m1 - m)), panels_here, m, g * NP,
+               g * NP * kLanes, cols);
+      }
+    }
+  });
+}
+
+// The column groups of one dense matmul, NP panels each, rows in tiles of MR.
+template <int MR, int NP>
+static void matmul_groups(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+                          int64_t N, float* y, int64_t ldy, int32_t threads) {
+  const int64_t pbytes = panel_bytes(format, K);
+  for_each_tile<MR, NP>(M, N, pbytes, kRowBlock, threads,
+                        [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
+                          run_rows<MR, NP>(rows, panels_here, format, x + m * ldx, ldx, packed + panel * pbytes, pbytes,
+                                           K, y + m * ldy + column, ldy, cols);
+                        });
+}
+
+}  // namespace

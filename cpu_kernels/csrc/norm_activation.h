@@ -1,0 +1,81 @@
+// The row-wise kernels: RMSNorm, the gated MLP activations (SiLU, GELU-tanh) and soft-capping.
+
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace {
+
+// out[T, N] = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm orders it.
+// The sum of squares: 16 partial sums (lane n mod 16) then the fixed tree.
+static void rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* weight, float eps, float* out,
+                     int64_t ldo, int32_t threads) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    const float* row = x + t * ldx;
+    V16 partial = vzero();
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 v = vload_at(row, n, N);
+      partial = vfma(v, v, partial);
+    }
+    const float inverse = 1.0f / sqrtf(tree_sum(partial) / static_cast<float>(N) + eps);
+    V16 r = vset1(inverse);
+    for (int64_t n = 0; n < N; n += kLanes)
+      vstore_at(out + t * ldo, n, N, vmul(vmul(vload_at(row, n, N), r), vload_at(weight, n, N)));
+  }
+  });
+}
+
+// out[T, N] = gate / (1 + exp(exponent(gate))) * up, with gate = x[:, :N] and up = x[:, N:2N]: the gated MLPs'
+// one form (SiLU's exponent is -gate, GELU-tanh's -2u).
+template <class Exponent>
+static void gated_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads, const Exponent& exponent) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    const float* gate = x + t * 2 * N;
+    const float* up = gate + N;
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 g = vload_at(gate, n, N);
+      V16 e = vexp(exponent(g));
+      vstore_at(out + t * N, n, N, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload_at(up, n, N)));
+    }
+  }
+  });
+}
+
+// out[T, N] = silu(gate) * up = gate / (1 + exp(-gate)) * up, with gate = x[:, :N] and up = x[:, N:2N].
+static void silu_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
+  gated_mul(x, T, N, out, threads, [](V16 g) { return vsub(vzero(), g); });
+}
+
+// out[T, N] = gelu_tanh(gate) * up, with gate = x[:, :N] and up = x[:, N:2N] (Gemma's MLP). gelu_tanh(g) =
+// g / 2 * (1 + tanh(u)) with u = sqrt(2 / pi) * (g + 0.044715 g^3) is g / (1 + exp(-2u)): SiLU's form, u's
+// products rounded one by one, then one exp, one division.
+static void gelu_tanh_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads) {
+  gated_mul(x, T, N, out, threads, [](V16 g) {
+    V16 inner = vadd(g, vmul(vset1(0.044715f), vmul(vmul(g, g), g)));
+    return vmul(vset1(-1.5957691216057308f), inner);  // -2 sqrt(2 / pi)
+  });
+}
+
+// x[T, N] = cap * tanh(x / cap) in place, rows ldx apart (Gemma's soft-capping of logits); tanh(y) as
+// 2 / (1 + exp(-2y)) - 1, whose exp saturates to give +-1 for large |y|.
+static void softcap(float* x, int64_t T, int64_t N, int64_t ldx, float cap, int32_t threads) {
+  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    float* row = x + t * ldx;
+    for (int64_t n = 0; n < N; n += kLanes) {
+      V16 y = vdiv(vload_at(row, n, N), vset1(cap));
+      V16 e = vexp(vmul(vset1(-2.0f), y));
+      V16 tanh = vsub(vdiv(vset1(2.0f), vadd(vset1(1.0f), e)), vset1(1.0f));
+      vstore_at(row, n, N, vmul(tanh, vset1(cap)));
+    }
+  }
+  });
+}
+
+}  // namespace

@@ -1,0 +1,189 @@
+"""The decoder layers in one call per forward (``csrc/decoder_layer.h``): a layer's weights and RoPE tables, a
+forward's token batch, and ``Decoder``, which hands them to the C++ blocks."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from cpu_kernels.library import loaded
+from cpu_kernels.ops import Activation, check_rows, rms_norm
+from cpu_kernels.packed_weights import MatmulWeight
+from cpu_kernels.structs import BatchRef, LayerRef, ModelShape, packed_ref
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE tables ``[positions, rope_dim]`` (float32): a layer turns the first ``rope_dim`` values of each head by
+    them (``rope_dim`` is the head's size but for partial rotary embeddings)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        return self.cos.shape[0]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One decoder layer's weights: float32 norms (and Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k
+    norms, Gemma 3's norms of each block's output), and the four matmul weights packed; its RoPE tables (None: a
+    layer without RoPE) and its sliding window (the keys a token attends to at most; None: all of them)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor  # the MLP block's input norm
+    qkv: MatmulWeight  # q, k and v projections stacked
+    o_proj: MatmulWeight
+    gate_up: MatmulWeight  # gate and up projections stacked
+    down: MatmulWeight
+    rope: Rope | None
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attention_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class DecoderBatch:
+    """A forward's tokens for the decoder blocks (int64 CPU tensors): each token's position, the KV pool row its
+    K/V go to, and the rows it attends to (``key_rows[key_starts[t] : key_starts[t] + num_keys[t]]``)."""
+
+    positions: torch.Tensor
+    new_rows: torch.Tensor
+    key_rows: torch.Tensor
+    key_starts: torch.Tensor
+    num_keys: torch.Tensor
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class Decoder:
+    """The decoder layers as the C++ blocks run them (``csrc/decoder_layer.h``): per layer an attention block (norm,
+    qkv, biases or q/k norms, RoPE, the K/V written to the pool, attention over the layer's window, o_proj) and an
+    MLP block (norm, gate and up, SiLU or GELU-tanh, down), each returning its output before the residual add (and
+    before the norm of the block's output, where the layer has one: ``add_block``); ``run`` does every layer with the
+    adds in one call.
+
+    The same operations, in the same order, as composing ``cpu_kernels.ops``' kernels in Python: one call per forward
+    instead of ~150 (the ctypes and torch overhead between them was ~2 ms a decode step). ``scale`` multiplies the
+    attention scores (``head_dim ** -0.5`` by default).
+    """
+
+    def __init__(
+        self,
+        layers: list[DecoderLayer],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float | None = None,
+        activation: Activation = Activation.SILU,
+    ) -> None:
+        hidden = layers[0].input_norm.shape[0]
+        self.layers = layers  # the structs below point into these tensors
+        attention_scale = head_dim**-0.5 if scale is None else scale
+        self.shape = ModelShape(
+            hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, attention_scale, int(activation)
+        )
+        for layer in layers:
+            for norm in (layer.q_norm, layer.k_norm):
+                if norm is not None and norm.shape != (head_dim,):
+                    raise ValueError(f"a per-head norm has {tuple(norm.shape)} weights, not ({head_dim},)")
+            if layer.rope is not None and not (
+                0 < layer.rope.cos.shape[1] <= head_dim and layer.rope.cos.shape[1] % 2 == 0
+            ):
+                raise ValueError(f"RoPE tables of {layer.rope.cos.shape[1]} values for heads of {head_dim}")
+        self.max_positions = min((layer.rope.positions for layer in layers if layer.rope is not None), default=None)
+        self.refs = (LayerRef * len(layers))(
+            *(
+                LayerRef(
+                    layer.input_norm.data_ptr(),
+                    layer.post_norm.data_ptr(),
+                    _pointer(layer.qkv_bias),
+                    _pointer(layer.q_norm),
+                    _pointer(layer.k_norm),
+                    _pointer(layer.attention_out_norm),
+                    _pointer(layer.mlp_out_norm),
+                    _pointer(None if layer.rope is None else layer.rope.cos),
+                    _pointer(None if layer.rope is None else layer.rope.sin),
+                    0 if layer.rope is None else layer.rope.cos.shape[1],
+                    layer.window or 0,
+                    packed_ref(layer.qkv),
+                    packed_ref(layer.o_proj),
+                    packed_ref(layer.gate_up),
+                    packed_ref(layer.down),
+                )
+                for layer in layers
+            )
+        )
+
+    def _batch(self, batch: DecoderBatch) -> BatchRef:
+        return BatchRef(
+            batch.positions.shape[0],
+            batch.positions.data_ptr(),
+            batch.new_rows.data_ptr(),
+            batch.key_rows.data_ptr(),
+            batch.key_starts.data_ptr(),
+            batch.num_keys.data_ptr(),
+        )
+
+    def run(
+        self, hidden: torch.Tensor, batch: DecoderBatch, k_pool: torch.Tensor, v_pool: torch.Tensor, threads: int
+    ) -> None:
+        """Every layer over contiguous float32 ``hidden`` ``[T, hidden]``, in place; ``k_pool``, ``v_pool``
+        ``[layers, rows, kv_heads, head_dim]``."""
+        self._check(hidden, batch)
+        loaded().invariant_decoder(
+            ctypes.byref(self.shape), self.refs, len(self.layers), ctypes.byref(self._batch(batch)), hidden.data_ptr(),
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel(), threads,
+        )  # fmt: skip
+
+    def attention_block(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        batch: DecoderBatch,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        threads: int,
+    ) -> torch.Tensor:
+        """Layer ``index``'s attention block over ``hidden``: o_proj's output ``[T, hidden]``, before the residual."""
+        self._check(hidden, batch)
+        out = torch.empty_like(hidden)
+        loaded().invariant_attention_block(
+            ctypes.byref(self.shape), ctypes.byref(self.refs[index]), ctypes.byref(self._batch(batch)),
+            hidden.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def add_block(self, index: int, hidden: torch.Tensor, block: torch.Tensor, attention: bool, threads: int) -> None:
+        """``hidden += block`` in place, after the norm of layer ``index``'s attention (or MLP) output where it has
+        one: the residual add ``run`` makes, for a block's output summed over tensor-parallel ranks."""
+        layer = self.layers[index]
+        norm = layer.attention_out_norm if attention else layer.mlp_out_norm
+        if norm is not None:
+            block = rms_norm(block, norm, self.shape.eps, threads)
+        hidden += block
+
+    def mlp_block(self, index: int, hidden: torch.Tensor, threads: int) -> torch.Tensor:
+        """Layer ``index``'s MLP block over ``hidden``: down's output ``[T, hidden]``, before the residual."""
+        out = torch.empty_like(hidden)
+        loaded().invariant_mlp_block(
+            ctypes.byref(self.shape), ctypes.byref(self.refs[index]), hidden.shape[0], hidden.data_ptr(),
+            out.data_ptr(), threads,
+        )  # fmt: skip
+        return out
+
+    def _check(self, hidden: torch.Tensor, batch: DecoderBatch) -> None:
+        check_rows(hidden, self.shape.hidden, "the decoder")
+        if not hidden.is_contiguous() or batch.positions.shape[0] != hidden.shape[0]:
+            raise ValueError("the decoder takes contiguous hidden states, one row per token of the batch")
+        if self.max_positions is not None and int(batch.positions.max()) >= self.max_positions:
+            raise ValueError(f"positions reach {int(batch.positions.max())}, past the {self.max_positions} RoPE rows")

@@ -1,0 +1,113 @@
+"""The kernels' library in this process: loaded once (``load``: built first where this machine has no build yet,
+``cpu_kernels.build``), with the signatures of its entry points (``csrc/cpu_kernels.cpp``) declared; and the
+thread count every kernel call takes by default.
+
+Its threads are a pool of its own (``kernel_threads()`` per call): see ``csrc/cpu_kernels.cpp``'s header for why not
+OpenMP.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from cpu_kernels.build import TARGETS, build
+from cpu_kernels.structs import BatchRef, LayerRef, ModelShape, PackedRef
+
+logger = logging.getLogger(__name__)
+
+_library: ctypes.CDLL | None = None
+_kernel_threads: int | None = None
+
+
+def kernel_threads() -> int:
+    """The kernels' thread count: ``set_kernel_threads``'s, else torch's intra-op count."""
+    return _kernel_threads or torch.get_num_threads()
+
+
+def set_kernel_threads(threads: int | None) -> None:
+    """Fix the kernels' thread count whatever torch's own becomes (None: follow torch's again). A serving process
+    runs torch's small ops (sampling, logprobs) on one thread while the kernels use the cores, because torch's
+    OpenMP team spins for a while after each of its parallel ops, on the cores the next forward needs."""
+    global _kernel_threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"the kernels need at least one thread, got {threads}")
+    _kernel_threads = threads
+
+
+def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
+    """The kernels, built into ``build_dir`` on first use on this machine for ``target`` (one of ``TARGETS``); a
+    process loads one build, and later calls return it."""
+    global _library
+    if target not in TARGETS:
+        raise ValueError(f"unknown kernel target {target!r}; one of {sorted(TARGETS)}")
+    if _library is None:
+        library = ctypes.CDLL(str(build(build_dir, target)))
+        _declare(library)
+        logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
+        _library = library
+    return _library
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The entry points' argument and result types (``csrc/cpu_kernels.cpp``)."""
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+    library.invariant_isa.restype = ctypes.c_char_p
+    library.invariant_row_tile.restype = i32
+    library.invariant_attention_supports.argtypes = [i64, i64]
+    library.invariant_attention_supports.restype = i32
+    library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
+    library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
+    library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
+    library.invariant_gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]
+    library.invariant_softcap.argtypes = [ptr, i64, i64, i64, f32, i32]
+    library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
+    library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
+    library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
+    shape, layer, batch = ctypes.POINTER(ModelShape), ctypes.POINTER(LayerRef), ctypes.POINTER(BatchRef)
+    library.invariant_packed_matmul.argtypes = [ctypes.POINTER(PackedRef), ptr, i64, i64, ptr, i64, i32]
+    library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
+    library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
+    library.invariant_decoder.argtypes = [shape, layer, i32, batch, ptr, ptr, ptr, i64, i32]
+    for name in (
+        "invariant_packed_matmul",
+        "invariant_attention",
+        "invariant_rms_norm",
+        "invariant_silu_mul",
+        "invariant_gelu_tanh_mul",
+        "invariant_softcap",
+        "invariant_attention_block",
+        "invariant_mlp_block",
+        "invariant_decoder",
+        "invariant_mask_logits",
+        "invariant_exponentials",
+        "invariant_gumbel_race",
+    ):
+        getattr(library, name).restype = None
+
+
+def is_loaded() -> bool:
+    """Whether this process has loaded the kernels (``load``)."""
+    return _library is not None
+
+
+def loaded() -> ctypes.CDLL:
+    """The loaded library, for the wrappers that call its entry points."""
+    if _library is None:
+        raise RuntimeError("cpu_kernels.library.load(build_dir) must be called before the kernels")
+    return _library
+
+
+def isa() -> str:
+    """The instruction set the loaded build uses: ``avx512-vnni``, ``avx512``, ``avx2-vnni``, ``avx2`` or
+    ``scalar`` (the block formats' 8-bit dot products: VNNI, or vpmaddubsw and vpmaddwd)."""
+    return str(loaded().invariant_isa().decode())
+
+
+def row_tile() -> int:
+    """Rows of ``x`` one pass over a weight tile multiplies together: a matmul of up to this many rows streams its
+    weights as often as a one-row matmul does (decode is bound by those reads, so such rows come nearly free)."""
+    return int(loaded().invariant_row_tile())
