@@ -19,10 +19,10 @@ T = TypeVar("T")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
-MODEL_RUNNERS = ("torch", "llamacpp")
-"""Engines behind the model-runner contract: torch (the default: float32, exact, prefix reuse) or llama.cpp (the
-``llamacpp`` extra: the GGUF's quantised weights, faster on CPU, no prefix reuse, and a multi-token forward's logits
-differ from one-token steps)."""
+MODEL_RUNNERS = ("exact", "llamacpp")
+"""Engines behind the model-runner contract: exact (the default: our batch-invariant CPU kernels, ``cpu_kernels``;
+outputs exact whatever the batch, prefix reuse) or llama.cpp (the ``llamacpp`` extra: the GGUF's quantised weights,
+faster on CPU, no prefix reuse, and a multi-token forward's logits differ from one-token steps)."""
 MAX_DRAFT_TOKENS = 16
 ROUTERS = ("sglang",)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -30,7 +30,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 SPECULATIVE_ALGORITHMS = ("auto", "none", "ngram", "grammar", "grammar+ngram")
 """Draft sources: none (one forward per token, no jump-forward), n-gram lookup (in the prompt and output, then in the
 n-gram cache of earlier outputs, ``--speculative-ngram-capacity``), the grammar's forced continuation (with
-jump-forward over forced tokens), or both. auto: both on the torch runner, none on llama.cpp's, whose k-token
+jump-forward over forced tokens), or both. auto: both on the exact runner, none on llama.cpp's, whose k-token
 forward costs nearly k one-token forwards on this CPU (so verifying drafts loses time there). A request's predicted
 output drafts under every algorithm but none: none verifies no drafts at all, so a prediction is then only counted
 (usage), as a latency hint that cannot help may be."""
@@ -143,7 +143,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     disable_budget_aware_constraints: bool = False
     weight_dtype: str = "auto"
-    model_runner: str = "torch"
+    model_runner: str = "exact"
     tp_size: int = 1
     speculative_algorithm: str = "auto"
     speculative_num_draft_tokens: int = 8
@@ -411,10 +411,10 @@ class ServerArgs:
             "--model-runner",
             default=d.model_runner,
             choices=MODEL_RUNNERS,
-            help="the engine that computes logits: torch (float32, greedy outputs exact whatever the batch, prefix "
-            "reuse) or llamacpp (needs the llamacpp extra: the GGUF's quantised weights on llama.cpp's CPU kernels, "
-            "several times faster per token; no prefix reuse, and a multi-token forward's logits differ slightly from "
-            "one-token steps, so speculation is off there by default)",
+            help="the engine that computes logits: exact (our batch-invariant CPU kernels: outputs exact whatever "
+            "the batch, prefix reuse) or llamacpp (needs the llamacpp extra: the GGUF's quantised weights on "
+            "llama.cpp's CPU kernels, several times faster per token; no prefix reuse, and a multi-token forward's "
+            "logits differ slightly from one-token steps, so speculation is off there by default)",
         )
         parser.add_argument(
             "--tp-size",
@@ -427,9 +427,9 @@ class ServerArgs:
             "--speculative-algorithm",
             default=d.speculative_algorithm,
             choices=SPECULATIVE_ALGORITHMS,
-            help="draft tokens verified in one forward, and jump-forward over tokens the grammar forces; on the torch "
+            help="draft tokens verified in one forward, and jump-forward over tokens the grammar forces; on the exact "
             "runner outputs are the same as without (greedy and seeded): none decodes one forward per token; auto is "
-            "grammar+ngram on the torch runner and none on llamacpp; a request's predicted output (prediction) "
+            "grammar+ngram on the exact runner and none on llamacpp; a request's predicted output (prediction) "
             "drafts under every algorithm but none",
         )
         parser.add_argument(

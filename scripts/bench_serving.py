@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-requests", type=int, default=2, help="at least this many requests per kind and round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds over the three kinds, in rotated order")
     parser.add_argument("--profile", action="store_true", help="run the scheduler under cProfile and print the top")
-    parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="torch", help="the schedulers' engine")
+    parser.add_argument("--model-runner", choices=MODEL_RUNNERS, default="exact", help="the schedulers' engine")
     parser.add_argument(
         "--peer", choices=["llamacpp", "vllm"], default=None, help="also run the requests through llama.cpp or vLLM"
     )
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     results_dir = REPO / "results"
     results_dir.mkdir(exist_ok=True)
-    runner_suffix = "" if args.model_runner == "torch" else f"_{args.model_runner}"
+    runner_suffix = "" if args.model_runner == "exact" else f"_{args.model_runner}"
     peer_suffix = "_vllm" if args.peer == "vllm" else ""
     output = args.output or results_dir / f"bench_serving_{args.backend}{runner_suffix}{peer_suffix}.json"
     labels = SPECULATION_LABELS if args.compare_speculation else BUDGET_LABELS if args.compare_budget else ("",)

@@ -3,7 +3,7 @@
 For each of the embedded model's matmul shapes (K, N), each thread count and M = 1..``--max-rows``, it multiplies
 M rows of real-scale activations and compares each row with that row multiplied alone, bit for bit, through:
 - ``torch F.linear``: torch's BLAS as it is (MKL or oneDNN picks a kernel per shape and CPU);
-- ``F.linear, rows padded to 4``: the torch runner before the invariant kernels (MATMUL_ROW_MULTIPLE);
+- ``F.linear, rows padded to 4``: the exact runner before the invariant kernels (MATMUL_ROW_MULTIPLE);
 - ``invariant float32`` and ``invariant Q8_0`` / ``Q4_1``: the runner's kernels (``cpu_kernels``).
 Prints, per way and thread count, the row counts M at which some row differed, and the CPU it ran on.
 

@@ -1,5 +1,5 @@
 """The model runner on llama.cpp (``--model-runner llamacpp``): the GGUF file's own quantised weights and llama.cpp's
-CPU kernels, behind the same contract as the torch runner (``scheduler.model.runner_contract``).
+CPU kernels, behind the same contract as the exact runner (``scheduler.model.runner_contract``).
 
 An optional extra (``pip install -e '.[llamacpp]'`` builds llama.cpp from source). The scheduler, grammars, masks,
 sampling and speculation stay ours; llama.cpp only turns tokens into logits. Each running request is one llama.cpp
@@ -12,7 +12,7 @@ Greedy decoding one request at a time gives llama-cpp-python's own tokens, and w
 decode step's logits did not change with the other sequences in its forward (measured: up to 16 sequences, prompts
 of 7 to 600 tokens). But a multi-token forward is not one-token steps: logits after a 4-token extend differed from
 stepwise ones by up to 0.75 at some prompt lengths. So speculation and jump-forward would change greedy outputs here
-(``--speculative-algorithm auto`` leaves them off on this runner, where they are slower anyway); the torch runner
+(``--speculative-algorithm auto`` leaves them off on this runner, where they are slower anyway); the exact runner
 keeps them exact.
 """
 
@@ -132,7 +132,7 @@ class LlamaCppModelRunner(BaseModelRunner):
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = False
         # Off: this build's flash-attention path changes greedy tokens from the first one on (measured against the
-        # torch runner and llama-cpp-python's own generation, which agree), and is no faster here.
+        # exact runner and llama-cpp-python's own generation, which agree), and is no faster here.
         params.flash_attn_type = FLASH_ATTENTION_DISABLED
         params.no_perf = True
         self._context = llama_cpp.llama_init_from_model(self._model, params)

@@ -19,7 +19,7 @@ from scheduler.model.kv_cache import KVCacheManager, KVSequence
 
 TOKENS_PER_FORWARD = 40
 """Tokens a decode forward may take before its cost rises with them, for a runner bound by its weight reads: measured
-on the torch runner's dense float32 weights, a forward's cost rises little up to ~40 tokens, then with the token
+on the exact runner's dense float32 weights, a forward's cost rises little up to ~40 tokens, then with the token
 count. (Its block weights: ``scheduler.model.runner.BLOCK_TOKENS_PER_FORWARD``.)"""
 LOOKUP_MAX_BATCH = 16
 """From this many requests on, a batch takes no lookup drafts (prompt lookup, the n-gram cache), only the grammar's.

@@ -11,8 +11,9 @@ from scheduler.model.llamacpp_runner import LlamaCppModelRunner
 from scheduler.server_args import ServerArgs
 
 
-def test_auto_speculation_is_on_for_torch_and_off_for_llama_cpp() -> None:
-    assert ServerArgs.parse([]).speculation == "grammar+ngram"
+def test_auto_speculation_is_on_for_the_exact_runner_and_off_for_llama_cpp() -> None:
+    assert ServerArgs.parse([]).model_runner == "exact"
+    assert ServerArgs.parse(["--model-runner", "exact"]).speculation == "grammar+ngram"
     assert ServerArgs.parse(["--model-runner", "llamacpp"]).speculation == "none"
     chosen = ServerArgs.parse(["--model-runner", "llamacpp", "--speculative-algorithm", "ngram"])
     assert chosen.speculation == "ngram", "an explicit choice stands on any runner"
