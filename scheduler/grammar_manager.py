@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from scheduler.budget_steering import BudgetSteering
-from scheduler.io_struct import AbortCause
+from scheduler.io_struct import CONSTRAINT_FIELDS, AbortCause
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import CLIENT_ABORT, Abort, Req
 from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 NO_GRAMMAR_BACKEND = Abort(
     AbortCause.BAD_REQUEST,
-    "constrained generation (json_schema, regex, ebnf, structural_tag, choice, json_object) is not available: "
+    f"constrained generation ({', '.join(CONSTRAINT_FIELDS)}) is not available: "
     "the server was launched with --grammar-backend none",
 )
 FAILURE_LABELS = {

@@ -12,13 +12,13 @@ from typing import Any, Literal
 
 import msgspec
 
-from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
+from sglang_constrained.constraint_spec import CONSTRAINT_KIND_TABLE, GrammarKey, make_grammar_key
 
-CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "choice", "json_object")
+CONSTRAINT_FIELDS = tuple(kind.field for kind in CONSTRAINT_KIND_TABLE)
+"""The ``SamplingParams`` fields that carry a constraint, one per kind (``CONSTRAINT_KIND_TABLE``)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives a request may ask for per output token: OpenAI's limit on ``top_logprobs`` (chat), the bound of
 ``top_logprobs_num`` here and of ``logprobs`` (completions) over HTTP."""
-_CONSTRAINT_KIND = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -117,19 +117,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def constraint_fields(self) -> list[str]:
-        return [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
+        """The constraint fields this request sets, in the table's order."""
+        return [kind.field for kind in CONSTRAINT_KIND_TABLE if kind.is_requested(getattr(self, kind.field))]
 
     def grammar_key(self) -> GrammarKey | None:
         """The constraint as a grammar cache key, or None for a free request; raises ValueError if malformed."""
-        constraints = self.constraint_fields()
-        if not constraints:
-            return None
-        field = constraints[0]
-        if field == "json_object":
-            return make_grammar_key("json_object", None)
-        if field == "choice":
-            return make_grammar_key("choice", self.choice)
-        return make_grammar_key(_CONSTRAINT_KIND[field], getattr(self, field))
+        for kind in CONSTRAINT_KIND_TABLE:
+            value = getattr(self, kind.field)
+            if kind.is_requested(value):
+                return make_grammar_key(kind.name, value)
+        return None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):

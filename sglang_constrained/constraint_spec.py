@@ -1,15 +1,25 @@
-"""Constraint keys: how a request's constraint becomes a cache key and, at compile time, a dispatchable spec.
+"""Constraint kinds and keys: the one table of kinds, how a request's constraint becomes a cache key and, at compile
+time, a spec a backend compiles.
 
-A key is ``(key_type, spec)``. ``json`` and ``structural_tag`` specs are canonicalised JSON text so that the
-same constraint written with other spacing shares a cache entry; ``choice`` and ``json_object`` are lowered to
-``regex`` and ``json`` right before dispatch, so every backend that speaks those kinds speaks them too.
+``CONSTRAINT_KIND_TABLE`` has an entry per kind: the request field that carries it and its names over HTTP, what its
+spec is (``SpecForm``), how it is lowered to a kind a backend compiles (choice to regex, json_object to a JSON schema)
+and the backend method that compiles it. The request messages (``scheduler.io_struct``), the HTTP frontend
+(``scheduler.http.constraint_fields``) and the backends' dispatch read it, so a new kind is one entry here and its
+compile method in each backend (and the typed request fields that carry it, which a unit test holds to this table).
+
+A key is ``(kind, spec)``. JSON specs are canonicalised JSON text so that the same constraint written with other
+spacing shares a cache entry; lowered kinds are lowered right before dispatch, so every backend that compiles
+``regex`` and ``json`` compiles ``choice`` and ``json_object`` too. Imports nothing heavy (no torch, no engine): the
+HTTP frontend reads it.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jsonschema
 
@@ -19,43 +29,199 @@ GrammarKey = tuple[str, str]
 
 __all__ = [
     "CONSTRAINT_KINDS",
+    "CONSTRAINT_KIND_TABLE",
     "MAX_SPEC_DEPTH",
+    "ConstraintKind",
     "GrammarKey",
     "GrammarSpecError",
+    "Lowering",
+    "SpecForm",
     "check_schema_is_valid",
     "choices_to_regex",
+    "compile_method",
+    "constraint_kind",
     "escape_regex_literal",
     "lower_constraint",
     "make_grammar_key",
     "nesting_depth",
 ]
 
-CONSTRAINT_KINDS = ("json", "regex", "ebnf", "structural_tag", "choice", "json_object")
 MAX_SPEC_DEPTH = 100
 """Deepest nesting of objects and arrays a JSON spec may have; every backend compiles 100 levels, and the schema
 checks recurse about ten Python frames per level (150 levels ran out of stack)."""
-JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+SPEC_SIZE_FLAG = "--grammar-max-spec-bytes"
 
 _REGEX_METACHARACTERS = frozenset("\\.^$|?*+()[]{}")
 _REGEX_NAMED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
+class SpecForm(enum.Enum):
+    """What a kind's spec is: how it is keyed and the checks every backend shares before compiling it."""
+
+    TEXT = "text"
+    """A string in the kind's own syntax, keyed as written; refused when blank."""
+    JSON_SCHEMA = "json_schema"
+    """A JSON schema (an object or a boolean, or its text), keyed canonically; checked against the meta-schema and
+    by the backend (``prepare_json_schema``)."""
+    JSON_OBJECT = "json_object"
+    """A JSON object or its text, keyed canonically."""
+    STRING_LIST = "string_list"
+    """A non-empty list of strings, keyed as its JSON text."""
+    FLAG = "flag"
+    """True or absent: the kind takes no spec (keyed as ``""``)."""
+
+    @property
+    def is_json(self) -> bool:
+        """Keyed as canonical JSON text, its nesting bounded by ``MAX_SPEC_DEPTH``."""
+        return self in (SpecForm.JSON_SCHEMA, SpecForm.JSON_OBJECT)
+
+
+class Lowering(NamedTuple):
+    """How a kind is compiled as another: ``convert`` turns its key's spec into a spec of kind ``to``."""
+
+    to: str
+    convert: Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class ConstraintKind:
+    """One kind of constraint: its names, its spec, and how it is compiled."""
+
+    name: str
+    """The key's kind (``GrammarKey[0]``); the label in metrics, logs and messages."""
+    field: str
+    """The ``SamplingParams`` field (SGLang's name) that carries it."""
+    form: SpecForm
+    noun: str
+    """What its spec is called in messages (``"the JSON schema is not valid JSON"``)."""
+    compile_method: str | None = None
+    """The ``BaseGrammarBackend`` method that compiles its spec; None for a kind lowered to another."""
+    lowering: Lowering | None = None
+    http_fields: tuple[str, ...] = ()
+    """Its names at the top level of an OpenAI-style body: SGLang's, and vLLM's legacy ``guided_*``."""
+    structured_outputs_field: str | None = None
+    """Its name in vLLM's ``structured_outputs``."""
+    response_format: str | None = None
+    """Its ``type`` in OpenAI's ``response_format``."""
+
+    def is_requested(self, value: Any) -> bool:
+        """Whether a request field's ``value`` asks for this kind (a flag only when true; ``json: false`` is a
+        schema)."""
+        return value is True if self.form is SpecForm.FLAG else value is not None
+
+    def check_size(self, spec: str, max_spec_bytes: int) -> None:
+        """The spec-size rule: a key's spec (the canonical text of a JSON spec) is at most ``max_spec_bytes`` bytes
+        of UTF-8; raises ``GrammarSpecError`` without echoing the spec."""
+        num_bytes = len(spec.encode("utf-8"))
+        if num_bytes > max_spec_bytes:
+            raise GrammarSpecError(
+                f"the {self.field} constraint is {num_bytes:,} bytes, over the limit of {max_spec_bytes:,} bytes "
+                f"({SPEC_SIZE_FLAG})"
+            )
+
+
+def _lower_choices(spec: str) -> str:
+    return choices_to_regex(_parse_json(spec, "choice list"))
+
+
+def _any_json_object(_spec: str) -> str:
+    return _canonical_json({"type": "object"})
+
+
+CONSTRAINT_KIND_TABLE: tuple[ConstraintKind, ...] = (
+    ConstraintKind(
+        "json",
+        field="json_schema",
+        form=SpecForm.JSON_SCHEMA,
+        noun="JSON schema",
+        compile_method="dispatch_json",
+        http_fields=("json_schema", "guided_json"),
+        structured_outputs_field="json",
+        response_format="json_schema",
+    ),
+    ConstraintKind(
+        "regex",
+        field="regex",
+        form=SpecForm.TEXT,
+        noun="regex spec",
+        compile_method="dispatch_regex",
+        http_fields=("regex", "guided_regex"),
+        structured_outputs_field="regex",
+    ),
+    ConstraintKind(
+        "ebnf",
+        field="ebnf",
+        form=SpecForm.TEXT,
+        noun="ebnf spec",
+        compile_method="dispatch_ebnf",
+        http_fields=("ebnf", "guided_grammar"),
+        structured_outputs_field="grammar",
+    ),
+    ConstraintKind(
+        "structural_tag",
+        field="structural_tag",
+        form=SpecForm.JSON_OBJECT,
+        noun="structural tag",
+        compile_method="dispatch_structural_tag",
+        structured_outputs_field="structural_tag",
+        response_format="structural_tag",
+    ),
+    ConstraintKind(
+        "choice",
+        field="choice",
+        form=SpecForm.STRING_LIST,
+        noun="choice list",
+        lowering=Lowering("regex", _lower_choices),
+        http_fields=("guided_choice",),
+        structured_outputs_field="choice",
+    ),
+    ConstraintKind(
+        "json_object",
+        field="json_object",
+        form=SpecForm.FLAG,
+        noun="JSON object flag",
+        lowering=Lowering("json", _any_json_object),
+        structured_outputs_field="json_object",
+        response_format="json_object",
+    ),
+)
+"""Every constraint kind, in the order a request's fields are read (the first one set is its constraint)."""
+CONSTRAINT_KINDS = tuple(kind.name for kind in CONSTRAINT_KIND_TABLE)
+_KINDS_BY_NAME = {kind.name: kind for kind in CONSTRAINT_KIND_TABLE}
+
+
+def constraint_kind(name: str) -> ConstraintKind:
+    """The table's entry for kind ``name``; raises ``GrammarSpecError`` (a ``ValueError``) for an unknown one."""
+    kind = _KINDS_BY_NAME.get(name)
+    if kind is None:
+        raise GrammarSpecError(f"unknown constraint kind {name!r}; expected one of {CONSTRAINT_KINDS}")
+    return kind
+
+
+def compile_method(kind: str) -> str:
+    """The name of the ``BaseGrammarBackend`` method that compiles a spec of ``kind``, a kind ``lower_constraint``
+    returns (one that is not lowered further)."""
+    method = constraint_kind(kind).compile_method
+    if method is None:
+        raise GrammarSpecError(f"a {kind} constraint is lowered to another kind before it is compiled")
+    return method
+
+
 def make_grammar_key(kind: str, spec: Any) -> GrammarKey:
     """The cache key for a constraint of ``kind`` (one of ``CONSTRAINT_KINDS``).
 
-    ``spec`` is a string, or for ``json`` / ``structural_tag`` also a dict, for ``choice`` a list of strings,
-    and ignored for ``json_object``. Text that is not valid JSON is kept as it is, so that compiling it
+    ``spec`` is a string, or for a JSON kind (``json``, ``structural_tag``) also a dict, for ``choice`` a list of
+    strings, and ignored for ``json_object``. Text that is not valid JSON is kept as it is, so that compiling it
     reports the parse error.
     """
-    if kind not in CONSTRAINT_KINDS:
-        raise ValueError(f"unknown constraint kind {kind!r}; expected one of {CONSTRAINT_KINDS}")
-    if kind == "json_object":
+    form = constraint_kind(kind).form
+    if form is SpecForm.FLAG:
         return kind, ""
-    if kind == "choice":
+    if form is SpecForm.STRING_LIST:
         if not isinstance(spec, list | tuple) or not all(isinstance(c, str) for c in spec):
-            raise ValueError("a choice constraint is a list of strings")
+            raise ValueError(f"a {kind} constraint is a list of strings")
         return kind, json.dumps(list(spec), ensure_ascii=False)
-    if kind in ("json", "structural_tag"):
+    if form.is_json:
         if isinstance(spec, dict | bool):
             _check_depth(kind, spec)
             return kind, _canonical_json(spec)
@@ -76,33 +242,27 @@ def make_grammar_key(kind: str, spec: Any) -> GrammarKey:
 def lower_constraint(
     key: GrammarKey, max_spec_bytes: int, prepare_json_schema: Callable[[Any], Any]
 ) -> tuple[str, str]:
-    """``(dispatch_type, spec)`` for a key, after the checks every backend shares; raises ``GrammarSpecError``.
+    """``(kind to compile, spec)`` for a key, after the checks every backend shares (the spec-size rule among them,
+    enforced here alone); raises ``GrammarSpecError``.
 
     ``prepare_json_schema`` is the backend's: it refuses schema features the backend would silently ignore and
     returns the schema to compile.
     """
-    key_type, spec = key
-    if key_type not in CONSTRAINT_KINDS:
-        raise GrammarSpecError(f"unknown constraint kind {key_type!r}")
-    num_bytes = len(spec.encode("utf-8"))
-    if num_bytes > max_spec_bytes:
-        raise GrammarSpecError(
-            f"the {key_type} spec is {num_bytes:,} bytes, over the limit of {max_spec_bytes:,} bytes"
-        )
-    if key_type == "choice":
-        return "regex", choices_to_regex(_parse_json(spec, "choice list"))
-    if key_type == "json_object":
-        return "json", _canonical_json(JSON_OBJECT_SCHEMA)
-    if key_type == "json":
-        schema = _parse_json(spec, "JSON schema")
+    kind = constraint_kind(key[0])
+    spec = key[1]
+    kind.check_size(spec, max_spec_bytes)
+    if kind.lowering is not None:
+        return kind.lowering.to, kind.lowering.convert(spec)
+    if kind.form is SpecForm.JSON_SCHEMA:
+        schema = _parse_json(spec, kind.noun)
         check_schema_is_valid(schema)
-        return key_type, _canonical_json(prepare_json_schema(schema))
-    if key_type == "structural_tag":
-        if not isinstance(_parse_json(spec, "structural tag"), dict):
-            raise GrammarSpecError("a structural tag must be a JSON object")
+        return kind.name, _canonical_json(prepare_json_schema(schema))
+    if kind.form is SpecForm.JSON_OBJECT:
+        if not isinstance(_parse_json(spec, kind.noun), dict):
+            raise GrammarSpecError(f"a {kind.noun} must be a JSON object")
     elif not spec.strip():
-        raise GrammarSpecError(f"the {key_type} spec is empty")
-    return key_type, spec
+        raise GrammarSpecError(f"the {kind.noun} is empty")
+    return kind.name, spec
 
 
 def choices_to_regex(choices: Any) -> str:
@@ -168,9 +328,9 @@ def _check_depth(kind: str, spec: Any) -> None:
 
 
 def _too_deep(kind: str, depth: int | None = None) -> str:
-    what = "JSON schema" if kind == "json" else "structural tag"
     levels = f"{depth} levels deep" if depth is not None else "too deeply to parse"
-    return f"the {what} nests objects and arrays {levels}; at most {MAX_SPEC_DEPTH} levels are allowed"
+    noun = constraint_kind(kind).noun
+    return f"the {noun} nests objects and arrays {levels}; at most {MAX_SPEC_DEPTH} levels are allowed"
 
 
 def _json_pointer(path: Any) -> str:

@@ -33,6 +33,7 @@ from scheduler.http.tool_calls import (
     with_tools_offered,
 )
 from scheduler.io_struct import SamplingParams
+from sglang_constrained.constraint_spec import GrammarSpecError, SpecForm, constraint_kind
 
 BOOLEAN_SCHEMAS = {
     "true": "the JSON schema `true` (any JSON value) is not supported: send {} for any JSON value, or "
@@ -293,9 +294,9 @@ def for_choice(params: SamplingParams, choice_index: int) -> SamplingParams:
 
 
 def checked_params(params: SamplingParams, limits: RequestLimits) -> SamplingParams:
-    """The scheduler's own checks and the constraint's bounds, run here so that a bad request is a 400 before it is
-    sent. A JSON schema or structural tag travels as its canonical text (the cache key's), which carries numbers of
-    any size."""
+    """The scheduler's own checks and the constraint's bounds (its kind's spec-size rule, the one the backends
+    enforce), run here so that a bad request is a 400 before it is sent. A JSON spec (a schema, a structural tag)
+    travels as its canonical text (the cache key's), which carries numbers of any size."""
     try:
         params.validate()
         key = params.grammar_key()
@@ -303,20 +304,15 @@ def checked_params(params: SamplingParams, limits: RequestLimits) -> SamplingPar
         raise ProtocolError(str(e)) from e
     if key is None:
         return params
-    kind, spec = key
-    field_name = params.constraint_fields()[0]
-    if kind == "json" and spec in BOOLEAN_SCHEMAS:
-        raise ProtocolError(BOOLEAN_SCHEMAS[spec], param=field_name, code="invalid_constraint")
-    num_bytes = len(spec.encode())
-    if num_bytes > limits.max_spec_bytes:
-        raise ProtocolError(
-            f"the {field_name} constraint is {num_bytes:,} bytes, over the limit of {limits.max_spec_bytes:,} bytes "
-            "(--grammar-max-spec-bytes)",
-            param=field_name,
-            code="invalid_constraint",
-        )
-    if kind in ("json", "structural_tag"):
-        return msgspec.structs.replace(params, **{field_name: spec})
+    kind, spec = constraint_kind(key[0]), key[1]
+    if kind.form is SpecForm.JSON_SCHEMA and spec in BOOLEAN_SCHEMAS:
+        raise ProtocolError(BOOLEAN_SCHEMAS[spec], param=kind.field, code="invalid_constraint")
+    try:
+        kind.check_size(spec, limits.max_spec_bytes)
+    except GrammarSpecError as e:
+        raise ProtocolError(str(e), param=kind.field, code="invalid_constraint") from e
+    if kind.form.is_json:
+        return msgspec.structs.replace(params, **{kind.field: spec})
     return params
 
 

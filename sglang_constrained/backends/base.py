@@ -29,7 +29,7 @@ from sglang_constrained.cache.compiled import CompiledGrammarStore, GrammarExpor
 from sglang_constrained.cache.identity import code_fingerprint
 from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.service import CompileService
-from sglang_constrained.constraint_spec import GrammarKey, lower_constraint
+from sglang_constrained.constraint_spec import GrammarKey, compile_method, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema.soundness import sound_json_schema, user_patterns_in
 from triton_ops.bitmask_format import VocabMaskLayout, allocate_bitmask
@@ -409,8 +409,9 @@ class BaseGrammarBackend:
             return self.prepare_json_schema(schema, originals)
 
         try:
-            dispatch_type, spec = lower_constraint(key, self.max_spec_bytes, prepare)
-            grammar = getattr(self, f"dispatch_{dispatch_type}")(spec)
+            compiled_kind, spec = lower_constraint(key, self.max_spec_bytes, prepare)
+            compile_kind = getattr(self, compile_method(compiled_kind), None)
+            grammar = compile_kind(spec) if compile_kind is not None else self._unsupported(compiled_kind)
         except GrammarSpecError as e:
             grammar = InvalidGrammarObject(user_patterns_in(str(e), originals))
         except Exception as e:  # an engine's own error for bad input: report it, never raise out of the pool

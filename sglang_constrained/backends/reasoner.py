@@ -292,18 +292,6 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
         self.name = grammar_backend.name
         self.mask_layout = grammar_backend.mask_layout
 
-    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
-        return self.grammar_backend.dispatch_json(key_string)
-
-    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
-        return self.grammar_backend.dispatch_regex(key_string)
-
-    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
-        return self.grammar_backend.dispatch_ebnf(key_string)
-
-    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
-        return self.grammar_backend.dispatch_structural_tag(key_string)
-
     def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
         return self.grammar_backend.build_grammar(key, control)
 
