@@ -117,9 +117,9 @@ class BudgetSteering:
         ``logits`` (one: a request with drafts is never near its budget), ``greedy[i]`` whether it samples
         greedily."""
         for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
-            reasoner = req.reasoner
-            if reasoner is not None and reasoner.is_thinking and len(req_rows) == 1:
-                self._close_thinking_in_time(req, reasoner.think_end_id, logits[req_rows.start])
+            grammar = req.ready_grammar
+            if isinstance(grammar, ReasonerGrammarObject) and grammar.is_thinking and len(req_rows) == 1:
+                self._close_thinking_in_time(req, grammar.think_end_id, logits[req_rows.start])
                 continue
             plan = self._plan(req)
             if plan is None or plan.tokens is None or len(req_rows) != 1:
@@ -127,7 +127,6 @@ class BudgetSteering:
             remaining = self._remaining(req)
             if remaining - len(plan.tokens) >= HORIZON:
                 continue
-            grammar = req.ready_grammar
             assert grammar is not None
             self._steer_row(grammar, plan, remaining, logits[req_rows.start], 1 if is_greedy else NUM_CANDIDATES)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.io_struct import SamplingParams
+from scheduler.reasoning_gate import ReasoningGate
 from scheduler.request import Req
 
 
@@ -18,17 +19,19 @@ def stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[
 
 
 class FinishPolicy:
-    """Decides, token by token, whether a request has finished, and why (``Req.finish``)."""
+    """Decides, token by token, whether a request has finished, and why (``Req.finish``); ``reasoning`` says which of
+    a request's output is its answer (stop strings read the answer alone)."""
 
-    def __init__(self, eos_token_ids: Sequence[int], max_seq_len: int) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], max_seq_len: int, reasoning: ReasoningGate) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.max_seq_len = max_seq_len
+        self.reasoning = reasoning
 
     def check(self, req: Req, token: int) -> None:
         """After ``req`` took ``token`` (its last output token, accepted by its grammar): follow its text, and finish
         it on a stop token or its grammar's end, a stop string, its token limit or the context limit."""
         assert req.text is not None
-        reasoning_ids, content_ids = req.split_output()
+        reasoning_ids, content_ids = self.reasoning.split_output(req)
         req.text.update(content_ids, can_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
         if req.reasoning_text is not None:
             req.reasoning_text.update(reasoning_ids)
@@ -49,7 +52,7 @@ class FinishPolicy:
         """A finished request's answer text, without the stop token that ended it, and with ``separate_reasoning``
         its think block's text (else None)."""
         matched = req.finish_reason.matched if req.finish_reason is not None else None
-        reasoning_ids, content_ids = req.split_output()
+        reasoning_ids, content_ids = self.reasoning.split_output(req)
         ends_with_stop_token = (
             isinstance(matched, int)
             and matched in stop_token_ids(req.sampling_params, self.eos_token_ids)

@@ -12,7 +12,6 @@ from scheduler.model.kv_cache import KVSequence
 from scheduler.output_text import OutputText
 from scheduler.predicted_output import PredictionAligner
 from sglang_constrained.backends.base import BaseGrammarObject
-from sglang_constrained.backends.reasoner import ReasonerGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
 
 
@@ -80,28 +79,6 @@ class Req:
     def ready_grammar(self) -> BaseGrammarObject | None:
         """The grammar object, once compiled; None for free requests and while compiling."""
         return self.grammar if isinstance(self.grammar, BaseGrammarObject) else None
-
-    @property
-    def reasoner(self) -> ReasonerGrammarObject | None:
-        grammar = self.ready_grammar
-        return grammar if isinstance(grammar, ReasonerGrammarObject) else None
-
-    @property
-    def num_reasoning_tokens(self) -> int:
-        """Output tokens of the think block, its tags included (0 without a reasoning gate)."""
-        return self.reasoner.num_reasoning_tokens if self.reasoner is not None else 0
-
-    @property
-    def separates_reasoning(self) -> bool:
-        return self.reasoning_text is not None and self.reasoner is not None
-
-    def split_output(self) -> tuple[list[int], list[int]]:
-        """The output's reasoning tokens (without the think tags) and its answer tokens; all of it is the answer for
-        a request that does not separate its reasoning."""
-        reasoner = self.reasoner
-        if self.reasoning_text is None or reasoner is None:
-            return [], self.output_ids
-        return reasoner.split_output(self.output_ids)
 
     def finish(
         self,

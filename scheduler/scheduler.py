@@ -79,16 +79,16 @@ class Scheduler:
         self.kv = model_runner.kv
         self.max_seq_len = model_runner.max_seq_len
         self.reasoning = ReasoningGate(server_args, self.tokenizer)
-        grammar_backend = create_grammar_backend(
-            server_args,
-            self.tokenizer,
-            model_runner.vocab_size,
-            model_runner.eos_token_ids,
-            think_end_id=self.reasoning.think_end_id,
-            think_start_id=self.reasoning.think_start_id,
-            disk_cache=open_grammar_disk_cache(
-                server_args.grammar_disk_cache_path, server_args.grammar_disk_cache_max_bytes
-            ),
+        grammar_backend = self.reasoning.wrap_backend(
+            create_grammar_backend(
+                server_args,
+                self.tokenizer,
+                model_runner.vocab_size,
+                model_runner.eos_token_ids,
+                disk_cache=open_grammar_disk_cache(
+                    server_args.grammar_disk_cache_path, server_args.grammar_disk_cache_max_bytes
+                ),
+            )
         )
         self.transport = choose_turn_transport(dist, grammar_backend, server_args)
         budget = self._budget_steering(model_runner, grammar_backend is not None)
@@ -125,7 +125,7 @@ class Scheduler:
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
         self.seed_generator = torch.Generator().manual_seed(server_args.seed)
-        self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len)
+        self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len, self.reasoning)
         self.executor = BatchExecutor(
             model_runner, sampling_info, self.proposer, self.finish_policy, self.transport.rank_sync, budget
         )
@@ -401,7 +401,7 @@ class Scheduler:
             text=text,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
-            usage=_usage(req),
+            usage=_usage(req, self.reasoning.num_reasoning_tokens(req)),
             grammar_cache_hit=req.grammar_cache_hit,
             logprobs=req.output_logprobs[first_new:] if req.top_logprobs_num is not None else None,
             reasoning_text=reasoning,
@@ -460,12 +460,12 @@ def _share_start(a: list[int], b: list[int], length: int) -> bool:
     return len(a) >= length and len(b) >= length and a[:length] == b[:length]
 
 
-def _usage(req: Req) -> Usage:
+def _usage(req: Req, num_reasoning_tokens: int) -> Usage:
     usage = Usage(
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.num_cached_tokens,
-        reasoning_tokens=req.num_reasoning_tokens,
+        reasoning_tokens=num_reasoning_tokens,
     )
     if req.prediction is not None:
         req.prediction.follow(req.output_ids)

@@ -109,10 +109,12 @@ def create_grammar_backend(
 ) -> BaseGrammarBackend | None:
     """Build the backend ``server_args.grammar_backend`` names (None for ``none``).
 
-    The backend is wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is set and the
-    tokenizer has a think-end token (``think_end_id``; ``think_start_id``, where the tokenizer has one, lets a model
-    that may open its thinking do so). ``disk_cache``: where compiled grammars outlive the process
-    (``grammar_disk_cache``), used by a backend that can export its grammars and closed otherwise.
+    For code that uses the library as SGLang's (the server's scheduler passes no think ids: its reasoning gate wraps
+    the backend built here), the backend comes wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is
+    set and a ``think_end_id`` is given (``think_start_id``, where the tokenizer has one, lets a model that may open
+    its thinking do so); ``ReasonerGrammarBackend(backend, think_end_id, think_start_id)`` is the same wrapper built
+    by hand. ``disk_cache``: where compiled grammars outlive the process (``grammar_disk_cache``), used by a backend
+    that can export its grammars and closed otherwise.
     """
     if server_args.grammar_backend == NO_GRAMMAR_BACKEND:
         if disk_cache is not None:
