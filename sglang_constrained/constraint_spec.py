@@ -49,7 +49,6 @@ __all__ = [
 MAX_SPEC_DEPTH = 100
 """Deepest nesting of objects and arrays a JSON spec may have; every backend compiles 100 levels, and the schema
 checks recurse about ten Python frames per level (150 levels ran out of stack)."""
-SPEC_SIZE_FLAG = "--grammar-max-spec-bytes"
 
 _REGEX_METACHARACTERS = frozenset("\\.^$|?*+()[]{}")
 _REGEX_NAMED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -116,7 +115,7 @@ class ConstraintKind:
         if num_bytes > max_spec_bytes:
             raise GrammarSpecError(
                 f"the {self.field} constraint is {num_bytes:,} bytes, over the limit of {max_spec_bytes:,} bytes "
-                f"({SPEC_SIZE_FLAG})"
+                "(--grammar-max-spec-bytes)"
             )
 
 
@@ -242,8 +241,9 @@ def make_grammar_key(kind: str, spec: Any) -> GrammarKey:
 def lower_constraint(
     key: GrammarKey, max_spec_bytes: int, prepare_json_schema: Callable[[Any], Any]
 ) -> tuple[str, str]:
-    """``(kind to compile, spec)`` for a key, after the checks every backend shares (the spec-size rule among them,
-    enforced here alone); raises ``GrammarSpecError``.
+    """``(kind to compile, spec)`` for a key, after the checks every backend shares (the spec-size rule among them:
+    ``ConstraintKind.check_size``, which the HTTP frontend applies too, before a request is sent); raises
+    ``GrammarSpecError``.
 
     ``prepare_json_schema`` is the backend's: it refuses schema features the backend would silently ignore and
     returns the schema to compile.
