@@ -23,7 +23,8 @@ from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import CONSTRAINT_FIELDS, AbortCause
 from scheduler.rank_sync import GrammarFailure, RankSync
 from scheduler.request import CLIENT_ABORT, Abort, Req
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.errors import CompileNotStartedError, CompileTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class GrammarMetrics:
 class GrammarManager:
     def __init__(
         self,
-        grammar_backend: BaseGrammarBackend | None,
+        grammar_backend: GrammarPipeline | None,
         rank_sync: RankSync | None = None,
         budget: BudgetSteering | None = None,
     ) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.base import BaseGrammarBackend
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import (
     FreeGrammarObject,
     ReasonerGrammarBackend,
@@ -42,7 +42,7 @@ class ReasoningGate:
     def enabled(self) -> bool:
         return self.think_end_id is not None
 
-    def wrap_backend(self, backend: BaseGrammarBackend | None) -> BaseGrammarBackend | None:
+    def wrap_backend(self, backend: GrammarPipeline | None) -> GrammarPipeline | None:
         """``backend`` (whichever the registry built) with its grammars gated on the think-end token when reasoning
         is on; as it is otherwise."""
         if backend is None or self.think_end_id is None:

@@ -43,7 +43,8 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
-from sglang_constrained.backends.base import BaseGrammarBackend, common_prefix_length
+from sglang_constrained.backends.base import common_prefix_length
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.cache.disk import open_grammar_disk_cache
 from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
@@ -480,7 +481,7 @@ def _new_text(full_text: str, sent_text: str) -> str:
 
 
 def choose_turn_transport(
-    dist: DistributedContext | None, grammar_backend: BaseGrammarBackend | None, server_args: ServerArgs
+    dist: DistributedContext | None, grammar_backend: GrammarPipeline | None, server_args: ServerArgs
 ) -> TurnTransport:
     """This rank's transport, by the rank layout: one process, data-parallel replicas (``--dp-size``), or ranks in
     lockstep (every other layout of several ranks)."""

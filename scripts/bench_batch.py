@@ -32,7 +32,8 @@ from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.benchmarking import (
     BACKENDS,
@@ -69,7 +70,7 @@ class Request:
     ours: BaseGrammarObject
     raw: Any
 
-    def advance(self, backend: BaseGrammarBackend) -> None:
+    def advance(self, backend: GrammarPipeline) -> None:
         """Both sides accept the next token; at the end of the walk both start over at the beginning."""
         token = self.walk.tokens[self.position]
         self.ours.accept_token(token)
@@ -81,7 +82,7 @@ class Request:
             self.raw = raw_matcher(backend, self.walk.grammar, self.walk.spec)
 
 
-def build_walks(backend: BaseGrammarBackend, setup: TokenizerSetup, per_folder: int, timeout_s: float) -> list[Walk]:
+def build_walks(backend: GrammarPipeline, setup: TokenizerSetup, per_folder: int, timeout_s: float) -> list[Walk]:
     walks = []
     for case in sample_cases(REPO / "tests" / "data" / "maskbench", per_folder):
         key = make_grammar_key("json", case.schema)
@@ -98,7 +99,7 @@ def build_walks(backend: BaseGrammarBackend, setup: TokenizerSetup, per_folder: 
     return walks
 
 
-def start_requests(backend: BaseGrammarBackend, walks: list[Walk], batch: int, rng: random.Random) -> list[Request]:
+def start_requests(backend: GrammarPipeline, walks: list[Walk], batch: int, rng: random.Random) -> list[Request]:
     """``batch`` requests cycling over the walks, each advanced to a random point in its first half."""
     requests = []
     for index in range(batch):
@@ -111,7 +112,7 @@ def start_requests(backend: BaseGrammarBackend, walks: list[Walk], batch: int, r
 
 
 def bench_fill(
-    backend: BaseGrammarBackend, walks: list[Walk], setup: TokenizerSetup, batch: int, rounds: int
+    backend: GrammarPipeline, walks: list[Walk], setup: TokenizerSetup, batch: int, rounds: int
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Median ms of one step's fill, ours and raw, their paired ratio, and the last mask filled (``[batch, words]``)."""
     requests = start_requests(backend, walks, batch, random.Random(batch))

@@ -34,7 +34,8 @@ import xgrammar
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.backends.auto import AutoGrammarBackend
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.testing.benchmarking import (
@@ -121,12 +122,13 @@ def raw_step(matcher: Any, vocab_size: int) -> Step:
     return outlines_step
 
 
-def reference_step(backend: BaseGrammarBackend, grammar: BaseGrammarObject, key: GrammarKey, vocab_size: int) -> Step:
+def reference_step(backend: GrammarPipeline, grammar: BaseGrammarObject, key: GrammarKey, vocab_size: int) -> Step:
     """What the walk of ``grammar`` is timed against: the engine's own calls on a matcher of the same compiled
     grammar, or for ``auto`` the chosen backend's own grammar object, compiled by that backend directly."""
-    if isinstance(backend, AutoGrammarBackend):
+    if isinstance(backend.backend, AutoGrammarBackend):
         assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend is not None
-        return our_step(backend.backends[grammar.grammar_stats.chosen_backend].build_grammar(key), vocab_size)
+        chosen = backend.backend.backends[grammar.grammar_stats.chosen_backend].backend
+        return our_step(chosen.build_grammar(key), vocab_size)
     return raw_step(raw_matcher(backend, grammar, key[1]), vocab_size)
 
 
@@ -171,7 +173,7 @@ def summarise(walks: Walks, compile_s: list[float], errors: list[str], num_cases
 
 
 def bench_backend(
-    backend: BaseGrammarBackend, setup: TokenizerSetup, cases: list[MaskBenchCase], args: argparse.Namespace
+    backend: GrammarPipeline, setup: TokenizerSetup, cases: list[MaskBenchCase], args: argparse.Namespace
 ) -> dict[str, Any]:
     walks, compile_s, errors = Walks(), [], []
     for case_index, case in enumerate(cases):

@@ -37,7 +37,8 @@ from typing import Any
 from cpu_kernels.cpu_info import describe_cpu
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.cache.disk import GrammarDiskCache, entry_digest
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
@@ -152,7 +153,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def time_to_ready(backend: BaseGrammarBackend, key: GrammarKey) -> dict[str, Any]:
+def time_to_ready(backend: GrammarPipeline, key: GrammarKey) -> dict[str, Any]:
     """``{"ready_s", "hit", "chosen"}`` from asking the backend to the ready grammar, or ``{"failure"}``."""
     start = time.perf_counter()
     value, _ = backend.get_cached_or_future_value(key)

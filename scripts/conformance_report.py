@@ -162,8 +162,9 @@ def run(
     assert backend is not None
     backend.wait_until_ready()
     known = recorded
-    if recorded is not None and isinstance(backend, AutoGrammarBackend):
-        known = recorded.with_auto(tuple(backend.backends), exact_mode_narrowings(backend, cases))
+    if recorded is not None and isinstance(backend.backend, AutoGrammarBackend):
+        auto = backend.backend
+        known = recorded.with_auto(tuple(auto.backends), exact_mode_narrowings(auto, cases))
     sweep = MaskBenchSweep(backend, setup, cases, num_walks=num_walks)
     report = PairReport(backend_name, setup.name)
     start = time.perf_counter()

@@ -25,7 +25,7 @@ from scheduler.io_struct import Pong, ReplicaStatus
 from scheduler.ipc import SchedulerIPC
 from scheduler.server_args import ServerArgs
 from scheduler.turn_transport import Messages, Outbox, TurnTransport
-from sglang_constrained.backends.base import BaseGrammarBackend
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import GrammarKey
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class DataParallelReplica(TurnTransport):
     """This rank's replica: the per-turn exchange, and on rank 0 the router and the grammar store."""
 
     def __init__(
-        self, dist: DistributedContext, grammar_backend: BaseGrammarBackend | None, server_args: ServerArgs
+        self, dist: DistributedContext, grammar_backend: GrammarPipeline | None, server_args: ServerArgs
     ) -> None:
         super().__init__()
         self.dist = dist

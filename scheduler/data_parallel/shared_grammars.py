@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, GrammarExport
+from sglang_constrained.backends.base import BaseGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
+from sglang_constrained.cache.compiled import GrammarExport
 from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.service import CompileService
 from sglang_constrained.constraint_spec import GrammarKey
@@ -53,7 +55,7 @@ class GrammarStore:
     ``prefetch``/``ask`` may be called on the loop thread; compiles finish on the compile service's threads.
     """
 
-    def __init__(self, backend: BaseGrammarBackend, server_args: ServerArgs) -> None:
+    def __init__(self, backend: GrammarPipeline, server_args: ServerArgs) -> None:
         self.backend = backend
         self.service: CompileService[GrammarKey, GrammarExport] = CompileService(
             self._compile,
@@ -157,7 +159,7 @@ class SharedGrammars:
     Runs on the loop thread only (the backend asks ``_fetch`` from the loop's grammar manager).
     """
 
-    def __init__(self, backend: BaseGrammarBackend) -> None:
+    def __init__(self, backend: GrammarPipeline) -> None:
         self.backend = backend
         self._waiting: dict[GrammarKey, Future[BaseGrammarObject]] = {}
         self._asks: list[GrammarKey] = []

@@ -34,19 +34,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang_constrained.backends.base import (
-    BaseGrammarBackend,
-    BaseGrammarObject,
-    GrammarBackendArgs,
-    GrammarExport,
-    GrammarStats,
-    InvalidGrammarObject,
-)
+from sglang_constrained.backends.base import BaseGrammarObject, GrammarBackend, GrammarBackendArgs, InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import (
     AUTO_GRAMMAR_BACKEND,
     check_grammar_backend_order,
     grammar_backend_factory,
 )
+from sglang_constrained.cache.compiled import GrammarExport, GrammarStats
 from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.errors import COMPILE_TIMEOUT_PREFIX, CompileTimeoutError, bounded_message, refusal_reason
@@ -67,12 +62,12 @@ class AutoChoiceCounts:
     num_refused_by_all: int
 
 
-class AutoGrammarBackend(BaseGrammarBackend):
+class AutoGrammarBackend(GrammarBackend):
     """Asks the backends of ``server_args.grammar_backend_order`` in turn (those that take a constraint as written
     first: llguidance for Lark), the next one beside a slow one; the first exact grammar wins.
 
-    ``backends`` maps each name of the order to its backend, in order; ``handover_s``: how long a backend compiles
-    alone before the next one starts beside it.
+    ``backends`` maps each name of the order to the pipeline of its backend, in order (whose compile slots it uses,
+    not its cache); ``handover_s``: how long a backend compiles alone before the next one starts beside it.
     """
 
     name = AUTO_GRAMMAR_BACKEND
@@ -82,10 +77,11 @@ class AutoGrammarBackend(BaseGrammarBackend):
     ) -> None:
         check_grammar_backend_order(server_args.grammar_backend_order)
         super().__init__(server_args, vocab_size)
-        self.backends: dict[str, BaseGrammarBackend] = {}
+        self.backends: dict[str, GrammarPipeline] = {}
         try:
             for name in server_args.grammar_backend_order:
-                self.backends[name] = _build_backend(name, server_args, tokenizer, vocab_size, eos_token_ids)
+                backend = _build_backend(name, server_args, tokenizer, vocab_size, eos_token_ids)
+                self.backends[name] = GrammarPipeline(backend)
                 if self.backends[name].mask_layout != self.mask_layout:
                     raise ValueError(
                         f"--grammar-backend auto cannot mix {name}'s masks ({self.backends[name].mask_layout}) with "
@@ -94,8 +90,8 @@ class AutoGrammarBackend(BaseGrammarBackend):
         except Exception:
             self.shutdown()
             raise
-        for backend in self.backends.values():
-            backend.require_exact = not server_args.grammar_auto_allow_narrowing
+        for pipeline in self.backends.values():
+            pipeline.backend.require_exact = not server_args.grammar_auto_allow_narrowing
         self.handover_s = server_args.grammar_compile_slow_after
         self._counts_lock = threading.Lock()
         self._num_chosen: Counter[str] = Counter()
@@ -115,7 +111,7 @@ class AutoGrammarBackend(BaseGrammarBackend):
         compile process's export as it came, not serialised again (which for a small grammar takes about as long as
         its compile, so the disk cache's keep rule would not write it; for a large one, seconds)."""
         start = time.perf_counter()
-        control = control or CompileControl(self.compile_service.timeout_s)
+        control = control or CompileControl(self.server_args.compile_timeout_s)
         exports: dict[str, Callable[[], GrammarExport]] = {}
         chosen_name, chosen, passed_over = self._race(key, control, exports)
         result = chosen if chosen is not None else InvalidGrammarObject(refused_by_all_message(key[0], passed_over))
@@ -152,8 +148,9 @@ class AutoGrammarBackend(BaseGrammarBackend):
             while waiting or running:
                 now = time.monotonic()
                 if waiting and (not running or now >= next_start):
-                    name, backend = waiting.pop(0)
-                    running[name] = backend.compile_service.submit(key, control, _exportable(backend, name, exports))
+                    name, pipeline = waiting.pop(0)
+                    compile_value = _exportable(pipeline.backend, name, exports)
+                    running[name] = pipeline.compile_service.submit(key, control, compile_value)
                     started_at[name] = next_start = now
                     next_start += self.handover_s
                 until = min(next_start, control.deadline) if waiting else control.deadline
@@ -177,9 +174,9 @@ class AutoGrammarBackend(BaseGrammarBackend):
         passed_over.sort(key=lambda refusal: order.index(refusal[0]))  # the message must not depend on timing
         return None, None, passed_over
 
-    def _in_preferred_order(self, key: GrammarKey) -> list[tuple[str, BaseGrammarBackend]]:
+    def _in_preferred_order(self, key: GrammarKey) -> list[tuple[str, GrammarPipeline]]:
         """The backends of the order, those that take ``key`` as written first (``takes_as_written``)."""
-        return sorted(self.backends.items(), key=lambda item: not item[1].takes_as_written(key))
+        return sorted(self.backends.items(), key=lambda item: not item[1].backend.takes_as_written(key))
 
     @property
     def can_share_grammars(self) -> bool:
@@ -216,7 +213,6 @@ class AutoGrammarBackend(BaseGrammarBackend):
     def shutdown(self) -> None:
         for backend in self.backends.values():
             backend.shutdown()
-        super().shutdown()
 
     def _record(self, key_type: str, chosen_name: str | None, refusals: list[tuple[str, str]]) -> None:
         with self._counts_lock:
@@ -236,10 +232,10 @@ class AutoGrammarBackend(BaseGrammarBackend):
 
 
 def _exportable(
-    backend: BaseGrammarBackend, name: str, exports: dict[str, Callable[[], GrammarExport]]
+    backend: GrammarBackend, name: str, exports: dict[str, Callable[[], GrammarExport]]
 ) -> Callable[[GrammarKey, CompileControl], BaseGrammarObject]:
     """A compile in ``backend``'s slot that keeps in ``exports[name]`` how to export its grammar. (The backends of
-    the order have no disk cache of their own: this is their ``compile_or_load``.)"""
+    the order have no disk cache of their own: this is their pipelines' ``compile_or_load``.)"""
 
     def compile_value(key: GrammarKey, control: CompileControl) -> BaseGrammarObject:
         grammar, exports[name] = backend.build_exportable(key, control)
@@ -289,7 +285,7 @@ def refused_by_all_message(key_type: str, refusals: Sequence[tuple[str, str]]) -
 
 def _build_backend(
     name: str, server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
-) -> BaseGrammarBackend:
+) -> GrammarBackend:
     try:
         return grammar_backend_factory(name)(server_args, tokenizer, vocab_size, eos_token_ids)
     except ValueError as e:

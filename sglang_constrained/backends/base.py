@@ -1,15 +1,14 @@
-"""The grammar contract: request-level grammar objects and engine-level backends (SGLang's, plus vLLM's
+"""The grammar contract: what a backend writes, and the grammar objects it returns (SGLang's contract, plus vLLM's
 ``validate_tokens``).
 
-A backend turns a constraint key ``(key_type, spec)`` into a ``BaseGrammarObject``. The scheduler fills one
-int32 bitmask row per constrained request from that object before sampling and feeds it every accepted token.
-Compiles run on the backend's ``CompileService`` (slots, deadline, cache, in-flight dedup), through a
-``CompiledGrammarStore`` on disk when one is attached (``use_disk_cache``). Bad input never raises: it becomes an
-``InvalidGrammarObject`` whose message says what is wrong. Backends are named and built by
+A backend turns a constraint key ``(key_type, spec)`` into a ``BaseGrammarObject``; the scheduler fills one int32
+bitmask row per constrained request from that object before sampling and feeds it every accepted token. A backend
+subclasses ``BaseGrammarBackend`` and writes one compile per constraint kind (its abstract methods); everything
+else it may write is an optional capability, grouped and defaulted there. Bad input never raises: it becomes an
+``InvalidGrammarObject`` whose message says what is wrong. The compile pipeline around a backend (compile slots
+and deadline, memory and disk caches, sharing with compile processes and replicas) is
+``sglang_constrained.backends.pipeline.GrammarPipeline``; backends are named and built by
 ``sglang_constrained.backends.registry``.
-
-Over 300 lines because the contract is one unit: the two base classes, the invalid object, the stats, the exports
-and their store, and the JSON-schema preparation every backend runs before its engine sees a schema.
 """
 
 from __future__ import annotations
@@ -18,17 +17,14 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from sglang_constrained.cache.compiled import CompiledGrammarStore, GrammarExport, GrammarStats
+from sglang_constrained.cache.compiled import GrammarExport, GrammarStats
 from sglang_constrained.cache.identity import code_fingerprint
 from sglang_constrained.compile.control import CompileControl
-from sglang_constrained.compile.service import CompileService
 from sglang_constrained.constraint_spec import GrammarKey, compile_method, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema.soundness import sound_json_schema, user_patterns_in
@@ -187,14 +183,20 @@ class InvalidGrammarObject(BaseGrammarObject):
         return f"InvalidGrammarObject({self.error_message!r})"
 
 
-class BaseGrammarBackend:
-    """Turns constraint keys into grammar objects: dispatch by kind, compiled on a ``CompileService``.
+class GrammarBackend(ABC):
+    """What a ``GrammarPipeline`` runs: constraint keys into grammar objects, on the caller's thread.
 
-    ``get_cached_or_future_value`` answers a cache hit with a copy at once and a miss with a ``Future`` that
-    resolves to a grammar object of its own; identical misses share one compilation, and a compile past
-    ``server_args.compile_timeout_s`` fails with ``CompileTimeoutError``. The caller decides when a compiled
-    grammar enters the cache (``set_cache``), so that every rank of a multi-rank server makes the same
-    hit-or-miss decision for the same request. ``mask_layout`` says how this backend's grammars fill masks.
+    Subclass ``BaseGrammarBackend``, which compiles each constraint kind; subclass this directly only to compile whole
+    keys another way (``auto`` races other backends). Required: ``build_grammar``. Optional, each with a default:
+
+    - compiling elsewhere: ``build_exportable`` (a compile process's export kept as it came);
+    - sharing compiled grammars (compile processes, data-parallel replicas, the disk cache):
+      ``can_share_grammars`` with ``serialize_grammar`` and ``deserialize_grammar`` (or ``export_grammar`` and
+      ``import_grammar`` whole);
+    - ``compile_identity``: extended with what else decides a compile (the engine's version, the tokenizer's
+      fingerprint), which names disk-cache entries;
+    - for ``auto``: ``takes_as_written``; ``auto`` also sets ``require_exact``;
+    - resources of its own (compile processes): ``wait_until_ready`` and ``shutdown``.
     """
 
     name: str = "base"
@@ -202,47 +204,118 @@ class BaseGrammarBackend:
     """Compile each JSON schema exactly, or refuse it (``GrammarSpecError``) where this backend would narrow it
     (``json_schema_narrowing``). ``auto`` sets it on its backends unless narrowing is allowed."""
 
-    def __init__(
-        self,
-        server_args: GrammarBackendArgs,
-        vocab_size: int,
-        compile_service: CompileService[GrammarKey, BaseGrammarObject] | None = None,
-    ) -> None:
-        """``compile_service``: share another backend's (cache, pool and all) instead of starting one."""
+    def __init__(self, server_args: GrammarBackendArgs, vocab_size: int) -> None:
         self.server_args = server_args
         self.vocab_size = vocab_size
         self.mask_layout = VocabMaskLayout(vocab_size)
+        """How this backend's grammars fill masks (the contract's int32 bitmask unless a backend says otherwise)."""
         self.max_spec_bytes = server_args.grammar_max_spec_bytes
-        self.disk_cache: CompiledGrammarStore | None = None
-        self.compile_service = compile_service or CompileService(
-            self.compile_or_load,
-            name=self.name,
-            threads=server_args.grammar_compile_threads,
-            timeout_s=server_args.compile_timeout_s,
-            cache_max_entries=server_args.grammar_cache_max_entries,
-            cache_max_bytes=server_args.grammar_cache_max_bytes,
-            size_of=lambda grammar: grammar.memory_size_bytes(),
-            copy=_copy_with_stats,
-            slow_after_s=server_args.grammar_compile_slow_after,
-            max_slow=server_args.grammar_max_slow_compiles,
-        )
 
-    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
-        return self._unsupported("json")
+    @abstractmethod
+    def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
+        """Compile ``key`` on the caller's thread; ``control`` carries the compile's deadline and cancellation (a
+        backend that compiles elsewhere stops there when asked). Never raises for a bad spec: a refusal is an
+        ``InvalidGrammarObject``."""
 
-    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
-        return self._unsupported("regex")
+    def build_exportable(
+        self, key: GrammarKey, control: CompileControl | None = None
+    ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
+        """``build_grammar``, and how to export its result later (on the disk cache's writer thread). A backend that
+        receives a compiled grammar already exported (from a compile process) hands that export over instead."""
+        grammar = self.build_grammar(key, control)
+        return grammar, lambda: self.export_grammar(grammar)
 
-    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
-        return self._unsupported("ebnf")
+    @property
+    def can_share_grammars(self) -> bool:
+        """Whether ``export_grammar`` / ``import_grammar`` work, so that one process compiles for many."""
+        return False
 
-    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
-        return self._unsupported("structural_tag")
+    def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes | str:
+        """The compiled form of a valid ``grammar`` of this backend (backends with ``can_share_grammars``)."""
+        raise NotImplementedError(f"the {self.name} grammar backend cannot share its compiled grammars")
+
+    def deserialize_grammar(self, payload: bytes | str) -> BaseGrammarObject:
+        """The inverse of ``serialize_grammar``."""
+        raise NotImplementedError(f"the {self.name} grammar backend cannot share its compiled grammars")
+
+    def export_grammar(self, grammar: BaseGrammarObject) -> GrammarExport:
+        """``grammar`` (valid or invalid, at its start state) as another process's backend imports it."""
+        if isinstance(grammar, InvalidGrammarObject):
+            return GrammarExport(None, grammar.error_message, grammar.grammar_stats)
+        return GrammarExport(self.serialize_grammar(grammar), "", grammar.grammar_stats)
+
+    def import_grammar(self, export: GrammarExport) -> BaseGrammarObject:
+        """A grammar object at its start state from another backend's ``export_grammar``; nothing is compiled."""
+        grammar: BaseGrammarObject
+        if export.payload is None:
+            grammar = InvalidGrammarObject(export.error_message)
+        else:
+            grammar = self.deserialize_grammar(export.payload)
+        grammar.grammar_stats = export.stats
+        return grammar
+
+    def compile_identity(self) -> dict[str, Any]:
+        """What, beside a constraint key, decides the grammar this backend compiles for it (JSON-serialisable): two
+        backends with equal identities compile every key to the same grammar. Here the backend's name, class and
+        code (``code_fingerprint``), the settings that change a compile and the model's vocab size; each engine's
+        backend adds the engine's version and its tokenizer's fingerprint. The disk cache names entries by it. The
+        compile deadline is left out: it decides whether a compile is tried, not what it compiles to."""
+        args = self.server_args
+        return {
+            "backend": self.name,
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "code": code_fingerprint(type(self)),
+            "json_whitespace_pattern": args.constrained_json_whitespace_pattern,
+            "json_disable_any_whitespace": args.constrained_json_disable_any_whitespace,
+            "max_spec_bytes": self.max_spec_bytes,
+            "require_exact": self.require_exact,
+            "vocab_size": self.vocab_size,
+        }
 
     def takes_as_written(self, key: GrammarKey) -> bool:
         """Whether this backend compiles ``key``'s spec in its own syntax, with no conversion first (a Lark grammar
         for llguidance, GBNF for xgrammar); ``--grammar-backend auto`` asks such backends first."""
         return False
+
+    def wait_until_ready(self) -> None:
+        """Block until the backend can compile at once (a backend that starts compile processes waits for them), so
+        that no request's compile deadline pays for the server's start-up."""
+
+    def shutdown(self) -> None:
+        """Release what the backend started (compile processes); the pipeline calls it once, at its own shutdown."""
+
+
+class BaseGrammarBackend(GrammarBackend):
+    """SGLang's backend: one compile per constraint kind.
+
+    A backend writes ``dispatch_json``, ``dispatch_regex``, ``dispatch_ebnf`` and ``dispatch_structural_tag``, each
+    taking the spec as a string (a JSON schema already prepared, see below) and returning a grammar object; a kind it
+    does not support returns ``self.unsupported(kind)``, and an engine's error for bad input may simply be raised
+    (it becomes an ``InvalidGrammarObject`` with the engine's message). It may write, beside ``GrammarBackend``'s
+    optional capabilities, the JSON-schema hooks: ``check_json_schema`` (refuse features it would ignore),
+    ``json_schema_narrowing`` (say where its grammar would admit less than the schema) and ``prepare_json_schema``
+    (rewrite a schema for its engine, after this class's checks).
+    """
+
+    @abstractmethod
+    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
+        """The grammar of a JSON schema (the prepared schema's JSON text)."""
+
+    @abstractmethod
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        """The grammar of a regular expression."""
+
+    @abstractmethod
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
+        """The grammar of an EBNF grammar (GBNF, root rule ``root``, or Lark, rule ``start``)."""
+
+    @abstractmethod
+    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
+        """The grammar of a structural tag (its JSON text)."""
+
+    def unsupported(self, key_type: str) -> InvalidGrammarObject:
+        """The refusal of a constraint kind this backend does not compile."""
+        return InvalidGrammarObject(f"the {self.name} grammar backend does not support {key_type} constraints")
 
     def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
         """Refuse schema features this backend would otherwise ignore; raises ``GrammarSpecError``."""
@@ -264,141 +337,9 @@ class BaseGrammarBackend:
             )
         return sound_json_schema(schema, originals)
 
-    def get_cached_or_future_value(
-        self, key: GrammarKey, require_reasoning: bool = False
-    ) -> tuple[BaseGrammarObject | Future[BaseGrammarObject], bool]:
-        """``(copy, True)`` on a cache hit, else ``(future, False)`` resolving to a grammar object of its own."""
-        return self.compile_service.get(key)
-
-    @property
-    def can_share_grammars(self) -> bool:
-        """Whether ``export_grammar`` / ``import_grammar`` work, so that one process compiles for many."""
-        return False
-
-    def export_grammar(self, grammar: BaseGrammarObject) -> GrammarExport:
-        """``grammar`` (valid or invalid, at its start state) as another process's backend imports it."""
-        if isinstance(grammar, InvalidGrammarObject):
-            return GrammarExport(None, grammar.error_message, grammar.grammar_stats)
-        return GrammarExport(self.serialize_grammar(grammar), "", grammar.grammar_stats)
-
-    def import_grammar(self, export: GrammarExport) -> BaseGrammarObject:
-        """A grammar object at its start state from another backend's ``export_grammar``; nothing is compiled."""
-        grammar: BaseGrammarObject
-        if export.payload is None:
-            grammar = InvalidGrammarObject(export.error_message)
-        else:
-            grammar = self.deserialize_grammar(export.payload)
-        grammar.grammar_stats = export.stats
-        return grammar
-
-    def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes | str:
-        """The compiled form of a valid ``grammar`` of this backend (backends with ``can_share_grammars``)."""
-        raise NotImplementedError(f"the {self.name} grammar backend cannot share its compiled grammars")
-
-    def deserialize_grammar(self, payload: bytes | str) -> BaseGrammarObject:
-        """The inverse of ``serialize_grammar``."""
-        raise NotImplementedError(f"the {self.name} grammar backend cannot share its compiled grammars")
-
-    def compile_elsewhere(self, fetch: Callable[[GrammarKey], Future[BaseGrammarObject]]) -> None:
-        """Take each missed key's grammar from ``fetch`` (settled by another process that compiles it, say with
-        ``import_grammar``) instead of compiling it here; this backend's cache, dedup and deadline stay."""
-        self.compile_service.compile_elsewhere(fetch)
-
-    def compile_identity(self) -> dict[str, Any]:
-        """What, beside a constraint key, decides the grammar this backend compiles for it (JSON-serialisable): two
-        backends with equal identities compile every key to the same grammar. Here the backend's name, class and
-        code (``code_fingerprint``), the settings that change a compile and the model's vocab size; each engine's
-        backend adds the engine's version and its tokenizer's fingerprint. The disk cache names entries by it. The
-        compile deadline is left out: it decides whether a compile is tried, not what it compiles to."""
-        args = self.server_args
-        return {
-            "backend": self.name,
-            "class": f"{type(self).__module__}.{type(self).__qualname__}",
-            "code": code_fingerprint(type(self)),
-            "json_whitespace_pattern": args.constrained_json_whitespace_pattern,
-            "json_disable_any_whitespace": args.constrained_json_disable_any_whitespace,
-            "max_spec_bytes": self.max_spec_bytes,
-            "require_exact": self.require_exact,
-            "vocab_size": self.vocab_size,
-        }
-
-    def use_disk_cache(self, disk_cache: CompiledGrammarStore) -> None:
-        """Read compiled grammars from ``disk_cache`` before compiling them, and write there the ones compiled here
-        (``compile_or_load``); it is closed with this backend. ``ValueError`` unless ``can_share_grammars``."""
-        if not self.can_share_grammars:
-            raise ValueError(f"the {self.name} grammar backend cannot export its grammars to cache them on disk")
-        self.compile_identity()  # fingerprints the tokenizer now, at start-up, rather than in a request's compile
-        self.disk_cache = disk_cache
-
-    def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
-        """``build_grammar(key, control)``, or the grammar the disk cache holds for ``key`` (its stats then say
-        ``is_disk_cache_hit``); a valid grammar compiled here is written to the disk cache after it is returned,
-        if reading it back costs clearly less than compiling it did. What the compile service runs for a miss."""
-        if self.disk_cache is None:
-            return self.build_grammar(key, control)
-        start = time.perf_counter()
-        identity = self.compile_identity()
-        export = self.disk_cache.load(identity, key)
-        if export is not None:
-            try:
-                grammar = self.import_grammar(export)
-            except Exception:  # the entry is sound but this backend cannot use it: compile, and overwrite it
-                logger.warning("%s: a grammar from the disk cache does not import", self.name, exc_info=True)
-                self.disk_cache.discard(identity, key)
-            else:
-                stats = export.stats or GrammarStats(dispatch_type=key[0], compile_time_s=0.0)
-                grammar.grammar_stats = replace(
-                    stats, compile_time_s=time.perf_counter() - start, is_cache_hit=False, is_disk_cache_hit=True
-                )
-                return grammar
-        start = time.perf_counter()
-        grammar, export_later = self.build_exportable(key, control)
-        if not isinstance(grammar, InvalidGrammarObject):  # errors are cached in memory only
-            self.disk_cache.store_later(identity, key, export_later, time.perf_counter() - start, self.import_grammar)
-        return grammar
-
-    def build_exportable(
-        self, key: GrammarKey, control: CompileControl | None = None
-    ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
-        """``build_grammar``, and how to export its result later (on the disk cache's writer thread). A backend that
-        receives a compiled grammar already exported (from a compile process) hands that export over instead."""
-        grammar = self.build_grammar(key, control)
-        return grammar, lambda: self.export_grammar(grammar)
-
-    def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
-        """Store a compiled (or invalid) grammar for ``key``; its in-flight compile, if any, is done with."""
-        self.compile_service.store(key, value)
-
-    def discard_pending(self, key: GrammarKey) -> None:
-        """Forget an in-flight compile (after a timeout), so that the next request for ``key`` compiles anew.
-
-        The compile itself goes on: other requests that joined it still receive its result.
-        """
-        self.compile_service.forget(key)
-
-    def reset(self) -> None:
-        self.compile_service.reset()
-
-    def wait_until_ready(self) -> None:
-        """Block until the backend can compile at once (a backend that starts compile processes waits for them), so
-        that no request's compile deadline pays for the server's start-up."""
-
-    def shutdown(self) -> None:
-        self.compile_service.shutdown()
-        if self.disk_cache is not None:
-            self.disk_cache.close()
-
-    def allocate_vocab_mask(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
-        """An all-allowed mask buffer for ``batch_size`` rows in this backend's layout."""
-        return self.mask_layout.allocate(batch_size, device)
-
     def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
-        """Compile ``key`` on the caller's thread, outside the compile service's cache and the disk cache.
-
-        What the compile service runs, with the compile's ``control`` (its deadline and cancellation: a backend
-        that compiles elsewhere stops there when asked; here a thread's compile runs to its end). Never raises for
-        a bad spec: a refusal is an ``InvalidGrammarObject``.
-        """
+        """``key`` lowered to its kind's spec (JSON schemas prepared) and compiled by that kind's ``dispatch_*``;
+        a refusal or an engine's error becomes an ``InvalidGrammarObject``. Here a compile runs to its end."""
         key_type = key[0]
         start = time.perf_counter()
         originals: dict[str, str] = {}
@@ -409,9 +350,7 @@ class BaseGrammarBackend:
             return self.prepare_json_schema(schema, originals)
 
         try:
-            compiled_kind, spec = lower_constraint(key, self.max_spec_bytes, prepare)
-            compile_kind = getattr(self, compile_method(compiled_kind), None)
-            grammar = compile_kind(spec) if compile_kind is not None else self._unsupported(compiled_kind)
+            grammar = self._dispatch(key, prepare)
         except GrammarSpecError as e:
             grammar = InvalidGrammarObject(user_patterns_in(str(e), originals))
         except Exception as e:  # an engine's own error for bad input: report it, never raise out of the pool
@@ -426,8 +365,13 @@ class BaseGrammarBackend:
         )
         return grammar
 
-    def _unsupported(self, key_type: str) -> InvalidGrammarObject:
-        return InvalidGrammarObject(f"the {self.name} grammar backend does not support {key_type} constraints")
+    def _dispatch(self, key: GrammarKey, prepare: Callable[[Any], Any]) -> BaseGrammarObject:
+        """The spec-size limit checked, ``key`` lowered to a kind this class compiles, and that kind's compile (the
+        table's ``compile_method``; a kind a backend has no method for is refused as unsupported)."""
+        compiled_kind, spec = lower_constraint(key, self.max_spec_bytes, prepare)
+        compile_kind = getattr(self, compile_method(compiled_kind), None)
+        grammar: BaseGrammarObject = compile_kind(spec) if compile_kind is not None else self.unsupported(compiled_kind)
+        return grammar
 
 
 def common_prefix_length(old_ids: list[int], new_ids: list[int]) -> int:
@@ -438,23 +382,12 @@ def common_prefix_length(old_ids: list[int], new_ids: list[int]) -> int:
     return min(len(old_ids), len(new_ids))
 
 
-def _copy_with_stats(grammar: BaseGrammarObject, is_cache_hit: bool) -> BaseGrammarObject:
-    copied = grammar.copy()
-    if grammar.grammar_stats is not None and copied is not grammar:
-        copied.grammar_stats = replace(grammar.grammar_stats, is_cache_hit=is_cache_hit)
-    return copied
-
-
 __all__ = [
     "BaseGrammarBackend",
     "BaseGrammarObject",
-    "CompiledGrammarStore",
+    "GrammarBackend",
     "GrammarBackendArgs",
-    "GrammarExport",
-    "GrammarSpecError",
-    "GrammarStats",
     "InvalidGrammarObject",
     "TokenRejectedError",
-    "VocabMaskLayout",
     "common_prefix_length",
 ]

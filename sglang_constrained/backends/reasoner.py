@@ -15,14 +15,10 @@ from typing import Any
 
 import torch
 
-from sglang_constrained.backends.base import (
-    BaseGrammarBackend,
-    BaseGrammarObject,
-    CompiledGrammarStore,
-    InvalidGrammarObject,
-    common_prefix_length,
-)
+from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject, common_prefix_length
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoning_formats import ReasoningStart, reasoning_format
+from sglang_constrained.cache.compiled import CompiledGrammarStore, GrammarExport
 from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.futures import map_future
 from sglang_constrained.constraint_spec import GrammarKey
@@ -273,58 +269,35 @@ class FreeGrammarObject(BaseGrammarObject):
         return FreeGrammarObject()
 
 
-class ReasonerGrammarBackend(BaseGrammarBackend):
-    """Wraps another backend's grammars in ``ReasonerGrammarObject``.
+class ReasonerGrammarBackend(GrammarPipeline):
+    """Another pipeline whose grammars it hands out wrapped in ``ReasonerGrammarObject``.
 
-    It shares the inner backend's compile service (one pool, one cache of unwrapped grammars), its mask layout
-    and its name; compiling dispatches to the inner backend.
+    It shares the inner pipeline's backend, compile service (one pool, one cache of unwrapped grammars) and disk
+    cache: compiles, exports and the disk cache see unwrapped grammars.
     """
 
-    def __init__(
-        self, grammar_backend: BaseGrammarBackend, think_end_id: int, think_start_id: int | None = None
-    ) -> None:
-        super().__init__(
-            grammar_backend.server_args, grammar_backend.vocab_size, compile_service=grammar_backend.compile_service
-        )
+    def __init__(self, grammar_backend: GrammarPipeline, think_end_id: int, think_start_id: int | None = None) -> None:
+        super().__init__(grammar_backend.backend, compile_service=grammar_backend.compile_service)
         self.grammar_backend = grammar_backend
+        self.disk_cache = grammar_backend.disk_cache
         self.think_end_id = think_end_id
         self.think_start_id = think_start_id
-        self.name = grammar_backend.name
-        self.mask_layout = grammar_backend.mask_layout
-
-    def build_grammar(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
-        return self.grammar_backend.build_grammar(key, control)
 
     def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
         return self.grammar_backend.compile_or_load(key, control)
 
-    def compile_identity(self) -> dict[str, Any]:
-        return self.grammar_backend.compile_identity()
-
     def use_disk_cache(self, disk_cache: CompiledGrammarStore) -> None:
-        """The inner backend's: the disk cache holds unwrapped grammars, as the memory cache does."""
+        """The inner pipeline's: the disk cache holds unwrapped grammars, as the memory cache does."""
         self.grammar_backend.use_disk_cache(disk_cache)
+        self.disk_cache = disk_cache
 
-    @property
-    def can_share_grammars(self) -> bool:
-        return self.grammar_backend.can_share_grammars
-
-    def serialize_grammar(self, grammar: BaseGrammarObject) -> bytes | str:
-        """The inner grammar's form (the cache and the exports hold unwrapped grammars)."""
+    def export_grammar(self, grammar: BaseGrammarObject) -> GrammarExport:
+        """The inner grammar's export (the cache and the exports hold unwrapped grammars)."""
         inner = grammar.grammar if isinstance(grammar, ReasonerGrammarObject) else grammar
-        return self.grammar_backend.serialize_grammar(inner)
-
-    def deserialize_grammar(self, payload: bytes | str) -> BaseGrammarObject:
-        return self.grammar_backend.deserialize_grammar(payload)
-
-    def wait_until_ready(self) -> None:
-        self.grammar_backend.wait_until_ready()
+        return self.grammar_backend.export_grammar(inner)
 
     def shutdown(self) -> None:
         self.grammar_backend.shutdown()  # the shared compile service with it
-
-    def check_json_schema(self, schema: dict[str, Any] | bool) -> None:
-        self.grammar_backend.check_json_schema(schema)
 
     def get_cached_or_future_value(
         self, key: GrammarKey, require_reasoning: bool = False

@@ -14,12 +14,15 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sglang_constrained.backends.base import BaseGrammarBackend, CompiledGrammarStore, GrammarBackendArgs
+    from sglang_constrained.backends.base import GrammarBackend, GrammarBackendArgs
+    from sglang_constrained.backends.pipeline import GrammarPipeline
+    from sglang_constrained.cache.compiled import CompiledGrammarStore
 
 logger = logging.getLogger(__name__)
 
-GrammarBackendFactory = Callable[["GrammarBackendArgs", Any, int, list[int]], "BaseGrammarBackend"]
-"""``init_func(server_args, tokenizer, vocab_size, eos_token_ids) -> BaseGrammarBackend``."""
+GrammarBackendFactory = Callable[["GrammarBackendArgs", Any, int, list[int]], "GrammarBackend"]
+"""``init_func(server_args, tokenizer, vocab_size, eos_token_ids) -> GrammarBackend`` (a ``BaseGrammarBackend``
+subclass, as a rule)."""
 
 GRAMMAR_BACKEND_REGISTRY: dict[str, GrammarBackendFactory] = {}
 """Backends registered by users: ``name -> init_func(server_args, tokenizer, vocab_size, eos_token_ids)``."""
@@ -32,6 +35,7 @@ _BUILTIN_BACKENDS: dict[str, str] = {
     "outlines": "sglang_constrained.backends.outlines.backend:OutlinesGrammarBackend",
     AUTO_GRAMMAR_BACKEND: "sglang_constrained.backends.auto:AutoGrammarBackend",
 }
+_PIPELINE = "sglang_constrained.backends.pipeline:GrammarPipeline"
 _REASONER_BACKEND = "sglang_constrained.backends.reasoner:ReasonerGrammarBackend"
 NO_GRAMMAR_BACKEND = "none"
 
@@ -58,10 +62,8 @@ def register_entry_point_backends() -> None:
 
 
 def _load_on_call(entry_point: importlib.metadata.EntryPoint) -> GrammarBackendFactory:
-    def init_func(
-        server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos: list[int]
-    ) -> BaseGrammarBackend:
-        backend: BaseGrammarBackend = entry_point.load()(server_args, tokenizer, vocab_size, eos)
+    def init_func(server_args: GrammarBackendArgs, tokenizer: Any, vocab_size: int, eos: list[int]) -> GrammarBackend:
+        backend: GrammarBackend = entry_point.load()(server_args, tokenizer, vocab_size, eos)
         return backend
 
     return init_func
@@ -106,22 +108,23 @@ def create_grammar_backend(
     think_end_id: int | None = None,
     think_start_id: int | None = None,
     disk_cache: CompiledGrammarStore | None = None,
-) -> BaseGrammarBackend | None:
-    """Build the backend ``server_args.grammar_backend`` names (None for ``none``).
+) -> GrammarPipeline | None:
+    """Build the backend ``server_args.grammar_backend`` names, in the ``GrammarPipeline`` that serves its compiles
+    (None for ``none``).
 
     For code that uses the library as SGLang's (the server's scheduler passes no think ids: its reasoning gate wraps
-    the backend built here), the backend comes wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser`` is
-    set and a ``think_end_id`` is given (``think_start_id``, where the tokenizer has one, lets a model that may open
-    its thinking do so); ``ReasonerGrammarBackend(backend, think_end_id, think_start_id)`` is the same wrapper built
-    by hand. ``disk_cache``: where compiled grammars outlive the process (``grammar_disk_cache``), used by a backend
-    that can export its grammars and closed otherwise.
+    the pipeline built here), the pipeline comes wrapped in a ``ReasonerGrammarBackend`` when ``--reasoning-parser``
+    is set and a ``think_end_id`` is given (``think_start_id``, where the tokenizer has one, lets a model that may
+    open its thinking do so); ``ReasonerGrammarBackend(pipeline, think_end_id, think_start_id)`` is the same wrapper
+    built by hand. ``disk_cache``: where compiled grammars outlive the process (``grammar_disk_cache``), used by a
+    backend that can export its grammars and closed otherwise.
     """
     if server_args.grammar_backend == NO_GRAMMAR_BACKEND:
         if disk_cache is not None:
             disk_cache.close()
         return None
     factory = grammar_backend_factory(server_args.grammar_backend)
-    backend = factory(server_args, tokenizer, vocab_size, eos_token_ids)
+    backend: GrammarPipeline = _resolve(_PIPELINE)(factory(server_args, tokenizer, vocab_size, eos_token_ids))
     if disk_cache is not None and backend.can_share_grammars:
         backend.use_disk_cache(disk_cache)
     elif disk_cache is not None:

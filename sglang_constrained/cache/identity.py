@@ -1,5 +1,5 @@
 """Fingerprints of what decides a compiled grammar besides its constraint: the code that compiles it, the engine's
-version and the tokenizer's vocabulary. ``BaseGrammarBackend.compile_identity`` gathers them, and the grammar disk
+version and the tokenizer's vocabulary. ``GrammarBackend.compile_identity`` gathers them, and the grammar disk
 cache names its entries by that identity, so that an entry is never read by a backend that would compile the key
 to another grammar.
 

@@ -12,7 +12,7 @@ V = TypeVar("V")
 class GrammarCache(Generic[K, V]):
     """LRU map with two bounds; both are enforced on every ``put``, evicting the least recently used first.
 
-    Not thread-safe: ``BaseGrammarBackend`` guards it with its lock. An entry larger than ``max_bytes`` on
+    Not thread-safe: ``CompileService`` guards it with its lock. An entry larger than ``max_bytes`` on
     its own is not stored at all.
     """
 

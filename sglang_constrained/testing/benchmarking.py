@@ -18,13 +18,13 @@ import torch
 import xgrammar
 
 from sglang_constrained.backends.base import (
-    BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
     InvalidGrammarObject,
 )
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
 from sglang_constrained.backends.outlines.backend import OutlinesGrammar
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
 from sglang_constrained.testing.maskbench import MaskBenchCase, iter_case_paths, load_case
@@ -36,7 +36,7 @@ FOLDERS = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten")
 LLGUIDANCE_LIMITS = llguidance.LLParserLimits(verbose_errors=False, step_lexer_fuel=2_000_000)
 
 
-def raw_matcher(backend: BaseGrammarBackend, grammar: BaseGrammarObject, spec: str) -> Any:
+def raw_matcher(backend: GrammarPipeline, grammar: BaseGrammarObject, spec: str) -> Any:
     """A new engine matcher at the start state of the grammar that ``grammar`` (from ``backend``) was compiled to.
 
     xgrammar and outlines share the compiled grammar or index; llguidance copies a template matcher built from
@@ -46,8 +46,8 @@ def raw_matcher(backend: BaseGrammarBackend, grammar: BaseGrammarObject, spec: s
         return xgrammar.GrammarMatcher(grammar.compiled_grammar, override_stop_tokens=list(grammar.stop_token_ids))
     if isinstance(grammar, OutlinesGrammar):
         return outlines_core.Guide(grammar.compiled.index)
-    if isinstance(backend, GuidanceBackend):
-        return llguidance_template(backend, spec).deep_copy()
+    if isinstance(backend.backend, GuidanceBackend):
+        return llguidance_template(backend.backend, spec).deep_copy()
     raise ValueError(f"no raw engine calls for a {type(grammar).__name__} of the {backend.name} backend")
 
 
@@ -98,7 +98,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else math.nan
 
 
-def compile_grammar(backend: BaseGrammarBackend, key: tuple[str, str], timeout_s: float) -> tuple[Any, float]:
+def compile_grammar(backend: GrammarPipeline, key: tuple[str, str], timeout_s: float) -> tuple[Any, float]:
     """(grammar or an error string, wall seconds) through the backend's cache-and-future path.
 
     Wall seconds include the hand-off to the backend's compile thread (tens of µs).
@@ -114,7 +114,7 @@ def compile_grammar(backend: BaseGrammarBackend, key: tuple[str, str], timeout_s
     return (grammar.error_message[:120] if isinstance(grammar, InvalidGrammarObject) else grammar), seconds
 
 
-def make_backend(server_args: GrammarBackendArgs, setup: TokenizerSetup) -> BaseGrammarBackend:
+def make_backend(server_args: GrammarBackendArgs, setup: TokenizerSetup) -> GrammarPipeline:
     """The grammar backend ``server_args.grammar_backend`` as the scheduler would build it for this tokenizer."""
     name = server_args.grammar_backend
     backend = create_grammar_backend(server_args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)

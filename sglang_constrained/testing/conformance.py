@@ -22,6 +22,7 @@ from sglang_constrained.backends.auto import (
     describe_refusals,
 )
 from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import AUTO_GRAMMAR_BACKEND
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.errors import CompileProcessError, CompileTimeoutError, refusal_reason
@@ -72,7 +73,7 @@ class ConformanceResult:
         )
 
 
-def compile_grammar(backend: BaseGrammarBackend, key: GrammarKey) -> BaseGrammarObject:
+def compile_grammar(backend: GrammarPipeline, key: GrammarKey) -> BaseGrammarObject:
     """The grammar for ``key``, waiting for its compile (a fresh object each call); a compile past its deadline or
     whose process failed is an invalid grammar saying so, as a request would be told."""
     value, _ = backend.get_cached_or_future_value(key)
@@ -85,7 +86,7 @@ def compile_grammar(backend: BaseGrammarBackend, key: GrammarKey) -> BaseGrammar
 
 
 def check_constraint(
-    backend: BaseGrammarBackend,
+    backend: GrammarPipeline,
     setup: TokenizerSetup,
     name: str,
     key: GrammarKey,
@@ -135,7 +136,7 @@ class MaskBenchSweep:
 
     def __init__(
         self,
-        backend: BaseGrammarBackend,
+        backend: GrammarPipeline,
         setup: TokenizerSetup,
         planned: Sequence[MaskBenchCase],
         ahead: int = 2,
@@ -176,9 +177,12 @@ def exact_mode_narrowings(auto: AutoGrammarBackend, cases: Sequence[MaskBenchCas
     """Backend -> case -> the short reason (``refusal_reason``) why ``auto``'s backend would narrow the case's
     schema, so that ``auto`` refuses it there (``KnownOutcomes.with_auto``). Looks at the schemas only."""
     narrowed: dict[str, dict[str, str]] = {}
-    for name, backend in auto.backends.items():
+    for name, pipeline in auto.backends.items():
+        backend = pipeline.backend
+        if not isinstance(backend, BaseGrammarBackend) or not backend.require_exact:
+            continue
         for case in cases:
-            narrowing = backend.json_schema_narrowing(case.schema) if backend.require_exact else None
+            narrowing = backend.json_schema_narrowing(case.schema)
             if narrowing is not None:
                 narrowed.setdefault(name, {})[case.name] = refusal_reason(narrowing)
     return narrowed

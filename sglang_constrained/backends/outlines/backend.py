@@ -1,6 +1,6 @@
 """The outlines grammar backend: outlines-core's token index over a regex (JSON schemas become regexes first).
 
-outlines-core speaks regex only: EBNF and structural tags stay unsupported (the base class says so). Facts about
+outlines-core speaks regex only: EBNF and structural tags are refused as unsupported. Facts about
 outlines-core 0.2.14 this module is built around (timings in docs/benchmarks.md):
 
 * ``Guide.advance(eos)`` raises even at a final state, so stop tokens are handled here, never given to the Guide.
@@ -182,6 +182,12 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
 
     def dispatch_regex(self, key_string: str) -> OutlinesGrammar:
         return self._compile(key_string)
+
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
+        return self.unsupported("ebnf")
+
+    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
+        return self.unsupported("structural_tag")
 
     @property
     def can_share_grammars(self) -> bool:

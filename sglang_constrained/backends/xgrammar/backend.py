@@ -26,7 +26,6 @@ from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
-    GrammarExport,
     common_prefix_length,
 )
 from sglang_constrained.backends.xgrammar.export_cost import GrammarMeasure, refuse_costly_export
@@ -41,6 +40,7 @@ from sglang_constrained.backends.xgrammar.schema_rules import (
     strict_mode_narrowing,
 )
 from sglang_constrained.backends.xgrammar.utf8 import check_grammar_format, well_formed_utf8_grammar
+from sglang_constrained.cache.compiled import GrammarExport
 from sglang_constrained.cache.identity import engine_version
 from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary, vocabulary_fingerprint
 from sglang_constrained.compile.control import CompileControl
@@ -161,8 +161,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     the compile service's slots bound the cores they take, and killed at the compile deadline, past the memory
     bound or when cancelled. The compiled grammar comes back serialised. Where no process can be started
     (``why_processes_cannot_start``) compiles run in threads, with a warning. xgrammar's own compile cache is
-    off; the base class caches with a bound. With ``require_exact`` objects are compiled with JSON Schema's
-    default (unlisted properties allowed) written out, and arrays strict mode would close are refused.
+    off; the pipeline around the backend caches with a bound. With ``require_exact`` objects are compiled with
+    JSON Schema's default (unlisted properties allowed) written out, and arrays strict mode would close are refused.
     """
 
     name = "xgrammar"
