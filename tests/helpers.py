@@ -27,7 +27,8 @@ from scheduler.client import AsyncSchedulerClient
 from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.server_args import EMBEDDED_MODEL_NAME
 from scheduler.testing.process import SchedulerProcess, free_port
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.launch_ahead import Launch, LaunchAhead
@@ -89,7 +90,7 @@ def item_parameters(item: pytest.Item) -> dict[str, Any]:
     return callspec.params if callspec is not None else {}
 
 
-def compile_grammar(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGrammarObject:
+def compile_grammar(backend: GrammarPipeline, kind: str, spec: Any) -> BaseGrammarObject:
     """A fresh grammar object at the start state for a constraint (invalid ones included).
 
     Compiled once per backend: the compile enters the backend's cache as the scheduler's would, and later calls
@@ -106,7 +107,7 @@ def compile_grammar(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGr
     return grammar
 
 
-def compile_valid(backend: BaseGrammarBackend, kind: str, spec: Any) -> BaseGrammarObject:
+def compile_valid(backend: GrammarPipeline, kind: str, spec: Any) -> BaseGrammarObject:
     """``compile_grammar``, asserting that the constraint compiled."""
     grammar = compile_grammar(backend, kind, spec)
     assert not isinstance(grammar, InvalidGrammarObject), grammar

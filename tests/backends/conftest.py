@@ -26,6 +26,7 @@ from scheduler.server_args import ServerArgs
 from sglang_constrained.backends.base import BaseGrammarBackend
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
 from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 
@@ -54,7 +55,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def build_backend(server_args: ServerArgs) -> Iterator[BackendBuilder]:
-    built: dict[tuple[Any, ...], BaseGrammarBackend] = {}
+    built: dict[tuple[Any, ...], GrammarPipeline] = {}
 
     def build(name: str, setup: TokenizerSetup, eos_token_ids: list[int] | None = None, **overrides: Any) -> Any:
         stops = eos_token_ids or setup.eos_token_ids
@@ -69,9 +70,12 @@ def build_backend(server_args: ServerArgs) -> Iterator[BackendBuilder]:
         backend.shutdown()
 
 
-def new_backend(args: ServerArgs, setup: TokenizerSetup, eos_token_ids: list[int] | None = None) -> BaseGrammarBackend:
-    """A new ``args.grammar_backend`` on ``setup``'s tokenizer; xgrammar's compiles on threads (see module doc)."""
+def new_backend(args: ServerArgs, setup: TokenizerSetup, eos_token_ids: list[int] | None = None) -> GrammarPipeline:
+    """A new ``args.grammar_backend`` on ``setup``'s tokenizer, in its pipeline (``.backend`` is the engine's);
+    xgrammar's compiles on threads (see module doc)."""
     stops = eos_token_ids or setup.eos_token_ids
     if args.grammar_backend == "xgrammar":
-        return XGrammarGrammarBackend(args, setup.tokenizer, setup.vocab_size, stops, compile_in_processes=False)
-    return BACKEND_CLASSES[args.grammar_backend](args, setup.tokenizer, setup.vocab_size, stops)
+        return GrammarPipeline(
+            XGrammarGrammarBackend(args, setup.tokenizer, setup.vocab_size, stops, compile_in_processes=False)
+        )
+    return GrammarPipeline(BACKEND_CLASSES[args.grammar_backend](args, setup.tokenizer, setup.vocab_size, stops))

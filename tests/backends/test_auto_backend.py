@@ -29,6 +29,7 @@ from scripts.calibrate_xgrammar_export import ebnf_alternatives
 from sglang_constrained.backends.auto import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend, GuidanceGrammar
 from sglang_constrained.backends.outlines.backend import OutlinesGrammar
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import (
     ReasonerGrammarBackend,
     ReasonerGrammarObject,
@@ -36,7 +37,6 @@ from sglang_constrained.backends.reasoner import (
 )
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
 from sglang_constrained.base_grammar_backend import (
-    BaseGrammarBackend,
     InvalidGrammarObject,
     create_grammar_backend,
     register_grammar_backend,
@@ -86,7 +86,7 @@ KIND_CASES = [
 ]
 
 
-def build_auto(setup: TokenizerSetup, **changes: Any) -> BaseGrammarBackend:
+def build_auto(setup: TokenizerSetup, **changes: Any) -> GrammarPipeline:
     """``auto`` ready to compile, its choices made by the order alone: no test compile runs long enough on a busy
     machine to be handed over (``test_a_slow_first_choice_hands_over...`` builds one with the default budget).
     Exact (no narrowing), what these tests are about, unless ``changes`` say otherwise."""
@@ -101,20 +101,20 @@ def build_auto(setup: TokenizerSetup, **changes: Any) -> BaseGrammarBackend:
 
 
 @pytest.fixture(scope="module")
-def auto(tokenizer_case: TokenizerSetup) -> Iterator[AutoGrammarBackend]:
+def auto(tokenizer_case: TokenizerSetup) -> Iterator[GrammarPipeline]:
     backend = build_auto(tokenizer_case)
-    assert isinstance(backend, AutoGrammarBackend)
+    assert isinstance(backend.backend, AutoGrammarBackend)
     yield backend
     backend.shutdown()
 
 
 @pytest.fixture(scope="module")
-def known(auto: AutoGrammarBackend) -> KnownOutcomes:
+def known(auto: GrammarPipeline) -> KnownOutcomes:
     """The records, with what ``auto`` must do (its backends' narrowings of the vendored schemas taken into account)."""
-    return RECORDED.with_auto(tuple(auto.backends), exact_mode_narrowings(auto, VENDORED_CASES))
+    return RECORDED.with_auto(tuple(auto.backend.backends), exact_mode_narrowings(auto.backend, VENDORED_CASES))
 
 
-def test_auto_takes_xgrammar_when_it_compiles(auto: AutoGrammarBackend) -> None:
+def test_auto_takes_xgrammar_when_it_compiles(auto: GrammarPipeline) -> None:
     grammar = compile_valid(auto, "json", PERSON_SCHEMA)
     assert isinstance(grammar, XGrammarGrammar)
     assert grammar.grammar_stats is not None
@@ -122,11 +122,11 @@ def test_auto_takes_xgrammar_when_it_compiles(auto: AutoGrammarBackend) -> None:
 
 
 def test_auto_falls_back_to_llguidance_and_says_why(
-    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup, caplog: pytest.LogCaptureFixture
+    auto: GrammarPipeline, tokenizer_case: TokenizerSetup, caplog: pytest.LogCaptureFixture
 ) -> None:
-    before = auto.choice_counts()
+    before = auto.backend.choice_counts()
     with caplog.at_level(logging.INFO, logger="sglang_constrained.backends.auto"):
-        grammar = auto.build_grammar(make_grammar_key("json", PRODUCT_SCHEMA))
+        grammar = auto.backend.build_grammar(make_grammar_key("json", PRODUCT_SCHEMA))
     assert isinstance(grammar, GuidanceGrammar)
     stats = grammar.grammar_stats
     assert stats is not None and stats.chosen_backend == "llguidance"
@@ -135,7 +135,7 @@ def test_auto_falls_back_to_llguidance_and_says_why(
     assert f"auto chose llguidance for a json constraint because xgrammar refused: feature '{XGRAMMAR_REFUSAL}'" in (
         caplog.text
     )
-    after = auto.choice_counts()
+    after = auto.backend.choice_counts()
     assert after.num_chosen.get("llguidance", 0) == before.num_chosen.get("llguidance", 0) + 1
     assert after.num_refused.get("xgrammar", 0) == before.num_refused.get("xgrammar", 0) + 1
     assert accepts_text(grammar, tokenizer_case, '{"code": "abc", "price": 2.5}')
@@ -144,7 +144,7 @@ def test_auto_falls_back_to_llguidance_and_says_why(
 
 
 def test_a_schema_too_large_for_xgrammar_s_compile_process_goes_to_llguidance_at_once(
-    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+    auto: GrammarPipeline, tokenizer_case: TokenizerSetup
 ) -> None:
     """xgrammar's refusal by its predicted memory (``xgrammar_export_cost``) hands the schema on, without waiting
     for the hand-over time (none here) or a compile process killed at the bound."""
@@ -160,7 +160,7 @@ def test_a_schema_too_large_for_xgrammar_s_compile_process_goes_to_llguidance_at
 
 
 def test_a_grammar_too_large_for_xgrammar_s_compile_process_goes_to_llguidance(
-    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+    auto: GrammarPipeline, tokenizer_case: TokenizerSetup
 ) -> None:
     """The same for EBNF (and structural tags), judged by the grammar xgrammar compiled, before it is serialised: the
     compile process answers with the refusal in a fraction of a second instead of growing to the bound."""
@@ -173,9 +173,9 @@ def test_a_grammar_too_large_for_xgrammar_s_compile_process_goes_to_llguidance(
     assert accepts_text(grammar, tokenizer_case, "key7=abc 12,key999=z 345")
 
 
-def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGrammarBackend) -> None:
-    before = auto.choice_counts().num_refused_by_all
-    grammar = auto.build_grammar(make_grammar_key("json", REFUSED_BY_ALL_SCHEMA))
+def test_when_every_backend_refuses_the_error_names_each_reason(auto: GrammarPipeline) -> None:
+    before = auto.backend.choice_counts().num_refused_by_all
+    grammar = auto.backend.build_grammar(make_grammar_key("json", REFUSED_BY_ALL_SCHEMA))
     assert isinstance(grammar, InvalidGrammarObject)
     message = grammar.error_message
     assert message.startswith("no grammar backend of --grammar-backend-order compiles this json constraint")
@@ -188,12 +188,12 @@ def test_when_every_backend_refuses_the_error_names_each_reason(auto: AutoGramma
     assert len(message) <= MAX_REFUSED_BY_ALL_CHARS
     assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend is None
     assert [name for name, _ in grammar.grammar_stats.fallback_reasons] == ["xgrammar", "llguidance", "outlines"]
-    assert auto.choice_counts().num_refused_by_all == before + 1
+    assert auto.backend.choice_counts().num_refused_by_all == before + 1
 
 
 def test_one_cache_keyed_by_the_constraint_holds_the_chosen_grammar(tokenizer_case: TokenizerSetup) -> None:
     backend = build_auto(tokenizer_case, grammar_backend_order=("xgrammar", "llguidance"))
-    assert isinstance(backend, AutoGrammarBackend)
+    assert isinstance(backend.backend, AutoGrammarBackend)
     key = make_grammar_key("json", PRODUCT_SCHEMA)
     future, is_hit = backend.get_cached_or_future_value(key)
     assert not is_hit and isinstance(future, Future)
@@ -204,7 +204,7 @@ def test_one_cache_keyed_by_the_constraint_holds_the_chosen_grammar(tokenizer_ca
     assert second.grammar_stats is not None and second.grammar_stats.is_cache_hit
     assert second.grammar_stats.chosen_backend == "llguidance"
     assert backend.compile_service.num_compilations == 1
-    assert [len(b.compile_service.cache) for b in backend.backends.values()] == [0, 0]
+    assert [len(b.compile_service.cache) for b in backend.backend.backends.values()] == [0, 0]
     backend.shutdown()
 
 
@@ -220,7 +220,7 @@ class JsonRefusingBackend(GuidanceBackend):
 def test_a_registered_backend_takes_part_in_the_order(clean_registry: None, smollm2_tokenizer: TokenizerSetup) -> None:
     register_grammar_backend("no-json", JsonRefusingBackend)
     backend = build_auto(smollm2_tokenizer, grammar_backend_order=("no-json", "xgrammar"))
-    assert isinstance(backend, AutoGrammarBackend)
+    assert isinstance(backend.backend, AutoGrammarBackend)
     regex = compile_valid(backend, "regex", "[0-9]{3}")
     schema = compile_valid(backend, "json", PERSON_SCHEMA)
     assert regex.grammar_stats is not None and regex.grammar_stats.chosen_backend == "no-json"
@@ -293,7 +293,7 @@ def test_one_batch_mixes_the_masks_of_three_backends(tokenizer_case: TokenizerSe
     backend.shutdown()
 
 
-def test_walks_through_a_fallback_grammar_validate(auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup) -> None:
+def test_walks_through_a_fallback_grammar_validate(auto: GrammarPipeline, tokenizer_case: TokenizerSetup) -> None:
     grammar = compile_valid(auto, "json", PRODUCT_SCHEMA)
     assert isinstance(grammar, GuidanceGrammar)
     tally = walk_and_judge(grammar, tokenizer_case, json_judge(PRODUCT_SCHEMA), num_walks=6, seed=5)
@@ -322,7 +322,7 @@ def test_the_reasoner_wraps_auto(qwen35_tokenizer: TokenizerSetup) -> None:
 
 @pytest.mark.parametrize(("kind", "spec", "valid", "invalid"), KIND_CASES, ids=[case[0] for case in KIND_CASES])
 def test_every_constraint_kind_holds_through_auto(
-    auto: AutoGrammarBackend,
+    auto: GrammarPipeline,
     tokenizer_case: TokenizerSetup,
     kind: str,
     spec: Any,
@@ -336,7 +336,7 @@ def test_every_constraint_kind_holds_through_auto(
 
 
 def test_a_lark_grammar_goes_first_to_the_backend_that_takes_it_as_written(
-    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+    auto: GrammarPipeline, tokenizer_case: TokenizerSetup
 ) -> None:
     """llguidance compiles Lark itself, so it is asked before xgrammar (the order's first), which would convert it;
     the same grammar in GBNF stays with xgrammar."""
@@ -350,7 +350,7 @@ def test_a_lark_grammar_goes_first_to_the_backend_that_takes_it_as_written(
 
 @pytest.mark.parametrize("name", list(MASKBENCH_CASES))
 def test_maskbench_cases_match_what_the_records_imply(
-    auto: AutoGrammarBackend, known: KnownOutcomes, tokenizer_case: TokenizerSetup, name: str
+    auto: GrammarPipeline, known: KnownOutcomes, tokenizer_case: TokenizerSetup, name: str
 ) -> None:
     [path] = MASKBENCH_ROOT.glob(f"*/{name}.json")
     case = load_case(path)
@@ -368,24 +368,24 @@ def coverage(known: KnownOutcomes, backend: str, tokenizer: str, cases: list[Mas
 
 
 def test_auto_covers_at_least_what_each_backend_covers_alone(
-    auto: AutoGrammarBackend, known: KnownOutcomes, tokenizer_case: TokenizerSetup
+    auto: GrammarPipeline, known: KnownOutcomes, tokenizer_case: TokenizerSetup
 ) -> None:
     """Per MaskBench folder of the vendored set: ``auto`` enforces exactly at least as many schemas as any single
     backend of its order (issue: ``auto`` fell below llguidance alone by counting narrowing as exact)."""
     for folder in sorted({case.folder for case in VENDORED_CASES}):
         cases = [case for case in VENDORED_CASES if case.folder == folder]
-        alone = {name: coverage(known, name, tokenizer_case.name, cases) for name in auto.backends}
+        alone = {name: coverage(known, name, tokenizer_case.name, cases) for name in auto.backend.backends}
         assert coverage(known, "auto", tokenizer_case.name, cases) >= max(alone.values()), (folder, alone)
 
 
 def test_open_objects_stay_open_and_arrays_strict_mode_would_close_go_on(
-    auto: AutoGrammarBackend, tokenizer_case: TokenizerSetup
+    auto: GrammarPipeline, tokenizer_case: TokenizerSetup
 ) -> None:
-    grammar = auto.build_grammar(make_grammar_key("json", PERSON_SCHEMA))
+    grammar = auto.backend.build_grammar(make_grammar_key("json", PERSON_SCHEMA))
     assert isinstance(grammar, XGrammarGrammar) and grammar.grammar_stats is not None
     assert grammar.grammar_stats.narrowing is None
     assert accepts_text(grammar, tokenizer_case, '{"name": "Ada", "age": 36, "city": "London"}')
-    with_array = auto.build_grammar(make_grammar_key("json", OPEN_PERSON))
+    with_array = auto.backend.build_grammar(make_grammar_key("json", OPEN_PERSON))
     assert isinstance(with_array, GuidanceGrammar) and with_array.grammar_stats is not None
     [(passed, reason)] = with_array.grammar_stats.fallback_reasons
     assert passed == "xgrammar" and "narrows 'array items' (at /properties/tags)" in reason
@@ -394,7 +394,7 @@ def test_open_objects_stay_open_and_arrays_strict_mode_would_close_go_on(
 
 def test_narrowing_when_allowed_is_named_in_the_stats(smollm2_tokenizer: TokenizerSetup) -> None:
     backend = build_auto(smollm2_tokenizer, grammar_auto_allow_narrowing=True)
-    grammar = backend.build_grammar(make_grammar_key("json", OPEN_PERSON))
+    grammar = backend.backend.build_grammar(make_grammar_key("json", OPEN_PERSON))
     assert isinstance(grammar, XGrammarGrammar) and grammar.grammar_stats is not None
     assert grammar.grammar_stats.narrowing is not None
     assert grammar.grammar_stats.narrowing.startswith("narrows 'unlisted properties' (at /)")
@@ -406,13 +406,13 @@ def test_a_slow_first_choice_hands_over_and_its_compile_is_stopped(smollm2_token
     """xgrammar compiles four 3,000-character strings for tens of seconds (not predicted beyond the deadline, so it
     starts); llguidance, started beside it after a second, wins, and xgrammar's compile process is killed."""
     auto = build_auto(smollm2_tokenizer, grammar_compile_slow_after=ServerArgs().grammar_compile_slow_after)
-    assert isinstance(auto, AutoGrammarBackend)
+    assert isinstance(auto.backend, AutoGrammarBackend)
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 3000} for i in range(4)}}
-    grammar = auto.build_grammar(make_grammar_key("json", schema))
+    grammar = auto.backend.build_grammar(make_grammar_key("json", schema))
     assert isinstance(grammar, GuidanceGrammar) and grammar.grammar_stats is not None
     reasons = dict(grammar.grammar_stats.fallback_reasons)  # outlines too, if llguidance took over a second
     assert reasons["xgrammar"].startswith(STILL_COMPILING)
-    xgrammar_service = auto.backends["xgrammar"].compile_service
+    xgrammar_service = auto.backend.backends["xgrammar"].compile_service
     for _ in range(100):
         if xgrammar_service.num_running == 0:
             break

@@ -24,7 +24,8 @@ from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.constraint_spec import make_grammar_key
@@ -104,7 +105,7 @@ def steered_walk(
 
 
 def check_budgets(
-    backend: BaseGrammarBackend,
+    backend: GrammarPipeline,
     setup: TokenizerSetup,
     search: EndingSearch,
     kind: str,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.base import BaseGrammarBackend
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import KnownOutcomes, MaskBenchSweep, check_constraint
 from sglang_constrained.testing.maskbench import load_case
@@ -184,7 +184,7 @@ SKIPPED = {
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def backend(request: pytest.FixtureRequest, tokenizer_case: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
+def backend(request: pytest.FixtureRequest, tokenizer_case: TokenizerSetup) -> Iterator[GrammarPipeline]:
     built = new_backend(ServerArgs(grammar_backend=request.param, grammar_compile_threads=2), tokenizer_case)
     yield built
     built.shutdown()
@@ -192,7 +192,7 @@ def backend(request: pytest.FixtureRequest, tokenizer_case: TokenizerSetup) -> I
 
 @pytest.fixture(scope="module")
 def maskbench_sweep(
-    request: pytest.FixtureRequest, backend: BaseGrammarBackend, tokenizer_case: TokenizerSetup
+    request: pytest.FixtureRequest, backend: GrammarPipeline, tokenizer_case: TokenizerSetup
 ) -> MaskBenchSweep:
     """The MaskBench cases this run selected for this backend and tokenizer, in run order, compiled ahead.
 
@@ -246,7 +246,7 @@ def test_known_outcomes_name_swept_cases() -> None:
     ("name", "kind", "spec", "valid", "invalid"), OWN_CASES, ids=[case[0].replace(" ", "-") for case in OWN_CASES]
 )
 def test_own_constraint(
-    backend: BaseGrammarBackend,
+    backend: GrammarPipeline,
     tokenizer_case: TokenizerSetup,
     name: str,
     kind: str,

@@ -24,7 +24,7 @@ BYTE_VOCABULARY = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(
 
 @pytest.fixture(scope="module")
 def xgrammar_compiler(build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup) -> xgrammar.GrammarCompiler:
-    compiler: xgrammar.GrammarCompiler = build_backend("xgrammar", smollm2_tokenizer).compiler
+    compiler: xgrammar.GrammarCompiler = build_backend("xgrammar", smollm2_tokenizer).backend.compiler
     return compiler
 
 
@@ -118,7 +118,7 @@ LLGUIDANCE_FAULTS = [
 def test_llguidance_still_accepts(
     build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, schema: Any, invalid_json: str, workaround: str
 ) -> None:
-    ll_tokenizer = build_backend("llguidance", smollm2_tokenizer).ll_tokenizer
+    ll_tokenizer = build_backend("llguidance", smollm2_tokenizer).backend.ll_tokenizer
     matcher = LLMatcher(ll_tokenizer, LLMatcher.grammar_from_json_schema(schema), log_level=0)
     tokens = smollm2_tokenizer.encode(invalid_json)
     assert matcher.consume_tokens(tokens) and matcher.is_accepting(), f"llguidance fixed this: remove {workaround}"

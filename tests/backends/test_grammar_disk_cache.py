@@ -18,11 +18,11 @@ from scheduler.data_parallel.shared_grammars import GrammarStore
 from scheduler.server_args import ServerArgs
 from sglang_constrained.backends.auto import AutoGrammarBackend
 from sglang_constrained.backends.base import (
-    BaseGrammarBackend,
     BaseGrammarObject,
     GrammarExport,
     InvalidGrammarObject,
 )
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import ReasonerGrammarBackend
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
@@ -48,7 +48,7 @@ grammar is stored with the reason outlines was passed over."""
 WALK_STEPS = 24
 
 
-def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -> BaseGrammarBackend:
+def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -> GrammarPipeline:
     """A backend as the server builds it, on the grammar disk cache in ``directory``; xgrammar's compiles in threads
     (starting compile processes would take most of a test's time, and the disk cache reads and writes above either).
     Its cache writes every grammar that exports faster than it compiled, without weighing its read-back: these tests
@@ -57,8 +57,10 @@ def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -
     args = replace(ServerArgs(), grammar_backend=name, **settings)
     disk_cache = GrammarDiskCache(directory, 1 << 30, read_margin=0.0)
     if name == "xgrammar":
-        xgrammar = XGrammarGrammarBackend(
-            args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, compile_in_processes=False
+        xgrammar = GrammarPipeline(
+            XGrammarGrammarBackend(
+                args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, compile_in_processes=False
+            )
         )
         xgrammar.use_disk_cache(disk_cache)
         return xgrammar
@@ -69,7 +71,7 @@ def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -
     return backend
 
 
-def flush(backend: BaseGrammarBackend) -> GrammarDiskCache:
+def flush(backend: GrammarPipeline) -> GrammarDiskCache:
     """The backend's disk cache, once every write it queued is on disk."""
     assert isinstance(backend.disk_cache, GrammarDiskCache)
     backend.disk_cache.flush()
@@ -170,20 +172,20 @@ def test_the_default_backend_writes_xgrammars_compile_process_export(
     took about as long as the compile, so the keep rule often left it out), and a restart reads it: same masks."""
     setup, schema = smollm2_tokenizer, YES_NO_SCHEMA
 
-    def start() -> BaseGrammarBackend:
+    def start() -> GrammarPipeline:
         disk_cache = GrammarDiskCache(tmp_path, 1 << 30)
         backend = create_grammar_backend(
             ServerArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids, disk_cache=disk_cache
         )
-        assert isinstance(backend, AutoGrammarBackend), backend
-        assert isinstance(backend.backends["xgrammar"], XGrammarGrammarBackend)
-        assert backend.backends["xgrammar"].compile_processes is not None
+        assert backend is not None and isinstance(backend.backend, AutoGrammarBackend), backend
+        xgrammar = backend.backend.backends["xgrammar"].backend
+        assert isinstance(xgrammar, XGrammarGrammarBackend) and xgrammar.compile_processes is not None
         backend.wait_until_ready()  # as the server does before it serves: the compile processes have started
         return backend
 
     first = start()
     try:
-        grammar, export_later = first.build_exportable(make_grammar_key("json", schema))
+        grammar, export_later = first.backend.build_exportable(make_grammar_key("json", schema))
         assert grammar.grammar_stats is not None and grammar.grammar_stats.chosen_backend == "xgrammar"
         assert export_later().payload is export_later().payload  # kept, not serialised on each call
         compiled = compile_grammar(first, "json", schema)
@@ -236,7 +238,7 @@ def test_rank_0s_store_for_the_replicas_reads_the_disk_cache(smollm2_tokenizer: 
         restarted.shutdown()
 
 
-def identity_digest(backend: BaseGrammarBackend) -> str:
+def identity_digest(backend: GrammarPipeline) -> str:
     return entry_digest(backend.compile_identity(), make_grammar_key("json", PERSON_SCHEMA))
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammars
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.base import BaseGrammarBackend, InvalidGrammarObject
+from sglang_constrained.backends.base import InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BACKEND_CLASSES
@@ -24,16 +25,15 @@ INSTANCE = '{"name": "Ada", "age": 36}'
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
 
 
-def new_backend(name: str, setup: TokenizerSetup, server_args: ServerArgs) -> BaseGrammarBackend:
-    return BACKEND_CLASSES[name](
-        replace(server_args, grammar_backend=name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
-    )
+def new_backend(name: str, setup: TokenizerSetup, server_args: ServerArgs) -> GrammarPipeline:
+    args = replace(server_args, grammar_backend=name)
+    return GrammarPipeline(BACKEND_CLASSES[name](args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids))
 
 
 @pytest.fixture(scope="module", params=sorted(BACKEND_CLASSES))
 def two_backends(
     request: pytest.FixtureRequest, smollm2_tokenizer: TokenizerSetup, server_args: ServerArgs
-) -> Iterator[tuple[BaseGrammarBackend, BaseGrammarBackend]]:
+) -> Iterator[tuple[GrammarPipeline, GrammarPipeline]]:
     """A backend that compiles (rank 0's) and another that will only import, as another process's would."""
     compiling = new_backend(request.param, smollm2_tokenizer, server_args)
     importing = new_backend(request.param, smollm2_tokenizer, server_args)
@@ -43,7 +43,7 @@ def two_backends(
 
 
 def test_an_imported_grammar_allows_what_the_compiled_one_allows(
-    two_backends: tuple[BaseGrammarBackend, BaseGrammarBackend], smollm2_tokenizer: TokenizerSetup
+    two_backends: tuple[GrammarPipeline, GrammarPipeline], smollm2_tokenizer: TokenizerSetup
 ) -> None:
     compiling, importing = two_backends
     assert compiling.can_share_grammars
@@ -60,7 +60,7 @@ def test_an_imported_grammar_allows_what_the_compiled_one_allows(
     assert accepts_text(imported.copy(), smollm2_tokenizer, INSTANCE)
 
 
-def test_a_compile_error_exports_as_itself(two_backends: tuple[BaseGrammarBackend, BaseGrammarBackend]) -> None:
+def test_a_compile_error_exports_as_itself(two_backends: tuple[GrammarPipeline, GrammarPipeline]) -> None:
     compiling, importing = two_backends
     invalid = compile_grammar(compiling, "json", BAD_SCHEMA)
     assert isinstance(invalid, InvalidGrammarObject)

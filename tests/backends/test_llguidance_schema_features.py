@@ -34,7 +34,7 @@ IGNORED_FEATURES = [
 def test_the_refusal_table_lists_what_llguidance_ignores(
     backend: GuidanceBackend, tokenizer_case: TokenizerSetup, schema, violating, feature
 ) -> None:
-    raw = LLMatcher(backend.ll_tokenizer, LLMatcher.grammar_from_json_schema(schema), log_level=0)
+    raw = LLMatcher(backend.backend.ll_tokenizer, LLMatcher.grammar_from_json_schema(schema), log_level=0)
     assert raw.consume_tokens(tokenizer_case.encode(violating)) and raw.is_accepting()
     nested = {"type": "object", "properties": {"x": {**schema, "description": LONG_DESCRIPTION}}}
     refused = compile_grammar(backend, "json", nested)

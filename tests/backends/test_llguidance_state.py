@@ -117,7 +117,7 @@ def test_jump_forward_text_is_what_the_instance_says_next(
             ff_ids, text = helper
             assert grammar.jump_forward_str_state(helper) == (text, -1)
             done = tokenizer_case.tokenizer.decode(tokens[:step]).encode()
-            forced = backend.ll_tokenizer.decode_bytes(ff_ids) + text.encode()
+            forced = backend.backend.ll_tokenizer.decode_bytes(ff_ids) + text.encode()
             assert instance_bytes[len(done) :].startswith(forced), (step, forced)
             assert_jump_then_finish(grammar.copy(), tokens[:step], helper, instance, tokenizer_case)
         if step < len(tokens):

@@ -62,7 +62,7 @@ def spec_regex(backend: OutlinesGrammarBackend, kind: str, spec: Any) -> str:
     if kind == "choice":
         return choices_to_regex(spec)
     schema = {"type": "object"} if kind == "json_object" else spec
-    return build_regex_from_schema(json.dumps(schema), backend.whitespace_pattern)
+    return build_regex_from_schema(json.dumps(schema), backend.backend.whitespace_pattern)
 
 
 def walk_to_termination(grammar: BaseGrammarObject, case: TokenizerSetup, text: str, regex: str) -> None:

@@ -32,7 +32,7 @@ def compile_once(where):
     )
     value, _ = backend.get_cached_or_future_value(make_grammar_key("regex", "[0-9]{3}"))
     grammar = value.result(timeout=300)
-    processes = "processes" if backend.compile_processes is not None else "threads"
+    processes = "processes" if backend.backend.compile_processes is not None else "threads"
     print(f"{where}: {type(grammar).__name__} in {processes}", flush=True)
     return backend
 """

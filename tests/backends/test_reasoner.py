@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import (
     FreeGrammarObject,
     ReasonerGrammarBackend,
@@ -17,7 +18,7 @@ from sglang_constrained.backends.reasoner import (
     think_end_token_id,
     think_start_token_id,
 )
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, create_grammar_backend
+from sglang_constrained.base_grammar_backend import BaseGrammarObject, create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.errors import TokenRejectedError
 from sglang_constrained.testing.conformance import compile_grammar
@@ -29,7 +30,7 @@ KEY = make_grammar_key("json", SCHEMA)
 
 
 @pytest.fixture(scope="module")
-def backend(qwen35_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
+def backend(qwen35_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     """The wrapper around xgrammar (``auto`` could pick llguidance for a compile slower than its hand-over, whose
     grammar ends at the closing brace where xgrammar's still takes whitespace)."""
     args = replace(ServerArgs(), grammar_backend="xgrammar", reasoning_parser="qwen3")
@@ -43,7 +44,7 @@ def backend(qwen35_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
     built.shutdown()
 
 
-def reasoner(backend: BaseGrammarBackend, require_reasoning: bool = True) -> ReasonerGrammarObject:
+def reasoner(backend: GrammarPipeline, require_reasoning: bool = True) -> ReasonerGrammarObject:
     value, _ = backend.get_cached_or_future_value(KEY, require_reasoning)
     grammar = value if isinstance(value, BaseGrammarObject) else value.result()
     assert isinstance(grammar, ReasonerGrammarObject)
@@ -51,7 +52,7 @@ def reasoner(backend: BaseGrammarBackend, require_reasoning: bool = True) -> Rea
 
 
 def test_thinking_is_unconstrained_and_the_grammar_starts_after_think_end(
-    backend: BaseGrammarBackend, qwen35_tokenizer: TokenizerSetup
+    backend: GrammarPipeline, qwen35_tokenizer: TokenizerSetup
 ) -> None:
     grammar = reasoner(backend)
     vocab = qwen35_tokenizer.vocab_size
@@ -69,13 +70,13 @@ def test_thinking_is_unconstrained_and_the_grammar_starts_after_think_end(
     assert qwen35_tokenizer.eos_token_ids[0] in allowed_tokens(grammar, vocab)
 
 
-def test_reasoning_off_starts_constrained(backend: BaseGrammarBackend, qwen35_tokenizer: TokenizerSetup) -> None:
+def test_reasoning_off_starts_constrained(backend: GrammarPipeline, qwen35_tokenizer: TokenizerSetup) -> None:
     grammar = reasoner(backend, require_reasoning=False)
     allowed_at_start = allowed_tokens(grammar, qwen35_tokenizer.vocab_size)
     assert len(allowed_at_start) < 100 and grammar.think_end_id not in allowed_at_start
 
 
-def test_rollback_crosses_back_into_thinking(backend: BaseGrammarBackend, qwen35_tokenizer: TokenizerSetup) -> None:
+def test_rollback_crosses_back_into_thinking(backend: GrammarPipeline, qwen35_tokenizer: TokenizerSetup) -> None:
     grammar = reasoner(backend)
     vocab = qwen35_tokenizer.vocab_size
     thinking = qwen35_tokenizer.encode("Hmm, 42.")
@@ -92,7 +93,7 @@ def test_rollback_crosses_back_into_thinking(backend: BaseGrammarBackend, qwen35
         grammar.rollback(len(thinking) + len(answer) + 2)
 
 
-def test_copy_keeps_the_counters_and_the_state(backend: BaseGrammarBackend, qwen35_tokenizer: TokenizerSetup) -> None:
+def test_copy_keeps_the_counters_and_the_state(backend: GrammarPipeline, qwen35_tokenizer: TokenizerSetup) -> None:
     grammar = reasoner(backend)
     for token in [*qwen35_tokenizer.encode("ok"), grammar.think_end_id, *qwen35_tokenizer.encode('{"ans')]:
         grammar.accept_token(token)
@@ -105,7 +106,7 @@ def test_copy_keeps_the_counters_and_the_state(backend: BaseGrammarBackend, qwen
     assert copied.is_terminated() is False and grammar.tokens_after_think_end < copied.tokens_after_think_end
 
 
-def test_compiled_grammars_are_cached_unwrapped(backend: BaseGrammarBackend) -> None:
+def test_compiled_grammars_are_cached_unwrapped(backend: GrammarPipeline) -> None:
     backend.set_cache(KEY, reasoner(backend))
     with_reasoning, hit = backend.get_cached_or_future_value(KEY, require_reasoning=True)
     without, hit_again = backend.get_cached_or_future_value(KEY, require_reasoning=False)
@@ -130,7 +131,7 @@ def test_unknown_reasoning_parser_is_refused(smollm2_tokenizer: TokenizerSetup) 
 
 
 def test_a_spent_budget_allows_the_think_end_alone_then_the_grammar(
-    backend: BaseGrammarBackend, qwen35_tokenizer: TokenizerSetup
+    backend: GrammarPipeline, qwen35_tokenizer: TokenizerSetup
 ) -> None:
     grammar = reasoner(backend)
     grammar.set_reasoning("thinking", thinking_budget=3)
@@ -152,7 +153,7 @@ def test_a_spent_budget_allows_the_think_end_alone_then_the_grammar(
 
 
 def test_a_model_that_may_think_opens_its_thinking_or_answers_under_the_grammar(
-    backend: BaseGrammarBackend, qwen35_tokenizer: TokenizerSetup
+    backend: GrammarPipeline, qwen35_tokenizer: TokenizerSetup
 ) -> None:
     think_start = think_start_token_id(qwen35_tokenizer.tokenizer, "qwen3")
     vocab = qwen35_tokenizer.vocab_size

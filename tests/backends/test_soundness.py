@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.backends.base import BaseGrammarBackend, InvalidGrammarObject
+from sglang_constrained.backends.base import InvalidGrammarObject
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import GrammarKey, make_grammar_key
 from sglang_constrained.testing.maskbench import load_case
 from sglang_constrained.testing.random_walk import Judge, choice_judge, json_judge, regex_judge, walk_and_judge
@@ -131,7 +132,7 @@ SKIPPED = {
 
 
 def walk_verdicts(
-    backend: BaseGrammarBackend, setup: TokenizerSetup, kind: str, spec: Any, judge: Judge, walks: int, seed: int
+    backend: GrammarPipeline, setup: TokenizerSetup, kind: str, spec: Any, judge: Judge, walks: int, seed: int
 ) -> tuple[int, list[str]]:
     """How many of ``walks`` walks finished, and what was wrong with each invalid one (a structural tag's text
     outside its tags is free, so it need not be UTF-8 there)."""

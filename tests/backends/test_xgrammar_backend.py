@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from scripts.calibrate_xgrammar_export import ebnf_alternatives, tools
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar, XGrammarGrammarBackend
 from sglang_constrained.backends.xgrammar.export_cost import GrammarMeasure
 from sglang_constrained.backends.xgrammar.utf8 import well_formed_utf8_grammar
@@ -56,18 +57,18 @@ EBNF = 'root ::= "SELECT " column " FROM t"\ncolumn ::= "a" | "bb"'
 
 
 @pytest.fixture(scope="module")
-def backend(build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> XGrammarGrammarBackend:
+def backend(build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> GrammarPipeline:
     return build_backend("xgrammar", tokenizer_case)
 
 
 @pytest.fixture(scope="module")
-def compact_backend(build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> XGrammarGrammarBackend:
+def compact_backend(build_backend: BackendBuilder, tokenizer_case: TokenizerSetup) -> GrammarPipeline:
     return build_backend("xgrammar", tokenizer_case, constrained_json_disable_any_whitespace=True)
 
 
-def never_allowed_ids(backend: XGrammarGrammarBackend) -> set[int]:
+def never_allowed_ids(backend: GrammarPipeline) -> set[int]:
     """Special tokens other than the stop tokens, and the padding ids above the tokenizer's vocabulary."""
-    vocab = backend.vocabulary
+    vocab = backend.backend.vocabulary
     padding = range(vocab.tokenizer_vocab_size, vocab.model_vocab_size)
     return (vocab.special_token_ids - set(vocab.stop_token_ids)) | set(padding)
 
@@ -77,7 +78,7 @@ def walk(
 ):
     """Accept ``text`` then EOS, checking every mask: the token is allowed, no special or padding id ever is,
     and the stop tokens are allowed exactly where ``can_end(prefix)`` says the grammar may end."""
-    vocab, never = backend.vocabulary, never_allowed_ids(backend)
+    vocab, never = backend.backend.vocabulary, never_allowed_ids(backend)
     ids, prefix = encode_exactly(setup, text), b""
     for token in [*ids, None]:
         allowed = allowed_tokens(grammar, vocab.model_vocab_size)
@@ -134,7 +135,7 @@ WALK_CASES = [
 def test_constraint_walks_valid_text_and_rejects_invalid(backend, tokenizer_case, kind, spec, valid, invalid, can_end):
     walk(backend, tokenizer_case, compile_grammar(backend, kind, spec), valid, can_end)
     grammar = compile_grammar(backend, kind, spec)
-    ids = [*encode_exactly(tokenizer_case, invalid), *backend.vocabulary.stop_token_ids]
+    ids = [*encode_exactly(tokenizer_case, invalid), *backend.backend.vocabulary.stop_token_ids]
     num_ok = grammar.validate_tokens(ids)
     assert num_ok < len(ids)
     for token in ids[:num_ok]:
@@ -151,10 +152,10 @@ def test_special_tokens_never_allowed_inside_json_string(backend, tokenizer_case
     grammar = compile_grammar(backend, "json", NOTE_SCHEMA)
     for token in encode_exactly(tokenizer_case, '{"text": "in a string'):
         grammar.accept_token(token)
-    for special in sorted(backend.vocabulary.special_token_ids):
+    for special in sorted(backend.backend.vocabulary.special_token_ids):
         with pytest.raises(TokenRejectedError):
             grammar.accept_token(special)
-    assert len(backend.vocabulary.special_token_ids) == {"smollm2": 17, "qwen35": 33}[tokenizer_case.name]
+    assert len(backend.backend.vocabulary.special_token_ids) == {"smollm2": 17, "qwen35": 33}[tokenizer_case.name]
 
 
 def test_padding_and_specials_never_allowed_in_free_text(backend, tokenizer_case):
@@ -162,13 +163,13 @@ def test_padding_and_specials_never_allowed_in_free_text(backend, tokenizer_case
     allowed = allowed_tokens(grammar, tokenizer_case.vocab_size)
     assert not allowed & never_allowed_ids(backend)
     assert set(tokenizer_case.eos_token_ids) <= allowed
-    assert len(allowed) > 0.9 * backend.vocabulary.tokenizer_vocab_size  # free text allows nearly everything
+    assert len(allowed) > 0.9 * backend.backend.vocabulary.tokenizer_vocab_size  # free text allows nearly everything
 
 
 def test_xgrammar_sees_the_vocabulary_bytes_unchanged(backend):
     """xgrammar must take the decoded bytes raw: re-decoding them as byte-level mangles non-ASCII tokens."""
-    assert list(backend.tokenizer_info.decoded_vocab) == list(backend.vocabulary.decoded_vocab)
-    assert backend.tokenizer_info.stop_token_ids == list(backend.vocabulary.stop_token_ids)
+    assert list(backend.backend.tokenizer_info.decoded_vocab) == list(backend.backend.vocabulary.decoded_vocab)
+    assert backend.backend.tokenizer_info.stop_token_ids == list(backend.backend.vocabulary.stop_token_ids)
 
 
 def test_builtin_registry_builds_this_backend(smollm2_tokenizer, server_args):
@@ -283,7 +284,7 @@ def test_malformed_constraints_give_invalid_grammar_with_clear_message(backend, 
 
 
 def test_structural_tag_requiring_a_special_token_is_refused(backend, tokenizer_case):
-    special = min(backend.vocabulary.special_token_ids - set(tokenizer_case.eos_token_ids))
+    special = min(backend.backend.vocabulary.special_token_ids - set(tokenizer_case.eos_token_ids))
     for token in (special, tokenizer_case.vocab_size - 1):
         tag = {"type": "structural_tag", "format": {"type": "token", "token": token}}
         grammar = backend.get_cached_or_future_value(make_grammar_key("structural_tag", tag))[0].result()
@@ -331,13 +332,15 @@ def test_a_grammar_whose_compiled_form_predicts_a_send_beyond_the_memory_bound_i
     assert "--grammar-backend llguidance or auto" in grammar.error_message
 
 
-def test_the_predicted_compiled_size_is_near_the_serialised_size(backend: XGrammarGrammarBackend) -> None:
+def test_the_predicted_compiled_size_is_near_the_serialised_size(backend: GrammarPipeline) -> None:
     """The measure behind that refusal, on a schema that compiles: near xgrammar's own size (the measure predicts the
     rules' FSMs; the token masks add more at 248k tokens than at 49k)."""
-    schema = json.dumps(backend.prepare_json_schema(required_strings(200)))
-    predicted = GrammarMeasure.of(well_formed_utf8_grammar(backend.json_schema_grammar(schema))).predicted_export()
+    xgrammar_backend = backend.backend
+    schema = json.dumps(xgrammar_backend.prepare_json_schema(required_strings(200)))
+    grammar_before_compile = well_formed_utf8_grammar(xgrammar_backend.json_schema_grammar(schema))
+    predicted = GrammarMeasure.of(grammar_before_compile).predicted_export()
     grammar = compile_valid(backend, "json", required_strings(200))
-    serialised = len(backend.serialize_grammar(grammar))
+    serialised = len(backend.backend.serialize_grammar(grammar))
     assert serialised / 2 < predicted.num_bytes < serialised * 1.5
 
 
@@ -373,13 +376,13 @@ def test_the_compiled_measure_predicts_a_tag_s_or_grammar_s_serialised_size(
     assert isinstance(grammar, XGrammarGrammar)
     measure = GrammarMeasure.of_compiled(grammar.compiled_grammar)
     assert measure is not None
-    serialised = len(backend.serialize_grammar(grammar))
+    serialised = len(backend.backend.serialize_grammar(grammar))
     assert serialised / 2 < measure.predicted_export().num_bytes < serialised * 2
 
 
-def test_strict_mode_narrowing_is_named_in_the_stats(backend: XGrammarGrammarBackend) -> None:
-    grammar = backend.build_grammar(make_grammar_key("json", PERSON_SCHEMA))
+def test_strict_mode_narrowing_is_named_in_the_stats(backend: GrammarPipeline) -> None:
+    grammar = backend.backend.build_grammar(make_grammar_key("json", PERSON_SCHEMA))
     assert grammar.grammar_stats is not None and grammar.grammar_stats.narrowing is not None
     assert grammar.grammar_stats.narrowing.startswith("narrows 'unlisted properties' (at /)")
-    closed = backend.build_grammar(make_grammar_key("json", {**PERSON_SCHEMA, "additionalProperties": False}))
+    closed = backend.backend.build_grammar(make_grammar_key("json", {**PERSON_SCHEMA, "additionalProperties": False}))
     assert closed.grammar_stats is not None and closed.grammar_stats.narrowing is None

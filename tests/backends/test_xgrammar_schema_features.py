@@ -150,7 +150,7 @@ def json_schema_says_valid(schema: dict[str, Any], instance: Any) -> bool:
 def xgrammar_says_valid(backend: XGrammarGrammarBackend, setup: TokenizerSetup, schema: Any, instance: Any) -> bool:
     """xgrammar's own verdict, compiling without our refusals."""
     grammar = XGrammarGrammar(
-        backend.compiler.compile_json_schema(json.dumps(schema)), backend.vocabulary.stop_token_ids
+        backend.backend.compiler.compile_json_schema(json.dumps(schema)), backend.backend.vocabulary.stop_token_ids
     )
     return accepts_text(grammar, setup, json.dumps(instance))
 

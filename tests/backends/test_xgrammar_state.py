@@ -32,9 +32,9 @@ def walked(backend: XGrammarGrammarBackend, setup: TokenizerSetup, kind: str, sp
     """A grammar that has accepted ``text`` (no stop token), and the masks seen before each token and at the end."""
     grammar, masks = compile_grammar(backend, kind, spec), []
     for token in encode_exactly(setup, text):
-        masks.append(allowed_tokens(grammar, backend.vocabulary.model_vocab_size))
+        masks.append(allowed_tokens(grammar, backend.backend.vocabulary.model_vocab_size))
         grammar.accept_token(token)
-    masks.append(allowed_tokens(grammar, backend.vocabulary.model_vocab_size))
+    masks.append(allowed_tokens(grammar, backend.backend.vocabulary.model_vocab_size))
     return grammar, masks
 
 
@@ -169,7 +169,7 @@ def test_jump_forward_text_is_forced_and_retokenises_into_a_finishable_state(
     build_backend, tokenizer_case, kind, spec, text, compact
 ):
     backend = build_backend("xgrammar", tokenizer_case, constrained_json_disable_any_whitespace=compact)
-    tokenizer, vocab = tokenizer_case.tokenizer, backend.vocabulary
+    tokenizer, vocab = tokenizer_case.tokenizer, backend.backend.vocabulary
     ids, grammar = encode_exactly(tokenizer_case, text), compile_grammar(backend, kind, spec)
     num_jumps = 0
     for step in range(len(ids) + 1):

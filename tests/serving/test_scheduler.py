@@ -19,7 +19,8 @@ from scheduler.client import make_request
 from scheduler.io_struct import AbortCause, GenerateOutput, decode_server_message, encode
 from scheduler.server_args import ServerArgs
 from scheduler.testing.process import SchedulerProcess, process_tree
-from sglang_constrained.base_grammar_backend import BaseGrammarBackend, create_grammar_backend
+from sglang_constrained.backends.pipeline import GrammarPipeline
+from sglang_constrained.base_grammar_backend import create_grammar_backend
 from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
@@ -56,7 +57,7 @@ CASES: dict[str, tuple[str, Any, str]] = {
 
 
 @pytest.fixture(scope="module")
-def grammar_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
+def grammar_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     """An xgrammar backend in the test process, to check outputs with the grammar's own acceptance."""
     backend = create_grammar_backend(
         ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
@@ -76,7 +77,7 @@ def constrained_request(field: str, temperature: float = 0.0, **params: Any) -> 
     }
 
 
-def assert_obeys(output: GenerateOutput, field: str, backend: BaseGrammarBackend, tokenizer: TokenizerSetup) -> None:
+def assert_obeys(output: GenerateOutput, field: str, backend: GrammarPipeline, tokenizer: TokenizerSetup) -> None:
     """The output is valid for its constraint, or (cut by the length limit) a prefix of a valid output."""
     assert output.finish_reason is not None and output.finish_reason.type in ("stop", "length"), output
     kind, spec, _ = CASES[field]
@@ -105,7 +106,7 @@ def assert_obeys(output: GenerateOutput, field: str, backend: BaseGrammarBackend
 @pytest.mark.parametrize("field", list(CASES))
 def test_each_constraint_kind_is_obeyed(
     one_rank_server: SchedulerProcess,
-    grammar_backend: BaseGrammarBackend,
+    grammar_backend: GrammarPipeline,
     smollm2_tokenizer: TokenizerSetup,
     field: str,
     temperature: float,
@@ -116,7 +117,7 @@ def test_each_constraint_kind_is_obeyed(
 
 
 def test_forty_concurrent_requests_mixing_free_and_constrained(
-    one_rank_server: SchedulerProcess, grammar_backend: BaseGrammarBackend, smollm2_tokenizer: TokenizerSetup
+    one_rank_server: SchedulerProcess, grammar_backend: GrammarPipeline, smollm2_tokenizer: TokenizerSetup
 ) -> None:
     free = {"text": "The three best things about summer are", "sampling_params": {"max_new_tokens": 24}}
     requests = [make_request(**(free if i % 4 < 2 else constrained_request("json_schema"))) for i in range(40)]

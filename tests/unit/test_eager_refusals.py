@@ -14,6 +14,7 @@ import pytest
 
 from scheduler.server_args import ServerArgs
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.errors import CompileTimeoutError
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -38,23 +39,22 @@ ACCEPTED = [
 
 
 @pytest.fixture(scope="module")
-def llguidance(server_args: ServerArgs, smollm2_tokenizer: TokenizerSetup) -> Iterator[GuidanceBackend]:
+def llguidance(server_args: ServerArgs, smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     setup = smollm2_tokenizer
-    backend = GuidanceBackend(
-        replace(server_args, grammar_backend="llguidance"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
-    )
+    args = replace(server_args, grammar_backend="llguidance")
+    backend = GrammarPipeline(GuidanceBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids))
     yield backend
     backend.shutdown()
 
 
 @pytest.mark.parametrize(("kind", "spec", "words"), REFUSED)
-def test_llguidance_refuses_at_compile_time(llguidance: GuidanceBackend, kind: str, spec: Any, words: str) -> None:
+def test_llguidance_refuses_at_compile_time(llguidance: GrammarPipeline, kind: str, spec: Any, words: str) -> None:
     grammar = compile_grammar(llguidance, kind, spec)
     assert words in getattr(grammar, "error_message", ""), grammar
 
 
 @pytest.mark.parametrize(("kind", "spec"), ACCEPTED)
-def test_llguidance_still_accepts_their_valid_neighbours(llguidance: GuidanceBackend, kind: str, spec: Any) -> None:
+def test_llguidance_still_accepts_their_valid_neighbours(llguidance: GrammarPipeline, kind: str, spec: Any) -> None:
     compile_valid(llguidance, kind, spec)
 
 
@@ -65,21 +65,22 @@ def test_an_xgrammar_compile_past_its_deadline_is_killed(
     thread would go on for the tens of seconds this grammar takes)."""
     setup = smollm2_tokenizer
     args = replace(server_args, grammar_compile_timeout=5.0)  # ample for a regex on a busy machine
-    backend = XGrammarGrammarBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    xgrammar_backend = XGrammarGrammarBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    backend = GrammarPipeline(xgrammar_backend)
     # Tens of seconds (measured: 5.8 s for one string of 4,000 on an older EPYC; two of 6,000 compiled within 5 s on
     # a family-26 EPYC, four in 4.7 s on an AMD EPYC here, where the compiled grammar was then refused for its send
     # back, so six); a schema's bounds this long are refused up front.
     slow = "root ::= " + " ".join(f'"\\"" [^"\\\\{letter}]{{0,6000}} "\\""' for letter in "abcdef")
     try:
-        assert backend.compile_processes is not None
-        backend.compile_processes.wait_until_ready()
+        assert xgrammar_backend.compile_processes is not None
+        xgrammar_backend.compile_processes.wait_until_ready()
         compile_valid(backend, "regex", "[0-9]+")
         with pytest.raises(CompileTimeoutError, match="timed out after 5 s"):
             compile_grammar(backend, "ebnf", slow)
         before = _descendants_cpu_seconds()
         time.sleep(1.0)
         assert _descendants_cpu_seconds() - before < 0.3
-        backend.compile_processes.wait_until_ready()
+        xgrammar_backend.compile_processes.wait_until_ready()
         compile_valid(backend, "regex", "[a-z]+")  # a new compile process serves the next compile
     finally:
         backend.shutdown()

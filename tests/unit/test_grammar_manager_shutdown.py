@@ -13,24 +13,27 @@ from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.unit.test_registry_and_cache import SCHEMA_KEY, CountingBackend
 
 
 @pytest.fixture
-def held_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[CountingBackend]:
-    backend = CountingBackend(
-        ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+def held_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
+    backend = GrammarPipeline(
+        CountingBackend(
+            ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+        )
     )
     yield backend
-    backend.release.set()
+    backend.backend.release.set()
     backend.shutdown()
 
 
-def test_a_compile_finishing_after_close_writes_into_no_reopened_file(held_backend: CountingBackend) -> None:
+def test_a_compile_finishing_after_close_writes_into_no_reopened_file(held_backend: GrammarPipeline) -> None:
     manager = GrammarManager(held_backend)
     req = Req(rid="late", client_id=b"test", prompt_ids=[1], sampling_params=SamplingParams(), grammar_key=SCHEMA_KEY)
-    held_backend.release.clear()
+    held_backend.backend.release.clear()
     assert manager.process_req_with_grammar(req), "the compile is held, so the request waits"
     closed_fds = {manager.wakeup_fd, manager._wakeup_write}
     manager.close()
@@ -38,7 +41,7 @@ def test_a_compile_finishing_after_close_writes_into_no_reopened_file(held_backe
     read_fd, write_fd = os.pipe()  # takes the lowest free numbers: the ones close() just gave back
     try:
         os.set_blocking(read_fd, False)
-        held_backend.release.set()
+        held_backend.backend.release.set()
         compiling = req.grammar
         assert isinstance(compiling, Future)
         compiling.result(timeout=60)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from scheduler.server_args import ServerArgs
+from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.base_grammar_backend import (
-    BaseGrammarBackend,
     BaseGrammarObject,
     InvalidGrammarObject,
     available_grammar_backends,
@@ -48,15 +48,17 @@ class CountingBackend(XGrammarGrammarBackend):
 
 
 @pytest.fixture(scope="module")
-def counting(smollm2_tokenizer: TokenizerSetup) -> Iterator[CountingBackend]:
-    backend = CountingBackend(
-        ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+def counting(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
+    backend = GrammarPipeline(
+        CountingBackend(
+            ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+        )
     )
     yield backend
     backend.shutdown()
 
 
-def make(setup: TokenizerSetup, **changes: Any) -> BaseGrammarBackend | None:
+def make(setup: TokenizerSetup, **changes: Any) -> GrammarPipeline | None:
     return create_grammar_backend(
         replace(ServerArgs(), **changes), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
     )
@@ -65,7 +67,7 @@ def make(setup: TokenizerSetup, **changes: Any) -> BaseGrammarBackend | None:
 def test_registered_name_wins_over_the_builtin(clean_registry: None, smollm2_tokenizer: TokenizerSetup) -> None:
     register_grammar_backend("xgrammar", CountingBackend)
     backend = make(smollm2_tokenizer, grammar_backend="xgrammar")
-    assert isinstance(backend, CountingBackend)
+    assert backend is not None and isinstance(backend.backend, CountingBackend)
     backend.shutdown()
 
 
@@ -76,7 +78,7 @@ def test_a_registered_backend_is_a_valid_choice(clean_registry: None, smollm2_to
     assert "counting" in available_grammar_backends()
     assert ServerArgs.parse(["--grammar-backend", "counting"]).grammar_backend == "counting"
     backend = make(smollm2_tokenizer, grammar_backend="counting")
-    assert isinstance(backend, CountingBackend)
+    assert backend is not None and isinstance(backend.backend, CountingBackend)
     backend.shutdown()
 
 
@@ -98,21 +100,21 @@ def test_none_builds_no_backend(smollm2_tokenizer: TokenizerSetup) -> None:
     assert make(smollm2_tokenizer, grammar_backend="none") is None
 
 
-def test_two_misses_on_one_key_share_one_compilation(counting: CountingBackend) -> None:
+def test_two_misses_on_one_key_share_one_compilation(counting: GrammarPipeline) -> None:
     counting.reset()
-    counting.release.clear()
-    before = counting.num_dispatches
+    counting.backend.release.clear()
+    before = counting.backend.num_dispatches
     first, first_hit = counting.get_cached_or_future_value(SCHEMA_KEY)
     second, second_hit = counting.get_cached_or_future_value(SCHEMA_KEY)
-    counting.release.set()
+    counting.backend.release.set()
     assert not first_hit and not second_hit
     assert isinstance(first, Future) and isinstance(second, Future)
     one, two = first.result(timeout=60), second.result(timeout=60)
-    assert counting.num_dispatches - before == 1
+    assert counting.backend.num_dispatches - before == 1
     assert one is not two  # each request gets its own grammar state
 
 
-def test_a_hit_is_an_independent_copy(counting: CountingBackend, smollm2_tokenizer: TokenizerSetup) -> None:
+def test_a_hit_is_an_independent_copy(counting: GrammarPipeline, smollm2_tokenizer: TokenizerSetup) -> None:
     counting.reset()
     counting.set_cache(SCHEMA_KEY, compile_grammar(counting, SCHEMA_KEY))
     first, hit = counting.get_cached_or_future_value(SCHEMA_KEY)
@@ -124,7 +126,7 @@ def test_a_hit_is_an_independent_copy(counting: CountingBackend, smollm2_tokeniz
     assert second.grammar_stats is not None and second.grammar_stats.is_cache_hit
 
 
-def test_compile_failures_are_cached_with_their_message(counting: CountingBackend) -> None:
+def test_compile_failures_are_cached_with_their_message(counting: GrammarPipeline) -> None:
     counting.reset()
     key = make_grammar_key("regex", "(unclosed")
     failed = compile_grammar(counting, key)
