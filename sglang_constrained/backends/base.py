@@ -72,9 +72,11 @@ class GrammarBackendArgs(Protocol):
 class BaseGrammarObject(ABC):
     """The grammar state of one request (SGLang's contract, plus ``validate_tokens`` from vLLM's).
 
-    Vocabulary masks are int32 bitmasks of shape ``[batch, ceil(vocab_size / 32)]``: token ``t`` is allowed
-    iff bit ``t % 32`` of word ``t // 32`` is set. Backends with another mask layout override the
-    ``*_vocab_mask`` methods together.
+    A grammar object writes ``accept_token``, ``rollback``, ``is_terminated``, ``fill_vocab_mask`` and ``copy`` (its
+    abstract methods). It may write ``validate_tokens`` (speculative drafts), ``state_key`` (exact endings),
+    ``memory_size_bytes`` (the cache's byte bound) and the jump-forward trio; a backend with another mask layout
+    writes the ``*_vocab_mask`` methods together. Vocabulary masks are int32 bitmasks of shape
+    ``[batch, ceil(vocab_size / 32)]``: token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32`` is set.
     """
 
     def __init__(self) -> None:

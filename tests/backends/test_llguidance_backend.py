@@ -169,7 +169,7 @@ def test_bad_whitespace_flags_are_refused_at_start(
 def test_the_registry_builds_this_backend_lazily(smollm2_tokenizer: TokenizerSetup) -> None:
     case = smollm2_tokenizer
     built = create_grammar_backend(SERVER_ARGS, case.tokenizer, case.vocab_size, case.eos_token_ids)
-    assert isinstance(built, GuidanceBackend)
+    assert built is not None and isinstance(built.backend, GuidanceBackend)
     built.shutdown()
 
 

@@ -190,7 +190,7 @@ def test_registry_builds_the_outlines_backend_by_name(smollm2_tokenizer: Tokeniz
     backend = create_grammar_backend(
         ServerArgs(grammar_backend="outlines"), case.tokenizer, case.vocab_size, case.eos_token_ids
     )
-    assert isinstance(backend, OutlinesGrammarBackend) and backend.name == "outlines"
+    assert backend is not None and isinstance(backend.backend, OutlinesGrammarBackend) and backend.name == "outlines"
     backend.shutdown()
 
 

@@ -176,7 +176,7 @@ def test_builtin_registry_builds_this_backend(smollm2_tokenizer, server_args):
     case = smollm2_tokenizer
     args = replace(server_args, grammar_backend="xgrammar")
     built = create_grammar_backend(args, case.tokenizer, case.vocab_size, case.eos_token_ids)
-    assert isinstance(built, XGrammarGrammarBackend) and built.name == "xgrammar"
+    assert built is not None and isinstance(built.backend, XGrammarGrammarBackend) and built.name == "xgrammar"
     built.shutdown()
 
 
