@@ -16,10 +16,10 @@ fill the contract's int32 bitmask (``triton_ops.bitmask_format``). Each grammar'
 choice and the backends passed over with why, the log says why at INFO, and ``choice_counts()`` feeds metrics.
 
 The backends of the order are built at start-up with the server's settings, so their start-up costs add up (each
-decodes the vocabulary). Each compiles in its own compile service's slots (``submit``: outside their caches),
-under this backend's deadline; the grammar goes into this backend's one cache keyed by ``(type, spec)``, and into
-the disk cache as the winner exported it (an xgrammar compile process's export as it came: ``build_exportable``), so
-that the disk cache keeps under ``auto`` what it keeps under the winner alone.
+decodes the vocabulary). Each compiles in the slots of its own pipeline's compile service (``submit``: outside
+their caches), under this compile's deadline; the grammar goes into the one cache of the pipeline around ``auto``,
+keyed by ``(type, spec)``, and into the disk cache as the winner exported it (an xgrammar compile process's export
+as it came: ``build_exportable``), so that the disk cache keeps under ``auto`` what it keeps under the winner alone.
 """
 
 from __future__ import annotations
