@@ -22,8 +22,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from sglang_constrained.backends.base import BaseGrammarObject, GrammarBackend, InvalidGrammarObject
 from sglang_constrained.cache.compiled import CompiledGrammarStore, GrammarExport, GrammarStats
 from sglang_constrained.compile.control import CompileControl
@@ -67,7 +65,7 @@ class GrammarPipeline:
 
     @property
     def mask_layout(self) -> VocabMaskLayout:
-        """The backend's ``VocabMaskLayout``: how its grammars fill masks."""
+        """The backend's ``VocabMaskLayout``: how its grammars fill masks (the scheduler allocates its buffer by it)."""
         return self.backend.mask_layout
 
     def get_cached_or_future_value(
@@ -91,10 +89,6 @@ class GrammarPipeline:
 
     def reset(self) -> None:
         self.compile_service.reset()
-
-    def allocate_vocab_mask(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
-        """An all-allowed mask buffer for ``batch_size`` rows in the backend's layout."""
-        return self.backend.mask_layout.allocate(batch_size, device)
 
     @property
     def can_share_grammars(self) -> bool:
