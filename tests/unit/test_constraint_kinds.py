@@ -93,12 +93,12 @@ def test_each_request_field_crosses_the_socket_as_its_kind(kind: ConstraintKind)
 @pytest.fixture(scope="module")
 def llguidance(smollm2_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
     setup = smollm2_tokenizer
-    backend = create_grammar_backend(
+    pipeline = create_grammar_backend(
         replace(ServerArgs(), grammar_backend="llguidance"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
     )
-    assert backend is not None
-    yield backend
-    backend.shutdown()
+    assert pipeline is not None and isinstance(pipeline.backend, BaseGrammarBackend)
+    yield pipeline.backend
+    pipeline.shutdown()
 
 
 @pytest.mark.parametrize("kind", CONSTRAINT_KIND_TABLE, ids=CONSTRAINT_KINDS)
