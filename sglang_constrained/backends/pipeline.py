@@ -11,6 +11,11 @@ process that compiles once for many (data-parallel replicas), which exports and 
 The backend knows nothing of this: it compiles on the caller's thread (``sglang_constrained.backends.base``). The
 registry builds one pipeline per server; ``auto`` one per backend of its order (their compile slots); the reasoner
 wraps one.
+
+A pipeline is what SGLang's callers know as a grammar backend (``create_grammar_backend`` returns one): it answers
+SGLang's whole ``BaseGrammarBackend`` interface, the served path above and the per-kind compiles at once
+(``dispatch_json`` and the others, through the backend's own preparation), and is registered as a virtual subclass
+of ``BaseGrammarBackend`` so that code written against SGLang's class recognises it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from sglang_constrained.backends.base import BaseGrammarObject, GrammarBackend, InvalidGrammarObject
+from sglang_constrained.backends.base import BaseGrammarBackend, BaseGrammarObject, GrammarBackend, InvalidGrammarObject
 from sglang_constrained.cache.compiled import CompiledGrammarStore, GrammarExport, GrammarStats
 from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.compile.service import CompileService
@@ -75,6 +80,19 @@ class GrammarPipeline:
         identical misses share one compile, and one past ``compile_timeout_s`` fails with ``CompileTimeoutError``.
         ``require_reasoning`` matters to the reasoner only."""
         return self.compile_service.get(key)
+
+    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
+        """SGLang's compile of a JSON schema at once, on the caller's thread, outside the cache."""
+        return self.backend.build_grammar(("json", key_string))
+
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        return self.backend.build_grammar(("regex", key_string))
+
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
+        return self.backend.build_grammar(("ebnf", key_string))
+
+    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
+        return self.backend.build_grammar(("structural_tag", key_string))
 
     def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
         """Store a compiled (or invalid) grammar for ``key``; its in-flight compile, if any, is done with."""
@@ -155,6 +173,9 @@ class GrammarPipeline:
         self.compile_service.shutdown()
         if self.disk_cache is not None:
             self.disk_cache.close()
+
+
+BaseGrammarBackend.register(GrammarPipeline)
 
 
 def _copy_with_stats(grammar: BaseGrammarObject, is_cache_hit: bool) -> BaseGrammarObject:

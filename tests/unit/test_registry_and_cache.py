@@ -17,6 +17,7 @@ from scheduler.server_args import ServerArgs
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.base_grammar_backend import (
+    BaseGrammarBackend,
     BaseGrammarObject,
     InvalidGrammarObject,
     available_grammar_backends,
@@ -80,6 +81,33 @@ def test_a_registered_backend_is_a_valid_choice(clean_registry: None, smollm2_to
     backend = make(smollm2_tokenizer, grammar_backend="counting")
     assert backend is not None and isinstance(backend.backend, CountingBackend)
     backend.shutdown()
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance", "outlines", "auto"])
+def test_what_sglang_code_gets_is_a_backend_with_sglangs_interface(
+    name: str, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """Code written against SGLang checks its class and compiles per kind at once, or through the cache."""
+    backend = make(smollm2_tokenizer, grammar_backend=name)
+    assert backend is not None and isinstance(backend, BaseGrammarBackend)
+    try:
+        grammar = backend.dispatch_regex("(yes|no)")
+        assert not isinstance(grammar, InvalidGrammarObject)
+        for token in smollm2_tokenizer.tokenizer.encode("yes", add_special_tokens=False):
+            grammar.accept_token(token)
+        grammar.accept_token(smollm2_tokenizer.eos_token_ids[0])
+        assert grammar.is_terminated()
+        refused = backend.dispatch_json('{"type": "string", "minLength": 3, "maxLength": 2}')
+        assert isinstance(refused, InvalidGrammarObject) and refused.error_message
+        value, cache_hit = backend.get_cached_or_future_value(("regex", "(yes|no)"))
+        assert not cache_hit
+        compiled = value if isinstance(value, BaseGrammarObject) else value.result(timeout=60)
+        backend.set_cache(("regex", "(yes|no)"), compiled)
+        assert backend.get_cached_or_future_value(("regex", "(yes|no)"))[1]
+        backend.reset()
+        assert not backend.get_cached_or_future_value(("regex", "(yes|no)"))[1]
+    finally:
+        backend.shutdown()
 
 
 def test_engines_are_imported_only_when_their_backend_is_built() -> None:
