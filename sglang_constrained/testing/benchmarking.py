@@ -26,7 +26,7 @@ from sglang_constrained.backends.llguidance.backend import GuidanceBackend
 from sglang_constrained.backends.outlines.backend import OutlinesGrammar
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
-from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
+from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.testing.maskbench import MaskBenchCase, iter_case_paths, load_case
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 

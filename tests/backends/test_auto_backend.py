@@ -27,7 +27,8 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scripts.calibrate_xgrammar_export import ebnf_alternatives
 from sglang_constrained.backends.auto import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
-from sglang_constrained.backends.llguidance.backend import GuidanceBackend, GuidanceGrammar
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.llguidance.grammar import GuidanceGrammar
 from sglang_constrained.backends.outlines.backend import OutlinesGrammar
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import (
@@ -35,7 +36,7 @@ from sglang_constrained.backends.reasoner import (
     ReasonerGrammarObject,
     think_end_token_id,
 )
-from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
+from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.base_grammar_backend import (
     InvalidGrammarObject,
     create_grammar_backend,

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_constrained.backends.base import BaseGrammarObject, TokenRejectedError
-from sglang_constrained.backends.llguidance.backend import GuidanceBackend, GuidanceGrammar
+from sglang_constrained.backends.llguidance.backend import GuidanceBackend
+from sglang_constrained.backends.llguidance.grammar import GuidanceGrammar
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.text_acceptance import walk_tokens
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup

@@ -14,8 +14,9 @@ import pytest
 
 from scripts.calibrate_xgrammar_export import ebnf_alternatives, tools
 from sglang_constrained.backends.pipeline import GrammarPipeline
-from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar, XGrammarGrammarBackend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.backends.xgrammar.export_cost import GrammarMeasure
+from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.backends.xgrammar.utf8 import well_formed_utf8_grammar
 from sglang_constrained.base_grammar_backend import InvalidGrammarObject, TokenRejectedError, create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from sglang_constrained.backends.base import InvalidGrammarObject
-from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar, XGrammarGrammarBackend
+from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
+from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder

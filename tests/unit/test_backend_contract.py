@@ -9,7 +9,7 @@ import pytest
 import xgrammar
 
 from scheduler.server_args import ServerArgs
-from sglang_constrained.backends.xgrammar.backend import XGrammarGrammar
+from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,

@@ -5,14 +5,12 @@ width, so padding ids past the tokenizer's end are never allowed, and with the m
 (llguidance takes a list). llguidance never allows a special token unless a Lark grammar names it, and the
 grammars built here never do: special tokens other than the stop tokens are never allowed, and the stop tokens
 only where the grammar may end. Each compiled grammar keeps a template matcher at the start state that is never
-advanced; ``copy()`` deep-copies it (far cheaper than building a matcher from the grammar text).
-Over 300 lines as the other backends' modules hold: the grammar object and its backend together, each of
-llguidance's constraint kinds lowered here.
+advanced; ``copy()`` deep-copies it (far cheaper than building a matcher from the grammar text). The grammar
+object is ``grammar.GuidanceGrammar``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import logging
@@ -29,18 +27,17 @@ from sglang_constrained.backends.base import (
     BaseGrammarBackend,
     BaseGrammarObject,
     GrammarBackendArgs,
-    common_prefix_length,
 )
-from sglang_constrained.backends.bitmask_rows import BitmaskRowAddresser
+from sglang_constrained.backends.llguidance.grammar import GuidanceGrammar, clean_message
 from sglang_constrained.backends.llguidance.structural_tag_lark import structural_tag_to_lark
 from sglang_constrained.cache.identity import engine_version, tokens_fingerprint
 from sglang_constrained.cache.per_tokenizer import per_tokenizer
 from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
-from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
+from sglang_constrained.errors import GrammarSpecError
 from sglang_constrained.schema.features import SchemaRule, keyword_rule, refuse_unsupported_features
 from sglang_constrained.schema.lark import is_lark_grammar
 from sglang_constrained.schema.whitespace import json_whitespace_pattern
-from triton_ops.bitmask_format import clear_token_bits, lowest_allowed_token, token_word_bits, words_per_row
+from triton_ops.bitmask_format import clear_token_bits, lowest_allowed_token, token_word_bits
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict that exists only in llguidance's stub
@@ -74,133 +71,7 @@ _NO_EXTENSION_MEANING = (
 )
 """Tokens ``_probe_start`` walks from a new grammar's start: llguidance builds lexer and parser states lazily and
 reports some grammars' errors (a rule with no finite derivation, ``a{1000000}``, ``$ref`` to ``#``) only there."""
-_SOURCE_ECHO = re.compile(r"^\d+ \|")
 _EBNF_HINT = "(an ebnf grammar is GBNF with a 'root ::= ...' rule, or Lark with a 'start: ...' rule)"
-
-
-class GuidanceGrammar(BaseGrammarObject):
-    """The state of one request: an ``LLMatcher`` plus the bookkeeping llguidance leaves to its caller.
-
-    Tokens accepted after termination are not fed to the matcher (llguidance drops a stop token that follows a
-    stopped state from its history, so rolling it back would undo a real token); they are counted so that
-    ``rollback`` stays exact. A rejected token leaves the state unchanged.
-    """
-
-    def __init__(self, ll_tokenizer: LLTokenizer, grammar: str, template: LLMatcher) -> None:
-        super().__init__()
-        self._ll_tokenizer = ll_tokenizer
-        self._grammar = grammar
-        self._template = template
-        self._matcher = template.deep_copy()
-        self._vocab_size = ll_tokenizer.vocab_size
-        self._rows = BitmaskRowAddresser(words_per_row(ll_tokenizer.vocab_size), "llguidance")
-        self._num_consumed = 0
-        self._num_ignored = 0
-
-    def accept_token(self, token: int) -> None:
-        """Advance by ``token``; raises ``TokenRejectedError`` (state unchanged) if the grammar disallows it."""
-        if not 0 <= token < self._vocab_size:
-            raise TokenRejectedError(token, f"outside the model's vocabulary of {self._vocab_size} ids")
-        if self._matcher.try_consume_tokens([token]) == 1:  # one call: refuses without entering the error state
-            self._num_consumed += 1
-            return
-        if self.is_terminated():  # a stopped matcher consumes nothing
-            self._num_ignored += 1
-            return
-        if self._matcher.is_error():  # only resource limits get here; the matcher stays in error
-            raise TokenRejectedError(token, _clean_message(self._matcher.get_error()))
-        raise TokenRejectedError(token, self._rejection_reason(token))
-
-    def rollback(self, k: int) -> None:
-        if not 0 <= k <= self._num_consumed + self._num_ignored:
-            raise ValueError(f"cannot roll back {k} tokens: {self._num_consumed + self._num_ignored} were accepted")
-        num_ignored = min(k, self._num_ignored)
-        self._num_ignored -= num_ignored
-        if k > num_ignored:
-            self._matcher.rollback(k - num_ignored)
-            self._num_consumed -= k - num_ignored
-
-    def is_terminated(self) -> bool:
-        """True once a stop token was accepted or the grammar can take nothing but a stop token."""
-        return self._matcher.is_stopped() and not self._matcher.is_error()
-
-    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
-        """Write row ``idx`` of a CPU int32 ``[batch, words]`` bitmask; words past the model's vocab are zeroed.
-
-        The row is addressed by pointer arithmetic (``BitmaskRowAddresser``): taking a row view costs more than
-        llguidance's own mask for many states.
-        """
-        address = self._rows.row_address(vocab_mask, idx)
-        num_mask_bytes = self._rows.min_words * 4
-        if self._rows.row_words > self._rows.min_words:
-            ctypes.memset(address + num_mask_bytes, 0, (self._rows.row_words - self._rows.min_words) * 4)
-        self._matcher.unsafe_compute_mask_ptr(address, num_mask_bytes)
-        if self._matcher.is_error():
-            raise ValueError(f"llguidance could not compute the mask: {_clean_message(self._matcher.get_error())}")
-
-    def copy(self) -> GuidanceGrammar:
-        return GuidanceGrammar(self._ll_tokenizer, self._grammar, self._template)
-
-    @property
-    def grammar_text(self) -> str:
-        """The llguidance grammar this object walks (as validated when it was compiled)."""
-        return self._grammar
-
-    def validate_tokens(self, tokens: list[int]) -> int:
-        in_range = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab_size), len(tokens))
-        return self._matcher.validate_tokens(tokens[:in_range]) if in_range else 0
-
-    def memory_size_bytes(self) -> int:
-        """An estimate: 32 bytes per character of the serialised grammar.
-
-        llguidance reports no sizes; building 200 matchers from JSON schemas of 5-200 properties grew the resident
-        memory by 27-37 bytes per grammar character each. The shared tokenizer is not counted.
-        """
-        return 32 * len(self._grammar)
-
-    def try_jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
-        """``(token_ids, text)``: forced tokens to append as they are, then the forced text that follows them.
-
-        ``token_ids`` are llguidance's fast-forward tokens (safe to take without retokenising); ``text`` is the
-        rest of the forced bytes, up to the last complete UTF-8 character, to be retokenised with the output.
-        """
-        if self.is_terminated():
-            return None
-        token_ids = self._matcher.compute_ff_tokens()
-        forced = self._matcher.compute_ff_bytes()
-        head = self._ll_tokenizer.decode_bytes(token_ids)
-        text = _utf8_prefix(forced[len(head) :]) if forced.startswith(head) else ""
-        return (token_ids, text) if token_ids or text else None
-
-    def jump_forward_str_state(self, helper: tuple[list[int], str]) -> tuple[str, int]:
-        return helper[1], -1
-
-    def jump_and_retokenize(self, old_output_ids: list[int], new_output_ids: list[int], next_state: int) -> None:
-        """Roll back to the common prefix and accept the rest of ``new_output_ids``.
-
-        Raises ``TokenRejectedError`` with the state unchanged if the grammar disallows the new ids.
-        """
-        common = common_prefix_length(old_output_ids, new_output_ids)
-        self.rollback(len(old_output_ids) - common)
-        suffix = new_output_ids[common:]
-        num_valid = len(suffix) if self.is_terminated() else self.validate_tokens(suffix)
-        if num_valid < len(suffix):
-            for token in old_output_ids[common:]:
-                self.accept_token(token)
-            bad = suffix[num_valid]
-            raise TokenRejectedError(bad, f"retokenised output id {common + num_valid} is not allowed here")
-        for token in suffix:
-            self.accept_token(token)
-
-    def _rejection_reason(self, token: int) -> str:
-        if self._ll_tokenizer.is_special_token(token):
-            return "special tokens are allowed only as a stop token where the grammar may end"
-        probe = self._matcher.deep_copy()
-        probe.consume_token(token)
-        return _clean_message(probe.get_error())
-
-    def __repr__(self) -> str:
-        return f"GuidanceGrammar(consumed={self._num_consumed}, terminated={self.is_terminated()})"
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> LLTokenizer:
@@ -280,7 +151,7 @@ class GuidanceBackend(BaseGrammarBackend):
         try:
             return gbnf_to_lark(grammar)
         except Exception as e:  # the converter raises bare Exceptions for grammar errors
-            raise GrammarSpecError(f"cannot convert the GBNF grammar: {_clean_message(str(e))}") from e
+            raise GrammarSpecError(f"cannot convert the GBNF grammar: {clean_message(str(e))}") from e
 
     def _tag_schema(self, schema: Any) -> dict[str, Any]:
         """A structure's schema, checked like a JSON constraint, carrying this backend's JSON options."""
@@ -319,18 +190,18 @@ class GuidanceBackend(BaseGrammarBackend):
         text = payload.decode() if isinstance(payload, bytes) else payload
         template = LLMatcher(self.ll_tokenizer, text, log_level=0, limits=_LIMITS)
         if template.is_error():
-            raise ValueError(f"llguidance cannot build an exported grammar: {_clean_message(template.get_error())}")
+            raise ValueError(f"llguidance cannot build an exported grammar: {clean_message(template.get_error())}")
         return GuidanceGrammar(self.ll_tokenizer, text, template)
 
     def _build(self, grammar: str, what: str, hint: str = "") -> GuidanceGrammar:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer, limits=_LIMITS)
         if is_error:
-            raise GrammarSpecError(f"invalid {what}: {_clean_message(messages[0])} {hint}".rstrip())
+            raise GrammarSpecError(f"invalid {what}: {clean_message(messages[0])} {hint}".rstrip())
         for warning in messages:
-            logger.debug("llguidance warning for a %s: %s", what, _clean_message(warning))
+            logger.debug("llguidance warning for a %s: %s", what, clean_message(warning))
         template = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
         if template.is_error():
-            raise GrammarSpecError(f"invalid {what}: {_clean_message(template.get_error())}")
+            raise GrammarSpecError(f"invalid {what}: {clean_message(template.get_error())}")
         _probe_start(template, self.ll_tokenizer, what)
         return GuidanceGrammar(self.ll_tokenizer, grammar, template)
 
@@ -351,7 +222,7 @@ def _probe_start(template: LLMatcher, ll_tokenizer: LLTokenizer, what: str) -> N
                 return
             probe.consume_token(token)
         if probe.is_error():
-            message = _clean_message(probe.get_error())
+            message = clean_message(probe.get_error())
             raise GrammarSpecError(
                 f"invalid {what}: {_NO_EXTENSION_MEANING if message == 'NoExtensionBias' else message}"
             )
@@ -387,7 +258,7 @@ def _json_options(server_args: GrammarBackendArgs) -> JsonCompileOptions:
         return _COMPACT_JSON.copy()
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({}, defaults={"whitespace_pattern": pattern}))
     if error:
-        raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regex: {_clean_message(error)}")
+        raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regex: {clean_message(error)}")
     return {"whitespace_pattern": pattern}
 
 
@@ -415,18 +286,3 @@ def _struct_tags(spec: dict[str, Any], tag_schema: Callable[[Any], dict[str, Any
             raise GrammarSpecError(f"{where}: {e}") from e
         tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema, end=structure["end"]))
     return tags
-
-
-def _clean_message(text: str) -> str:
-    """An llguidance message on one line, without its source echoes and caret lines, bounded in length."""
-    lines = (line.strip() for line in text.splitlines())
-    kept = [s for s in lines if s and s != "<non-verbose/>" and not _SOURCE_ECHO.match(s) and set(s) != {"^"}]
-    return bounded_message("\n".join(kept), first_line_only=False)
-
-
-def _utf8_prefix(data: bytes) -> str:
-    """The longest prefix of ``data`` that is complete UTF-8, decoded."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return data[: e.start].decode("utf-8")
