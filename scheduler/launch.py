@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.replicas import serve_replicas
-from scheduler.server_args import WORLD_SIZE, ServerArgs
+from scheduler.server_args import WORLD_SIZE, parse_server_args
 from scheduler.session_priority import keep_launch_priority
 from sglang_constrained.backends.xgrammar.fork_server import start_xgrammar_fork_server
 from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
@@ -25,12 +25,13 @@ from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
 
 def main(argv: Sequence[str] | None = None) -> int:
     keep_launch_priority()  # first: a rank in a session of its own (torchrun's) runs at its launch priority
-    server_args = ServerArgs.parse(argv)
-    server_args.check_world_size(WORLD_SIZE.get())
-    if server_args.router is not None:
+    server_args = parse_server_args(argv)
+    server_args.parallel.check_world_size(WORLD_SIZE.get())
+    if server_args.parallel.router is not None:
         return serve_replicas(server_args, sys.argv[1:] if argv is None else argv)
-    backends = server_args.grammar_backend_order if server_args.grammar_backend == "auto" else ()
-    uses_xgrammar = "xgrammar" in (server_args.grammar_backend, *backends)
+    grammar_args = server_args.grammar
+    backends = grammar_args.grammar_backend_order if grammar_args.grammar_backend == "auto" else ()
+    uses_xgrammar = "xgrammar" in (grammar_args.grammar_backend, *backends)
     forks_its_fork_server = uses_xgrammar and can_fork_fork_server()
     if uses_xgrammar and not forks_its_fork_server:
         start_xgrammar_fork_server()  # a new interpreter, whose imports run beside the next line's

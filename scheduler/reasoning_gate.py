@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.request import Req
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import (
     FreeGrammarObject,
@@ -30,13 +30,13 @@ class ReasoningGate:
     """The server's reasoning parser, resolved against the tokenizer (off without one, or without its think-end
     token)."""
 
-    def __init__(self, server_args: ServerArgs, tokenizer: Any) -> None:
-        parser = server_args.reasoning_parser
+    def __init__(self, grammar_args: GrammarArgs, tokenizer: Any) -> None:
+        parser = grammar_args.reasoning_parser
         self.tokenizer = tokenizer
         self.think_end_id = think_end_token_id(tokenizer, parser)
         self.think_start_id = think_start_token_id(tokenizer, parser)
         self.default_start: ReasoningStart = reasoning_format(parser).default_start if parser else "answering"
-        self.default_budget = server_args.thinking_budget
+        self.default_budget = grammar_args.thinking_budget
 
     @property
     def enabled(self) -> bool:

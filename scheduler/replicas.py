@@ -96,17 +96,19 @@ def replica_argv(argv: Sequence[str]) -> list[str]:
 
 
 def serve_replicas(server_args: ServerArgs, argv: Sequence[str]) -> int:
-    """Run the replicas and the router until SIGINT/SIGTERM or the router's exit; returns the exit code."""
-    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Run the replicas and the router until SIGINT/SIGTERM or the router's exit; returns the exit code. The whole
+    ``server_args``: the replicas and router are the parallel part's, the address and logging the serving part's."""
+    serving, parallel = server_args.serving, server_args.parallel
+    logging.basicConfig(level=serving.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if importlib.util.find_spec("sglang_router") is None:
         logger.error('--router sglang needs SGLang\'s router: pip install -e ".[router]" (or sglang-router)')
         return 2
-    assert server_args.port is not None  # ServerArgs checks it
-    connect_host = "127.0.0.1" if server_args.host in ("0.0.0.0", "") else server_args.host
+    assert serving.port is not None  # ServerArgs checks it
+    connect_host = "127.0.0.1" if serving.host in ("0.0.0.0", "") else serving.host
     flags = replica_argv(argv)
     replicas = []
-    for index in range(server_args.dp_size):
-        port, zmq_port = free_port(server_args.host), free_port(server_args.host)
+    for index in range(parallel.dp_size):
+        port, zmq_port = free_port(serving.host), free_port(serving.host)
         command = [sys.executable, "-m", "scheduler.launch", *flags, "--port", str(port), "--zmq-port", str(zmq_port)]
         replicas.append(Replica(index, command, f"http://{connect_host}:{port}"))
     stop_requested: list[int] = []
@@ -123,17 +125,17 @@ def serve_replicas(server_args: ServerArgs, argv: Sequence[str]) -> int:
     try:
         if not _wait_until_healthy(replicas, stop_requested):
             return 0 if stop_requested else 1
-        metrics_port = free_port(server_args.host)
+        metrics_port = free_port(serving.host)
         router = subprocess.Popen(_router_command(server_args, [r.url for r in replicas], metrics_port))
         logger.info(
             "SGLang's router (pid %d, %s) serving on http://%s:%d in front of %d replicas%s; the router's metrics on "
             "http://%s:%d/metrics",
             router.pid,
-            server_args.router_policy,
+            parallel.router_policy,
             connect_host,
-            server_args.port,
+            serving.port,
             len(replicas),
-            f" and {len(server_args.worker_urls)} servers by URL" if server_args.worker_urls else "",
+            f" and {len(parallel.worker_urls)} servers by URL" if parallel.worker_urls else "",
             connect_host,
             metrics_port,
         )
@@ -209,20 +211,21 @@ def _is_healthy(url: str) -> bool:
 
 
 def _router_command(server_args: ServerArgs, replica_urls: list[str], metrics_port: int) -> list[str]:
-    interval = str(server_args.router_health_check_interval)
+    serving, parallel = server_args.serving, server_args.parallel
+    interval = str(parallel.router_health_check_interval)
     return [
         sys.executable,
         "-m",
         "sglang_router.launch_router",
         "--host",
-        server_args.host,
+        serving.host,
         "--port",
-        str(server_args.port),
+        str(serving.port),
         "--policy",
-        server_args.router_policy,
+        parallel.router_policy,
         "--worker-urls",
         *replica_urls,
-        *server_args.worker_urls,
+        *parallel.worker_urls,
         # its Prometheus exporter's default port (29000) is one per machine
         "--prometheus-port",
         str(metrics_port),
@@ -233,7 +236,7 @@ def _router_command(server_args: ServerArgs, replica_urls: list[str], metrics_po
         "--cb-timeout-duration-secs",
         interval,
         "--log-level",
-        ROUTER_LOG_LEVELS[server_args.log_level],
+        ROUTER_LOG_LEVELS[serving.log_level],
     ]
 
 

@@ -41,7 +41,7 @@ from scheduler.reasoning_gate import ReasoningGate
 from scheduler.request import CLIENT_ABORT, Abort, Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
-from scheduler.speculative import NGRAM_MAX, DraftProposer
+from scheduler.speculative import NGRAM_MAX, DraftProposer, resolve_algorithm
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
 from sglang_constrained.backends.base import common_prefix_length
 from sglang_constrained.backends.pipeline import GrammarPipeline
@@ -67,7 +67,9 @@ class Scheduler:
     """Serves generate requests on one model with continuous batching and grammar-constrained sampling.
 
     With a ``DistributedContext`` it is one rank of several; how its turns' messages come in and its outputs go out
-    is its ``transport``, chosen once here (``choose_turn_transport``), and the loop never asks which.
+    is its ``transport``, chosen once here (``choose_turn_transport``), and the loop never asks which. It takes the
+    whole ``ServerArgs``: it assembles the grammar backend, the draft proposer, the batch and the transport, each from
+    its part, and reads the model part's capacity and the serving part's seed itself.
     """
 
     def __init__(
@@ -79,15 +81,16 @@ class Scheduler:
         self.vocab_size = model_runner.vocab_size
         self.kv = model_runner.kv
         self.max_seq_len = model_runner.max_seq_len
-        self.reasoning = ReasoningGate(server_args, self.tokenizer)
+        grammar_args, speculation = server_args.grammar, server_args.speculation
+        self.reasoning = ReasoningGate(grammar_args, self.tokenizer)
         grammar_backend = self.reasoning.wrap_backend(
             create_grammar_backend(
-                server_args,
+                grammar_args,
                 self.tokenizer,
                 model_runner.vocab_size,
                 model_runner.eos_token_ids,
                 disk_cache=open_grammar_disk_cache(
-                    server_args.grammar_disk_cache_path, server_args.grammar_disk_cache_max_bytes
+                    grammar_args.grammar_disk_cache_path, grammar_args.grammar_disk_cache_max_bytes
                 ),
             )
         )
@@ -95,37 +98,37 @@ class Scheduler:
         budget = self._budget_steering(model_runner, grammar_backend is not None)
         self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync, budget)
         ngram_cache = None
-        if server_args.speculative_ngram_capacity and server_args.speculative_num_draft_tokens:
+        if speculation.speculative_ngram_capacity and speculation.speculative_num_draft_tokens:
             ngram_cache = NgramCache(
-                server_args.speculative_ngram_capacity, NGRAM_MAX, server_args.speculative_num_draft_tokens
+                speculation.speculative_ngram_capacity, NGRAM_MAX, speculation.speculative_num_draft_tokens
             )
         self.proposer = DraftProposer(
-            server_args.speculation,
-            server_args.speculative_num_draft_tokens,
+            resolve_algorithm(speculation.speculative_algorithm, server_args.model.model_runner),
+            speculation.speculative_num_draft_tokens,
             self.tokenizer,
             model_runner.vocab_size,
             row_multiple=model_runner.row_multiple,
             ngram_cache=ngram_cache,
             tokens_per_forward=model_runner.tokens_per_forward,
             lookup_max_batch=model_runner.lookup_max_batch,
-            max_prediction_tokens=server_args.speculative_num_prediction_tokens,
+            max_prediction_tokens=speculation.speculative_num_prediction_tokens,
         )
         mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None
         if mask_layout is None and self.reasoning.enabled:  # free requests that reason are gated by masks too
             mask_layout = VocabMaskLayout(model_runner.vocab_size)
         sampling_info = SamplingBatchInfo(
             model_runner.vocab_size,
-            server_args.max_running_requests,
+            server_args.model.max_running_requests,
             model_runner.device,
             mask_layout,
-            max_rows_per_request=1 + server_args.max_drafts_per_request,
+            max_rows_per_request=1 + speculation.max_drafts_per_request,
             eos_token_ids=model_runner.eos_token_ids,
         )
         if model_runner.device.type == "cpu":  # the mask loop and the sampler's draws; the default runner's model has
-            load_cpu_bitmask_kernel(server_args.kernel_build_path)  # loaded them already
+            load_cpu_bitmask_kernel(server_args.model.kernel_build_path)  # loaded them already
         if grammar_backend is not None:
             grammar_backend.wait_until_ready()
-        self.seed_generator = torch.Generator().manual_seed(server_args.seed)
+        self.seed_generator = torch.Generator().manual_seed(server_args.serving.seed)
         self.finish_policy = FinishPolicy(model_runner.eos_token_ids, model_runner.max_seq_len, self.reasoning)
         self.executor = BatchExecutor(
             model_runner, sampling_info, self.proposer, self.finish_policy, self.transport.rank_sync, budget
@@ -139,10 +142,10 @@ class Scheduler:
 
     def _budget_steering(self, model_runner: BaseModelRunner, has_grammars: bool) -> BudgetSteering | None:
         """Budget-aware constraints, unless switched off or nothing is constrained."""
-        if not has_grammars or self.server_args.disable_budget_aware_constraints:
+        if not has_grammars or self.server_args.grammar.disable_budget_aware_constraints:
             return None
         vocabulary = tokenizer_vocabulary(
-            self.tokenizer, self.vocab_size, model_runner.eos_token_ids, self.server_args.vocabulary_cache_path
+            self.tokenizer, self.vocab_size, model_runner.eos_token_ids, self.server_args.grammar.vocabulary_cache_path
         )
         return BudgetSteering(
             EndingSearch(vocabulary), self.max_seq_len, lambda: self.grammar_manager.metrics.budget_steered.inc()
@@ -152,7 +155,9 @@ class Scheduler:
         """Run the loop until ``stop()`` on any rank; ``ipc`` is rank 0's socket (None on the other ranks)."""
         if ipc is not None:
             ipc.watch(self.grammar_manager.wakeup_fd)
-            logger.info("scheduler ready on %s (grammar backend: %s)", ipc.endpoint, self.server_args.grammar_backend)
+            logger.info(
+                "scheduler ready on %s (grammar backend: %s)", ipc.endpoint, self.server_args.grammar.grammar_backend
+            )
         while True:
             messages, should_stop = self.transport.exchange(ipc, self._wait_time(), self._status(), self.is_stopping)
             if should_stop:
@@ -313,7 +318,7 @@ class Scheduler:
         ``SHARED_PREFIX_MIN_TOKENS`` or more tokens that a request admitted before it computes this turn waits too:
         the next turn takes them from the prefix cache (``_share_prefixes``) instead of computing them again."""
         batch: list[Req] = []
-        room = self.server_args.max_running_requests - len(self.running)
+        room = self.server_args.model.max_running_requests - len(self.running)
         while self.waiting_queue and len(batch) < room:
             req = self.waiting_queue[0]
             if self._computes_again(req, batch) or not self._reserve_kv(req):
@@ -351,7 +356,7 @@ class Scheduler:
         repeat (``n`` samples admitted while the first runs), or its first ``SHARED_PREFIX_MIN_TOKENS`` or more
         tokens (the requests ``_schedule_prefill`` held back for them, such as a system prompt or tools). Only the
         waiting requests the next turn can admit are compared."""
-        next_turn = list(itertools.islice(self.waiting_queue, self.server_args.max_running_requests))
+        next_turn = list(itertools.islice(self.waiting_queue, self.server_args.model.max_running_requests))
         if self.kv.radix is None or not next_turn:
             return
         for req in batch:
@@ -418,7 +423,7 @@ class Scheduler:
         if self.running or self.waiting_queue or self.outbox:
             return 0.0
         if self.grammar_manager.grammar_queue:  # another rank's compile may finish: turn the loop to hear it
-            return self.server_args.poll_interval_s
+            return self.server_args.serving.poll_interval_s
         return IDLE_WAIT_S
 
     def _status(self) -> ReplicaStatus:
@@ -435,8 +440,8 @@ class Scheduler:
 
     def _pong(self, ping_id: str) -> Pong:
         pong = Pong(
-            model=self.server_args.model_name,
-            grammar_backend=self.server_args.grammar_backend,
+            model=self.server_args.model.model_name,
+            grammar_backend=self.server_args.grammar.grammar_backend,
             vocab_size=self.vocab_size,
             ping_id=ping_id,
             num_running_requests=len(self.running),
@@ -484,9 +489,10 @@ def choose_turn_transport(
     dist: DistributedContext | None, grammar_backend: GrammarPipeline | None, server_args: ServerArgs
 ) -> TurnTransport:
     """This rank's transport, by the rank layout: one process, data-parallel replicas (``--dp-size``), or ranks in
-    lockstep (every other layout of several ranks)."""
+    lockstep (every other layout of several ranks). The whole ``server_args``: the layout is the parallel part's, a
+    replica's grammar store the grammar part's and its idle wait the serving part's."""
     if dist is None:
         return OneRank()
-    if server_args.dp_size > 1:
-        return DataParallelReplica(dist, grammar_backend, server_args)
+    if server_args.parallel.dp_size > 1:
+        return DataParallelReplica(dist, grammar_backend, server_args.grammar, server_args.serving.poll_interval_s)
     return LockstepRanks(dist)

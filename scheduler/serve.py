@@ -30,7 +30,7 @@ from scheduler.model.llamacpp_runner import LlamaCppModelRunner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.scheduler import Scheduler
-from scheduler.server_args import WORLD_SIZE, ServerArgs
+from scheduler.server_args import WORLD_SIZE, ServerArgs, ServingArgs
 
 if TYPE_CHECKING:
     from scheduler.http.server import HttpFrontend
@@ -39,13 +39,14 @@ logger = logging.getLogger("scheduler.launch")  # the launcher's log lines, as o
 
 
 def serve(server_args: ServerArgs) -> int:
-    """Serve with ``server_args`` (already checked against the world size); returns the process's exit code."""
+    """Serve with ``server_args`` (already checked against the world size); returns the process's exit code. The
+    whole ``server_args``: the model runner, the scheduler and the HTTP frontend each take their parts from it."""
     dist = init_distributed(WORLD_SIZE.get())
-    _configure_logging(server_args, dist)
+    _configure_logging(server_args.serving, dist)
     is_leader = dist is None or dist.is_leader
     # The HTTP frontend starts first, so that its own start (imports, tokenizer) overlaps the model's loading;
     # meanwhile its requests wait for the scheduler (and /health answers 503).
-    http_frontend = _start_http_frontend(server_args) if is_leader and server_args.port is not None else None
+    http_frontend = _start_http_frontend(server_args) if is_leader and server_args.serving.port is not None else None
     try:
         scheduler = _load(server_args, dist)
     except BaseException:
@@ -64,7 +65,7 @@ def serve(server_args: ServerArgs) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    ipc = SchedulerIPC(server_args.zmq_endpoint) if is_leader else None
+    ipc = SchedulerIPC(server_args.serving.zmq_endpoint) if is_leader else None
     frontend_exit_codes: list[int] = []
 
     def frontend_died(exit_code: int) -> None:
@@ -97,12 +98,12 @@ def serve(server_args: ServerArgs) -> int:
 def _load(server_args: ServerArgs, dist: DistributedContext | None) -> Scheduler:
     start = time.perf_counter()
     model_runner: BaseModelRunner = (
-        LlamaCppModelRunner(server_args)
-        if server_args.model_runner == "llamacpp"
-        else ModelRunner(server_args, tp=tensor_parallel_group(dist, server_args.tp_size))
+        LlamaCppModelRunner(server_args.model)
+        if server_args.model.model_runner == "llamacpp"
+        else ModelRunner(server_args.model, tp=tensor_parallel_group(dist, server_args.parallel.tp_size))
     )
     scheduler = Scheduler(server_args, model_runner, dist)
-    logger.info("loaded %s in %.1f s", server_args.model_name, time.perf_counter() - start)
+    logger.info("loaded %s in %.1f s", server_args.model.model_name, time.perf_counter() - start)
     return scheduler
 
 
@@ -113,10 +114,10 @@ def _start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
     return start_http_frontend(server_args)
 
 
-def _configure_logging(server_args: ServerArgs, dist: DistributedContext | None) -> None:
+def _configure_logging(serving: ServingArgs, dist: DistributedContext | None) -> None:
     rank = f"[rank {dist.rank}] " if dist is not None else ""
     logging.basicConfig(
-        level=server_args.log_level.upper(),
+        level=serving.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -86,6 +86,15 @@ class Drafts:
 NO_DRAFTS = Drafts([], [])
 
 
+def resolve_algorithm(choice: str, model_runner: str) -> str:
+    """The draft sources in use: ``--speculative-algorithm`` as chosen, or for ``auto`` the model runner's: both
+    (grammar+ngram) on the exact runner, none on llama.cpp's, whose k-token forward costs nearly k one-token forwards
+    on this CPU (so verifying drafts loses time there)."""
+    if choice != "auto":
+        return choice
+    return "none" if model_runner == "llamacpp" else "grammar+ngram"
+
+
 class DraftProposer:
     """Finds forced tokens and proposes drafts for the requests of a decode batch."""
 
@@ -101,8 +110,8 @@ class DraftProposer:
         max_prediction_tokens: int = 0,
         lookup_max_batch: int = LOOKUP_MAX_BATCH,
     ) -> None:
-        """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS``; ``row_multiple``: the model
-        runner's (rows up to a multiple of it cost no more weight reads); ``ngram_cache``:
+        """``algorithm``: one of ``scheduler.server_args.SPECULATIVE_ALGORITHMS`` but auto (``resolve_algorithm``);
+        ``row_multiple``: the model runner's (rows up to a multiple of it cost no more weight reads); ``ngram_cache``:
         outputs' n-grams shared by every request (used where ``algorithm`` looks up n-grams; None: none);
         ``tokens_per_forward``: the model runner's (most tokens a decode forward takes: pending and drafts over the
         batch; drafts fill what the batch leaves); ``max_prediction_tokens``: the most drafts per forward of a request

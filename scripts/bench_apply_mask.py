@@ -29,7 +29,7 @@ import torch
 import xgrammar
 
 from cpu_kernels.cpu_info import describe_cpu
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from sglang_constrained.testing.benchmarking import cpu_pressure
 from triton_ops import (
     apply_token_bitmask_inplace_cpu,
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     load_start = time.perf_counter()
-    is_loaded = load_cpu_bitmask_kernel(ServerArgs().kernel_build_path)
+    is_loaded = load_cpu_bitmask_kernel(ModelArgs().kernel_build_path)
     load_seconds = time.perf_counter() - load_start
     print(
         f"{describe_cpu()}\n"

@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import xgrammar
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
@@ -191,17 +191,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile-timeout", type=float, default=60.0)
     parser.add_argument("--output", type=Path, default=REPO / "results" / "bench_batch.json")
     args = parser.parse_args(argv)
-    server_args = ServerArgs()
-    load_cpu_bitmask_kernel(server_args.kernel_build_path)
+    server_args = GrammarArgs()
+    load_cpu_bitmask_kernel(ModelArgs().kernel_build_path)
     fills, applies = [], []
     print(
         f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, CPU pressure {cpu_pressure()}"
     )
     for tokenizer_name in args.tokenizers:
-        setup = load_tokenizer_setup(tokenizer_name, server_args.cache_path)
+        setup = load_tokenizer_setup(tokenizer_name, ModelArgs().cache_path)
         masks: dict[int, torch.Tensor] = {}
         for backend_name in args.backends:
-            backend = make_backend(server_args.with_overrides(grammar_backend=backend_name), setup)
+            backend = make_backend(replace(server_args, grammar_backend=backend_name), setup)
             walks = build_walks(backend, setup, args.per_folder, args.compile_timeout)
             for batch in args.batches:
                 timing, mask = bench_fill(backend, walks, setup, batch, args.rounds)

@@ -30,7 +30,7 @@ from cpu_kernels.cpu_info import cpu_model
 from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from scripts.serving_workload import PERSON_REGEX, PERSON_SCHEMA
 from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.backends.registry import create_grammar_backend
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance", "outlines"])
     args = parser.parse_args(argv)
-    server_args = ServerArgs()
-    setup = load_tokenizer_setup("smollm2", server_args.cache_path)
+    server_args = GrammarArgs()
+    setup = load_tokenizer_setup("smollm2", ModelArgs().cache_path)
     vocabulary = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     search = EndingSearch(vocabulary)
     print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; SmolLM2 vocabulary ({setup.vocab_size})")

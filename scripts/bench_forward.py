@@ -25,12 +25,12 @@ from cpu_kernels.cpu_info import describe_cpu
 MEASURE = """
 import json, statistics, sys, time, torch
 from scheduler.model.runner import ModelRunner
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from tests.unit.invariant_cases import random_weight
 from cpu_kernels import ops
 
 prompt_length = int(sys.argv[1])
-runner = ModelRunner(ServerArgs(max_running_requests=40, disable_radix_cache=True))
+runner = ModelRunner(ModelArgs(max_running_requests=40, disable_radix_cache=True))
 prompt = lambda n, salt: [(i * 7919 + salt * 31) % 40000 + 100 for i in range(n)]
 out = {}
 times = []

@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import llguidance
 import torch
 import xgrammar
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from sglang_constrained.backends.auto import AutoGrammarBackend
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=REPO / "results" / "bench_grammar.json")
     args = parser.parse_args(argv)
     cases = sample_cases(args.data, args.per_folder or None)
-    server_args = ServerArgs()
+    server_args = GrammarArgs()
     print(
         f"{len(cases)} schemas from {args.data}; torch threads {torch.get_num_threads()}; CPU pressure {cpu_pressure()}"
     )
@@ -215,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     results = []
     for tokenizer_name in args.tokenizers:
-        setup = load_tokenizer_setup(tokenizer_name, server_args.cache_path)
+        setup = load_tokenizer_setup(tokenizer_name, ModelArgs().cache_path)
         for backend_name in args.backends:
             started = time.perf_counter()
-            backend = make_backend(server_args.with_overrides(grammar_backend=backend_name), setup)
+            backend = make_backend(replace(server_args, grammar_backend=backend_name), setup)
             build_s = time.perf_counter() - started
             row = {"tokenizer": tokenizer_name, "backend": backend_name, "backend_build_s": build_s}
             row |= bench_backend(backend, setup, cases, args)

@@ -30,12 +30,11 @@ import sys
 import tempfile
 import time
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cpu_kernels.cpu_info import describe_cpu
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
@@ -125,8 +124,8 @@ def candidates(options: argparse.Namespace) -> dict[str, tuple[str, Any]]:
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     """One process's phase: build the backend on the cache dir, time each constraint to a ready grammar. With
     ``want``, JSON schemas are tried in order until that many compiled (the refused ones are recorded too)."""
-    setup = load_tokenizer_setup(spec["tokenizer"], ServerArgs().cache_path)
-    args = replace(ServerArgs(), grammar_backend=spec["backend"], grammar_compile_timeout=READY_TIMEOUT_S)
+    setup = load_tokenizer_setup(spec["tokenizer"], ModelArgs().cache_path)
+    args = GrammarArgs(grammar_backend=spec["backend"], grammar_compile_timeout=READY_TIMEOUT_S)
     disk_cache = GrammarDiskCache(Path(spec["directory"]), args.grammar_disk_cache_max_bytes)
     started = time.perf_counter()
     backend = create_grammar_backend(

@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from scheduler.model import llamacpp_runner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+from scheduler.server_args import WEIGHT_DTYPES, ModelArgs
 from scheduler.testing.runner_greedy import admitted, greedy_tokens
 from sglang_constrained.tokenizer.loading import embedded_model_path
 
@@ -148,18 +149,16 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
-    base = ServerArgs(max_running_requests=max(*args.batches, 8), max_seq_len=512, disable_radix_cache=True)
+    base = ModelArgs(max_running_requests=max(*args.batches, 8), max_seq_len=512, disable_radix_cache=True)
     runners: dict[str, BaseModelRunner] = {
-        dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
+        dtype: ModelRunner(replace(base, weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
     }
     if args.llamacpp:
         if not llamacpp_runner.is_available():
             parser.error("--llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
         # The benchmark keeps every sequence it admits: one llama.cpp sequence id each.
         num_sequences = 2 + sum(args.batches) + len(args.extends)
-        llamacpp_args = base.with_overrides(
-            model_runner=LLAMACPP, max_running_requests=num_sequences, max_total_tokens=8192
-        )
+        llamacpp_args = replace(base, model_runner=LLAMACPP, max_running_requests=num_sequences, max_total_tokens=8192)
         runners[LLAMACPP] = llamacpp_runner.LlamaCppModelRunner(llamacpp_args)
     bandwidth = read_bandwidth_gb_s()
     print(f"CPU {describe_cpu()}; torch threads {torch.get_num_threads()}; read bandwidth {bandwidth:.1f} GB/s")

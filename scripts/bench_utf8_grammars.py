@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import xgrammar
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from scripts.bench_grammar import Walks, raw_step, walk_interleaved
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.backends.xgrammar.utf8 import well_formed_utf8_grammar
@@ -134,10 +134,10 @@ def main() -> None:
     parser.add_argument("--tokenizers", nargs="+", default=list(TOKENIZER_SETUPS), choices=TOKENIZER_SETUPS)
     args = parser.parse_args()
     cases = [*sample_cases(args.data, args.per_folder or None), non_ascii_case()]
-    server_args = ServerArgs()
+    server_args = GrammarArgs()
     print(f"{len(cases)} schemas; {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     for tokenizer_name in args.tokenizers:
-        setup = load_tokenizer_setup(tokenizer_name, server_args.cache_path)
+        setup = load_tokenizer_setup(tokenizer_name, ModelArgs().cache_path)
         backend = XGrammarGrammarBackend(
             server_args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, compile_in_processes=False
         )

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +109,14 @@ def resident_mib() -> float:
 
 def measure_one(name: str, tokenizer: str, stop_mib: float) -> dict[str, Any]:
     """In this process: one schema's measure, compile, serialisation (time, size, peak memory) and read-back."""
-    from scheduler.server_args import ServerArgs
+    from scheduler.server_args import GrammarArgs, ModelArgs
     from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
     from sglang_constrained.backends.xgrammar.export_cost import COMPILE_PROCESS_BASE_MIB, GrammarMeasure
     from sglang_constrained.backends.xgrammar.utf8 import well_formed_utf8_grammar
     from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
 
-    args = replace(ServerArgs(), grammar_compile_timeout=600.0, grammar_compile_max_memory=None)
-    setup = load_tokenizer_setup(tokenizer, args.cache_path)
+    args = GrammarArgs(grammar_compile_timeout=600.0, grammar_compile_max_memory=None)
+    setup = load_tokenizer_setup(tokenizer, ModelArgs().cache_path)
     backend = XGrammarGrammarBackend(
         args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, compile_in_processes=False
     )

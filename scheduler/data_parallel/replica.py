@@ -23,7 +23,7 @@ from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar,
 from scheduler.distributed import DistributedContext
 from scheduler.io_struct import Pong, ReplicaStatus
 from scheduler.ipc import SchedulerIPC
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from scheduler.turn_transport import Messages, Outbox, TurnTransport
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import GrammarKey
@@ -49,18 +49,23 @@ class DataParallelReplica(TurnTransport):
     """This rank's replica: the per-turn exchange, and on rank 0 the router and the grammar store."""
 
     def __init__(
-        self, dist: DistributedContext, grammar_backend: GrammarPipeline | None, server_args: ServerArgs
+        self,
+        dist: DistributedContext,
+        grammar_backend: GrammarPipeline | None,
+        grammar_args: GrammarArgs,
+        poll_interval_s: float,
     ) -> None:
+        """``grammar_args``: rank 0's grammar store compiles by them; ``poll_interval_s``: the idle wait."""
         super().__init__()
         self.dist = dist
         self.rank = dist.rank
-        self.poll_interval_s = server_args.poll_interval_s
+        self.poll_interval_s = poll_interval_s
         self.router = ReplicaRouter(dist.world_size) if dist.is_leader else None
         self.shared_grammars: SharedGrammars | None = None
         self.store: GrammarStore | None = None
         if grammar_backend is not None and grammar_backend.can_share_grammars:
             self.shared_grammars = SharedGrammars(grammar_backend)
-            self.store = GrammarStore(grammar_backend, server_args) if dist.is_leader else None
+            self.store = GrammarStore(grammar_backend, grammar_args) if dist.is_leader else None
         elif grammar_backend is not None:
             logger.warning(
                 "the %s grammar backend cannot share compiled grammars: every replica compiles its own",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.cache.compiled import GrammarExport
@@ -55,19 +55,19 @@ class GrammarStore:
     ``prefetch``/``ask`` may be called on the loop thread; compiles finish on the compile service's threads.
     """
 
-    def __init__(self, backend: GrammarPipeline, server_args: ServerArgs) -> None:
+    def __init__(self, backend: GrammarPipeline, grammar_args: GrammarArgs) -> None:
         self.backend = backend
         self.service: CompileService[GrammarKey, GrammarExport] = CompileService(
             self._compile,
             name="shared",
-            threads=server_args.grammar_compile_threads,
-            timeout_s=server_args.compile_timeout_s,
-            cache_max_entries=server_args.grammar_cache_max_entries,
-            cache_max_bytes=server_args.grammar_cache_max_bytes,
+            threads=grammar_args.grammar_compile_threads,
+            timeout_s=grammar_args.compile_timeout_s,
+            cache_max_entries=grammar_args.grammar_cache_max_entries,
+            cache_max_bytes=grammar_args.grammar_cache_max_bytes,
             size_of=lambda export: len(export.payload or export.error_message),
             copy=lambda export, _: export,
-            slow_after_s=server_args.grammar_compile_slow_after,
-            max_slow=server_args.grammar_max_slow_compiles,
+            slow_after_s=grammar_args.grammar_compile_slow_after,
+            max_slow=grammar_args.grammar_max_slow_compiles,
         )
         self._lock = threading.Lock()
         self._pending: set[GrammarKey] = set()

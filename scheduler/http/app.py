@@ -173,18 +173,21 @@ async def generate(request: Request) -> Response:
 
 
 def create_app(server_args: ServerArgs) -> FastAPI:
-    """The ASGI app; its scheduler client connects to ``server_args.zmq_endpoint`` at start-up."""
+    """The ASGI app; its scheduler client connects to ``server_args.serving.zmq_endpoint`` at start-up. The whole
+    ``server_args``: the model part gives the tokenizer and limits, the grammar part the spec-size limit, and
+    ``/get_server_info`` reports every setting."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        source = Path(server_args.model_path) if server_args.model_path else embedded_model_path()
-        tokenizer = await asyncio.to_thread(load_tokenizer, source, server_args.cache_path, server_args.chat_template)
+        model = server_args.model
+        source = Path(model.model_path) if model.model_path else embedded_model_path()
+        tokenizer = await asyncio.to_thread(load_tokenizer, source, model.cache_path, model.chat_template)
         # Token ids are checked by the scheduler, which knows the model's vocabulary; the frontend sends only its own.
-        prompt_encoder = PromptEncoder(tokenizer, len(tokenizer), server_args.max_seq_len)
-        limits = RequestLimits(server_args.max_seq_len, server_args.grammar_max_spec_bytes)
-        client = AsyncSchedulerClient(server_args.zmq_endpoint)
-        tool_format = server_tool_format(server_args.tool_call_parser, tokenizer)
-        app.state.frontend = FrontendState(client, server_args.model_name, limits, prompt_encoder, tool_format)
+        prompt_encoder = PromptEncoder(tokenizer, len(tokenizer), model.max_seq_len)
+        limits = RequestLimits(model.max_seq_len, server_args.grammar.grammar_max_spec_bytes)
+        client = AsyncSchedulerClient(server_args.serving.zmq_endpoint)
+        tool_format = server_tool_format(model.tool_call_parser, tokenizer)
+        app.state.frontend = FrontendState(client, model.model_name, limits, prompt_encoder, tool_format)
         app.state.server_args = server_args
         try:
             yield

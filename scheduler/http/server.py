@@ -24,7 +24,7 @@ from fastapi import FastAPI
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.client import SchedulerGoneError
 from scheduler.http.app import create_app
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ServerArgs, add_server_args, server_args_from
 
 logger = logging.getLogger("scheduler.http")
 
@@ -36,13 +36,14 @@ _FRONTEND_FLAGS = (
     "port",
     "zmq_port",
     "model_path",
+    "chat_template",
     "max_seq_len",
     "grammar_max_spec_bytes",
     "cache_dir",
     "tool_call_parser",
     "log_level",
 )
-"""The ``ServerArgs`` fields the frontend reads, passed on as their flags (``--field-name``)."""
+"""The ``ServerArgs`` settings the frontend reads, passed on as their flags (``--setting-name``)."""
 
 
 class HttpFrontend:
@@ -80,19 +81,20 @@ class HttpFrontend:
 def start_http_frontend(server_args: ServerArgs) -> HttpFrontend:
     """Bind ``--host``:``--port`` here, so that a taken port fails in the caller, and serve it in a new process.
 
-    The process reaches the scheduler at ``server_args.zmq_endpoint``; requests that arrive before it is up
+    The process reaches the scheduler at ``server_args.serving.zmq_endpoint``; requests that arrive before it is up
     wait in the socket's backlog.
     """
-    if server_args.port is None:
+    serving, settings = server_args.serving, server_args.settings()
+    if serving.port is None:
         raise ValueError("start_http_frontend needs --port")
-    listener = socket.create_server((server_args.host, server_args.port))
+    listener = socket.create_server((serving.host, serving.port))
     try:
         host, port = listener.getsockname()[:2]
         flags = [
             item
             for name in _FRONTEND_FLAGS
-            if getattr(server_args, name) is not None
-            for item in (f"--{name.replace('_', '-')}", str(getattr(server_args, name)))
+            if settings[name] is not None
+            for item in (f"--{name.replace('_', '-')}", str(settings[name]))
         ]
         command = [sys.executable, "-m", "scheduler.http.server", *flags, "--listen-fd", str(listener.fileno())]
         process = subprocess.Popen(command, pass_fds=(listener.fileno(),))
@@ -136,16 +138,17 @@ async def _serve(app: FastAPI, listener: socket.socket, log_level: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler.http.server", description=__doc__)
-    ServerArgs.add_cli_args(parser)
+    add_server_args(parser)
     parser.add_argument("--listen-fd", type=int, required=True, help="a bound TCP socket inherited from the launcher")
     args = parser.parse_args(argv)
-    server_args = ServerArgs.from_cli_args(args)
+    server_args = server_args_from(args)
+    log_level = server_args.serving.log_level
     logging.basicConfig(
-        level=server_args.log_level.upper(),
+        level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    asyncio.run(_serve(create_app(server_args), socket.socket(fileno=args.listen_fd), server_args.log_level))
+    asyncio.run(_serve(create_app(server_args), socket.socket(fileno=args.listen_fd), log_level))
     return 0
 
 

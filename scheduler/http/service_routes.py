@@ -4,7 +4,6 @@ health check that generates a token, tokenize / detokenize, and the version."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib.metadata
 import uuid
 from typing import Any
@@ -25,7 +24,7 @@ from scheduler.http.request_conversion import chat_template_input
 from scheduler.http.routing import frontend_of, json_response, read_body
 from scheduler.http.tool_calls import tool_plan
 from scheduler.io_struct import Pong, SamplingParams
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs, ServerArgs
 from sglang_constrained.tokenizer.loading import embedded_model_path
 
 HEALTH_TIMEOUT_S = 5.0
@@ -38,16 +37,16 @@ router = APIRouter()
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
     """SGLang's model description: where the weights and tokenizer come from; a generative model."""
-    server_args: ServerArgs = request.app.state.server_args
-    path = server_args.model_path or str(embedded_model_path())
+    model: ModelArgs = request.app.state.server_args.model
+    path = model.model_path or str(embedded_model_path())
     return json_response(
         {
             "model_path": path,
             "tokenizer_path": path,
-            "served_model_name": server_args.model_name,
+            "served_model_name": model.model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "max_context_length": server_args.max_seq_len,
+            "max_context_length": model.max_seq_len,
         }
     )
 
@@ -61,7 +60,7 @@ async def get_server_info(request: Request) -> Response:
         pong: Pong | None = await frontend.client.wait_until_ready(timeout_s=HEALTH_TIMEOUT_S)
     except TimeoutError:
         pong = None
-    arguments = {field.name: getattr(server_args, field.name) for field in dataclasses.fields(server_args)}
+    arguments = server_args.settings()
     states = [{k: v for k, v in msgspec.structs.asdict(pong).items() if k != "metrics_text"}] if pong else []
     return json_response(
         msgspec.to_builtins(arguments, enc_hook=str) | {"version": _version(), "internal_states": states}

@@ -31,7 +31,7 @@ from cpu_kernels.cpu_info import cpu_flags
 from scheduler.model.kv_cache import KVCacheManager, KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.runner_contract import BaseModelRunner
-from scheduler.server_args import ServerArgs, available_cores
+from scheduler.server_args import ModelArgs, available_cores
 from sglang_constrained.tokenizer.loading import embedded_model_path, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -100,12 +100,12 @@ class LlamaCppModelRunner(BaseModelRunner):
 
     kv: LlamaCppKV
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, model_args: ModelArgs) -> None:
         if not is_available():
             raise ValueError("--model-runner llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
         import llama_cpp
 
-        source = embedded_model_path() if server_args.model_path is None else Path(server_args.model_path)
+        source = embedded_model_path() if model_args.model_path is None else Path(model_args.model_path)
         if source.suffix != ".gguf" or not source.is_file():
             raise ValueError(f"--model-runner llamacpp runs a .gguf file; --model-path {source} is not one")
         self._llama_cpp = llama_cpp
@@ -117,18 +117,18 @@ class LlamaCppModelRunner(BaseModelRunner):
             raise ValueError(f"llama.cpp could not load {source}")
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         trained_positions = llama_cpp.llama_model_n_ctx_train(self._model)
-        if server_args.max_seq_len > trained_positions:
+        if model_args.max_seq_len > trained_positions:
             raise ValueError(
-                f"--max-seq-len {server_args.max_seq_len} exceeds the {trained_positions} positions {source.name} "
+                f"--max-seq-len {model_args.max_seq_len} exceeds the {trained_positions} positions {source.name} "
                 "was trained for"
             )
         threads = available_cores()
         params = llama_cpp.llama_context_default_params()
         # A KV stream of --max-seq-len cells per sequence: in a unified cache every token's attention spans the
         # cells of every sequence (one decode step several times slower beside thousands of other cells).
-        params.n_ctx = server_args.max_running_requests * server_args.max_seq_len
+        params.n_ctx = model_args.max_running_requests * model_args.max_seq_len
         params.n_batch = params.n_ubatch = BATCH_TOKENS
-        params.n_seq_max = server_args.max_running_requests
+        params.n_seq_max = model_args.max_running_requests
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = False
         # Off: this build's flash-attention path changes greedy tokens from the first one on (measured against the
@@ -138,24 +138,24 @@ class LlamaCppModelRunner(BaseModelRunner):
         self._context = llama_cpp.llama_init_from_model(self._model, params)
         if not self._context:
             raise ValueError(
-                f"llama.cpp could not create a KV cache of {server_args.max_seq_len} tokens for each of "
-                f"{server_args.max_running_requests} sequences: lower --max-seq-len or --max-running-requests"
+                f"llama.cpp could not create a KV cache of {model_args.max_seq_len} tokens for each of "
+                f"{model_args.max_running_requests} sequences: lower --max-seq-len or --max-running-requests"
             )
         self._batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
-        self.tokenizer = load_tokenizer(source, server_args.cache_path, server_args.chat_template)
+        self.tokenizer = load_tokenizer(source, model_args.cache_path, model_args.chat_template)
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
         self.eos_token_ids = [t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-        self.max_seq_len = server_args.max_seq_len
+        self.max_seq_len = model_args.max_seq_len
         self.device = torch.device("cpu")
         memory = llama_cpp.llama_get_memory(self._context)
-        self.kv = LlamaCppKV(llama_cpp, memory, server_args.max_total_tokens, server_args.max_running_requests)
+        self.kv = LlamaCppKV(llama_cpp, memory, model_args.max_total_tokens, model_args.max_running_requests)
         logger.info(
             "model runner on llama.cpp (%s, %d threads): KV cache of %d tokens, one stream per sequence for %d "
             "sequences, no prefix reuse; end-of-generation tokens %s",
             source.name,
             threads,
             llama_cpp.llama_n_ctx(self._context),
-            server_args.max_running_requests,
+            model_args.max_running_requests,
             self.eos_token_ids,
         )
 

@@ -1,8 +1,8 @@
 """Load a Llama-style causal LM's weights, config and tokenizer for serving.
 
-Sources: ``ServerArgs.model_path`` is ``None`` (the embedded SmolLM2-135M-Instruct GGUF), another ``.gguf``
+Sources: ``ModelArgs.model_path`` is ``None`` (the embedded SmolLM2-135M-Instruct GGUF), another ``.gguf``
 file, or a local Hugging Face model folder. A GGUF file is converted once (tens of seconds on 2 cores) into a Hugging
-Face folder (``config.json``, ``generation_config.json``, ``model.safetensors``) under ``ServerArgs.cache_path``,
+Face folder (``config.json``, ``generation_config.json``, ``model.safetensors``) under ``ModelArgs.cache_path``,
 so later starts read it in about a second: with ``--weight-dtype auto`` its quantised blocks as they are
 (``scheduler.model.gguf_blocks``), otherwise de-quantised to float32 by transformers.
 """
@@ -35,7 +35,7 @@ from scheduler.model.gguf_config import (
     restore_phi3_fields,
 )
 from scheduler.model.tensor_parallel import ShardPlan
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from sglang_constrained.tokenizer.loading import (
     conversion_cache_dir,
     conversion_lock,
@@ -77,23 +77,23 @@ class LoadedModel:
     source: Path
 
 
-def load_model(server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
-    """Load the model named by ``server_args.model_path`` (tensor-parallel rank ``tp_rank`` of ``tp_size``: only its
+def load_model(model_args: ModelArgs, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+    """Load the model named by ``model_args.model_path`` (tensor-parallel rank ``tp_rank`` of ``tp_size``: only its
     shard of the weights is read); may write the de-quantised cache (see module doc)."""
-    source = embedded_model_path() if server_args.model_path is None else Path(server_args.model_path)
+    source = embedded_model_path() if model_args.model_path is None else Path(model_args.model_path)
     started = time.perf_counter()
     if source.is_dir():
         folder, how = source, "read the model folder"
     elif source.is_file() and source.suffix == ".gguf":
-        keep_blocks = server_args.weight_dtype == "auto"
-        folder, how = _converted_folder(source, server_args.cache_path, keep_blocks)
+        keep_blocks = model_args.weight_dtype == "auto"
+        folder, how = _converted_folder(source, model_args.cache_path, keep_blocks)
     else:
         raise ValueError(f"--model-path {source} is neither a .gguf file nor a Hugging Face model folder")
     config = load_config(folder)
-    check_supported(config, server_args.max_seq_len)
+    check_supported(config, model_args.max_seq_len)
     shard = ShardPlan.build(config, tp_rank, tp_size)
     weights = read_weights(folder, shard)
-    tokenizer = load_tokenizer(source, server_args.cache_path, server_args.chat_template)
+    tokenizer = load_tokenizer(source, model_args.cache_path, model_args.chat_template)
     eos_token_ids = _eos_token_ids(config, _generation_config(folder), tokenizer)
     logger.info(
         "loaded %s (%s, %d layers) in %.1f s: %s",

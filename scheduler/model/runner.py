@@ -19,7 +19,7 @@ from scheduler.model.llama import ForwardBatch, LlamaModel, one_torch_thread
 from scheduler.model.loader import load_model
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.model.tensor_parallel import TensorParallelGroup
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ they made free text 0.96x and JSON 0.95x as fast as no speculation (docs/benchma
 
 
 class ModelRunner(BaseModelRunner):
-    """Loads the model named by ``server_args`` onto the CPU (float32 activations, ``--weight-dtype`` matmul
+    """Loads the model named by ``model_args`` onto the CPU (float32 activations, ``--weight-dtype`` matmul
     weights, on the batch-invariant kernels of ``cpu_kernels``) with a KV pool of
     ``--max-total-tokens`` rows and, unless ``--disable-radix-cache``, prefix reuse.
 
@@ -44,21 +44,21 @@ class ModelRunner(BaseModelRunner):
     ``len(tokenizer)``.
     """
 
-    def __init__(self, server_args: ServerArgs, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, model_args: ModelArgs, tp: TensorParallelGroup | None = None) -> None:
         tp = tp or TensorParallelGroup()
-        library.load(server_args.kernel_build_path)
-        matmul_dtype = torch.bfloat16 if server_args.weight_dtype == "bfloat16" else torch.float32
+        library.load(model_args.kernel_build_path)
+        matmul_dtype = torch.bfloat16 if model_args.weight_dtype == "bfloat16" else torch.float32
         with one_torch_thread():  # reading and packing the weights are copies
-            loaded = load_model(server_args, tp.rank, tp.size)
+            loaded = load_model(model_args, tp.rank, tp.size)
             self.model = LlamaModel(
-                loaded.config, loaded.weights, server_args.max_seq_len, matmul_dtype, loaded.shard, tp
+                loaded.config, loaded.weights, model_args.max_seq_len, matmul_dtype, loaded.shard, tp
             )
         config = loaded.config
         self.device = torch.device("cpu")
         self.tokenizer = loaded.tokenizer
         self.vocab_size: int = config.vocab_size
         self.eos_token_ids: list[int] = loaded.eos_token_ids
-        self.max_seq_len = server_args.max_seq_len
+        self.max_seq_len = model_args.max_seq_len
         if self.model.has_block_weights:
             self.row_multiple, self.tokens_per_forward = 1, BLOCK_TOKENS_PER_FORWARD
             self.lookup_max_batch = BLOCK_LOOKUP_MAX_BATCH
@@ -66,13 +66,13 @@ class ModelRunner(BaseModelRunner):
             self.row_multiple = library.row_tile()
         pool = TokenKVPool(
             num_layers=self.model.num_layers,
-            capacity=server_args.max_total_tokens,
+            capacity=model_args.max_total_tokens,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             dtype=torch.float32,
             device=self.device,
         )
-        self.kv = KVCacheManager(pool, use_radix_cache=not server_args.disable_radix_cache)
+        self.kv = KVCacheManager(pool, use_radix_cache=not model_args.disable_radix_cache)
         logger.info(
             "model runner on the CPU (batch-invariant %s kernels, matmul weights: %s; tensor-parallel rank %d of %d: "
             "weight_bytes=%d, %d of %d KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as "

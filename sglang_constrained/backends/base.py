@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarBackendArgs(Protocol):
-    """The server settings a grammar backend reads (``scheduler.server_args.ServerArgs`` provides them)."""
+    """The server settings a grammar backend reads (``scheduler.server_args.GrammarArgs`` provides them)."""
 
     @property
     def grammar_backend(self) -> str: ...

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ServerArgs
 from sglang_constrained.backends.base import BaseGrammarBackend
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
 from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
@@ -61,7 +61,7 @@ def build_backend(server_args: ServerArgs) -> Iterator[BackendBuilder]:
         stops = eos_token_ids or setup.eos_token_ids
         key = (name, setup.name, tuple(stops), tuple(sorted(overrides.items())))
         if key not in built:
-            args = replace(server_args, grammar_backend=name, **overrides)
+            args = replace(server_args.grammar, grammar_backend=name, **overrides)
             built[key] = new_backend(args, setup, stops)
         return built[key]
 
@@ -70,7 +70,7 @@ def build_backend(server_args: ServerArgs) -> Iterator[BackendBuilder]:
         backend.shutdown()
 
 
-def new_backend(args: ServerArgs, setup: TokenizerSetup, eos_token_ids: list[int] | None = None) -> GrammarPipeline:
+def new_backend(args: GrammarArgs, setup: TokenizerSetup, eos_token_ids: list[int] | None = None) -> GrammarPipeline:
     """A new ``args.grammar_backend`` on ``setup``'s tokenizer, in its pipeline (``.backend`` is the engine's);
     xgrammar's compiles on threads (see module doc)."""
     stops = eos_token_ids or setup.eos_token_ids

@@ -24,7 +24,7 @@ import torch
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, parse_server_args
 from scripts.calibrate_xgrammar_export import ebnf_alternatives
 from sglang_constrained.backends.auto import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
@@ -91,7 +91,7 @@ def build_auto(setup: TokenizerSetup, **changes: Any) -> GrammarPipeline:
     """``auto`` ready to compile, its choices made by the order alone: no test compile runs long enough on a busy
     machine to be handed over (``test_a_slow_first_choice_hands_over...`` builds one with the default budget).
     Exact (no narrowing), what these tests are about, unless ``changes`` say otherwise."""
-    args = ServerArgs(
+    args = GrammarArgs(
         grammar_backend="auto",
         **{"grammar_compile_slow_after": NO_HANDOVER_S, "grammar_auto_allow_narrowing": False, **changes},
     )
@@ -242,13 +242,13 @@ def test_a_registered_backend_takes_part_in_the_order(clean_registry: None, smol
 )
 def test_a_bad_order_is_refused_with_a_clear_error(order: str, error: str) -> None:
     with pytest.raises(ValueError, match=f"--grammar-backend-order {error}".replace("[", r"\[").replace("]", r"\]")):
-        ServerArgs.parse(["--grammar-backend", "auto", "--grammar-backend-order", order])
+        parse_server_args(["--grammar-backend", "auto", "--grammar-backend-order", order])
 
 
 def test_the_order_comes_from_the_command_line() -> None:
-    args = ServerArgs.parse(["--grammar-backend", "auto", "--grammar-backend-order", "llguidance, outlines"])
+    args = parse_server_args(["--grammar-backend", "auto", "--grammar-backend-order", "llguidance, outlines"]).grammar
     assert args.grammar_backend_order == ("llguidance", "outlines")
-    assert ServerArgs.parse([]).grammar_backend_order == ("xgrammar", "llguidance", "outlines")
+    assert parse_server_args([]).grammar.grammar_backend_order == ("xgrammar", "llguidance", "outlines")
 
 
 def test_a_backend_the_settings_rule_out_is_named(smollm2_tokenizer: TokenizerSetup) -> None:
@@ -306,7 +306,7 @@ def test_the_reasoner_wraps_auto(qwen35_tokenizer: TokenizerSetup) -> None:
     setup = qwen35_tokenizer
     think_end = think_end_token_id(setup.tokenizer, "qwen3")
     assert think_end is not None
-    args = ServerArgs(grammar_backend="auto", reasoning_parser="qwen3")
+    args = GrammarArgs(grammar_backend="auto", reasoning_parser="qwen3")
     backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids, think_end)
     assert isinstance(backend, ReasonerGrammarBackend) and backend.name == "auto"
     grammar = compile_valid(backend, "json", PRODUCT_SCHEMA)
@@ -406,7 +406,7 @@ def test_narrowing_when_allowed_is_named_in_the_stats(smollm2_tokenizer: Tokeniz
 def test_a_slow_first_choice_hands_over_and_its_compile_is_stopped(smollm2_tokenizer: TokenizerSetup) -> None:
     """xgrammar compiles four 3,000-character strings for tens of seconds (not predicted beyond the deadline, so it
     starts); llguidance, started beside it after a second, wins, and xgrammar's compile process is killed."""
-    auto = build_auto(smollm2_tokenizer, grammar_compile_slow_after=ServerArgs().grammar_compile_slow_after)
+    auto = build_auto(smollm2_tokenizer, grammar_compile_slow_after=GrammarArgs().grammar_compile_slow_after)
     assert isinstance(auto.backend, AutoGrammarBackend)
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 3000} for i in range(4)}}
     grammar = auto.backend.build_grammar(make_grammar_key("json", schema))

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from scheduler.budget_steering import BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
@@ -173,7 +173,7 @@ def test_auto_backend_grammars_end_valid_within_their_budget(
     """``auto``'s grammars are its chosen backends' (here xgrammar for the schema, llguidance for a pattern xgrammar
     refuses): the steering walks them through the same contract."""
     setup = smollm2_tokenizer
-    args = ServerArgs(grammar_backend="auto", grammar_compile_slow_after=600.0)
+    args = GrammarArgs(grammar_backend="auto", grammar_compile_slow_after=600.0)
     backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     assert backend is not None
     try:

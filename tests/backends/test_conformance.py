@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import KnownOutcomes, MaskBenchSweep, check_constraint
@@ -185,7 +185,7 @@ SKIPPED = {
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tokenizer_case: TokenizerSetup) -> Iterator[GrammarPipeline]:
-    built = new_backend(ServerArgs(grammar_backend=request.param, grammar_compile_threads=2), tokenizer_case)
+    built = new_backend(GrammarArgs(grammar_backend=request.param, grammar_compile_threads=2), tokenizer_case)
     yield built
     built.shutdown()
 

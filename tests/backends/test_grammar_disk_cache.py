@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scheduler.data_parallel.shared_grammars import GrammarStore
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.auto import AutoGrammarBackend
 from sglang_constrained.backends.base import (
     BaseGrammarObject,
@@ -54,7 +54,7 @@ def build(setup: TokenizerSetup, directory: Path, name: str, **overrides: Any) -
     Its cache writes every grammar that exports faster than it compiled, without weighing its read-back: these tests
     are about what is written, the rule of what pays to keep has its own."""
     settings = {"grammar_backend_order": AUTO_ORDER, "grammar_auto_allow_narrowing": False, **overrides}
-    args = replace(ServerArgs(), grammar_backend=name, **settings)
+    args = GrammarArgs(grammar_backend=name, **settings)
     disk_cache = GrammarDiskCache(directory, 1 << 30, read_margin=0.0)
     if name == "xgrammar":
         xgrammar = GrammarPipeline(
@@ -153,7 +153,7 @@ def test_an_entry_that_reads_back_slower_than_it_compiled_is_not_written(
 def test_xgrammar_keeps_its_compile_process_export_for_the_disk(smollm2_tokenizer: TokenizerSetup) -> None:
     """What a compile process sent back is written as it came, not serialised again (seconds for a large grammar)."""
     setup = smollm2_tokenizer
-    backend = XGrammarGrammarBackend(ServerArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
+    backend = XGrammarGrammarBackend(GrammarArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     try:
         assert backend.compile_processes is not None
         grammar, export_later = backend.build_exportable(make_grammar_key("json", PERSON_SCHEMA))
@@ -175,7 +175,7 @@ def test_the_default_backend_writes_xgrammars_compile_process_export(
     def start() -> GrammarPipeline:
         disk_cache = GrammarDiskCache(tmp_path, 1 << 30)
         backend = create_grammar_backend(
-            ServerArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids, disk_cache=disk_cache
+            GrammarArgs(), setup.tokenizer, setup.vocab_size, setup.eos_token_ids, disk_cache=disk_cache
         )
         assert backend is not None and isinstance(backend.backend, AutoGrammarBackend), backend
         xgrammar = backend.backend.backends["xgrammar"].backend
@@ -227,7 +227,7 @@ def test_rank_0s_store_for_the_replicas_reads_the_disk_cache(smollm2_tokenizer: 
     flush(first)
     first.shutdown()
     restarted = build(smollm2_tokenizer, tmp_path, "llguidance")
-    store = GrammarStore(restarted, ServerArgs())
+    store = GrammarStore(restarted, GrammarArgs())
     try:
         store.prefetch(make_grammar_key("json", PERSON_SCHEMA))
         (published,) = wait_published(store)

@@ -26,7 +26,7 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/miss
 
 
 def new_backend(name: str, setup: TokenizerSetup, server_args: ServerArgs) -> GrammarPipeline:
-    args = replace(server_args, grammar_backend=name)
+    args = replace(server_args.grammar, grammar_backend=name)
     return GrammarPipeline(BACKEND_CLASSES[name](args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids))
 
 
@@ -73,7 +73,7 @@ def test_the_store_compiles_once_and_a_replica_caches_what_it_publishes(
 ) -> None:
     compiling = new_backend("llguidance", smollm2_tokenizer, server_args)
     replica = new_backend("llguidance", smollm2_tokenizer, server_args)
-    store = GrammarStore(compiling, server_args)
+    store = GrammarStore(compiling, server_args.grammar)
     shared = SharedGrammars(replica)
     try:
         schema = {**PERSON_SCHEMA, "title": "shared once"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from llguidance.hf import from_tokenizer
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend, ll_tokenizer
 from sglang_constrained.base_grammar_backend import (
     TokenRejectedError,
@@ -20,7 +20,7 @@ from tests.helpers import PERSON_SCHEMA as OPEN_PERSON_SCHEMA
 from tests.helpers import allowed_tokens, compile_valid
 from triton_ops.bitmask_format import allowed_token_ids
 
-SERVER_ARGS = ServerArgs(grammar_backend="llguidance")
+SERVER_ARGS = GrammarArgs(grammar_backend="llguidance")
 PERSON_SCHEMA = {**OPEN_PERSON_SCHEMA, "additionalProperties": False}
 WEATHER_TAG = {
     "type": "structural_tag",

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from outlines_core.json_schema import build_regex_from_schema
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarObject,
@@ -188,7 +188,7 @@ def test_json_whitespace_settings(build_backend, smollm2_tokenizer, overrides, t
 def test_registry_builds_the_outlines_backend_by_name(smollm2_tokenizer: TokenizerSetup):
     case = smollm2_tokenizer
     backend = create_grammar_backend(
-        ServerArgs(grammar_backend="outlines"), case.tokenizer, case.vocab_size, case.eos_token_ids
+        GrammarArgs(grammar_backend="outlines"), case.tokenizer, case.vocab_size, case.eos_token_ids
     )
     assert backend is not None and isinstance(backend.backend, OutlinesGrammarBackend) and backend.name == "outlines"
     backend.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
 from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
 from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
@@ -35,7 +35,7 @@ def test_a_tokenizer_grown_by_an_added_token_is_decoded_again(smollm2_tokenizer:
 
 def test_llguidance_backends_on_one_tokenizer_share_its_engine_tokenizer(smollm2_tokenizer: TokenizerSetup) -> None:
     setup = smollm2_tokenizer
-    args = ServerArgs(grammar_backend="llguidance")
+    args = GrammarArgs(grammar_backend="llguidance")
     first, second = (GuidanceBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids) for _ in range(2))
     other_stops = GuidanceBackend(args, setup.tokenizer, setup.vocab_size, [0])
     try:
@@ -48,7 +48,7 @@ def test_llguidance_backends_on_one_tokenizer_share_its_engine_tokenizer(smollm2
 
 def test_outlines_backends_on_one_tokenizer_share_its_engine_vocabulary(smollm2_tokenizer: TokenizerSetup) -> None:
     setup = smollm2_tokenizer
-    args = ServerArgs(grammar_backend="outlines")
+    args = GrammarArgs(grammar_backend="outlines")
     first, second = (
         OutlinesGrammarBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids) for _ in range(2)
     )

@@ -19,16 +19,16 @@ import pytest
 from tests.fresh_interpreter import REPO_ROOT
 
 COMPILE = """
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.testing.tokenizer_setups import load_tokenizer_setup
 
 
 def compile_once(where):
-    setup = load_tokenizer_setup("smollm2", ServerArgs().cache_path)
+    setup = load_tokenizer_setup("smollm2", ModelArgs().cache_path)
     backend = create_grammar_backend(
-        ServerArgs(grammar_backend="xgrammar"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
+        GrammarArgs(grammar_backend="xgrammar"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
     )
     value, _ = backend.get_cached_or_future_value(make_grammar_key("regex", "[0-9]{3}"))
     grammar = value.result(timeout=300)

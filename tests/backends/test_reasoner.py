@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.reasoner import (
     FreeGrammarObject,
@@ -33,7 +32,7 @@ KEY = make_grammar_key("json", SCHEMA)
 def backend(qwen35_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     """The wrapper around xgrammar (``auto`` could pick llguidance for a compile slower than its hand-over, whose
     grammar ends at the closing brace where xgrammar's still takes whitespace)."""
-    args = replace(ServerArgs(), grammar_backend="xgrammar", reasoning_parser="qwen3")
+    args = GrammarArgs(grammar_backend="xgrammar", reasoning_parser="qwen3")
     tokenizer = qwen35_tokenizer.tokenizer
     think_end, think_start = think_end_token_id(tokenizer, "qwen3"), think_start_token_id(tokenizer, "qwen3")
     built = create_grammar_backend(
@@ -117,7 +116,7 @@ def test_compiled_grammars_are_cached_unwrapped(backend: GrammarPipeline) -> Non
 
 def test_no_wrapping_without_a_think_end_token(smollm2_tokenizer: TokenizerSetup) -> None:
     assert think_end_token_id(smollm2_tokenizer.tokenizer, "qwen3") is None
-    args = replace(ServerArgs(), reasoning_parser="qwen3")
+    args = GrammarArgs(reasoning_parser="qwen3")
     built = create_grammar_backend(
         args, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids, None
     )

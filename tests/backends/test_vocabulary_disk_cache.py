@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import xgrammar
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.outlines.backend import OutlinesGrammarBackend
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
@@ -92,7 +92,7 @@ def test_every_token_of_a_real_vocabulary_reads_back_byte_for_byte(
 def test_a_backend_keeps_its_vocabulary_in_the_servers_cache_folder(
     backend_class: type, smollm2_tokenizer: TokenizerSetup, tmp_path: Path
 ) -> None:
-    args = ServerArgs(cache_dir=str(tmp_path))
+    args = GrammarArgs(cache_dir=str(tmp_path))
     setup = smollm2_tokenizer
     options = {"compile_in_processes": False} if backend_class is XGrammarGrammarBackend else {}
     backend = backend_class(args, copy.deepcopy(setup.tokenizer), setup.vocab_size, setup.eos_token_ids, **options)

@@ -175,7 +175,7 @@ def test_xgrammar_sees_the_vocabulary_bytes_unchanged(backend):
 
 def test_builtin_registry_builds_this_backend(smollm2_tokenizer, server_args):
     case = smollm2_tokenizer
-    args = replace(server_args, grammar_backend="xgrammar")
+    args = replace(server_args.grammar, grammar_backend="xgrammar")
     built = create_grammar_backend(args, case.tokenizer, case.vocab_size, case.eos_token_ids)
     assert built is not None and isinstance(built.backend, XGrammarGrammarBackend) and built.name == "xgrammar"
     built.shutdown()
@@ -199,7 +199,7 @@ def test_whitespace_flexible_by_default_and_compact_on_request(
 
 def test_whitespace_pattern_is_refused_with_the_flag_to_use(smollm2_tokenizer, server_args):
     case = smollm2_tokenizer
-    args = replace(server_args, constrained_json_whitespace_pattern=r"[ ]?")
+    args = replace(server_args.grammar, constrained_json_whitespace_pattern=r"[ ]?")
     with pytest.raises(ValueError, match="--constrained-json-disable-any-whitespace"):
         XGrammarGrammarBackend(args, case.tokenizer, case.vocab_size, case.eos_token_ids)
 

@@ -30,7 +30,7 @@ from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch, LlamaModel
 from scheduler.model.loader import read_weights
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from scheduler.testing.process import free_port
 from tests.helpers import write_random_model
 from tests.tiny_models import random_norms
@@ -90,7 +90,7 @@ def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
     """One rank of the group (a torch.multiprocessing child): its logits and what it holds, saved to ``out``."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     torch.set_num_threads(1)
-    library.load(ServerArgs().kernel_build_path)
+    library.load(ModelArgs().kernel_build_path)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
         model = load_shard(folder, rank, size, TensorParallelGroup(rank, size, dist.group.WORLD))
@@ -122,7 +122,7 @@ def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: in
         model.save_pretrained(tmp_path)
     else:
         write_random_model(config, tmp_path)
-    library.load(ServerArgs().kernel_build_path)
+    library.load(ModelArgs().kernel_build_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
     try:

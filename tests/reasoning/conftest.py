@@ -15,7 +15,7 @@ import pytest
 from transformers import Qwen3Config
 
 from scheduler.model.runner import ModelRunner
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.helpers import HttpServer, serving, write_random_model
 
@@ -76,7 +76,7 @@ def reasoning_model(tmp_path_factory: pytest.TempPathFactory, qwen35_tokenizer: 
 @pytest.fixture(scope="package")
 def reasoning_runner(reasoning_model: Path) -> ModelRunner:
     """The model in this process, for schedulers run in the test (speculation on and off over one load)."""
-    return ModelRunner(ServerArgs(model_path=str(reasoning_model), **MODEL_SETTINGS))  # type: ignore[arg-type]
+    return ModelRunner(ModelArgs(model_path=str(reasoning_model), **MODEL_SETTINGS))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="package")

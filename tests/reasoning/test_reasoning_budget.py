@@ -30,7 +30,7 @@ def test_endless_thinking_is_closed_in_time_for_the_answer(
         for budget in (12, 20)
     ]
     reasoning_runner.kv.flush()
-    scheduler = Scheduler(ServerArgs(reasoning_parser="qwen3", **MODEL_SETTINGS), reasoning_runner)  # type: ignore[arg-type]
+    scheduler = Scheduler(ServerArgs.of(reasoning_parser="qwen3", **MODEL_SETTINGS), reasoning_runner)
     try:
         outputs = serve(scheduler, requests)
     finally:

@@ -73,7 +73,7 @@ def run(
 ) -> tuple[list[GenerateOutput], SpeculationStats]:
     runner.kv.flush()
     scheduler = Scheduler(
-        ServerArgs(  # type: ignore[arg-type]
+        ServerArgs.of(
             reasoning_parser="qwen3", thinking_budget=SERVER_BUDGET, speculative_algorithm=algorithm, **MODEL_SETTINGS
         ),
         runner,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import jsonschema
@@ -69,7 +70,7 @@ def tokens_and_reasons(outputs: list[GenerateOutput]) -> list[tuple[list[int], s
 
 @pytest.fixture(scope="module")
 def runner(server_args: ServerArgs) -> ModelRunner:
-    return ModelRunner(server_args.with_overrides(**MODEL_SETTINGS))
+    return ModelRunner(replace(server_args.model, **MODEL_SETTINGS))
 
 
 def test_small_budgets_end_valid_with_stop(runner: ModelRunner) -> None:

@@ -24,7 +24,7 @@ from scheduler.http.protocol import ChatCompletionRequest
 from scheduler.http.request_conversion import RequestLimits, chat_calls
 from scheduler.http.tool_calls import server_tool_format, tool_plan
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs, parse_server_args
 from sglang_constrained.tokenizer.loading import load_tokenizer
 from tests.helpers import HttpServer, serving
 from tests.tiny_models import tiny_tokenizer, write_gguf
@@ -136,7 +136,7 @@ def test_the_chat_template_flag_replaces_the_models_template(how: str, model_fil
     elif how == "a .json file":
         value = str(tmp_path / "plain.json")
         Path(value).write_text(json.dumps({"chat_template": PLAIN_TEMPLATE}))
-    assert ServerArgs(chat_template=value).chat_template == value
+    assert ModelArgs(chat_template=value).chat_template == value
     prompts = encoder(model_file, tmp_path / "cache", value)
     assert prompts.encode(messages=MESSAGES) == prompts.tokenizer.encode(
         rendered(PLAIN_TEMPLATE, MESSAGES), add_special_tokens=False
@@ -153,7 +153,7 @@ def test_the_chat_template_flag_replaces_the_models_template(how: str, model_fil
 )
 def test_a_chat_template_that_does_not_parse_stops_the_start_up_naming_the_fault(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ServerArgs.parse(["--chat-template", value])
+        parse_server_args(["--chat-template", value])
 
 
 @pytest.mark.parametrize("template", [HOUSE_TEMPLATE, PLAIN_TEMPLATE], ids=["renders tools", "renders no tools"])

@@ -16,7 +16,7 @@ import pytest
 
 from scheduler.client import make_request
 from scheduler.scheduler import Scheduler
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs, ServerArgs
 from sglang_constrained.tokenizer.loading import embedded_model_path
 from tests.helpers import launch_scheduler
 from tests.serving.test_speculative import CONSTRAINTS, PERSON, serve
@@ -32,7 +32,7 @@ PROMPTS = ["The three best things about summer are", "Count from one to twenty: 
 
 @pytest.fixture(scope="module")
 def runner() -> LlamaCppModelRunner:
-    return LlamaCppModelRunner(ServerArgs(**SETTINGS, max_total_tokens=4096))
+    return LlamaCppModelRunner(ModelArgs(**SETTINGS, max_total_tokens=4096))
 
 
 def greedy(runner: LlamaCppModelRunner, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -81,7 +81,7 @@ def test_a_rollback_drops_the_rolled_back_cells(runner: LlamaCppModelRunner) -> 
 
 @pytest.fixture
 def scheduler(runner: LlamaCppModelRunner) -> Iterator[Scheduler]:
-    loop = Scheduler(ServerArgs(**SETTINGS, max_total_tokens=4096), runner)
+    loop = Scheduler(ServerArgs.of(**SETTINGS, max_total_tokens=4096), runner)
     yield loop
     loop.shutdown(None)
 

@@ -10,6 +10,7 @@ scaled embedding, and (from a folder) soft-capped logits and its own attention s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ measured up to 2e-5)."""
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels(server_args: ServerArgs) -> None:
-    library.load(server_args.kernel_build_path)
+    library.load(server_args.model.kernel_build_path)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,8 @@ def reference_greedy(reference: Any, prompt: list[int]) -> list[int]:
 
 def tiny_runner(server_args: ServerArgs, model_path: Path, cache: Path, weight_dtype: str) -> ModelRunner:
     return ModelRunner(
-        server_args.with_overrides(
+        replace(
+            server_args.model,
             model_path=str(model_path),
             cache_dir=str(cache),
             max_seq_len=128,

@@ -4,6 +4,7 @@ shared by every test."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from scheduler.model.runner import BLOCK_LOOKUP_MAX_BATCH, BLOCK_TOKENS_PER_FORW
 from scheduler.model.runner_contract import LOOKUP_MAX_BATCH, TOKENS_PER_FORWARD
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs, ServerArgs
 from sglang_constrained.tokenizer.loading import conversion_cache_dir, embedded_model_path
 from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
 
@@ -54,25 +55,25 @@ PROMPTS: list[dict[str, Any]] = [
 @pytest.fixture(scope="module")
 def runner(server_args: ServerArgs) -> ModelRunner:
     """float32 weights: the format that matches transformers to float rounding."""
-    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="float32"))
+    return ModelRunner(replace(server_args.model, max_seq_len=256, max_total_tokens=4096, weight_dtype="float32"))
 
 
 @pytest.fixture(scope="module")
 def blocks_runner(server_args: ServerArgs) -> ModelRunner:
     """The default, ``--weight-dtype auto``: the GGUF file's own Q4_1 and Q8_0 blocks."""
-    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="auto"))
+    return ModelRunner(replace(server_args.model, max_seq_len=256, max_total_tokens=4096, weight_dtype="auto"))
 
 
 @pytest.fixture(scope="module")
 def compact_runner(server_args: ServerArgs) -> ModelRunner:
     """``--weight-dtype bfloat16``: bfloat16 matmul weights in the decoder layers."""
-    return ModelRunner(server_args.with_overrides(max_seq_len=256, max_total_tokens=4096, weight_dtype="bfloat16"))
+    return ModelRunner(replace(server_args.model, max_seq_len=256, max_total_tokens=4096, weight_dtype="bfloat16"))
 
 
 @pytest.fixture(scope="module")
 def hf_model(server_args: ServerArgs, runner: ModelRunner) -> Any:
     """transformers' own Llama over the de-quantised cache the runner wrote: the reference implementation."""
-    folder = conversion_cache_dir(embedded_model_path(), server_args.cache_path, "weights")
+    folder = conversion_cache_dir(embedded_model_path(), server_args.model.cache_path, "weights")
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -145,7 +146,7 @@ def test_gguf_blocks_are_the_weights_transformers_computes_with(
     """The blocks the default runner multiplies stand for exactly the float32 weights transformers de-quantises
     (both runners have written their conversions of the GGUF file)."""
     folders = {
-        kind: conversion_cache_dir(embedded_model_path(), server_args.cache_path, kind)
+        kind: conversion_cache_dir(embedded_model_path(), server_args.model.cache_path, kind)
         for kind in (BLOCKS_KIND, "weights")
     }
     shard = ShardPlan.build(AutoConfig.from_pretrained(folders["weights"]))
@@ -495,7 +496,7 @@ def test_a_gguf_file_of_an_unsupported_architecture_is_refused_before_its_conver
     writer.write_tensors_to_file()
     writer.close()
     cache = tmp_path / "cache"
-    args = ServerArgs(model_path=str(path), weight_dtype=weight_dtype, cache_dir=str(cache))
+    args = ModelArgs(model_path=str(path), weight_dtype=weight_dtype, cache_dir=str(cache))
     refusal = r"unsupported architecture 'gpt2' in tiny-gpt2\.gguf; the model runner serves"
     with pytest.raises(ValueError, match=refusal):
         load_model(args)
@@ -541,8 +542,8 @@ def test_model_folders_match_transformers(
     reference.save_pretrained(tmp_path)
     runner.tokenizer.save_pretrained(tmp_path)
     tiny = ModelRunner(
-        server_args.with_overrides(
-            model_path=str(tmp_path), max_seq_len=300, max_total_tokens=1024, weight_dtype="float32"
+        replace(
+            server_args.model, model_path=str(tmp_path), max_seq_len=300, max_total_tokens=1024, weight_dtype="float32"
         )
     )
     tokens = torch.randint(0, 49152, (80,)).tolist()

@@ -17,7 +17,7 @@ import zmq
 
 from scheduler.client import make_request
 from scheduler.io_struct import AbortCause, GenerateOutput, decode_server_message, encode
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from scheduler.testing.process import SchedulerProcess, process_tree
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.base_grammar_backend import create_grammar_backend
@@ -60,7 +60,7 @@ CASES: dict[str, tuple[str, Any, str]] = {
 def grammar_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     """An xgrammar backend in the test process, to check outputs with the grammar's own acceptance."""
     backend = create_grammar_backend(
-        ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+        GrammarArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
     )
     assert backend is not None
     yield backend

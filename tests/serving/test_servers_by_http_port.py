@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from scheduler.server_args import ZMQ_PORT, ServerArgs
+from scheduler.server_args import ZMQ_PORT, parse_server_args
 from scheduler.testing.process import REPO_ROOT, free_port, wait_until_healthy
 from tests.helpers import TEST_SERVER_FLAGS
 
@@ -52,6 +52,6 @@ def test_without_an_http_port_the_zmq_port_stays_where_clients_look() -> None:
     with socket.socket() as holder:
         with suppress(OSError):  # held here, or already by something else
             holder.bind(("127.0.0.1", ZMQ_PORT))
-        assert ServerArgs.parse([]).zmq_port == ZMQ_PORT
-        assert ServerArgs.parse(["--port", "30000", "--zmq-port", str(ZMQ_PORT)]).zmq_port == ZMQ_PORT
-        assert ServerArgs.parse(["--port", "30000"]).zmq_port != ZMQ_PORT
+        assert parse_server_args([]).serving.zmq_port == ZMQ_PORT
+        assert parse_server_args(["--port", "30000", "--zmq-port", str(ZMQ_PORT)]).serving.zmq_port == ZMQ_PORT
+        assert parse_server_args(["--port", "30000"]).serving.zmq_port != ZMQ_PORT

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -71,14 +72,14 @@ FREE_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def runner(server_args: ServerArgs) -> ModelRunner:
-    return ModelRunner(server_args.with_overrides(**MODEL_SETTINGS))
+    return ModelRunner(replace(server_args.model, **MODEL_SETTINGS))
 
 
 @contextlib.contextmanager
 def in_process_scheduler(runner: ModelRunner, **settings: Any) -> Iterator[Scheduler]:
     """A loop on ``runner`` with an empty prefix cache, as a fresh server would start."""
     runner.kv.flush()
-    scheduler = Scheduler(ServerArgs(**MODEL_SETTINGS, **settings), runner)
+    scheduler = Scheduler(ServerArgs.of(**MODEL_SETTINGS, **settings), runner)
     try:
         yield scheduler
     finally:

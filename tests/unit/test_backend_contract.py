@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import xgrammar
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.base_grammar_backend import (
     BaseGrammarBackend,
@@ -56,7 +56,7 @@ def test_a_backend_that_writes_only_its_compiles_is_served(
 ) -> None:
     setup = smollm2_tokenizer
     register_grammar_backend("regex-only", RegexOnlyBackend)
-    args = ServerArgs(grammar_backend="regex-only")
+    args = GrammarArgs(grammar_backend="regex-only")
     backend = create_grammar_backend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     assert backend is not None and backend.name == "regex-only" and not backend.can_share_grammars
     try:
@@ -84,4 +84,4 @@ def test_a_backend_missing_a_kind_s_compile_is_refused_naming_it() -> None:
             return self.unsupported("ebnf")
 
     with pytest.raises(TypeError, match="dispatch_structural_tag"):
-        NoStructuralTags(ServerArgs(), 1000)  # type: ignore[abstract]
+        NoStructuralTags(GrammarArgs(), 1000)  # type: ignore[abstract]

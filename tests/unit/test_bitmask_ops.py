@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpu_kernels import build, library, ops, packed_weights
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from triton_ops import (
     apply_token_bitmask_inplace,
     apply_token_bitmask_inplace_cpu,
@@ -48,7 +48,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @pytest.fixture(autouse=True, scope="module")
 def cpu_mask_library() -> None:
     """The C++ masking loop serves the CPU path from here on in this process, as in a server."""
-    assert load_cpu_bitmask_kernel(ServerArgs().kernel_build_path), "the kernels should build on this machine"
+    assert load_cpu_bitmask_kernel(ModelArgs().kernel_build_path), "the kernels should build on this machine"
 
 
 @pytest.fixture(params=list(IMPLEMENTATIONS))

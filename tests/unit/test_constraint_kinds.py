@@ -14,7 +14,7 @@ import pytest
 from scheduler.http.protocol import ChatCompletionRequest, ProtocolError, parse_body
 from scheduler.http.request_conversion import RequestLimits, chat_calls, checked_params
 from scheduler.io_struct import GenerateReq, SamplingParams, decode_client_message, encode
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.base import BaseGrammarBackend, InvalidGrammarObject
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.constraint_spec import (
@@ -94,7 +94,7 @@ def test_each_request_field_crosses_the_socket_as_its_kind(kind: ConstraintKind)
 def llguidance(smollm2_tokenizer: TokenizerSetup) -> Iterator[BaseGrammarBackend]:
     setup = smollm2_tokenizer
     pipeline = create_grammar_backend(
-        replace(ServerArgs(), grammar_backend="llguidance"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
+        GrammarArgs(grammar_backend="llguidance"), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
     )
     assert pipeline is not None and isinstance(pipeline.backend, BaseGrammarBackend)
     yield pipeline.backend

@@ -41,7 +41,7 @@ ACCEPTED = [
 @pytest.fixture(scope="module")
 def llguidance(server_args: ServerArgs, smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     setup = smollm2_tokenizer
-    args = replace(server_args, grammar_backend="llguidance")
+    args = replace(server_args.grammar, grammar_backend="llguidance")
     backend = GrammarPipeline(GuidanceBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids))
     yield backend
     backend.shutdown()
@@ -64,7 +64,7 @@ def test_an_xgrammar_compile_past_its_deadline_is_killed(
     """The compile process is killed at the deadline: nothing spends CPU on the compile after it (a compile on a
     thread would go on for the tens of seconds this grammar takes)."""
     setup = smollm2_tokenizer
-    args = replace(server_args, grammar_compile_timeout=5.0)  # ample for a regex on a busy machine
+    args = replace(server_args.grammar, grammar_compile_timeout=5.0)  # ample for a regex on a busy machine
     xgrammar_backend = XGrammarGrammarBackend(args, setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     backend = GrammarPipeline(xgrammar_backend)
     # Tens of seconds (measured: 5.8 s for one string of 4,000 on an older EPYC; two of 6,000 compiled within 5 s on

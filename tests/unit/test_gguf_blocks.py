@@ -27,7 +27,7 @@ from scheduler.model.gguf_blocks import (
     stack_blocks,
 )
 from scheduler.model.llama import pack_blocks, pack_weight
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from tests.unit.invariant_cases import activations_as_multiplied
 
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
@@ -46,7 +46,7 @@ FLOAT16_FIELDS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    library.load(ServerArgs().kernel_build_path)
+    library.load(ModelArgs().kernel_build_path)
 
 
 def gguf_type(fmt: str) -> GGMLQuantizationType:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, ModelArgs, parse_server_args
 from sglang_constrained.cache.atomic_file import TEMPORARY_PREFIX
 from sglang_constrained.cache.compiled import GrammarExport, GrammarStats
 from sglang_constrained.cache.disk import STALE_TEMPORARY_S, GrammarDiskCache, entry_digest
@@ -199,10 +199,11 @@ def test_a_writer_killed_mid_write_leaves_only_whole_entries(tmp_path: Path) -> 
 
 
 def test_the_disk_cache_flags() -> None:
-    default = ServerArgs()
-    assert default.grammar_disk_cache_path == default.cache_path / "grammars"
-    assert ServerArgs.parse(["--grammar-cache-dir", "/srv/grammars"]).grammar_disk_cache_path == Path("/srv/grammars")
-    assert ServerArgs.parse(["--disable-grammar-disk-cache"]).grammar_disk_cache_path is None
-    assert ServerArgs.parse(["--grammar-disk-cache-max-bytes", "1000"]).grammar_disk_cache_max_bytes == 1000
+    default = GrammarArgs()
+    assert default.grammar_disk_cache_path == ModelArgs().cache_path / "grammars", "beside the model's files"
+    given = parse_server_args(["--grammar-cache-dir", "/srv/grammars"]).grammar
+    assert given.grammar_disk_cache_path == Path("/srv/grammars")
+    assert parse_server_args(["--disable-grammar-disk-cache"]).grammar.grammar_disk_cache_path is None
+    assert parse_server_args(["--grammar-disk-cache-max-bytes", "1000"]).grammar.grammar_disk_cache_max_bytes == 1000
     with pytest.raises(ValueError, match="--grammar-disk-cache-max-bytes"):
-        ServerArgs(grammar_disk_cache_max_bytes=-1)
+        GrammarArgs(grammar_disk_cache_max_bytes=-1)

@@ -12,7 +12,7 @@ import pytest
 from scheduler.grammar_manager import GrammarManager
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.unit.test_registry_and_cache import SCHEMA_KEY, CountingBackend
@@ -22,7 +22,7 @@ from tests.unit.test_registry_and_cache import SCHEMA_KEY, CountingBackend
 def held_backend(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     backend = GrammarPipeline(
         CountingBackend(
-            ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+            GrammarArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
         )
     )
     yield backend

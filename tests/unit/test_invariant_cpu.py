@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cpu_kernels import library, ops, packed_weights
 from cpu_kernels.build import runs_here
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from tests.unit.invariant_cases import (
     ATTENTION_SHAPES,
@@ -42,7 +42,7 @@ MODEL_SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072),
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    library.load(ServerArgs().kernel_build_path)
+    library.load(ModelArgs().kernel_build_path)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -271,7 +271,7 @@ def test_every_instruction_set_computes_the_same_bits() -> None:
     targets = ["native", *filter(runs_here, NARROWER_TARGETS)]
     runs = [  # at once: each builds its library (seconds of compiler) and imports torch
         subprocess.Popen(
-            [sys.executable, "-c", CROSS_ISA_SCRIPT, str(ServerArgs().kernel_build_path), target],
+            [sys.executable, "-c", CROSS_ISA_SCRIPT, str(ModelArgs().kernel_build_path), target],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -7,13 +7,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import GrammarArgs, parse_server_args
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.base_grammar_backend import (
@@ -52,7 +51,7 @@ class CountingBackend(XGrammarGrammarBackend):
 def counting(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
     backend = GrammarPipeline(
         CountingBackend(
-            ServerArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
+            GrammarArgs(), smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids
         )
     )
     yield backend
@@ -60,9 +59,7 @@ def counting(smollm2_tokenizer: TokenizerSetup) -> Iterator[GrammarPipeline]:
 
 
 def make(setup: TokenizerSetup, **changes: Any) -> GrammarPipeline | None:
-    return create_grammar_backend(
-        replace(ServerArgs(), **changes), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
-    )
+    return create_grammar_backend(GrammarArgs(**changes), setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
 
 
 def test_registered_name_wins_over_the_builtin(clean_registry: None, smollm2_tokenizer: TokenizerSetup) -> None:
@@ -74,10 +71,10 @@ def test_registered_name_wins_over_the_builtin(clean_registry: None, smollm2_tok
 
 def test_a_registered_backend_is_a_valid_choice(clean_registry: None, smollm2_tokenizer: TokenizerSetup) -> None:
     with pytest.raises(ValueError, match="unknown grammar backend 'counting'"):
-        ServerArgs(grammar_backend="counting")
+        GrammarArgs(grammar_backend="counting")
     register_grammar_backend("counting", CountingBackend)
     assert "counting" in available_grammar_backends()
-    assert ServerArgs.parse(["--grammar-backend", "counting"]).grammar_backend == "counting"
+    assert parse_server_args(["--grammar-backend", "counting"]).grammar.grammar_backend == "counting"
     backend = make(smollm2_tokenizer, grammar_backend="counting")
     assert backend is not None and isinstance(backend.backend, CountingBackend)
     backend.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.replicas import replica_argv
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import parse_server_args
 
 
 def test_each_replica_gets_every_flag_but_the_launchers_own() -> None:
@@ -39,11 +39,11 @@ def test_each_replica_gets_every_flag_but_the_launchers_own() -> None:
 )
 def test_router_flags_are_checked(argv: list[str], words: str) -> None:
     with pytest.raises(ValueError, match=words):
-        ServerArgs.parse(argv)
+        parse_server_args(argv)
 
 
 def test_the_router_launcher_is_one_process() -> None:
-    args = ServerArgs.parse(["--dp-size", "2", "--router", "sglang", "--port", "30000"])
-    args.check_world_size(1)
+    args = parse_server_args(["--dp-size", "2", "--router", "sglang", "--port", "30000"])
+    args.parallel.check_world_size(1)
     with pytest.raises(ValueError, match="not under torchrun"):
-        args.check_world_size(2)
+        args.parallel.check_world_size(2)

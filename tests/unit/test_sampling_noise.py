@@ -13,7 +13,7 @@ import torch
 
 from cpu_kernels import library
 from scheduler.sampler import SamplingRows, position_key, sample
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ModelArgs
 from tests.helpers import THREAD_COUNTS
 from triton_ops import NO_DRAFT
 from triton_ops.sampling_noise import (
@@ -29,7 +29,7 @@ EDGE_KEYS = [0, 1, -1, 2**63 - 1, -(2**63), 0x5DEECE66D]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    library.load(ServerArgs().kernel_build_path)
+    library.load(ModelArgs().kernel_build_path)
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 1023, 1024, 1025, 49_153])

@@ -13,7 +13,7 @@ import pytest
 from transformers import LlamaConfig
 
 from scheduler.model.tensor_parallel import ShardPlan, TensorParallelGroup, split_evenly
-from scheduler.server_args import ServerArgs
+from scheduler.server_args import ParallelArgs, parse_server_args
 
 SMOLLM2: dict[str, Any] = {
     "vocab_size": 49152,
@@ -111,22 +111,22 @@ def test_a_group_of_several_ranks_needs_a_process_group() -> None:
 @pytest.mark.parametrize(("tp_size", "world_size"), [(2, 1), (2, 3), (3, 2)])
 def test_a_tp_size_other_than_the_ranks_launched_is_refused(tp_size: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=f"--tp-size {tp_size} needs {tp_size} ranks, but {world_size} were"):
-        ServerArgs(tp_size=tp_size).check_world_size(world_size)
+        ParallelArgs(tp_size=tp_size).check_world_size(world_size)
 
 
 @pytest.mark.parametrize(("tp_size", "world_size"), [(1, 1), (1, 2), (2, 2), (3, 3)])
 def test_tp_size_one_runs_on_any_ranks_and_n_on_n(tp_size: int, world_size: int) -> None:
-    ServerArgs(tp_size=tp_size).check_world_size(world_size)
+    ParallelArgs(tp_size=tp_size).check_world_size(world_size)
 
 
 def test_the_flag_reaches_the_server_args() -> None:
-    assert ServerArgs.parse(["--tp-size", "2"]).tp_size == 2
+    assert parse_server_args(["--tp-size", "2"]).parallel.tp_size == 2
     with pytest.raises(ValueError, match="tp_size must be positive"):
-        ServerArgs.parse(["--tp-size", "0"])
+        parse_server_args(["--tp-size", "0"])
 
 
 def test_tensor_and_data_parallel_together_are_refused_with_a_clear_message() -> None:
     with pytest.raises(ValueError, match="tensor and data parallelism do not combine yet"):
-        ServerArgs(tp_size=2, dp_size=2).check_world_size(4)
+        ParallelArgs(tp_size=2, dp_size=2).check_world_size(4)
     with pytest.raises(ValueError, match="--dp-size 2 needs exactly 2 ranks"):
-        ServerArgs(dp_size=2).check_world_size(3)
+        ParallelArgs(dp_size=2).check_world_size(3)

@@ -26,9 +26,9 @@ TEXTS = ["Hello world", ' ör <|im_start|>user\n{"a": 1}\t', "\u00a0  trailing  
 
 
 def test_the_converted_tokenizer_is_what_autotokenizer_loads(server_args: ServerArgs) -> None:
-    ours = load_tokenizer(embedded_model_path(), server_args.cache_path)
+    ours = load_tokenizer(embedded_model_path(), server_args.model.cache_path)
     theirs = AutoTokenizer.from_pretrained(
-        conversion_cache_dir(embedded_model_path(), server_args.cache_path, "tokenizer")
+        conversion_cache_dir(embedded_model_path(), server_args.model.cache_path, "tokenizer")
     )
     assert type(ours) is type(theirs)
     assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
@@ -43,13 +43,13 @@ def test_the_converted_tokenizer_is_what_autotokenizer_loads(server_args: Server
 
 
 def test_loading_it_imports_no_torch(server_args: ServerArgs) -> None:
-    load_tokenizer(embedded_model_path(), server_args.cache_path)  # converted, if no test has yet
+    load_tokenizer(embedded_model_path(), server_args.model.cache_path)  # converted, if no test has yet
     script = textwrap.dedent(
         """
         import sys
-        from scheduler.server_args import ServerArgs
+        from scheduler.server_args import ModelArgs
         from sglang_constrained.tokenizer.loading import embedded_model_path, load_tokenizer
-        load_tokenizer(embedded_model_path(), ServerArgs().cache_path)
+        load_tokenizer(embedded_model_path(), ModelArgs().cache_path)
         print("torch" in sys.modules)
         """
     )
@@ -62,8 +62,8 @@ def test_a_process_finding_a_conversion_under_way_waits_for_it_and_loads_its_res
     """While this test holds the conversion's lock, a new process waits on it (the kernel lists it as blocked);
     once the converted folder is in place and the lock released, it loads that folder without converting (the
     GGUF reader never imported) and gets the same tokenizer."""
-    expected = load_tokenizer(embedded_model_path(), server_args.cache_path)  # converted, if no test has yet
-    converted = conversion_cache_dir(embedded_model_path(), server_args.cache_path, "tokenizer")
+    expected = load_tokenizer(embedded_model_path(), server_args.model.cache_path)  # converted, if no test has yet
+    converted = conversion_cache_dir(embedded_model_path(), server_args.model.cache_path, "tokenizer")
     target = conversion_cache_dir(embedded_model_path(), tmp_path, "tokenizer")
     script = textwrap.dedent(
         """
