@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jinja2
 import pytest
 import torch
@@ -22,9 +23,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from scheduler.http.protocol import ChatCompletionRequest
 from scheduler.http.request_conversion import RequestLimits, chat_calls
+from scheduler.http.server import start_http_frontend
 from scheduler.http.tool_calls import server_tool_format, tool_plan
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import ModelArgs, parse_server_args
+from scheduler.server_args import ModelArgs, ServerArgs, free_port, parse_server_args
 from sglang_constrained.tokenizer.loading import load_tokenizer
 from tests.helpers import HttpServer, serving
 from tests.tiny_models import tiny_tokenizer, write_gguf
@@ -242,3 +244,24 @@ def test_the_server_renders_chats_by_the_files_template_and_answers_its_refusals
         )
         assert error["param"] == "messages"
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+
+
+def test_the_http_frontend_renders_chats_by_the_chat_template_flag(model_file: Path, tokenizer: Any) -> None:
+    """The frontend process renders chat prompts, so ``--chat-template`` reaches it as well as the model's loader
+    (``/tokenize`` answers without a scheduler)."""
+    host = "127.0.0.1"
+    args = ServerArgs.of(
+        model_path=str(model_file),
+        max_seq_len=MAX_SEQ_LEN,
+        chat_template=PLAIN_TEMPLATE,
+        host=host,
+        port=free_port(host),
+        zmq_port=free_port(host),
+    )
+    frontend = start_http_frontend(args)
+    try:
+        answer = httpx.post(f"{frontend.url}/tokenize", json={"messages": MESSAGES}, timeout=120)
+    finally:
+        frontend.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["tokens"] == tokenizer.encode(rendered(PLAIN_TEMPLATE, MESSAGES), add_special_tokens=False)
