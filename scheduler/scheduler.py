@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
 
@@ -21,12 +20,10 @@ from scheduler.io_struct import (
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,
-    GenerateOutput,
     GenerateReq,
     PingReq,
     Pong,
     ReplicaStatus,
-    Usage,
     decode_client_message,
     error_output,
     read_rid,
@@ -34,8 +31,10 @@ from scheduler.io_struct import (
 from scheduler.ipc import SchedulerIPC
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.ngram_cache import NgramCache
+from scheduler.output_messages import next_output
 from scheduler.output_text import OutputText
 from scheduler.predicted_output import PredictionAligner
+from scheduler.prefill_admission import PrefillAdmission
 from scheduler.prompt_encoder import PromptEncoder
 from scheduler.reasoning_gate import ReasoningGate
 from scheduler.request import CLIENT_ABORT, Abort, Req
@@ -43,7 +42,6 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer, resolve_algorithm
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
-from sglang_constrained.backends.base import common_prefix_length
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.cache.disk import open_grammar_disk_cache
@@ -57,7 +55,6 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 """Longest the idle loop sleeps before it looks at its stop flag again."""
 SHUTDOWN = Abort(AbortCause.SHUTDOWN, "the server is shutting down")
-SHARED_PREFIX_MIN_TOKENS = 32
 """Tokens of a prompt's start, computed by a request admitted before it in the same turn, for which a request waits a
 turn and takes them from the prefix cache (SGLang's in-batch prefix caching threshold): tools or a long system
 prompt sent with many requests at once are computed once."""
@@ -81,6 +78,7 @@ class Scheduler:
         self.vocab_size = model_runner.vocab_size
         self.kv = model_runner.kv
         self.max_seq_len = model_runner.max_seq_len
+        self.admission = PrefillAdmission(self.kv, server_args.model.max_running_requests, self.max_seq_len)
         grammar_args, speculation = server_args.grammar, server_args.speculation
         self.reasoning = ReasoningGate(grammar_args, self.tokenizer)
         grammar_backend = self.reasoning.wrap_backend(
@@ -185,12 +183,12 @@ class Scheduler:
             self.handle_message(client_id, payload)
         for req in self.grammar_manager.get_ready_grammar_requests():
             self._admit(req)
-        prefill_batch = self._schedule_prefill()
+        prefill_batch = self.admission.schedule(self.waiting_queue, len(self.running))
         decode_batch = list(self.running)
         if prefill_batch:
             self.running.extend(prefill_batch)
             self.executor.prefill(prefill_batch)
-            self._share_prefixes(prefill_batch)
+            self.admission.share_prefixes(prefill_batch, self.waiting_queue)
             self._after_batch(prefill_batch)
         if decode_batch:
             self.executor.decode(decode_batch)
@@ -261,7 +259,7 @@ class Scheduler:
             prompt_ids = self.prompt_encoder.encode(
                 message.text, messages, message.input_ids, message.chat_template_kwargs
             )
-            self.kv.check_fits(len(prompt_ids), self._output_budget(prompt_ids, params.max_new_tokens))
+            self.kv.check_fits(len(prompt_ids), self.admission.output_budget(prompt_ids, params.max_new_tokens))
             prediction = None
             if message.prediction is not None:
                 prediction = PredictionAligner(self.prompt_encoder.encode_prediction(message.prediction))
@@ -312,61 +310,6 @@ class Scheduler:
             self.reasoning.attach(req)
             self.waiting_queue.append(req)
 
-    def _schedule_prefill(self) -> list[Req]:
-        """Requests admitted into KV memory this turn, in arrival order (the first that does not fit waits, and
-        those behind it with it, so that a long prompt is never starved by short ones). One whose prompt begins with
-        ``SHARED_PREFIX_MIN_TOKENS`` or more tokens that a request admitted before it computes this turn waits too:
-        the next turn takes them from the prefix cache (``_share_prefixes``) instead of computing them again."""
-        batch: list[Req] = []
-        room = self.server_args.model.max_running_requests - len(self.running)
-        while self.waiting_queue and len(batch) < room:
-            req = self.waiting_queue[0]
-            if self._computes_again(req, batch) or not self._reserve_kv(req):
-                break
-            batch.append(self.waiting_queue.popleft())
-        return batch
-
-    def _computes_again(self, req: Req, batch: list[Req]) -> bool:
-        """Whether ``req`` would compute a prefix that a request of ``batch`` computes, and could take from the prefix
-        cache a turn later (a repeated prompt is not: the prefill shares it within the batch)."""
-        if self.kv.radix is None:
-            return False
-        for leader in batch:
-            assert leader.kv is not None
-            if req.prompt_ids != leader.prompt_ids and _share_start(
-                req.prompt_ids, leader.prompt_ids, leader.kv.num_cached + SHARED_PREFIX_MIN_TOKENS
-            ):
-                return True
-        return False
-
-    def _reserve_kv(self, req: Req) -> bool:
-        """Reserve ``req``'s KV (from its longest cached prefix on); False when it does not fit yet."""
-        req.kv = self.kv.admit(req.prompt_ids, self._output_budget(req.prompt_ids, req.sampling_params.max_new_tokens))
-        if req.kv is None:
-            return False
-        req.num_cached_tokens = req.kv.num_cached
-        return True
-
-    def _output_budget(self, prompt_ids: list[int], max_new_tokens: int) -> int:
-        """The output tokens a request reserves KV for: ``max_new_tokens``, within the context."""
-        return max(1, min(max_new_tokens, self.max_seq_len - len(prompt_ids)))
-
-    def _share_prefixes(self, batch: list[Req]) -> None:
-        """Cache, right after their prefill, what waiting requests share of the prompts of ``batch``: a prompt they
-        repeat (``n`` samples admitted while the first runs), or its first ``SHARED_PREFIX_MIN_TOKENS`` or more
-        tokens (the requests ``_schedule_prefill`` held back for them, such as a system prompt or tools). Only the
-        waiting requests the next turn can admit are compared."""
-        next_turn = list(itertools.islice(self.waiting_queue, self.server_args.model.max_running_requests))
-        if self.kv.radix is None or not next_turn:
-            return
-        for req in batch:
-            if req.kv is None:
-                continue
-            worth = min(len(req.prompt_ids), req.kv.num_cached + SHARED_PREFIX_MIN_TOKENS)
-            sharing = [other for other in next_turn if _share_start(req.prompt_ids, other.prompt_ids, worth)]
-            if sharing:
-                self.kv.share_prefix(req.kv, max(common_prefix_length(req.prompt_ids, o.prompt_ids) for o in sharing))
-
     def _after_batch(self, batch: list[Req]) -> None:
         """Finish who finished; stream what is new to the others."""
         for req in batch:
@@ -390,28 +333,7 @@ class Scheduler:
         self._send(req, text, finished=True, full_reasoning=reasoning)
 
     def _send(self, req: Req, full_text: str, finished: bool, full_reasoning: str | None = None) -> None:
-        """Send what is new since the last output (all of it without streaming); ``full_reasoning``: the think
-        block's text so far, for a request that separates it."""
-        first_new = req.num_sent_tokens if req.stream else 0
-        token_ids = req.output_ids[first_new:]
-        text = _new_text(full_text, req.sent_text) if req.stream else full_text
-        reasoning = None
-        if full_reasoning is not None:
-            reasoning = _new_text(full_reasoning, req.sent_reasoning) if req.stream else full_reasoning
-            req.sent_reasoning = full_reasoning
-        req.num_sent_tokens = len(req.output_ids)
-        req.sent_text = full_text
-        output = GenerateOutput(
-            rid=req.rid,
-            token_ids=token_ids,
-            text=text,
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            usage=_usage(req, self.reasoning.num_reasoning_tokens(req)),
-            grammar_cache_hit=req.grammar_cache_hit,
-            logprobs=req.output_logprobs[first_new:] if req.top_logprobs_num is not None else None,
-            reasoning_text=reasoning,
-        )
+        output = next_output(req, full_text, finished, self.reasoning.num_reasoning_tokens(req), full_reasoning)
         self.outbox.append((req.client_id, output))
 
     def _flush_outbox(self, ipc: SchedulerIPC | None) -> None:
@@ -458,31 +380,6 @@ class Scheduler:
             metrics_text=self.grammar_manager.metrics.render(),
         )
         return self.transport.group_pong(pong, self._status())
-
-
-def _share_start(a: list[int], b: list[int], length: int) -> bool:
-    """Whether ``a`` and ``b`` both begin with the same ``length`` tokens (slices compare in C, far faster than a
-    walk over the tokens for every pair of a batch after a long shared prompt)."""
-    return len(a) >= length and len(b) >= length and a[:length] == b[:length]
-
-
-def _usage(req: Req, num_reasoning_tokens: int) -> Usage:
-    usage = Usage(
-        prompt_tokens=len(req.prompt_ids),
-        completion_tokens=len(req.output_ids),
-        cached_tokens=req.num_cached_tokens,
-        reasoning_tokens=num_reasoning_tokens,
-    )
-    if req.prediction is not None:
-        req.prediction.follow(req.output_ids)
-        usage.accepted_prediction_tokens = req.prediction.num_accepted
-        usage.rejected_prediction_tokens = req.prediction.num_rejected
-    return usage
-
-
-def _new_text(full_text: str, sent_text: str) -> str:
-    """What a streaming client lacks of ``full_text`` (all of it if what it has is no longer a prefix)."""
-    return full_text[len(sent_text) :] if full_text.startswith(sent_text) else full_text
 
 
 def choose_turn_transport(
