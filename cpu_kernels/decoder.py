@@ -72,8 +72,8 @@ class Decoder:
     adds in one call.
 
     The same operations, in the same order, as composing ``cpu_kernels.ops``' kernels in Python: one call per forward
-    instead of ~150 (the ctypes and torch overhead between them was ~2 ms a decode step). ``scale`` multiplies the
-    attention scores (``head_dim ** -0.5`` by default).
+    instead of ~150 (the ctypes and torch overhead between them was a large share of a decode step). ``scale``
+    multiplies the attention scores (``head_dim ** -0.5`` by default).
     """
 
     def __init__(

@@ -59,8 +59,8 @@ MAX_CHECK_STEPS = 300
 """Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
 kept (the plan's next token always is)."""
 MAX_RECORD_SEARCH_SECONDS = 0.02
-"""Longest a bounded search keeping a plan current may run (its 300 steps take 3 ms over a cheap mask, 1.5 s over a
-5 ms one): beyond it the plan goes stale, as before."""
+"""Longest a bounded search keeping a plan current may run (its steps cost what the grammar's masks cost, which
+ranges over three orders of magnitude): beyond it the plan goes stale, as before."""
 MAX_CACHED_STARTS = 1024
 """Start endings kept, by constraint key (and as many keys' known endings)."""
 MAX_GROWTH = 64

@@ -25,7 +25,7 @@
 // Threads: a pool of its own (not OpenMP), whose caller takes work too and never waits for a worker that has not
 // claimed any. A fork-join team waits at every region's end for all its threads, so on a busy machine (a grammar
 // compile beside the decode, other processes) one descheduled thread stalled each of a forward's ~150 regions
-// for a time slice: measured 2.7 s a decode step instead of 29 ms.
+// for a time slice (a decode step ~100x slower; docs/benchmarks.md).
 // So batching, the row-padding a library may or may not do, speculative verification (k rows at once) and the
 // thread count can never change a token's logits, on any x86-64 CPU with AVX2 or AVX-512, and elsewhere through
 // the scalar path.

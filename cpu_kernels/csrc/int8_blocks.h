@@ -236,7 +236,7 @@ static inline int64_t int8_block_bytes(int32_t format) { return format == kQ8_0 
 
 // A tile of several rows asks the cache for the same block of the next column group's panels (NP panels on) while
 // it computes: a group's panels span pages, which the hardware prefetcher does not cross, so the next group's first
-// tile would otherwise wait on memory (one thread, SmolLM2's matmuls at 8 rows from memory 5.7 -> 3.8 ms). A tile of
+// tile would otherwise wait on memory (docs/benchmarks.md: SmolLM2's matmuls at 8 rows from memory). A tile of
 // one row is bound by its reads already. Only a hint: past the last panel it fetches nothing anyone reads.
 static inline void prefetch_bytes(const uint8_t* p, int64_t n) {
   for (int64_t at = 0; at < n; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);

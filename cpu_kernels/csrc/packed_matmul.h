@@ -14,8 +14,7 @@ namespace {
 // y[M, N] = x[M, K] @ W.T with W packed in one format (dense_matmul.h); x rows ldx apart, y rows ldy apart.
 // Dense formats: one or two rows (a decode step, a short draft) take wider column groups on AVX-512: a tile's
 // accumulators are its only independent fma chains, and two panels' would leave the fma units waiting on their
-// latency (decode B=1 on an AMD EPYC: 5.9 ms against 6.6). The AVX2 build keeps one panel, which measured faster there
-// than two or four.
+// latency. The AVX2 build keeps one panel, which measured faster there than two or four (docs/benchmarks.md).
 static void matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, int64_t N,
                    float* y, int64_t ldy, int32_t threads) {
   if (format == kQ8_0 || format == kQ4_1) return int8_matmul(format, x, M, K, ldx, packed, N, y, ldy, threads);

@@ -13,7 +13,7 @@ restarted server's rank 0 loads what an earlier start compiled.
 
 What is shared is each backend's ``export_grammar``: xgrammar's ``CompiledGrammar.serialize_json``, outlines-core's
 index binary, llguidance's validated grammar text (it has no compiled form: each replica builds its matcher from
-the text, about 1 ms). A backend that cannot export (a registered one without ``can_share_grammars``) compiles on
+the text, quickly). A backend that cannot export (a registered one without ``can_share_grammars``) compiles on
 every replica, as with one rank.
 """
 

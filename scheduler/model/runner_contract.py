@@ -23,9 +23,9 @@ on the exact runner's dense float32 weights, a forward's cost rises little up to
 count. (Its block weights: ``scheduler.model.runner.BLOCK_TOKENS_PER_FORWARD``.)"""
 LOOKUP_MAX_BATCH = 16
 """From this many requests on, a batch takes no lookup drafts (prompt lookup, the n-gram cache), only the grammar's.
-Measured on dense weights at 32 requests: a forward cost ~2.7 ms more per token there, while a lookup draft saved
-less (acceptance 0.27 on free text, 0.56 on JSON, against 0.94-1.00 for grammar drafts): lookup drafts made free
-text 0.91x as fast. (Block weights: ``scheduler.model.runner.BLOCK_LOOKUP_MAX_BATCH``.)"""
+At 32 requests on dense weights a forward's extra token cost more than a lookup draft saved (lookup drafts are
+accepted far less often than the grammar's; figures in docs/benchmarks.md). (Block weights:
+``scheduler.model.runner.BLOCK_LOOKUP_MAX_BATCH``.)"""
 
 
 class BaseModelRunner(ABC):

@@ -61,8 +61,8 @@ READ_MARGIN = 1.0
 process's compile time counts its import, which a read repeats: a small grammar's compile and read differ by the
 child's compile and the pipe against the checksum, so a wider margin would drop grammars that do pay.)"""
 READ_BACK_FROM_BYTES = 8 * 2**20
-"""Entries smaller than this are written without a read-back: they read back in tens of milliseconds (an xgrammar
-grammar of 4 MB: 30-50 ms), where a read-back against a compile of the same order would decide by noise."""
+"""Entries smaller than this are written without a read-back: they read back in tens of milliseconds, where a
+read-back against a compile of the same order would decide by noise."""
 MAX_PENDING_WRITES = 16
 """Writes queued beyond this are dropped (each holds its grammar in memory until written): a cache may forget."""
 

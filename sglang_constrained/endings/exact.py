@@ -32,9 +32,8 @@ from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 MAX_EXPLORED_STATES = 4000
 """Most byte-level states whose moves one search learns (each a walk, a mask and a step per allowed byte)."""
 MAX_TRIE_STEPS = 100_000
-"""Most trie steps one search takes (about 50 ms on the bench machine: it runs in the scheduler's loop). The serving
-bench's regex, whose shortest output is 28 tokens against the bound's 36, takes 1.5 s (beyond 400 k steps): it gets
-the bound."""
+"""Most trie steps one search takes (it runs in the scheduler's loop). The serving bench's regex needs several times
+more: it gets the bound."""
 MAX_PATH_BYTES = 180
 """Longest byte path from the search's start to a state it learns (outlines-core keeps 200 tokens to roll back)."""
 

@@ -35,12 +35,11 @@ MAX_ENDING_BYTES = 192
 outlines-core's 200 tokens of rollback (a path, and a candidate token before it)."""
 MAX_STATES = 20_000
 """Most byte steps one search tries (each an accept, a mask and a rollback) before it gives up; ``MAX_SEARCH_SECONDS``
-bounds it first wherever a mask costs more than 50 us. MaskBench's schemas searched from their start (xgrammar takes
-424, llguidance 498): at 6,000 steps, 96 bytes and a beam of 16, 8 and 26 gave up (xgrammar's slowest search 4.1 s);
-at 20,000, 192, 32 and the deadline, 6 and 6 (each search at most 1.0 s; p90 44 and 37 ms)."""
+bounds it first wherever a mask is slow. The four bounds were chosen on MaskBench's schemas searched from their start
+(docs/benchmarks.md): few searches give up, none runs past the deadline."""
 MAX_SEARCH_SECONDS = 1.0
-"""Longest one search runs (it runs in the scheduler's loop): a step's mask costs what the grammar's mask costs, 5 ms
-for xgrammar's string of ``maxLength`` 255 (MaskBench's o58909: 781 masks, 4.1 s without this bound)."""
+"""Longest one search runs (it runs in the scheduler's loop): a step's mask costs what the grammar's mask costs, and
+some grammars' masks are slow (xgrammar's string of ``maxLength`` 255, MaskBench's o58909)."""
 MAX_PIECE_BYTES = 24
 """Longest vocabulary piece used to spell an ending."""
 BEAM_WIDTH = 32
