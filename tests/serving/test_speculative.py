@@ -19,7 +19,8 @@ import pytest
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput, GenerateReq, encode
 from scheduler.model.runner import ModelRunner
-from scheduler.scheduler import SHARED_PREFIX_MIN_TOKENS, Scheduler
+from scheduler.prefill_admission import SHARED_PREFIX_MIN_TOKENS
+from scheduler.scheduler import Scheduler
 from scheduler.server_args import ServerArgs
 
 pytestmark = pytest.mark.model
