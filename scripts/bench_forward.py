@@ -13,6 +13,7 @@ one JSON line: the fastest of 3 prefills of ``--prompt`` new tokens, and medians
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -97,10 +98,20 @@ print(json.dumps(out))
 """
 
 
+def measure_code(checkout: Path) -> str:
+    """``checkout``'s own ``MEASURE``: each checkout is measured through its own names (modules move between
+    commits), with the same figures."""
+    tree = ast.parse((checkout / "scripts" / "bench_forward.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MEASURE" for t in node.targets):
+            return str(ast.literal_eval(node.value))
+    raise ValueError(f"{checkout} has no scripts/bench_forward.py MEASURE")
+
+
 def measure(checkout: Path, prompt_length: int) -> dict[str, float]:
     """One process's figures from ``checkout``."""
     result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(prompt_length)],
+        [sys.executable, "-c", measure_code(checkout), str(prompt_length)],
         cwd=checkout,
         env={**os.environ, "PYTHONPATH": str(checkout)},
         capture_output=True,
