@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from cpu_kernels.library import loaded
-from cpu_kernels.ops import Activation, check_rows, rms_norm
+from cpu_kernels.ops import Activation, check_rows, kv_dtype_code, rms_norm
 from cpu_kernels.packed_weights import MatmulWeight
 from cpu_kernels.structs import BatchRef, LayerRef, ModelShape, packed_ref
 
@@ -138,11 +138,12 @@ class Decoder:
         self, hidden: torch.Tensor, batch: DecoderBatch, k_pool: torch.Tensor, v_pool: torch.Tensor, threads: int
     ) -> None:
         """Every layer over contiguous float32 ``hidden`` ``[T, hidden]``, in place; ``k_pool``, ``v_pool``
-        ``[layers, rows, kv_heads, head_dim]``."""
+        ``[layers, rows, kv_heads, head_dim]`` of float32, bfloat16 or float16 (K and V rounded to it as written)."""
         self._check(hidden, batch)
+        self.shape.kv_dtype = kv_dtype_code(k_pool, v_pool)
         loaded().invariant_decoder(
             ctypes.byref(self.shape), self.refs, len(self.layers), ctypes.byref(self._batch(batch)), hidden.data_ptr(),
-            k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel(), threads,
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel() * k_pool.element_size(), threads,
         )  # fmt: skip
 
     def attention_block(
@@ -156,6 +157,7 @@ class Decoder:
     ) -> torch.Tensor:
         """Layer ``index``'s attention block over ``hidden``: o_proj's output ``[T, hidden]``, before the residual."""
         self._check(hidden, batch)
+        self.shape.kv_dtype = kv_dtype_code(k_layer, v_layer)
         out = torch.empty_like(hidden)
         loaded().invariant_attention_block(
             ctypes.byref(self.shape), ctypes.byref(self.refs[index]), ctypes.byref(self._batch(batch)),

@@ -59,7 +59,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.invariant_row_tile.restype = i32
     library.invariant_attention_supports.argtypes = [i64, i64]
     library.invariant_attention_supports.restype = i32
-    library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, i32]
+    library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, ptr, ptr, f32, ptr, i32]
+    library.invariant_kv_store.argtypes = [ptr, i64, i32, ptr]
+    library.invariant_kv_store.restype = i32
     library.invariant_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i64, i32]
     library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]

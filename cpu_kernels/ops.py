@@ -14,6 +14,28 @@ from cpu_kernels.library import kernel_threads, loaded
 from cpu_kernels.packed_weights import MatmulWeight
 from cpu_kernels.structs import packed_ref
 
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The KV pool's element types and their codes in the C++ source (``csrc/kv_element.h``'s ``KvDtype``)."""
+
+
+def kv_dtype_code(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
+    """The C++ code of the pools' element type; refuses pools of other types, of two types, or not contiguous."""
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KV_DTYPES:
+        raise ValueError(f"KV pools hold float32, bfloat16 or float16 alike, not {k_pool.dtype} and {v_pool.dtype}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("KV pools must be contiguous")
+    return KV_DTYPES[k_pool.dtype]
+
+
+def kv_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Contiguous float32 ``x`` as a KV pool of ``dtype`` stores it (``csrc/kv_element.h``: to nearest, ties to even,
+    the same bits on every build)."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or dtype not in KV_DTYPES:
+        raise ValueError(f"kv_store rounds contiguous float32 to {', '.join(map(str, KV_DTYPES))}")
+    out = torch.empty(x.shape, dtype=dtype)
+    loaded().invariant_kv_store(x.data_ptr(), x.numel(), KV_DTYPES[dtype], out.data_ptr())
+    return out
+
 
 class Activation(enum.IntEnum):
     """The MLP's activation of its gate (values shared with the C++ source)."""
@@ -55,7 +77,8 @@ def attention(
     scale: float,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """Each query token over its own pool rows: ``q`` ``[T, H, D]``, pools ``[R, H_kv, D]``; token ``t`` attends to
+    """Each query token over its own pool rows: ``q`` ``[T, H, D]`` float32, pools ``[R, H_kv, D]`` of float32,
+    bfloat16 or float16 (read exactly as float32); token ``t`` attends to
     ``rows[row_start[t] : row_start[t] + num_keys[t]]`` (int64). Returns ``[T, H * D]``."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -64,10 +87,9 @@ def attention(
             f"attention runs head_dim 16, 32, 64, 96, 128 or 256 and 1 to 8 query heads per KV head; got "
             f"{head_dim} and {heads} over {kv_heads}"
         )
-    if not (q.is_contiguous() and k_pool.is_contiguous()):
-        raise ValueError(f"attention takes contiguous q {tuple(q.shape)} and pools")
-    if not (v_pool.is_contiguous() and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
-        raise ValueError("attention takes contiguous float32 q, k and v")
+    if not q.is_contiguous() or q.dtype != torch.float32:
+        raise ValueError(f"attention takes a contiguous float32 q, not {q.dtype} {tuple(q.shape)}")
+    kv_dtype = kv_dtype_code(k_pool, v_pool)
     for index in (rows, row_start, num_keys):
         if index.dtype != torch.int64 or not index.is_contiguous():
             raise ValueError("attention's row tables are contiguous int64")
@@ -80,6 +102,7 @@ def attention(
             head_dim,
             k_pool.data_ptr(),
             v_pool.data_ptr(),
+            kv_dtype,
             kv_heads,
             rows.data_ptr(),
             row_start.data_ptr(),

@@ -52,6 +52,7 @@ class ModelShape(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("activation", ctypes.c_int32),
+        ("kv_dtype", ctypes.c_int32),
     ]
 
 

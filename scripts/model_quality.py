@@ -1,6 +1,7 @@
-"""What a weight format does to the model's answers: each ``--weight-dtype`` against float32 (transformers' own
-de-quantised weights), on the embedded model or the GGUF file ``--model-path`` (e.g. one of
-``scripts/quantize_model.py``'s).
+"""What a weight format and a KV cache type do to the model's answers: each ``--weight-dtype`` (with its default
+``--kv-cache-dtype``), and each KV cache type beside ``auto``'s and float32's weights, against float32 weights with a
+float32 KV cache (transformers' own de-quantised weights), on the embedded model or the GGUF file ``--model-path``
+(e.g. one of ``scripts/quantize_model.py``'s).
 
     python scripts/model_quality.py [--model-path FILE] [--steps 48] [--llamacpp] [--output PATH]
 
@@ -22,13 +23,21 @@ import torch
 
 from cpu_kernels.cpu_info import describe_cpu
 from scheduler.model import llamacpp_runner
-from scheduler.model.runner import ModelRunner
+from scheduler.model.runner import ModelRunner, kv_cache_dtype
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import WEIGHT_DTYPES, ModelArgs
+from scheduler.server_args import KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelArgs
 from scheduler.testing.runner_greedy import greedy_tokens
 
 BASELINE = "float32"
+KV_VARIANTS = tuple(
+    (f"{weights}, KV {kv}", weights, kv)
+    for weights, default in (("auto", kv_cache_dtype("auto", True)), ("float32", torch.float32))
+    for kv in KV_CACHE_DTYPES
+    if kv != "auto" and kv_cache_dtype(kv, True) != default
+)
+"""(label, --weight-dtype, --kv-cache-dtype): each KV type other than the default on the quantised weights, and
+alone on float32's."""
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "model_quality.json"
 TEXT = (
     "The river rose slowly through the spring, and by the first week of May the lower fields were under water. "
@@ -77,6 +86,8 @@ def main() -> None:
     runners: dict[str, BaseModelRunner] = {
         dtype: ModelRunner(replace(base, weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
     }
+    for label, weights, kv in KV_VARIANTS:
+        runners[label] = ModelRunner(replace(base, weight_dtype=weights, kv_cache_dtype=kv))
     if args.llamacpp:
         if not llamacpp_runner.is_available():
             parser.error("--llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
@@ -110,7 +121,7 @@ def main() -> None:
             "parted_at": parted,
         }
         print(
-            f"{dtype:>9}: perplexity {perplexity:.3f}, mean KL from float32 {kl:.2e}, largest log-prob difference "
+            f"{dtype:>18}: perplexity {perplexity:.3f}, mean KL from float32 {kl:.2e}, largest log-prob difference "
             f"{max_difference:.2e}; greedy: float32's token in {same} of {args.steps * len(prompts)} steps "
             f"(first difference per prompt: {parted})"
         )

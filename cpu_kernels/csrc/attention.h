@@ -5,6 +5,7 @@
 //         (from 0, c in order), added in tree_sum's fixed tree;
 //   p_j = exp(s_j - max s); Z = 16 partial sums of p_j (lane j mod 16, in order of j), added in the same tree;
 //   out = (chain over j of p_j v_j) * (1 / Z).
+// The pool holds K and V as float32 or 16-bit floats (kv_element.h), read exactly as float32: the same arithmetic.
 // Two layouts compute those bits:
 // - a token alone in its sequence (a decode step): head_dim in lanes. One key's 16 partial sums fill a vector;
 //   tree_sum16 adds 16 keys' at once with shuffles.
@@ -19,9 +20,11 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "kv_element.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -61,14 +64,17 @@ static inline float softmax_numerators(float* s, int64_t L) {
 // indirection, which the hardware prefetcher cannot follow: rows this many keys ahead are asked for in advance.
 constexpr int64_t kPrefetchKeys = 32;
 
-static inline void prefetch_row(const float* row, int chunks) {
-  for (int c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + c * kLanes), _MM_HINT_T0);
+template <class T>
+static inline void prefetch_row(const T* row, int chunks) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < chunks * kLanes * static_cast<int64_t>(sizeof(T)); at += 64)
+    _mm_prefetch(bytes + at, _MM_HINT_T0);
 }
 
 // GROUP query heads of CHUNKS 16-float chunks (in registers) over one KV head. `scores` holds GROUP x L floats.
-template <int GROUP, int CHUNKS>
-static void attend(const float* q, const float* k_pool, const float* v_pool, int64_t row_stride, const int64_t* rows,
-                   int64_t L, float scale, float* scores, float* out) {
+template <int GROUP, int CHUNKS, class KV>
+static void attend(const float* q, const typename KV::T* k_pool, const typename KV::T* v_pool, int64_t row_stride,
+                   const int64_t* rows, int64_t L, float scale, float* scores, float* out) {
   V16 query[GROUP][CHUNKS];
   for (int h = 0; h < GROUP; ++h)
     for (int c = 0; c < CHUNKS; ++c) query[h][c] = vload(q + (h * CHUNKS + c) * kLanes);
@@ -80,10 +86,10 @@ static void attend(const float* q, const float* k_pool, const float* v_pool, int
         for (int h = 0; h < GROUP; ++h) partials[h][jj] = vzero();
         continue;
       }
-      const float* key = k_pool + rows[j0 + jj] * row_stride;
+      const typename KV::T* key = k_pool + rows[j0 + jj] * row_stride;
       if (j0 + jj + kPrefetchKeys < L) prefetch_row(k_pool + rows[j0 + jj + kPrefetchKeys] * row_stride, CHUNKS);
       V16 k[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) k[c] = vload(key + c * kLanes);
+      for (int c = 0; c < CHUNKS; ++c) k[c] = KV::load(key + c * kLanes);
       for (int h = 0; h < GROUP; ++h) {
         V16 partial = vzero();
         for (int c = 0; c < CHUNKS; ++c) partial = vfma(query[h][c], k[c], partial);
@@ -98,10 +104,10 @@ static void attend(const float* q, const float* k_pool, const float* v_pool, int
   for (int h = 0; h < GROUP; ++h)
     for (int c = 0; c < CHUNKS; ++c) acc[h][c] = vzero();
   for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j, each row loaded once
-    const float* value = v_pool + rows[j] * row_stride;
+    const typename KV::T* value = v_pool + rows[j] * row_stride;
     if (j + kPrefetchKeys < L) prefetch_row(v_pool + rows[j + kPrefetchKeys] * row_stride, CHUNKS);
     for (int c = 0; c < CHUNKS; ++c) {
-      const V16 v = vload(value + c * kLanes);
+      const V16 v = KV::load(value + c * kLanes);
       for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
     }
   }
@@ -109,20 +115,21 @@ static void attend(const float* q, const float* k_pool, const float* v_pool, int
     for (int c = 0; c < CHUNKS; ++c) vstore(out + (h * CHUNKS + c) * kLanes, vmul(acc[h][c], vset1(inverse[h])));
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, float, float*,
-                          float*);
+template <class KV>
+using AttendFn = void (*)(const float*, const typename KV::T*, const typename KV::T*, int64_t, const int64_t*, int64_t,
+                          float, float*, float*);
 
-template <int CHUNKS>
-static AttendFn attend_for_group(int64_t group) {
+template <int CHUNKS, class KV>
+static AttendFn<KV> attend_for_group(int64_t group) {
   switch (group) {
-    case 1: return attend<1, CHUNKS>;
-    case 2: return attend<2, CHUNKS>;
-    case 3: return attend<3, CHUNKS>;
-    case 4: return attend<4, CHUNKS>;
-    case 5: return attend<5, CHUNKS>;
-    case 6: return attend<6, CHUNKS>;
-    case 7: return attend<7, CHUNKS>;
-    case 8: return attend<8, CHUNKS>;
+    case 1: return attend<1, CHUNKS, KV>;
+    case 2: return attend<2, CHUNKS, KV>;
+    case 3: return attend<3, CHUNKS, KV>;
+    case 4: return attend<4, CHUNKS, KV>;
+    case 5: return attend<5, CHUNKS, KV>;
+    case 6: return attend<6, CHUNKS, KV>;
+    case 7: return attend<7, CHUNKS, KV>;
+    case 8: return attend<8, CHUNKS, KV>;
     default: return nullptr;
   }
 }
@@ -170,11 +177,11 @@ static void score_rows(int rows, const float* const* q, const float* kt, int64_t
 
 // out_r = (chain over j < L_r of p_rj v_j) * inverse_r for R rows at a time; every row's keys are a prefix of the
 // run's, so one value load serves every row that attends to it.
-template <int CHUNKS, int R = std::max(1, std::min(kTileQueryRows, kValueAccumulators / CHUNKS))>
-static void weigh_values(int rows, const float* v_pool, int64_t row_stride, const int64_t* keys, const int64_t* L,
-                         const float* const* p, const float* inverse, float* const* out) {
+template <int CHUNKS, class KV, int R = std::max(1, std::min(kTileQueryRows, kValueAccumulators / CHUNKS))>
+static void weigh_values(int rows, const typename KV::T* v_pool, int64_t row_stride, const int64_t* keys,
+                         const int64_t* L, const float* const* p, const float* inverse, float* const* out) {
   if constexpr (R > 1) {
-    if (rows < R) return weigh_values<CHUNKS, R - 1>(rows, v_pool, row_stride, keys, L, p, inverse, out);
+    if (rows < R) return weigh_values<CHUNKS, KV, R - 1>(rows, v_pool, row_stride, keys, L, p, inverse, out);
   }
   for (int r0 = 0; r0 + R <= rows; r0 += R) {
     int64_t shared = L[r0], longest = L[r0];
@@ -183,16 +190,16 @@ static void weigh_values(int rows, const float* v_pool, int64_t row_stride, cons
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CHUNKS; ++c) acc[r][c] = vzero();
     for (int64_t j = 0; j < shared; ++j) {
-      const float* value = v_pool + keys[j] * row_stride;
+      const typename KV::T* value = v_pool + keys[j] * row_stride;
       for (int c = 0; c < CHUNKS; ++c) {
-        const V16 v = vload(value + c * kLanes);
+        const V16 v = KV::load(value + c * kLanes);
         for (int r = 0; r < R; ++r) acc[r][c] = vfma(vset1(p[r0 + r][j]), v, acc[r][c]);
       }
     }
     for (int64_t j = shared; j < longest; ++j) {  // the keys that only the later tokens see
-      const float* value = v_pool + keys[j] * row_stride;
+      const typename KV::T* value = v_pool + keys[j] * row_stride;
       for (int c = 0; c < CHUNKS; ++c) {
-        const V16 v = vload(value + c * kLanes);
+        const V16 v = KV::load(value + c * kLanes);
         for (int r = 0; r < R; ++r)
           if (j < L[r0 + r]) acc[r][c] = vfma(vset1(p[r0 + r][j]), v, acc[r][c]);
       }
@@ -203,16 +210,17 @@ static void weigh_values(int rows, const float* v_pool, int64_t row_stride, cons
   if constexpr (R > 1) {
     const int done = rows / R * R;
     if (done < rows)
-      weigh_values<CHUNKS, R - 1>(rows - done, v_pool, row_stride, keys, L + done, p + done, inverse + done,
-                                  out + done);
+      weigh_values<CHUNKS, KV, R - 1>(rows - done, v_pool, row_stride, keys, L + done, p + done, inverse + done,
+                                      out + done);
   }
 }
 
 // One work item of a run: `rows` query rows (q pointers, their key counts L, out pointers) over one KV head whose
 // keys are transposed in `kt`; `scores` has room for rows x (L rounded up to 16).
-template <int CHUNKS>
-static void attend_tile(int rows, const float* const* q, const float* kt, const float* v_pool, int64_t row_stride,
-                        const int64_t* keys, const int64_t* L, float scale, float* scores, float* const* out) {
+template <int CHUNKS, class KV>
+static void attend_tile(int rows, const float* const* q, const float* kt, const typename KV::T* v_pool,
+                        int64_t row_stride, const int64_t* keys, const int64_t* L, float scale, float* scores,
+                        float* const* out) {
   int64_t longest = 0;
   for (int r = 0; r < rows; ++r) longest = std::max(longest, L[r]);
   const int64_t blocks = (longest + kLanes - 1) / kLanes;
@@ -222,10 +230,11 @@ static void attend_tile(int rows, const float* const* q, const float* kt, const 
   for (int r = 0; r < rows; ++r) writable[r] = scores + r * blocks * kLanes, row_scores[r] = writable[r];
   score_rows<CHUNKS>(rows, q, kt, blocks, scale, writable);
   for (int r = 0; r < rows; ++r) inverse[r] = softmax_numerators(writable[r], L[r]);
-  weigh_values<CHUNKS>(rows, v_pool, row_stride, keys, L, row_scores, inverse, out);
+  weigh_values<CHUNKS, KV>(rows, v_pool, row_stride, keys, L, row_scores, inverse, out);
 }
 
-using AttendTileFn = void (*)(int, const float* const*, const float*, const float*, int64_t, const int64_t*,
+template <class KV>
+using AttendTileFn = void (*)(int, const float* const*, const float*, const typename KV::T*, int64_t, const int64_t*,
                               const int64_t*, float, float*, float* const*);
 
 // The runs of a call: consecutive tokens that share a sequence (the same key_starts), longest key list `keys`, their
@@ -265,8 +274,9 @@ static inline void transpose_chunk(const float* const* rows, float* kt) {
 #endif
 }
 
-// Transposes each run's keys, per KV head, into blocks of 16 (kt[g][b][d][lane]), threads taking blocks.
-static void transpose_keys(const std::vector<Run>& runs, const float* k_pool, int64_t Hkv, int64_t D,
+// Transposes each run's keys, per KV head, into blocks of 16 (kt[g][b][d][lane]) of float32, threads taking blocks.
+template <class KV>
+static void transpose_keys(const std::vector<Run>& runs, const typename KV::T* k_pool, int64_t Hkv, int64_t D,
                            const int64_t* rows, const int64_t* row_start, float* kt, int threads) {
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (run, block)
   for (size_t i = 0; i < runs.size(); ++i)
@@ -277,14 +287,24 @@ static void transpose_keys(const std::vector<Run>& runs, const float* k_pool, in
       const int64_t b = blocks[item].second, num_blocks = (run.keys + kLanes - 1) / kLanes;
       const int64_t* keys = rows + row_start[run.first];
       for (int64_t g = 0; g < Hkv; ++g) {
-        const float* key[kLanes];
+        const typename KV::T* key[kLanes];
         for (int lane = 0; lane < kLanes; ++lane) {
           const int64_t j = b * kLanes + lane;
           key[lane] = j < run.keys ? k_pool + (keys[j] * Hkv + g) * D : nullptr;
         }
         float* block = kt + run.kt_offset + (g * num_blocks + b) * D * kLanes;
         for (int64_t c = 0; c < D; c += kLanes) {
-          transpose_chunk(key, block + c * kLanes);
+          if constexpr (std::is_same_v<typename KV::T, float>) {
+            transpose_chunk(key, block + c * kLanes);
+          } else {  // the chunk's 16 keys as float32 first
+            float converted[kLanes][kLanes];
+            const float* chunk[kLanes];
+            for (int lane = 0; lane < kLanes; ++lane) {
+              chunk[lane] = key[lane] != nullptr ? converted[lane] : nullptr;
+              if (key[lane] != nullptr) vstore(converted[lane], KV::load(key[lane]));
+            }
+            transpose_chunk(chunk, block + c * kLanes);
+          }
           for (int lane = 0; lane < kLanes; ++lane)
             if (key[lane] != nullptr) key[lane] += kLanes;
         }
@@ -293,21 +313,22 @@ static void transpose_keys(const std::vector<Run>& runs, const float* k_pool, in
   });
 }
 
-// Causal attention of query tokens over their own rows of a token KV pool; see invariant_attention in
-// cpu_kernels.cpp.
-static void attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
-                      int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys, float scale,
-                      float* out, int threads) {
+// Causal attention of query tokens over their own rows of a token KV pool of KV's elements; see invariant_attention
+// in cpu_kernels.cpp.
+template <class KV>
+static void attention_over(const float* q, int64_t T, int64_t H, int64_t D, const typename KV::T* k_pool,
+                           const typename KV::T* v_pool, int64_t Hkv, const int64_t* rows, const int64_t* row_start,
+                           const int64_t* num_keys, float scale, float* out, int threads) {
   const int64_t group = H / Hkv;
-  AttendFn attend_one = nullptr;  // the caller pads head_dim to a multiple of 16 and groups to at most 8 heads
-  AttendTileFn attend_run = nullptr;
+  AttendFn<KV> attend_one = nullptr;  // the caller pads head_dim to a multiple of 16 and groups to at most 8 heads
+  AttendTileFn<KV> attend_run = nullptr;
   switch (D) {
-    case 16: attend_one = attend_for_group<1>(group), attend_run = attend_tile<1>; break;
-    case 32: attend_one = attend_for_group<2>(group), attend_run = attend_tile<2>; break;
-    case 64: attend_one = attend_for_group<4>(group), attend_run = attend_tile<4>; break;
-    case 96: attend_one = attend_for_group<6>(group), attend_run = attend_tile<6>; break;
-    case 128: attend_one = attend_for_group<8>(group), attend_run = attend_tile<8>; break;
-    case 256: attend_one = attend_for_group<16>(group), attend_run = attend_tile<16>; break;
+    case 16: attend_one = attend_for_group<1, KV>(group), attend_run = attend_tile<1, KV>; break;
+    case 32: attend_one = attend_for_group<2, KV>(group), attend_run = attend_tile<2, KV>; break;
+    case 64: attend_one = attend_for_group<4, KV>(group), attend_run = attend_tile<4, KV>; break;
+    case 96: attend_one = attend_for_group<6, KV>(group), attend_run = attend_tile<6, KV>; break;
+    case 128: attend_one = attend_for_group<8, KV>(group), attend_run = attend_tile<8, KV>; break;
+    case 256: attend_one = attend_for_group<16, KV>(group), attend_run = attend_tile<16, KV>; break;
   }
   if (attend_one == nullptr) return;
   std::vector<Run> runs;
@@ -327,7 +348,7 @@ static void attention(const float* q, int64_t T, int64_t H, int64_t D, const flo
   for (const Run& run : runs)
     if (run.kt_offset >= 0) tiled.push_back(run);
   std::vector<float> kt(kt_floats);
-  transpose_keys(tiled, k_pool, Hkv, D, rows, row_start, kt.data(), threads);
+  transpose_keys<KV>(tiled, k_pool, Hkv, D, rows, row_start, kt.data(), threads);
   // Work items, longest first (a run's later tokens see more keys): (run, first token, tokens, KV head).
   const int64_t tile_tokens = (kTileQueryRows + group - 1) / group;
   struct Item {
@@ -365,6 +386,18 @@ static void attention(const float* q, int64_t T, int64_t H, int64_t D, const flo
       attend_run(n, queries, kt.data() + item.run->kt_offset + g * num_blocks * D * kLanes, v_pool + g * D, Hkv * D,
                  rows + row_start[item.first], L, scale, scores.data(), outs);
     }
+  });
+}
+
+// Attention over a pool of the KvDtype `kv_dtype` (kv_element.h).
+static void attention(const float* q, int64_t T, int64_t H, int64_t D, const void* k_pool, const void* v_pool,
+                      int32_t kv_dtype, int64_t Hkv, const int64_t* rows, const int64_t* row_start,
+                      const int64_t* num_keys, float scale, float* out, int threads) {
+  with_kv_element(kv_dtype, [&](auto kv) {
+    using KV = decltype(kv);
+    attention_over<KV>(q, T, H, D, static_cast<const typename KV::T*>(k_pool),
+                       static_cast<const typename KV::T*>(v_pool), Hkv, rows, row_start, num_keys, scale, out,
+                       threads);
   });
 }
 

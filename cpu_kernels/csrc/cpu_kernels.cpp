@@ -7,6 +7,7 @@
 //   thread_pool.h     the pool and parallel_for          buffer.h         uninitialised scratch buffers
 //   dense_matmul.h    formats, panels, the dense tiles   int8_blocks.h    Q8_0, Q4_1   kquant_blocks.h  the others
 //   packed_matmul.h   the dispatch by format, stacks     attention.h      attention over the KV pool
+//   kv_element.h      the KV pool's float32, bfloat16 or float16 elements
 //   norm_activation.h RMSNorm, SiLU, GELU-tanh, softcap  decoder_layer.h  a layer's two blocks, every layer
 //   mask_logits.h     the grammar's mask                 sampling_noise.h the sampler's draws and race
 //
@@ -55,16 +56,25 @@ void invariant_packed_matmul(const PackedRef* w, const float* x, int64_t M, int6
 
 // Causal attention of query tokens over their own rows of a token KV pool (head_dim 16, 32, 64, 96, 128 or 256, at
 // most 8 query heads per KV head: invariant_attention_supports).
-// q [T, H, D]; k_pool, v_pool [R, Hkv, D]; token t attends to the pool rows rows[row_start[t] + j],
-// j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing one KV head. Tokens that
-// share row_start are one sequence's; attention.h states the arithmetic, the same for every token in any call.
-void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const float* k_pool, const float* v_pool,
-                         int64_t Hkv, const int64_t* rows, const int64_t* row_start, const int64_t* num_keys,
-                         float scale, float* out, int32_t threads) {
-  attention(q, T, H, D, k_pool, v_pool, Hkv, rows, row_start, num_keys, scale, out, threads);
+// q [T, H, D]; k_pool, v_pool [R, Hkv, D] of the KvDtype kv_dtype (kv_element.h); token t attends to the pool
+// rows rows[row_start[t] + j], j < num_keys[t]; out [T, H, D]. The H query heads are Hkv groups of H / Hkv sharing
+// one KV head. Tokens that share row_start are one sequence's; attention.h states the arithmetic, the same for
+// every token in any call.
+void invariant_attention(const float* q, int64_t T, int64_t H, int64_t D, const void* k_pool, const void* v_pool,
+                         int32_t kv_dtype, int64_t Hkv, const int64_t* rows, const int64_t* row_start,
+                         const int64_t* num_keys, float scale, float* out, int32_t threads) {
+  attention(q, T, H, D, k_pool, v_pool, kv_dtype, Hkv, rows, row_start, num_keys, scale, out, threads);
 }
 
 int32_t invariant_attention_supports(int64_t head_dim, int64_t group) { return attention_supports(head_dim, group); }
+
+// out[n] = x[n] as a KV pool of the KvDtype kv_dtype stores it (kv_element.h); 0 for an unknown type.
+int32_t invariant_kv_store(const float* x, int64_t n, int32_t kv_dtype, void* out) {
+  return with_kv_element(kv_dtype, [&](auto kv) {
+    using KV = decltype(kv);
+    KV::store(static_cast<typename KV::T*>(out), x, n);
+  });
+}
 
 // out[T, N] = RMSNorm of x's rows times weight (norm_activation.h); x rows ldx apart, out rows ldo apart.
 void invariant_rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* weight, float eps, float* out,
@@ -90,7 +100,7 @@ void invariant_softcap(float* x, int64_t T, int64_t N, int64_t ldx, float cap, i
 // One layer's attention block (o_proj's output into out, before the residual add), writing the batch's K and V into
 // the layer's pools.
 void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
-                               const float* hidden, float* k_layer, float* v_layer, float* out, int32_t threads) {
+                               const float* hidden, void* k_layer, void* v_layer, float* out, int32_t threads) {
   attention_block(shape, layer, batch, hidden, k_layer, v_layer, out, threads);
 }
 
@@ -100,10 +110,11 @@ void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t
   mlp_block(shape, layer, T, hidden, out, threads);
 }
 
-// Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place).
+// Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place); a layer's pools are
+// layer_bytes apart.
 void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
-                       float* hidden, float* k_pool, float* v_pool, int64_t layer_stride, int32_t threads) {
-  decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_stride, threads);
+                       float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads) {
+  decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
 }
 
 // Masks rows of logits [*, vocab] (float32, or a 16-bit float: element_bytes 4 or 2) in place by int32 words

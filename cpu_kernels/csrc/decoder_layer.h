@@ -23,6 +23,7 @@
 
 #include "attention.h"
 #include "buffer.h"
+#include "kv_element.h"
 #include "norm_activation.h"
 #include "packed_matmul.h"
 #include "thread_pool.h"
@@ -50,6 +51,7 @@ struct ModelShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
   int32_t activation;  // Activation: of the MLP's gate
+  int32_t kv_dtype;    // KvDtype: the KV pool's elements
 };
 
 struct BatchRef {
@@ -96,7 +98,7 @@ void add_block(const ModelShape* shape, const float* norm, int64_t T, float* hid
 }
 
 void attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
-                               const float* hidden, float* k_layer, float* v_layer, float* out, int32_t threads) {
+                               const float* hidden, void* k_layer, void* v_layer, float* out, int32_t threads) {
   const int64_t T = batch->tokens, D = shape->head_dim, H = shape->heads, Hkv = shape->kv_heads;
   const int64_t q_size = H * D, kv_size = Hkv * D, width = q_size + 2 * kv_size;
   Buffer<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attended(T * q_size);
@@ -117,8 +119,12 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
         rotate(row, H + Hkv, D, layer->rope_dim, layer->cos + at, layer->sin + at);
       }
       memcpy(q.data() + t * q_size, row, q_size * sizeof(float));
-      memcpy(k_layer + batch->new_rows[t] * kv_size, row + q_size, kv_size * sizeof(float));
-      memcpy(v_layer + batch->new_rows[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      with_kv_element(shape->kv_dtype, [&](auto kv) {
+        using KV = decltype(kv);
+        KV::store(static_cast<typename KV::T*>(k_layer) + batch->new_rows[t] * kv_size, row + q_size, kv_size);
+        KV::store(static_cast<typename KV::T*>(v_layer) + batch->new_rows[t] * kv_size, row + q_size + kv_size,
+                  kv_size);
+      });
     }
   });
   const int64_t* key_starts = batch->key_starts;
@@ -132,8 +138,8 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
     }
     key_starts = window_starts.data(), num_keys = window_keys.data();
   }
-  attention(q.data(), T, H, D, k_layer, v_layer, Hkv, batch->key_rows, key_starts, num_keys, shape->scale,
-            attended.data(), threads);
+  attention(q.data(), T, H, D, k_layer, v_layer, shape->kv_dtype, Hkv, batch->key_rows, key_starts, num_keys,
+            shape->scale, attended.data(), threads);
   matmul_ref(attended.data(), T, layer->o_proj, out, threads);
 }
 
@@ -151,13 +157,14 @@ void mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const 
   matmul_ref(mlp.data(), T, layer->down, out, threads);
 }
 
-// Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place).
+// Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place); a layer's pools are
+// layer_bytes apart.
 void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
-                       float* hidden, float* k_pool, float* v_pool, int64_t layer_stride, int32_t threads) {
+                       float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads) {
   Buffer<float> block(batch->tokens * shape->hidden);
   for (int32_t i = 0; i < num_layers; ++i) {
-    attention_block(shape, &layers[i], batch, hidden, k_pool + i * layer_stride, v_pool + i * layer_stride,
-                              block.data(), threads);
+    attention_block(shape, &layers[i], batch, hidden, static_cast<char*>(k_pool) + i * layer_bytes,
+                    static_cast<char*>(v_pool) + i * layer_bytes, block.data(), threads);
     add_block(shape, layers[i].attention_out_norm, batch->tokens, hidden, block.data(), threads);
     mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
     add_block(shape, layers[i].mlp_out_norm, batch->tokens, hidden, block.data(), threads);

@@ -69,14 +69,14 @@ class ModelRunner(BaseModelRunner):
             capacity=model_args.max_total_tokens,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
-            dtype=torch.float32,
+            dtype=kv_cache_dtype(model_args.kv_cache_dtype, self.model.has_block_weights),
             device=self.device,
         )
         self.kv = KVCacheManager(pool, use_radix_cache=not model_args.disable_radix_cache)
         logger.info(
             "model runner on the CPU (batch-invariant %s kernels, matmul weights: %s; tensor-parallel rank %d of %d: "
-            "weight_bytes=%d, %d of %d KV heads): KV pool of %d tokens (%.0f KiB each, %.0f MiB in all, taken as "
-            "used), prefix cache %s",
+            "weight_bytes=%d, %d of %d KV heads): KV pool of %d tokens of %s (%.0f KiB each, %.0f MiB in all, taken "
+            "as used), prefix cache %s",
             library.isa(),
             self.model.weight_formats,
             tp.rank,
@@ -85,6 +85,7 @@ class ModelRunner(BaseModelRunner):
             self.model.num_kv_heads,
             config.num_key_value_heads,
             pool.capacity,
+            str(pool.k.dtype).removeprefix("torch."),
             pool.bytes_per_token / 2**10,
             pool.capacity * pool.bytes_per_token / 2**20,
             "on" if self.kv.radix is not None else "off",
@@ -99,3 +100,12 @@ class ModelRunner(BaseModelRunner):
     ) -> torch.Tensor:
         batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, num_logits)
         return self.model.forward(batch, self.kv.pool)
+
+
+def kv_cache_dtype(setting: str, has_block_weights: bool) -> torch.dtype:
+    """``--kv-cache-dtype`` as a torch dtype: ``auto`` rounds K and V to float16 where the matmul weights are quantised
+    blocks (whose rounding is far coarser: docs/benchmarks.md compares the three) and keeps float32 beside float
+    weights, which reproduce transformers' logits."""
+    if setting == "auto":
+        return torch.float16 if has_block_weights else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[setting]

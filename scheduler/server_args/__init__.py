@@ -21,7 +21,14 @@ from scheduler.server_args.environment import (
     zmq_port_for,
 )
 from scheduler.server_args.grammar import GrammarArgs
-from scheduler.server_args.model import EMBEDDED_MODEL_NAME, MODEL_RUNNERS, TOOL_CALL_PARSERS, WEIGHT_DTYPES, ModelArgs
+from scheduler.server_args.model import (
+    EMBEDDED_MODEL_NAME,
+    KV_CACHE_DTYPES,
+    MODEL_RUNNERS,
+    TOOL_CALL_PARSERS,
+    WEIGHT_DTYPES,
+    ModelArgs,
+)
 from scheduler.server_args.parallel import ROUTER_POLICIES, ROUTERS, ParallelArgs
 from scheduler.server_args.serving import LOG_LEVELS, ServingArgs
 from scheduler.server_args.speculation import MAX_DRAFT_TOKENS, SPECULATIVE_ALGORITHMS, SpeculationArgs
@@ -32,6 +39,7 @@ __all__ = [
     "ENVIRONMENT_TABLE",
     "GRAMMAR_MAX_POLL_ITERATIONS",
     "GRAMMAR_POLL_INTERVAL",
+    "KV_CACHE_DTYPES",
     "LOG_LEVELS",
     "MAX_DRAFT_TOKENS",
     "MODEL_RUNNERS",

@@ -10,6 +10,7 @@ from scheduler.server_args.options import cache_dir_option, option
 from sglang_constrained.tokenizer.chat_template import read_chat_template
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_RUNNERS = ("exact", "llamacpp")
 """Engines behind the model-runner contract: exact (the default: our batch-invariant CPU kernels, ``cpu_kernels``;
 outputs exact whatever the batch, prefix reuse) or llama.cpp (the ``llamacpp`` extra: the GGUF's quantised weights,
@@ -62,6 +63,13 @@ class ModelArgs:
         "float32's bytes but rounds the weights",
         choices=WEIGHT_DTYPES,
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's elements (the exact runner): float32 keeps K and V as computed; bfloat16 or float16 round "
+        "them once as written, halving the cache's memory and what a decode step's attention reads; auto: "
+        "float16 where the matmul weights are quantised blocks (their rounding is far coarser), float32 otherwise",
+        choices=KV_CACHE_DTYPES,
+    )
     model_runner: str = option(
         "exact",
         "the engine that computes logits: exact (our batch-invariant CPU kernels: outputs exact whatever the batch, "
@@ -94,6 +102,8 @@ class ModelArgs:
             read_chat_template(self.chat_template)  # a template that does not parse stops the start-up here
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--weight-dtype must be one of {WEIGHT_DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         if self.model_runner not in MODEL_RUNNERS:
             raise ValueError(f"--model-runner must be one of {MODEL_RUNNERS}")
         for name in ("max_running_requests", "max_seq_len", "max_total_tokens"):

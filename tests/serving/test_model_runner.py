@@ -314,16 +314,17 @@ def test_the_runners_matmuls_give_each_row_its_result_alone(
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_one_decoder_call_computes_what_its_blocks_compute(
-    blocks_runner: ModelRunner, prompts: list[list[int]]
+    blocks_runner: ModelRunner, prompts: list[list[int]], kv_dtype: torch.dtype
 ) -> None:
     """The single-rank forward (every layer in one C++ call) and the tensor-parallel one (a call per block, residual
-    adds in torch) give the same hidden states and KV bit for bit."""
+    adds in torch) give the same hidden states and KV bit for bit, on a KV pool of each element type."""
     model = blocks_runner.model
     tokens = prompts[0] + prompts[1]
     results = []
     for fused in (True, False):
-        pool = TokenKVPool(model.num_layers, 128, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+        pool = TokenKVPool(model.num_layers, 128, model.num_kv_heads, model.head_dim, kv_dtype, "cpu")
         rows = [pool.allocate(len(prompts[0])), pool.allocate(len(prompts[1]))]
         batch = ForwardBatch.build(rows, [0, 0], [prompts[0], prompts[1]])
         decoder_batch = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
@@ -336,6 +337,31 @@ def test_one_decoder_call_computes_what_its_blocks_compute(
                 hidden = hidden + model.decoder.mlp_block(i, hidden, 2)
         results.append((hidden, pool.k[:, batch.new_rows], pool.v[:, batch.new_rows]))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_kv_cache_rounds_k_and_v_once_as_written(
+    server_args: ServerArgs, blocks_runner: ModelRunner, prompts: list[list[int]], kv_dtype: torch.dtype
+) -> None:
+    """``--kv-cache-dtype``: the first layer's K and V (computed before any attention) are the float32 cache's,
+    rounded as ``ops.kv_store`` rounds them, in half the bytes; ``auto`` takes float16 beside block weights."""
+    name = str(kv_dtype).removeprefix("torch.")
+    sixteen = ModelRunner(
+        replace(server_args.model, max_seq_len=256, max_total_tokens=256, weight_dtype="auto", kv_cache_dtype=name)
+    )
+    exact = ModelRunner(
+        replace(server_args.model, max_seq_len=256, max_total_tokens=256, weight_dtype="auto", kv_cache_dtype="float32")
+    )
+    assert blocks_runner.kv.pool.k.dtype == torch.float16
+    assert sixteen.kv.pool.bytes_per_token * 2 == exact.kv.pool.bytes_per_token
+    rows = []
+    for runner in (sixteen, exact):
+        seq = admitted(runner, prompts[0])
+        runner.prefill([seq], [prompts[0]])
+        rows.append([pool[0, seq.rows] for pool in (runner.kv.pool.k, runner.kv.pool.v)])
+    for stored, computed in zip(*rows, strict=True):
+        assert torch.equal(stored.view(torch.int16), ops.kv_store(computed.contiguous(), kv_dtype).view(torch.int16))
 
 
 @pytest.mark.model

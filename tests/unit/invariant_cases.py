@@ -83,11 +83,14 @@ ATTENTION_SHAPES = {
 and Gemma 3's head sizes."""
 
 
-def attention_case(seed: int = 0, shape: str = "smollm2", runs: bool = False) -> dict[str, torch.Tensor]:
+def attention_case(
+    seed: int = 0, shape: str = "smollm2", runs: bool = False, kv_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """A pool of 300 rows and 64 query tokens of four sequences: token t attends to the first ``num_keys[t]`` rows of
     its sequence. Interleaved, every token is alone in its sequence (decode steps); with ``runs``, the tokens come
     as a 37-token prefill, one decode step, an 8-token extend at position 100 and an 18-token extend at 12, each run
-    of consecutive positions (runs of 12 tokens or more are the layout whose keys the kernel transposes and tiles)."""
+    of consecutive positions (runs of 12 tokens or more are the layout whose keys the kernel transposes and tiles).
+    ``kv_dtype``: the pool's elements (K and V rounded to them as a 16-bit pool stores them)."""
     heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
     generator = torch.Generator().manual_seed(seed)
     k_pool, v_pool = torch.randn(2, 300, kv_heads, head_dim, generator=generator)
@@ -102,6 +105,7 @@ def attention_case(seed: int = 0, shape: str = "smollm2", runs: bool = False) ->
         owner = torch.arange(64) % 4
         num_keys = torch.tensor([1 + (7 * t) % lengths[owner[t]] for t in range(64)])
     q = torch.randn(64, heads, head_dim, generator=generator)
+    k_pool, v_pool = (ops.kv_store(pool.contiguous(), kv_dtype) for pool in (k_pool, v_pool))
     return {"q": q, "k": k_pool, "v": v_pool, "rows": key_rows, "starts": starts[owner], "keys": num_keys}
 
 

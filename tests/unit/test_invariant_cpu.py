@@ -122,14 +122,21 @@ def test_16_bit_weights_packed_as_they_are_compute_their_float32_bits(dtype: tor
     assert torch.equal(ops.matmul(x, packed_weights.pack_dense(weight, dtype)), ops.matmul(x, as_float32))
 
 
-ATTENTION_LAYOUTS = [("smollm2", False), *((shape, True) for shape in ATTENTION_SHAPES)]
+F32 = torch.float32
+ATTENTION_LAYOUTS = [
+    ("smollm2", False, F32),
+    *((shape, True, F32) for shape in ATTENTION_SHAPES),
+    *(("smollm2", runs, kv) for kv in (torch.bfloat16, torch.float16) for runs in (False, True)),
+]
+"""(shape, runs, the KV pool's elements): every shape's tiles on a float32 pool, SmolLM2's on 16-bit pools."""
 
 
-@pytest.mark.parametrize(("shape", "runs"), ATTENTION_LAYOUTS)
-def test_attention_of_a_token_does_not_depend_on_the_batch(shape: str, runs: bool) -> None:
+@pytest.mark.parametrize(("shape", "runs", "kv_dtype"), ATTENTION_LAYOUTS)
+def test_attention_of_a_token_does_not_depend_on_the_batch(shape: str, runs: bool, kv_dtype: torch.dtype) -> None:
     """Alone, a token takes the head_dim-in-lanes path; in a run of its sequence (a prefill, an extend, cut by the
-    slice at every length, so across every tile size) the keys-in-lanes tiles: the same bits."""
-    case = attention_case(shape=shape, runs=runs)
+    slice at every length, so across every tile size) the keys-in-lanes tiles: the same bits, from a float32 pool or
+    a 16-bit one."""
+    case = attention_case(shape=shape, runs=runs, kv_dtype=kv_dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -144,9 +151,10 @@ def test_attention_of_a_token_does_not_depend_on_the_batch(shape: str, runs: boo
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(("shape", "runs"), ATTENTION_LAYOUTS)
-def test_attention_computes_softmax_attention(shape: str, runs: bool) -> None:
-    case = attention_case(seed=3, shape=shape, runs=runs)
+@pytest.mark.parametrize(("shape", "runs", "kv_dtype"), ATTENTION_LAYOUTS)
+def test_attention_computes_softmax_attention(shape: str, runs: bool, kv_dtype: torch.dtype) -> None:
+    """Softmax attention over the pool's values (a 16-bit pool's read exactly), within float32 rounding."""
+    case = attention_case(seed=3, shape=shape, runs=runs, kv_dtype=kv_dtype)
     heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
     out = run_attention(case, slice(0, 64)).view(64, heads, head_dim).double()
     for t in range(64):
@@ -156,6 +164,23 @@ def test_attention_computes_softmax_attention(shape: str, runs: bool) -> None:
         scores = case["q"][t].double()[:, None, :] @ keys.transpose(1, 2) * head_dim**-0.5
         expected = (torch.softmax(scores, dim=-1) @ values)[:, 0]
         assert torch.allclose(out[t], expected, atol=2e-6), t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_kv_pool_stores_values_rounded_as_torch_rounds_them(dtype: torch.dtype) -> None:
+    """To nearest, ties to even: every float16 and bfloat16 value, its neighbours and the ties around it (subnormals,
+    the largest finite values, the roundings to infinity) and random bit patterns; a NaN stays a NaN."""
+    every = torch.arange(2**16, dtype=torch.int32).to(torch.int16)
+    bits = torch.cat([every.view(kind).float().view(torch.int32) for kind in (torch.float16, torch.bfloat16)])
+    nudges = (0, 1, -1, 0xFFF, 0x1000, 0x1001, 0x7FFF, 0x8000, 0x8001)
+    random = torch.randint(
+        -(2**31), 2**31 - 1, (1_000_000,), dtype=torch.int32, generator=torch.Generator().manual_seed(2)
+    )
+    values = torch.cat([*(bits + nudge for nudge in nudges), random]).view(torch.float32)
+    stored = ops.kv_store(values, dtype)
+    nan = values.isnan()
+    assert torch.equal(stored[~nan].view(torch.int16), values[~nan].to(dtype).view(torch.int16))
+    assert stored[nan].isnan().all()
 
 
 @pytest.mark.parametrize("width", [576, 99])
@@ -241,6 +266,11 @@ for fmt in FORMATS:
 # attention of tokens alone (head_dim in lanes) and in runs (keys in lanes), for each shape's tiles
 for shape in ATTENTION_SHAPES:
     outs += [run_attention(attention_case(shape=shape, runs=runs), slice(0, 64)) for runs in (False, True)]
+# 16-bit KV pools: rounded as stored (integer arithmetic), read exactly
+for kv in (torch.bfloat16, torch.float16):
+    outs += [run_attention(attention_case(runs=runs, kv_dtype=kv), slice(0, 64)) for runs in (False, True)]
+    specials = torch.tensor([65504.0, 65519.0, 65520.0, 6.0e-8, 2.9e-8, 3.0e-8, -1e-40, 1e39, 3.3895e38, 1 / 3])
+    outs.append(ops.kv_store(torch.cat([specials, torch.randn(1000, generator=torch.Generator().manual_seed(4))]), kv))
 outs.append(ops.rms_norm(x, torch.linspace(-1, 1, 256), 1e-6))
 outs.append(ops.silu_mul(x * 10))
 outs.append(ops.gelu_tanh_mul(x * 10))

@@ -1,0 +1,84 @@
+// The KV pool's element types: float32 (K and V as computed), bfloat16 and float16 (half the bytes: half a decode
+// step's attention reads, which stream from memory, and half the pool's memory).
+//
+// A 16-bit pool rounds K and V once, when a token's row is written: to nearest, ties to even, in integer arithmetic
+// on each value, so every build stores the same bits (and the same as torch's .to(torch.bfloat16 / torch.float16)).
+// Every read converts exactly to float32, so attention computes with the same float32 values whichever path reads
+// them (a token alone, a run of tokens) and its arithmetic (attention.h) is unchanged.
+
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+namespace {
+
+enum KvDtype : int32_t { kKvFloat32 = 0, kKvBfloat16 = 1, kKvFloat16 = 2 };
+
+static inline uint32_t float_bits(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+  const uint32_t bits = float_bits(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t float_to_half(float x) {
+  const uint32_t bits = float_bits(x), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+  uint32_t half;
+  if (magnitude > 0x7f800000u) {
+    half = 0x7e00u | ((magnitude >> 13) & 0x3ffu);  // NaN stays NaN
+  } else if (magnitude >= 0x477ff000u) {
+    half = 0x7c00u;  // 65520 and above round to infinity
+  } else if (magnitude >= 0x38800000u) {  // a normal half: rebias the exponent, round 23 mantissa bits to 10
+    const uint32_t rebiased = magnitude - 0x38000000u;
+    half = (rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13;
+  } else if (magnitude >= 0x33000000u) {  // a subnormal half, units of 2^-24 (2^-14 rounds up to the smallest normal)
+    const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u, shift = 126u - (magnitude >> 23);
+    half = (significand + (1u << (shift - 1)) - 1u + ((significand >> shift) & 1u)) >> shift;
+  } else {
+    half = 0;  // at most 2^-25: ties to even at zero
+  }
+  return static_cast<uint16_t>(sign | half);
+}
+
+struct KvFloat32 {
+  using T = float;
+  static V16 load(const T* p) { return vload(p); }
+  static void store(T* dst, const float* src, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
+};
+
+struct KvBfloat16 {
+  using T = uint16_t;
+  static V16 load(const T* p) { return vfrom_bf16(p); }
+  static void store(T* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  }
+};
+
+struct KvFloat16 {
+  using T = uint16_t;
+  static V16 load(const T* p) { return vfrom_f16(p); }
+  static void store(T* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
+  }
+};
+
+// f(KvFloat32()), f(KvBfloat16()) or f(KvFloat16()) for a KvDtype; false for an unknown one.
+template <class F>
+static bool with_kv_element(int32_t dtype, F&& f) {
+  switch (dtype) {
+    case kKvFloat32: f(KvFloat32()); return true;
+    case kKvBfloat16: f(KvBfloat16()); return true;
+    case kKvFloat16: f(KvFloat16()); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
