@@ -175,6 +175,8 @@ class BatchExecutor:
         num_accepted = 0
         failure = None
         for j, token in enumerate(row_tokens):
+            if j > 0 and self.budget is not None and token is not None and not self.budget.may_take(req, token):
+                break  # a greedy choice after the drafts whose ending would not fit: steered as the next first row
             failure = self._accept(req, token, logprobs[j])
             if failure is not None or req.finished:
                 break
@@ -215,12 +217,16 @@ class BatchExecutor:
                 info.prepare(batch, [d.token_ids for d in drafts])
                 info.update_regex_vocab_mask()
                 info.apply_logits_bias(logits)
+                greedy = [req.sampling_params.temperature == 0 for req in batch]
+                watched: list[int] = []
                 if self.budget is not None:
-                    self.budget.steer(
-                        batch, info.request_rows(), logits, [req.sampling_params.temperature == 0 for req in batch]
-                    )
+                    self.budget.steer(batch, info.request_rows(), logits, greedy)
+                    watched = self.budget.watched_rows(batch, info.request_rows(), greedy)
+                before_sampling = logits[watched].clone()
                 logprobs = row_logprobs(logits, info.rows)
                 tokens = sample(logits, info.rows)
+                if watched:
+                    self._sample_refused_again(batch, watched, before_sampling, logits, tokens, logprobs)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
             failure = Abort(AbortCause.INTERNAL, f"internal error while generating: {type(e).__name__}: {e}")
@@ -230,6 +236,30 @@ class BatchExecutor:
             for i, e in info.fill_errors.items()
         }
         return tokens, logprobs, failures
+
+    def _sample_refused_again(
+        self,
+        batch: list[Req],
+        watched: list[int],
+        before_sampling: torch.Tensor,
+        logits: torch.Tensor,
+        tokens: list[int | None],
+        logprobs: dict[int, torch.Tensor],
+    ) -> None:
+        """Sample again the ``watched`` rows whose token budget steering refused, from their steered logits (their
+        log-probabilities too)."""
+        assert self.budget is not None
+        info = self.sampling_info
+        logits[watched] = before_sampling
+        refused = self.budget.refused_samples(batch, info.request_rows(), watched, logits, tokens)
+        if not refused:
+            return
+        rows = info.rows.select(refused)
+        again = logits[refused]
+        for row, row_logprob in row_logprobs(again, rows).items():
+            logprobs[refused[row]] = row_logprob
+        for row, token in zip(refused, sample(again, rows), strict=True):
+            tokens[row] = token
 
     def _accept(self, req: Req, token: int | None, logprobs: torch.Tensor | None) -> Abort | None:
         """Append ``token`` (and its logprob, from ``logprobs``; None for a forced token, which had probability 1),

@@ -7,26 +7,32 @@ what ``max_new_tokens`` (and the context) still allow, this token included; the 
 spends it first (after its own thinking budget), and is closed (the think-end token forced) where one more thinking
 token would leave the answer's shortest ending no room.
 
-- Far from the budget (the remaining budget at least ``HORIZON`` tokens more than the plan) no row is steered. The
+- Far from the budget (the remaining budget at least ``WATCH`` tokens more than the plan) no row is checked. The
   plan follows the output where the output follows it. Beyond ``WATCH`` tokens of slack nothing else is computed
   (the plan goes stale); within it the plan is kept current after every token (``record``): the plan itself where
   it still ends the output (a string's content), a suffix of it, an ending searched for this constraint's other
   requests, one byte followed by the plan (``]`` after one more ``[``), else a bounded search (milliseconds,
-  remembered for the others); where that finds nothing it goes stale until the budget comes near. Greedy outputs
-  that never come near their budget are the same token for token as without the feature (nothing here changes a
-  row beyond the horizon).
+  remembered for the others); where that finds nothing it goes stale until the budget comes near. A plan gone stale
+  beyond ``WATCH`` is searched for in full as the output comes within it (once: where that finds nothing, it waits
+  for the horizon too). Outputs that never come near their budget are the same token for token as without the
+  feature (a row is changed only where the model's choice would leave no ending within the budget).
 - Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
   (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
   search), and the row keeps those that pass plus the plan's next token, which always does. The guarantee is
-  therefore sound whatever the search misses: every token allowed has a walked ending within the budget.
-- Drafts stop where the rows they would need come near the budget (their rows are not steered); forced tokens
-  (the grammar allows one token) keep any ending's length minus one and need no check.
+  therefore sound whatever the search misses: every token allowed has a walked ending within the budget. Within
+  ``HORIZON`` tokens of slack a sampled row keeps ``NUM_CANDIDATES`` such tokens. Within ``WATCH`` the model's own
+  choice is checked (a greedy row's before sampling, a sampled row's after it, ``refused_samples``) and the row is
+  steered only where that choice leaves no ending within the budget: one token can open an item whose ending is
+  longer than the horizon (a second tool call after a first, a new array item of many required fields).
+- Drafts stop where the rows they would need come near the horizon; within ``WATCH`` the model's choices after
+  drafts that stood are checked as first rows are (``may_take``), so that speculation changes no output. Forced
+  tokens (the grammar allows one token) keep any ending's length minus one and need no check.
 
 A budget below the shortest ending from the grammar's start is refused when the grammar is ready (``refusal``). Within
-the horizon every token is checked, so the guarantee is exact there. What it assumes: within ``WATCH``, that one token
-does not grow the ending by more than the slack it had (at least ``HORIZON``: one token opening an item with a dozen
-required fields could); where the plan is stale (beyond ``WATCH``, or where the bounded search found nothing), that
-the ending does not grow by more than the slack left beyond ``HORIZON`` before the plan is current again.
+``WATCH`` every token taken is checked, so the guarantee is exact there. What it assumes: that one token does not grow
+the ending by more than ``WATCH`` tokens of slack; where the plan is stale (beyond ``WATCH``, or where the searches
+found nothing), that the ending does not grow by more than the slack left beyond ``HORIZON`` before the plan is
+current again.
 """
 
 from __future__ import annotations
@@ -114,21 +120,70 @@ class BudgetSteering:
 
     def steer(self, batch: list[Req], rows: list[range], logits: torch.Tensor, greedy: list[bool]) -> None:
         """Steer the masked logits of requests near their budget, in place: ``rows[i]`` are ``batch[i]``'s rows of
-        ``logits`` (one: a request with drafts is never near its budget), ``greedy[i]`` whether it samples
-        greedily."""
+        ``logits``, ``greedy[i]`` whether it samples greedily. A sampled request with drafts is never near its budget
+        (``draft_room``); a greedy one may be within ``WATCH``: its first row is steered here, the tokens after its
+        verified drafts by ``may_take``."""
         for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
             grammar = req.ready_grammar
             if isinstance(grammar, ReasonerGrammarObject) and grammar.is_thinking and len(req_rows) == 1:
                 self._close_thinking_in_time(req, grammar.think_end_id, logits[req_rows.start])
                 continue
             plan = self._plan(req)
-            if plan is None or plan.tokens is None or len(req_rows) != 1:
+            if plan is None or plan.tokens is None or (len(req_rows) != 1 and not is_greedy):
                 continue
             remaining = self._remaining(req)
-            if remaining - len(plan.tokens) >= HORIZON:
+            if remaining - len(plan.tokens) >= (WATCH if is_greedy else HORIZON):
                 continue
             assert grammar is not None
             self._steer_row(grammar, plan, remaining, logits[req_rows.start], 1 if is_greedy else NUM_CANDIDATES)
+
+    def may_take(self, req: Req, token: int) -> bool:
+        """Whether ``req`` may take ``token``, its model's choice after drafts that stood (a row ``steer`` did not
+        check): not where its budget is near and no ending fits after it (the next step steers that position as its
+        first row)."""
+        plan = req.ending
+        grammar = req.ready_grammar
+        if plan is None or not plan.tokens or grammar is None or not _is_answering(grammar):
+            return True
+        remaining = self._remaining(req)
+        if remaining - len(plan.tokens) >= WATCH:
+            return True
+        ending, _ = self._ending_after(grammar, plan.tokens, token, remaining - 1, 0)
+        return ending is not None
+
+    def watched_rows(self, batch: list[Req], rows: list[range], greedy: list[bool]) -> list[int]:
+        """The first rows of sampled requests within ``WATCH`` but beyond the horizon (``steer`` left them as they
+        are): their sampled tokens are checked after sampling (``refused_samples``)."""
+        watched = []
+        for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
+            plan = req.ending
+            if is_greedy or plan is None or not plan.tokens or not _is_answering(req.ready_grammar):
+                continue
+            if HORIZON <= self._remaining(req) - len(plan.tokens) < WATCH:
+                watched.append(req_rows.start)
+        return watched
+
+    def refused_samples(
+        self, batch: list[Req], rows: list[range], watched: list[int], logits: torch.Tensor, tokens: list[int | None]
+    ) -> list[int]:
+        """Of the ``watched`` rows, those whose sampled token leaves no ending within the budget (one token opened an
+        item longer than the slack beyond the horizon): steered now as within the horizon (``logits`` are the rows
+        as they were before sampling), to be sampled again."""
+        owner = {req_rows.start: req for req, req_rows in zip(batch, rows, strict=True)}
+        refused = []
+        for row in watched:
+            req, token = owner[row], tokens[row]
+            plan, grammar = req.ending, req.ready_grammar
+            if token is None or plan is None or not plan.tokens or grammar is None:
+                continue
+            remaining = self._remaining(req)
+            ending, _ = self._ending_after(grammar, plan.tokens, token, remaining - 1, 0)
+            if ending is not None:
+                plan.after = {token: ending}
+                continue
+            self._steer_row(grammar, plan, remaining, logits[row], NUM_CANDIDATES)
+            refused.append(row)
+        return refused
 
     def record(self, req: Req, token: int) -> None:
         """``req`` took ``token`` (its grammar accepted it): follow it with the plan. Within ``WATCH`` tokens of the
@@ -147,27 +202,41 @@ class BudgetSteering:
             plan.tokens = after[token]
         elif self._remaining(req) - plan.length >= WATCH:
             plan.tokens = None
+        elif plan.tokens is None:
+            plan.tokens = self._stale_ending_anew(grammar, req.grammar_key, plan)
         else:
             plan.tokens = self._ending_anew(grammar, req.grammar_key, plan.tokens, token)
         if plan.tokens is not None:
             plan.length = len(plan.tokens)
 
-    def _ending_anew(
-        self, grammar: BaseGrammarObject, key: GrammarKey | None, ending: list[int] | None, token: int
+    def _stale_ending_anew(
+        self, grammar: BaseGrammarObject, key: GrammarKey | None, plan: EndingPlan
     ) -> list[int] | None:
-        """An ending from ``grammar``'s state after ``token`` left ``ending``, or None. A stale plan (``ending`` None)
-        is tried only against the known endings: its search waits for the horizon, as beyond ``WATCH``."""
-        search = self.search
-        if ending is not None:
-            if search.finishes(grammar, ending):
-                return ending
-            found = search.replay(grammar, ending, len(ending) + MAX_GROWTH, search.piece(token))
+        """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a full search, which the
+        bounded one does not replace where the output went far from any ending (inside many open brackets)."""
+        found = next((known for known in self._known_for(key) if self.search.finishes(grammar, known)), None)
+        if found is None and not plan.search_failed:
+            self.num_searches += 1
+            found = self.search.find(grammar)
+            plan.search_failed = found is None
             if found is not None:
-                return found
+                self._remember(key, found)
+        return found
+
+    def _ending_anew(
+        self, grammar: BaseGrammarObject, key: GrammarKey | None, ending: list[int], token: int
+    ) -> list[int] | None:
+        """An ending from ``grammar``'s state after ``token`` left ``ending``, or None."""
+        search = self.search
+        if search.finishes(grammar, ending):
+            return ending
+        found = search.replay(grammar, ending, len(ending) + MAX_GROWTH, search.piece(token))
+        if found is not None:
+            return found
         found = next((known for known in self._known_for(key) if search.finishes(grammar, known)), None)
-        if found is None and ending is not None:
+        if found is None:
             found = search.bridge(grammar, ending)
-        if found is None and ending is not None:
+        if found is None:
             self.num_searches += 1
             found = search.find(grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_RECORD_SEARCH_SECONDS)
             if found is None:
@@ -216,11 +285,19 @@ class BudgetSteering:
         self, grammar: BaseGrammarObject, plan: EndingPlan, remaining: int, row: torch.Tensor, wanted: int
     ) -> None:
         """Keep in ``row`` the most likely tokens after which an ending fits ``remaining - 1`` tokens (at most
-        ``wanted`` of them), and the plan's next token."""
+        ``wanted`` of them), and the plan's next token. A greedy row (``wanted`` 1) whose choice fits is left as it
+        is (its log-probabilities too)."""
         assert plan.tokens is not None
         if not plan.tokens:
             return  # the grammar has ended: the request finishes without another token
         logits, is_view = _host_values(row)
+        if wanted == 1:
+            choice = int(numpy.argmax(logits))  # the first largest, as the greedy sampler takes it
+            if logits[choice] != -numpy.inf:
+                ending, _ = self._ending_after(grammar, plan.tokens, choice, remaining - 1, 0)
+                if ending is not None:
+                    plan.after = {choice: ending}
+                    return
         num_checked = min(MAX_CHECKED, logits.shape[0])
         order = numpy.argpartition(-logits, num_checked - 1)[:num_checked]
         order = order[numpy.argsort(-logits[order], kind="stable")].tolist()
@@ -257,6 +334,8 @@ class BudgetSteering:
             if grammar.is_terminated():
                 return [], 0
             after = self.search.replay(grammar, ending, budget, self.search.piece(token))
+            if after is None and len(ending) < budget:  # one byte more and the ending: "]" after one more "["
+                after = self.search.bridge(grammar, ending)
             if after is not None or num_searches >= MAX_SEARCHES:
                 return after, 0
             found = self.search.find(grammar, MAX_CHECK_STEPS, ascii_only=True)

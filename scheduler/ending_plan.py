@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 class EndingPlan:
     """``tokens``: a path from the request's grammar state to the grammar's end (None once stale: the output left it
     far from the budget); ``length``: the last known ending's length; ``after``: the endings checked after each
-    token of this step's steered row; ``is_steered``: whether steering ever overruled the model's first choice."""
+    token of this step's steered row; ``is_steered``: whether steering ever overruled the model's first choice;
+    ``search_failed``: whether the full search for a stale plan within ``WATCH`` found nothing (it is not run
+    again)."""
 
     tokens: list[int] | None
     length: int
     after: dict[int, list[int]] = field(default_factory=dict)
     is_steered: bool = False
+    search_failed: bool = False

@@ -36,6 +36,20 @@ class SamplingRows:
     draft_token_ids: list[int]  # NO_DRAFT where the row has none
     top_logprobs_nums: list[int | None]  # None: the row's request asked for no logprobs
 
+    def select(self, indices: list[int]) -> SamplingRows:
+        """These rows' parameters, in this order."""
+        index = torch.tensor(indices, dtype=torch.int64)
+        return SamplingRows(
+            self.temperatures[index],
+            self.top_ps[index],
+            self.min_ps[index],
+            [self.top_ks[i] for i in indices],
+            [self.seeds[i] for i in indices],
+            [self.positions[i] for i in indices],
+            [self.draft_token_ids[i] for i in indices],
+            [self.top_logprobs_nums[i] for i in indices],
+        )
+
 
 def row_logprobs(logits: torch.Tensor, rows: SamplingRows) -> dict[int, torch.Tensor]:
     """``{row: [vocab] log-probabilities}`` for the rows whose request asked for logprobs: the log-softmax of the

@@ -48,6 +48,10 @@ the path of 20 MaskBench schemas: properties in its order, numbers as ``-0``).""
 MAX_MOVES = 48
 """Most single-byte moves tried from one state: letters and digits come after the other bytes, and past this many
 (a string's content) they stand for each other; whitespace comes last."""
+MAX_REPEATS = 64
+"""Most times the first-moves walk takes one move from states with one mask (a run of closing brackets repeats it)."""
+WIDE_STATE_MOVES = 32
+"""Single-byte moves from which a state is content (a string's): its moves that keep its mask go nowhere."""
 MAX_FORCED_MOVES = 64
 """Most tokens searched from a state that allows no single-byte token."""
 ASCII_BYTES = range(0x80)
@@ -72,6 +76,17 @@ class _Node:
     """Loop steps that led here in a row (a long run is kept last: it counts towards a bound, or goes nowhere)."""
 
 
+CLOSING_BYTES = b"]})>"
+
+
+def _move_order(byte: int) -> tuple[bool, bool, bool, int]:
+    """The order a state's single-byte moves are tried in: closing brackets first (states that differ only in depth
+    have the same mask, and the first path to a mask stands for the others: the one that closes makes progress), then
+    other punctuation, whitespace, and letters and digits last."""
+    piece = bytes([byte])
+    return byte not in CLOSING_BYTES, piece.isspace(), piece.isalnum(), byte
+
+
 class EndingSearch:
     """Finds short endings for grammars over one tokenizer's vocabulary (``TokenizerVocabulary``).
 
@@ -87,9 +102,10 @@ class EndingSearch:
                 self._pieces.setdefault(piece, token)
         self._byte_token = {b: self._pieces[bytes([b])] for b in range(256) if bytes([b]) in self._pieces}
         self._byte_tokens = frozenset(self._byte_token.values())
+        self._ascii_tokens = frozenset(self._byte_token[b] for b in ASCII_BYTES if b in self._byte_token)
         self._pieces_of = vocabulary.decoded_vocab
         self._vocab_size = vocabulary.model_vocab_size
-        in_move_order = sorted(self._byte_token, key=lambda b: (bytes([b]).isspace(), bytes([b]).isalnum(), b))
+        in_move_order = sorted(self._byte_token, key=_move_order)
         byte_tokens = numpy.array([self._byte_token[b] for b in in_move_order], dtype=numpy.int64)
         self._byte_token_ids = byte_tokens
         self._byte_words = byte_tokens // BITS_PER_WORD
@@ -109,8 +125,9 @@ class EndingSearch:
     ) -> list[int] | None:
         """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
-        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte) and
-        ``max_seconds`` (both passes; the exact search before them gets half as long). A full
+        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte; between them
+        the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them; the exact search before them
+        gets half as long). A full
         search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
         budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change."""
         if grammar.is_terminated():
@@ -126,6 +143,8 @@ class EndingSearch:
             return [stop]
         start = _Node((), self._moves(), hash(self._scratch_bytes()))
         found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps, deadline)
+        if found is None:
+            found = self._first_moves(grammar, deadline)
         if found is None and not ascii_only:
             found = self._breadth_first(grammar, start, range(256), max_steps, deadline)
         if found is None:
@@ -265,7 +284,8 @@ class EndingSearch:
                         if moves == node.moves:
                             if has_loop:
                                 continue
-                            has_loop, loop_token, loop_run = True, token, node.loop_run + 1
+                            is_content = self._pieces_of[token].isalnum()  # not a closing run such as ]]]
+                            has_loop, loop_token, loop_run = True, token, node.loop_run + is_content
                         if fingerprint not in seen:
                             seen.add(fingerprint)
                             num_blank = node.num_blank + (self._pieces_of[token].strip() == b"")
@@ -276,6 +296,45 @@ class EndingSearch:
             next_level.sort(key=lambda n: (n.num_blank, n.loop_run))  # stable: discovery order among equals
             level = next_level[:BEAM_WIDTH]
         return None
+
+    def _first_moves(self, grammar: BaseGrammarObject, deadline: float) -> tuple[tuple[int, ...], int | None] | None:
+        """The token path that takes each state's first move (single-byte ASCII tokens in move order: closing brackets
+        first, letters and digits last; or the first token of a state that allows none) to the nearest end; None past
+        ``MAX_ENDING_BYTES`` or ``MAX_REPEATS`` of one move from one mask. In a state that allows ``WIDE_STATE_MOVES``
+        bytes or more (a string's content) a move that leaves its mask as it was goes nowhere: the first that changes
+        it is taken. Not the shortest ending, but found where the breadth-first search runs out of steps (an object of
+        many required fields, many brackets deep)."""
+        path: list[int] = []
+        repeats: dict[tuple[int, int], int] = {}
+        grammar.fill_vocab_mask(self._scratch, 0)
+        try:
+            while len(path) < MAX_ENDING_BYTES and time.perf_counter() <= deadline:
+                moves = [t for t in self._moves() if t not in self._byte_tokens or t in self._ascii_tokens]
+                fingerprint = hash(self._scratch_bytes())
+                moves = [t for t in moves if repeats.get((fingerprint, t), 0) < MAX_REPEATS]
+                is_wide = len(moves) >= WIDE_STATE_MOVES
+                for token in moves[: MAX_MOVES if is_wide else 1]:
+                    try:
+                        grammar.accept_token(token)
+                    except TokenRejectedError:
+                        continue
+                    if grammar.is_terminated():
+                        path.append(token)
+                        return tuple(path), None
+                    grammar.fill_vocab_mask(self._scratch, 0)
+                    if not is_wide or hash(self._scratch_bytes()) != fingerprint:
+                        break
+                    grammar.rollback(1)
+                else:
+                    return None
+                repeats[fingerprint, token] = repeats.get((fingerprint, token), 0) + 1
+                path.append(token)
+                stop = self._allowed_stop()
+                if stop is not None:
+                    return tuple(path), stop
+            return None
+        finally:
+            grammar.rollback(len(path))
 
     def _allowed_stop(self) -> int | None:
         row = self._scratch_words

@@ -84,7 +84,8 @@ def search(smollm2_tokenizer: TokenizerSetup) -> EndingSearch:
 def steered_walk(
     grammar: BaseGrammarObject, key: Any, search: EndingSearch, budget: int, seed: int, vocab_size: int
 ) -> tuple[list[int], bool]:
-    """One walk with ``budget`` tokens; its tokens and whether the grammar terminated (it must)."""
+    """One walk with ``budget`` tokens, sampled as the scheduler samples (a row within ``WATCH`` whose token steering
+    refuses is sampled again, steered); its tokens and whether the grammar terminated (it must)."""
     steering = BudgetSteering(search, max_seq_len=1 << 20)
     params = SamplingParams(max_new_tokens=budget, temperature=1.0)
     req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
@@ -97,7 +98,10 @@ def steered_walk(
         logits = torch.randn(1, vocab_size, generator=generator) * 3
         logits[~unpack_bitmask(mask, vocab_size)] = float("-inf")
         steering.steer([req], [range(1)], logits, [False])
+        watched = steering.watched_rows([req], [range(1)], [False])
         token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
+        if steering.refused_samples([req], [range(1)], watched, logits, [token]):
+            token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
         grammar.accept_token(token)
         req.output_ids.append(token)
         steering.record(req, token)
@@ -209,12 +213,14 @@ def test_an_ending_that_grows_a_token_at_a_time_still_fits(
 ) -> None:
     """A greedy model that opens one more bracket per token: every ``[`` grows the shortest ending by one, while the
     slack is still beyond the horizon. Kept current after every token, the plan brings the steering in on time, and
-    the output closes every bracket within the budget (it was cut at both budgets while the plan was stale)."""
+    the output closes every bracket within the budget (it was cut at 30 and 44 while the plan was stale). At 70 the
+    plan goes stale at once (its slack is beyond ``WATCH``) and is searched anew as the output comes within it (it was
+    left stale until the horizon, and cut)."""
     setup = smollm2_tokenizer
     tokenizer = setup.tokenizer
-    preferred = tokenizer.encode('{"a": ') + tokenizer.encode("[") * 40
+    preferred = tokenizer.encode('{"a": ') + tokenizer.encode("[") * 64
     backend = build_backend(backend_name, setup)
-    for budget in (30, 44):
+    for budget in (30, 44, 70):
         grammar = compile_grammar(backend, "json_object", True)
         steering = BudgetSteering(search, max_seq_len=1 << 20)
         params = SamplingParams(max_new_tokens=budget, temperature=0.0)
@@ -236,3 +242,51 @@ def test_an_ending_that_grows_a_token_at_a_time_still_fits(
         text = tokenizer.decode([t for t in req.output_ids if t not in setup.eos_token_ids])
         assert grammar.is_terminated(), f"budget {budget}: cut: {text!r}"
         assert text.count("[") >= 5 and json_judge({"type": "object"})(text) is None, text
+
+
+ITEMS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in ("alpha", "beta", "gamma", "delta", "epsilon")},
+        "required": ["alpha", "beta", "gamma", "delta", "epsilon"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_a_greedy_row_does_not_open_an_item_its_budget_cannot_close(
+    backend_name: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """A greedy model that writes item after item of five required fields: after each item the output may end in two
+    tokens, but one more comma opens an item whose shortest ending is longer than the horizon. Checked within
+    ``WATCH``, the greedy row closes the array instead at every budget (at some budgets the comma was taken while
+    the slack was beyond the horizon, and the output was cut)."""
+    setup = smollm2_tokenizer
+    tokenizer = setup.tokenizer
+    item = '{"alpha": "a", "beta": "b", "gamma": "c", "delta": "d", "epsilon": "e"}'
+    preferred = tokenizer.encode("[" + ", ".join([item] * 6) + "]")
+    backend = build_backend(backend_name, setup)
+    key = make_grammar_key("json", ITEMS)
+    for budget in range(len(tokenizer.encode(item)) + 4, 2 * len(tokenizer.encode(item)) + 8, 3):
+        grammar = compile_grammar(backend, "json", ITEMS)
+        steering = BudgetSteering(search, max_seq_len=1 << 20)
+        params = SamplingParams(max_new_tokens=budget, temperature=0.0)
+        req = Req(rid="items", client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
+        assert steering.refusal(req) is None
+        mask = allocate_bitmask(1, setup.vocab_size, "cpu")
+        while len(req.output_ids) < budget and not grammar.is_terminated():
+            grammar.fill_vocab_mask(mask, 0)
+            logits = torch.zeros(1, setup.vocab_size)
+            if len(req.output_ids) < len(preferred):
+                logits[0, preferred[len(req.output_ids)]] = 10.0
+            logits[~unpack_bitmask(mask, setup.vocab_size)] = float("-inf")
+            steering.steer([req], [range(1)], logits, [True])
+            token = int(logits[0].argmax())
+            grammar.accept_token(token)
+            req.output_ids.append(token)
+            steering.record(req, token)
+        text = tokenizer.decode([t for t in req.output_ids if t not in setup.eos_token_ids])
+        assert grammar.is_terminated(), f"budget {budget}: cut: {text!r}"
+        assert json_judge(ITEMS)(text) is None, text

@@ -41,8 +41,10 @@ from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
 pytestmark = pytest.mark.prepared_ahead("float32 weights")
 NUM_STEPS = 16
 NEAR_TIE = 0.05
-INT8_NEAR_TIE = 0.25
-"""A margin of transformers' top two that int8 activations may reverse (measured: one step in 60, at 0.129)."""
+INT8_NEAR_TIE = 0.4
+"""A margin of transformers' top two that int8 activations (and the float16 KV cache beside them) may reverse
+(measured: one step in 60, at 0.129 with a float32 KV cache; at 0.337 with float16's, whose rounding moves values
+across other int8 quantisation steps)."""
 """Float32 logits this close are a tie that bfloat16 weights' rounding (~1e-2 here) may break either way."""
 PROMPTS: list[dict[str, Any]] = [
     {"text": "def fib(n):"},
