@@ -153,7 +153,11 @@ COMPACT_SCHEMAS: list[Any] = [
     {
         "type": "object",
         "properties": {
-            "p": {"type": "object", "properties": {"q": {"type": "string", "minLength": 2}}, "required": ["q"]}
+            "p": {
+                "type": "object",
+                "properties": {"q": {"enum": ["a b c d", "internationalization"]}},
+                "required": ["q"],
+            }
         },
         "required": ["p"],
     },
