@@ -120,8 +120,9 @@ class BaseGrammarObject(ABC):
 
     def state_key(self) -> Hashable | None:
         """A value equal for two states of this grammar object exactly when they allow the same token sequences from
-        here on, or None where the engine does not expose its state (xgrammar's Earley chart, llguidance's
-        lexer and parser): ``exact_ending`` needs it to tell states apart. The state does not change."""
+        here on (equal keys must mean equal futures; unequal keys for equal futures only cost the search time), or None
+        where the engine does not expose its state (llguidance's lexer and parser): ``endings.exact`` needs it to tell
+        states apart. The state does not change."""
         return None
 
     def memory_size_bytes(self) -> int:

@@ -1,5 +1,5 @@
 """The exact shortest ending in tokens, for grammars whose state the engine exposes (``state_key``: outlines-core's
-DFA state today).
+DFA state; xgrammar's parser states and the bytes their open rules return to, ``backends.xgrammar.parser_state``).
 
 A token moves a byte-level grammar through its bytes one by one, so the fewest tokens from a state to the grammar's
 end is a shortest path over pairs (grammar state, place in the vocabulary's trie of pieces): a byte moves both at no
@@ -13,10 +13,13 @@ terminated) is the minimum, because every state reachable in fewer tokens was ex
 
 It assumes what byte-level engines guarantee: a token is accepted exactly when its bytes are, one by one, and leads
 to the state they lead to (checked at the end: the path returned is walked). It gives up (None) beyond
-``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps, a byte path longer than ``MAX_PATH_BYTES`` or its
-caller's deadline.
+``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps, a byte path longer than ``MAX_PATH_BYTES``,
+``MAX_SEARCH_SECONDS`` or its caller's deadline, and where a state it meets has no key.
 
-xgrammar and llguidance expose no state (``state_key`` is None): for them ``EndingSearch`` keeps its sound bound.
+llguidance exposes no state (``state_key`` is None), nor do xgrammar's grammars with budgets or token terminals: for
+them, and wherever this search gives up, ``EndingSearch`` keeps its sound bound. xgrammar's keys merge less than a
+DFA's (an open rule keeps the bytes before it: a JSON string's content, a counted run, whitespace), so its searches
+give up more often: on JSON with whitespace between tokens, long counted runs, the serving bench's regex and schema.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ MAX_TRIE_STEPS = 100_000
 more: it gets the bound."""
 MAX_PATH_BYTES = 180
 """Longest byte path from the search's start to a state it learns (outlines-core keeps 200 tokens to roll back)."""
+MAX_SEARCH_SECONDS = 0.1
+"""Longest one search runs, keys included (a state learnt costs a mask and an accept, a key and a rollback per byte it
+allows: ~1 us a byte for outlines-core, ~7 us for xgrammar, whose searches that give up reach it first)."""
 
 
 @dataclass
@@ -96,7 +102,9 @@ class ExactEndingSearch:
     def shortest(self, grammar: BaseGrammarObject, deadline: float = float("inf")) -> list[int] | None:
         """The fewest tokens after which ``grammar`` has terminated (the last a stop token unless it ends by
         itself), ``[]`` if it has; None where its engine exposes no state or the search gives up (its limits, or
-        ``time.perf_counter()`` past ``deadline`` when it learns a state). The state does not change."""
+        ``time.perf_counter()`` past ``deadline`` or ``MAX_SEARCH_SECONDS`` when it learns a state). The state does not
+        change."""
+        deadline = min(deadline, time.perf_counter() + MAX_SEARCH_SECONDS)
         start = grammar.state_key()
         if start is None or not self.is_walkable:
             return None
@@ -169,6 +177,8 @@ class ExactEndingSearch:
                     after = grammar.state_key()
                 finally:
                     grammar.rollback(1)
+                if after is None:  # a state the engine cannot key: merging it, or leaving it out, could miss the end
+                    return None
                 state.moves[byte] = after
                 if after == key:
                     state.loop_bytes |= 1 << byte

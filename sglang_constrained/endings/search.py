@@ -9,11 +9,11 @@ allow (two states with the same mask count as one, which can only hide a shorter
 bytes first and every byte only if no ASCII ending is found. The shortest byte string found is then spelled in as
 few vocabulary tokens as possible (``spell``: a shortest path over the vocabulary's pieces), checked by the grammar.
 
-What the length means: where the engine exposes its state (``state_key``: outlines-core), the exact minimum in
-tokens (``exact_ending``); elsewhere (xgrammar, llguidance: no state to tell two states apart, and a mask alone does
-not: ``\\d{3}`` allows the same digits after one digit and after two) an upper bound, exact whenever the shortest
-ending in bytes is also the one spelled in fewest tokens. It is always sound: every path returned was walked through
-the grammar, so a budget kept at or above its length can always be finished.
+What the length means: where the engine exposes its state (``state_key``: outlines-core, xgrammar) and the exact
+search (``endings.exact``) ends within its limits, the exact minimum in tokens; elsewhere (llguidance: no state to tell
+two states apart, and a mask alone does not: ``\\d{3}`` allows the same digits after one digit and after two) an upper
+bound, exact whenever the shortest ending in bytes is also the one spelled in fewest tokens. It is always sound: every
+path returned was walked through the grammar, so a budget kept at or above its length can always be finished.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The shortest ending in tokens against brute force, on SmolLM2's tokenizer.
 
-Regexes with finite languages are drawn by hypothesis together with their languages; the brute force is the fewest
-vocabulary pieces spelling any string of the language, plus the stop token. outlines-core exposes its state, so its
-ending is the exact minimum; xgrammar and llguidance do not, and their ending is a bound at or above it that finishes
-the grammar. Small schemas are checked against an exhaustive search over outlines-core's own index (every token from
-every state, breadth first). llguidance ends a string nothing can extend without a stop token, which the brute force
-counts.
+Regexes with finite languages (alternations, optional parts, repetition counts) are drawn by hypothesis together with
+their languages; the brute force is the fewest vocabulary pieces spelling any string of the language, plus the stop
+token. outlines-core and xgrammar key their states, so their ending is the exact minimum; llguidance does not, and its
+ending is a bound at or above it that finishes the grammar. Small schemas are checked against an exhaustive search over
+outlines-core's own index (every token from every state, breadth first), and xgrammar's compact JSON against it.
+llguidance ends a string nothing can extend without a stop token, which the brute force counts.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ WORDS = ("a", "ab", "the", " b", "12", "0", "internationalization", "a b c d", "
 
 @st.composite
 def finite_regexes(draw: st.DrawFn) -> tuple[str, set[str]]:
-    """A regex of one to three parts, each an alternation of words, optional or repeated one to two times; and its
-    language."""
+    """A regex of one to three parts, each an alternation of words, optional or repeated one to two, two to three or
+    up to two times; and its language."""
     pattern, language = "", {""}
     for _ in range(draw(st.integers(1, 3))):
         words = draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3, unique=True))
-        quantifier = draw(st.sampled_from(("", "?", "{1,2}")))
-        repeats = {"": (1,), "?": (0, 1), "{1,2}": (1, 2)}[quantifier]
+        quantifier = draw(st.sampled_from(("", "?", "{1,2}", "{2,3}", "{0,2}")))
+        repeats = {"": (1,), "?": (0, 1), "{1,2}": (1, 2), "{2,3}": (2, 3), "{0,2}": (0, 1, 2)}[quantifier]
         pattern += "(" + "|".join(words) + ")" + quantifier
         part = {"".join(choice) for n in repeats for choice in _products(words, n)}
         language = {prefix + suffix for prefix in language for suffix in part}
@@ -71,8 +71,8 @@ def test_shortest_ending_matches_brute_force(
         assert not isinstance(grammar, InvalidGrammarObject), grammar.error_message
         ending = search.find(grammar)
         assert ending is not None and search.finishes(grammar, ending), (backend_name, pattern)
-        if backend_name == "outlines":
-            assert len(ending) == brute_force, (pattern, smollm2_tokenizer.tokenizer.decode(ending))
+        if backend_name in ("outlines", "xgrammar"):
+            assert len(ending) == brute_force, (backend_name, pattern, smollm2_tokenizer.tokenizer.decode(ending))
         else:
             assert len(ending) >= brute_force, (backend_name, pattern)
 
@@ -121,3 +121,61 @@ def test_schema_ending_matches_an_exhaustive_search_of_the_index(
     ending = search.find(grammar)
     assert ending is not None and search.finishes(grammar, ending)
     assert len(ending) == index_shortest(grammar, smollm2_tokenizer.eos_token_ids)
+
+
+NESTED = 'root ::= "a" X "b" | "c" X "ddd"\nX ::= "internationalization" | "a b c d" | "(" X ")"'
+"""Recursive: after ``c((`` the end is an innermost word, ``))`` and ``ddd`` (the same rows print after ``a((``)."""
+
+
+@pytest.mark.parametrize("prefix", ["", "c", "c((", "a(((", "c((internationalization)"])
+def test_xgrammar_ending_in_a_recursive_grammar_matches_brute_force(
+    prefix: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    grammar = compile_grammar(build_backend("xgrammar", smollm2_tokenizer), "ebnf", NESTED)
+    prefix_tokens = search.spell(prefix.encode())
+    assert prefix_tokens is not None
+    for token in prefix_tokens:
+        grammar.accept_token(token)
+    ending = search.find(grammar)
+    assert ending is not None and search.finishes(grammar, ending)
+    texts = [text for text in nested_texts(5) if text.startswith(prefix)]
+    assert len(ending) == min(ending_length(text[len(prefix) :], {text}, "xgrammar", search) for text in texts)
+
+
+def nested_texts(depth: int) -> list[str]:
+    """NESTED's language up to ``depth`` parentheses: deeper only adds bytes to an ending."""
+    inner = [f"{'(' * d}{word}{')' * d}" for d in range(depth + 1) for word in ("internationalization", "a b c d")]
+    return [f"a{x}b" for x in inner] + [f"c{x}ddd" for x in inner]
+
+
+COMPACT_SCHEMAS: list[Any] = [
+    *SMALL_SCHEMAS[:2],
+    {
+        "type": "object",
+        "properties": {
+            "p": {
+                "type": "object",
+                "properties": {"q": {"enum": ["a b c d", "internationalization"]}},
+                "required": ["q"],
+            }
+        },
+        "required": ["p"],
+    },
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 4},
+]
+
+
+@pytest.mark.parametrize("schema", COMPACT_SCHEMAS)
+def test_xgrammar_compact_json_ending_matches_an_exhaustive_search(
+    schema: Any, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """xgrammar's schemas without whitespace against outlines-core's index searched exhaustively (the two languages
+    share their shortest strings); whitespace between tokens makes xgrammar's search give up (its bound stays)."""
+    outlines = compile_grammar(build_backend("outlines", smollm2_tokenizer), "json", schema)
+    assert isinstance(outlines, OutlinesGrammar)
+    xgrammar = compile_grammar(
+        build_backend("xgrammar", smollm2_tokenizer, constrained_json_disable_any_whitespace=True), "json", schema
+    )
+    ending = search.find(xgrammar)
+    assert ending is not None and search.finishes(xgrammar, ending)
+    assert len(ending) == index_shortest(outlines, smollm2_tokenizer.eos_token_ids)

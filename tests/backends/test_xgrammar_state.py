@@ -222,3 +222,31 @@ def test_jump_and_retokenize_rolls_back_a_non_canonical_prefix(backend, tokenize
     grammar.jump_and_retokenize(old_ids, new_ids, state)
     grammar.accept_token(tokenizer_case.eos_token_ids[0])
     assert grammar.is_terminated()
+
+
+NESTED = 'root ::= "a" X "b" | "c" X "ddd"\nX ::= "x" | "(" X ")"'
+
+
+def key_after(backend: XGrammarGrammarBackend, setup: TokenizerSetup, kind: str, spec: Any, text: str) -> Any:
+    grammar, _ = walked(backend, setup, kind, spec, text)
+    return grammar.state_key()
+
+
+def test_state_key_tells_apart_states_whose_parser_printouts_agree(backend, tokenizer_case):
+    """After ``a((`` and ``c((`` xgrammar prints the same parser rows, but one ends ``x))b`` and the other
+    ``x))ddd``: the keys differ. The same state reached through other nestings once closed, other bytes of a
+    character class's run, or after a rollback and another tokenisation, has one key."""
+    assert key_after(backend, tokenizer_case, "ebnf", NESTED, "a((") is not None
+    assert key_after(backend, tokenizer_case, "ebnf", NESTED, "a((") != key_after(
+        backend, tokenizer_case, "ebnf", NESTED, "c(("
+    )
+    closed = [key_after(backend, tokenizer_case, "ebnf", NESTED, text) for text in ("c(x)", "c((x))")]
+    assert closed[0] is not None and closed[0] == closed[1]
+    run = [key_after(backend, tokenizer_case, "regex", "a[0-9]*b", text) for text in ("a1", "a123")]
+    assert run[0] is not None and run[0] == run[1]
+    grammar, _ = walked(backend, tokenizer_case, "json", PERSON_SCHEMA, '{"name": "Al", "age": 7')
+    key = grammar.state_key()
+    grammar.rollback(len(encode_exactly(tokenizer_case, '{"name": "Al", "age": 7')))
+    for byte in b'{"name": "Al", "age": 7':
+        grammar.accept_token(backend.backend.vocabulary.decoded_vocab.index(bytes([byte])))
+    assert grammar.state_key() == key

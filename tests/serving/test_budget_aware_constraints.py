@@ -8,6 +8,7 @@ The schedulers run in this process over one model runner, as in ``test_speculati
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import replace
@@ -21,6 +22,9 @@ from scheduler.client import make_request
 from scheduler.io_struct import AbortCause, GenerateOutput
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
+from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
+from sglang_constrained.endings.search import EndingSearch
+from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.helpers import MODEL, QUESTION
 from tests.serving.test_speculative import MODEL_SETTINGS, in_process_scheduler, serve
 from tests.serving.test_speculative import PERSON as BOUNDED_PERSON
@@ -121,3 +125,33 @@ def test_budget_below_the_shortest_output_is_a_400_over_http(client: openai.Open
     )
     assert completion.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(completion.choices[0].message.content or ""), PERSON)
+
+
+FEW_PIECES = "(internationalization|a b c d)( b|xyz){1,2}"
+"""A regex whose shortest string in bytes is not its shortest in tokens: the bound spells ``a b c d b`` (5 pieces and a
+stop token) where ``internationalizationxyz`` takes 2 and a stop."""
+
+
+def test_a_budget_at_the_exact_minimum_is_served_over_http(
+    client: openai.OpenAI, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """The shared server's regexes go to xgrammar (``auto``), whose ending is now the exact minimum: a budget of
+    exactly that many tokens (below the old bound) is served, one fewer is refused naming it."""
+    search = EndingSearch(
+        tokenizer_vocabulary(smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, smollm2_tokenizer.eos_token_ids)
+    )
+    words, tails = ("internationalization", "a b c d"), (" b", "xyz")
+    language = [w + "".join(t) for w in words for n in (1, 2) for t in itertools.product(tails, repeat=n)]
+    minimum = min(len(search.spell(text.encode()) or []) for text in language) + 1
+    extra = {"regex": FEW_PIECES}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_completion_tokens=minimum - 1, extra_body=extra
+        )
+    found = MINIMUM.search(str(error.value))
+    assert found is not None and int(found.group(2)) == minimum, str(error.value)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=minimum, extra_body=extra
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    assert re.fullmatch(FEW_PIECES, completion.choices[0].message.content or "")

@@ -155,7 +155,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def deserialize_grammar(self, payload: bytes | str) -> XGrammarGrammar:
         text = payload.decode() if isinstance(payload, bytes) else payload
         compiled = xgrammar.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
-        return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
+        return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids, self.vocabulary.decoded_vocab)
 
     def wait_until_ready(self) -> None:
         if self.compile_processes is not None:
@@ -255,7 +255,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
                 refuse_costly_export(measure_compiled, max_memory_mib, deadline_s, what, compiled=True)
         except RuntimeError as e:
             raise GrammarSpecError(f"xgrammar cannot compile the {what}: {xgrammar_message(e)}") from e
-        return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids)
+        return XGrammarGrammar(compiled, self.vocabulary.stop_token_ids, self.vocabulary.decoded_vocab)
 
     def _prepared_tag(self, node: Any, pointer: str) -> Any:
         """The structural tag's ``node`` with its JSON schemas prepared as a request's own, its token ids vetted."""

@@ -1,8 +1,9 @@
-"""One request's position in a compiled xgrammar grammar: its matcher, masks, rollback and jump-forward."""
+"""One request's position in a compiled xgrammar grammar: its matcher, masks, rollback, jump-forward and state key."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from sglang_constrained.backends.base import (
     BaseGrammarObject,
     common_prefix_length,
 )
+from sglang_constrained.backends.xgrammar.parser_state import is_keyed_grammar, matcher_state_key
 from sglang_constrained.errors import TokenRejectedError, bounded_message
 from triton_ops.bitmask_format import set_token_bits, token_word_bits
 
@@ -21,9 +23,21 @@ class XGrammarGrammar(BaseGrammarObject):
 
     A fill at the state of the previous fill copies that fill's row: a decode step fills a request's mask once to see
     whether the grammar forces its next token and again, unchanged, for the next forward's logits (a copy costs a
-    small fraction of a fill). ``_version`` counts the changes of the matcher's state."""
+    small fraction of a fill). ``_version`` counts the changes of the matcher's state.
 
-    def __init__(self, compiled_grammar: xgrammar.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> None:
+    Given the vocabulary's pieces (``decoded_vocab``, the bytes xgrammar's ``TokenizerInfo`` was built over) it keeps
+    the bytes it accepted, and keys its state (``state_key``, see ``parser_state``)."""
+
+    def __init__(
+        self,
+        compiled_grammar: xgrammar.CompiledGrammar,
+        stop_token_ids: tuple[int, ...],
+        decoded_vocab: Sequence[bytes] | None = None,
+        *,
+        is_keyed: bool | None = None,
+    ) -> None:
+        """``is_keyed``: ``parser_state.is_keyed_grammar`` of the compiled grammar where known (a copy passes it on),
+        else worked out when a key is first asked for."""
         super().__init__()
         self.compiled_grammar = compiled_grammar
         self.stop_token_ids = stop_token_ids
@@ -31,12 +45,26 @@ class XGrammarGrammar(BaseGrammarObject):
         self.matcher = xgrammar.GrammarMatcher(compiled_grammar, override_stop_tokens=list(stop_token_ids))
         self._version = 0
         self._last_fill: tuple[int, torch.Tensor] | None = None  # (version, the row the fill wrote)
+        self._decoded_vocab = decoded_vocab
+        self._is_keyed = is_keyed
+        self._accepted = bytearray()  # the bytes of the accepted tokens, kept given decoded_vocab
+        self._token_ends: list[int] = []  # len(self._accepted) after each accepted token
 
     def accept_token(self, token: int) -> None:
         """Advance by ``token``; a no-op once terminated. Raises ``TokenRejectedError`` for a disallowed token."""
         self._version += 1
-        if not self.matcher.accept_token(token) and not self.matcher.is_terminated():
+        if not self._accept(token) and not self.matcher.is_terminated():
             raise TokenRejectedError(token)
+
+    def _accept(self, token: int) -> bool:
+        """The matcher's ``accept_token``, keeping the accepted bytes (a stop token has none)."""
+        if not self.matcher.accept_token(token):
+            return False
+        if self._decoded_vocab is not None:
+            if token not in self.stop_token_ids:
+                self._accepted += self._decoded_vocab[token]
+            self._token_ends.append(len(self._accepted))
+        return True
 
     def rollback(self, k: int) -> None:
         if k < 0:
@@ -48,6 +76,9 @@ class XGrammarGrammar(BaseGrammarObject):
             self.matcher.rollback(k)
         except RuntimeError as e:
             raise ValueError(f"cannot roll back {k} tokens: {xgrammar_message(e)}") from e
+        if self._decoded_vocab is not None:
+            del self._token_ends[-k:]
+            del self._accepted[self._token_ends[-1] if self._token_ends else 0 :]
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -69,7 +100,17 @@ class XGrammarGrammar(BaseGrammarObject):
         self._last_fill = (self._version, row.clone())
 
     def copy(self) -> XGrammarGrammar:
-        return XGrammarGrammar(self.compiled_grammar, self.stop_token_ids)
+        return XGrammarGrammar(self.compiled_grammar, self.stop_token_ids, self._decoded_vocab, is_keyed=self._is_keyed)
+
+    def state_key(self) -> Hashable | None:
+        """The parser's printed states, whether the root has completed and the bytes the open rules return to (exact:
+        ``parser_state``); None without the vocabulary's pieces, for a grammar with budgets or token terminals, or
+        where the printout is not what ``parser_state`` reads. The state does not change."""
+        if self._decoded_vocab is None:
+            return None
+        if self._is_keyed is None:
+            self._is_keyed = is_keyed_grammar(self.compiled_grammar)
+        return matcher_state_key(self.matcher, self._accepted) if self._is_keyed else None
 
     def memory_size_bytes(self) -> int:
         return self.compiled_grammar.memory_size_bytes
@@ -78,7 +119,7 @@ class XGrammarGrammar(BaseGrammarObject):
         """Length of the longest acceptable prefix of ``tokens``; the matcher ends where it started."""
         num_accepted = 0
         for token in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if self.matcher.is_terminated() or not self._accept(token):
                 break
             num_accepted += 1
         self.rollback(num_accepted)
@@ -104,10 +145,10 @@ class XGrammarGrammar(BaseGrammarObject):
         self._version += 1
         self.rollback(len(old_output_ids) - common)
         for num_accepted, token in enumerate(new_output_ids[common:]):
-            if not self.matcher.accept_token(token):
+            if not self._accept(token):
                 self.rollback(num_accepted)
                 for old_token in old_output_ids[common:]:
-                    self.matcher.accept_token(old_token)
+                    self._accept(old_token)
                 raise TokenRejectedError(token, "the retokenised jump-forward text leaves the grammar")
 
 
