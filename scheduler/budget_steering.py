@@ -212,12 +212,13 @@ class BudgetSteering:
     def _stale_ending_anew(
         self, grammar: BaseGrammarObject, key: GrammarKey | None, plan: EndingPlan
     ) -> list[int] | None:
-        """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a full search, which the
-        bounded one does not replace where the output went far from any ending (inside many open brackets)."""
+        """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a search of every step
+        (ASCII), which the bounded one does not replace where the output went far from any ending (inside many open
+        brackets, or an object of many required fields)."""
         found = next((known for known in self._known_for(key) if self.search.finishes(grammar, known)), None)
         if found is None and not plan.search_failed:
             self.num_searches += 1
-            found = self.search.find(grammar)
+            found = self.search.find(grammar, ascii_only=True)  # any ending will do: not the exact search's 0.1 s
             plan.search_failed = found is None
             if found is not None:
                 self._remember(key, found)
