@@ -1,14 +1,14 @@
 """Cost per token of budget-aware constraints, far from the budget and near it, beside the mask fill it adds to.
 
 Walks SmolLM2's vocabulary through ``bench_serving``'s JSON schema and regex on each backend: random logits masked by
-the grammar, steered as the scheduler steers them (``BudgetSteering.steer`` and ``record``), sampled, accepted. Each
-walk runs three times, interleaved: with a budget its output never nears (the feature's cost there is its
-bookkeeping), with the constraint's shortest output plus ``--watch-slack`` tokens (within ``WATCH``: the plan kept
-current after every token, rows steered once the horizon comes) and plus ``--slack`` tokens (every step near the
-budget: every sampled row checked). One ``BudgetSteering`` serves a constraint's walks, as the scheduler's serves its
-requests. Printed per backend and constraint: microseconds per token of the mask fill (for scale) and of the
-steering far and near, of ``record`` within ``WATCH`` (the watch walks' rows are steered too once their horizon
-comes: that cost is near's), and each over the fill; the bounded searches run to keep plans current and the
+the grammar, steered as the scheduler steers them (``BudgetSteering.steer``, the check of a sampled token within
+``WATCH`` and ``record``), sampled, accepted. Each walk runs three times, interleaved: with a budget its output never
+nears (the feature's cost there is its bookkeeping), with the constraint's shortest output plus ``--watch-slack``
+tokens (within ``WATCH``: each sampled token checked, the plan kept current after every token, rows steered once the
+horizon comes) and plus ``--slack`` tokens (every step near the budget: every sampled row checked). One
+``BudgetSteering`` serves a constraint's walks, as the scheduler's serves its requests. Printed per backend and
+constraint: microseconds per token of the mask fill (for scale) and of the steering far, within ``WATCH`` and near,
+each over the fill; the bounded searches run to keep plans current and the
 plans gone stale (nothing found: searched anew once the budget nears). The start's ending (searched once per
 constraint, when its first request is admitted) is timed apart.
 
@@ -49,8 +49,9 @@ MAX_FAR_TOKENS = 96
 def walk(
     grammar: BaseGrammarObject, key: Any, steering: BudgetSteering, budget: int, seed: int, vocab_size: int
 ) -> tuple[float, float, float, int, bool]:
-    """Seconds spent filling masks, steering rows and recording tokens (``record``: keeping the plan current), tokens
-    walked, and whether the grammar ended. ``steering`` is
+    """Seconds spent filling masks, steering rows (before sampling, and the check of a sampled token within
+    ``WATCH`` after it) and recording tokens (``record``: keeping the plan current), tokens walked, and whether the
+    grammar ended. ``steering`` is
     shared by the walks of one constraint, as the scheduler shares it among requests."""
     params = SamplingParams(max_new_tokens=budget, temperature=1.0)
     req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
@@ -67,8 +68,13 @@ def walk(
         logits[~unpack_bitmask(mask, vocab_size)] = float("-inf")
         steer_start = time.perf_counter()
         steering.steer([req], [range(1)], logits, [False])
+        watched = steering.watched_rows([req], [range(1)], [False])
         steered = time.perf_counter()
         token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
+        check_start = time.perf_counter()
+        if steering.refused_samples([req], [range(1)], watched, logits, [token]):
+            token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
+        steered += time.perf_counter() - check_start
         grammar.accept_token(token)
         req.output_ids.append(token)
         record_start = time.perf_counter()
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     vocabulary = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     search = EndingSearch(vocabulary)
     print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; SmolLM2 vocabulary ({setup.vocab_size})")
-    print("us/token: fill (the grammar's mask) | steering far from the budget | record within WATCH | steering near it")
+    print("us/token: fill (the grammar's mask) | steering far from the budget | within WATCH | near it")
     for name in args.backends:
         backend = create_grammar_backend(
             replace(server_args, grammar_backend=name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
@@ -123,14 +129,13 @@ def main(argv: list[str] | None = None) -> None:
                         fill_s, steer_s, record_s, num_tokens, ended = walk(
                             grammar.copy(), key, steering, budget, i, setup.vocab_size
                         )
-                        spent = record_s if label == "watch" else steer_s + record_s
-                        per_token[label].append(spent / num_tokens * 1e6)
+                        per_token[label].append((steer_s + record_s) / num_tokens * 1e6)
                         per_token["fill"].append(fill_s / num_tokens * 1e6)
                         num_ended += ended and label == "near"
                 fill, far, watch, near = (statistics.median(per_token[k]) for k in ("fill", "far", "watch", "near"))
                 print(
                     f"{name:10} {kind:5} fill {fill:7.1f} | far {far:6.1f} ({far / fill:5.2f}x fill)"
-                    f" | watch (record) {watch:6.1f} ({watch / fill:5.2f}x fill)"
+                    f" | watch {watch:6.1f} ({watch / fill:5.2f}x fill)"
                     f" | near {near:8.1f} ({near / fill:6.1f}x fill)  near walks ended in budget"
                     f" {num_ended}/{args.walks}; start ending {len(ending)} tokens in {start_ms:.0f} ms;"
                     f" bounded searches {steering.num_searches}, plans gone stale {steering.num_stale}"

@@ -1,9 +1,10 @@
 """Time the model runner per weight format, side by side: decode steps, k-token extends, a prefill.
 
     python scripts/bench_model_runner.py [--context 100] [--prompt 40] [--batches 1 8 32] [--extends 1 2 4 8 16]
-                                         [--rounds 10] [--llamacpp] [--output PATH]
+                                         [--rounds 10] [--llamacpp] [--kv-cache-dtypes float32 ...] [--output PATH]
 
-One runner per ``--weight-dtype`` (and with ``--llamacpp``, where the extra is installed, the llama.cpp runner on the
+One runner per ``--weight-dtype`` (and, with ``--kv-cache-dtypes``, one per further ``--kv-cache-dtype`` on the
+default weights) (and with ``--llamacpp``, where the extra is installed, the llama.cpp runner on the
 GGUF file's quantised weights) holds the same sequences; each round times every measurement once per runner,
 alternating which goes first, so their ratio shares the machine's conditions (the median of per-round ratios is
 printed). Each decode or extend is rolled back after it is timed. The memory-bandwidth bound is the bytes a
@@ -33,7 +34,7 @@ from scheduler.model import llamacpp_runner
 from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.prompt_encoder import PromptEncoder
-from scheduler.server_args import WEIGHT_DTYPES, ModelArgs
+from scheduler.server_args import KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelArgs
 from scheduler.testing.runner_greedy import admitted, greedy_tokens
 from sglang_constrained.tokenizer.loading import embedded_model_path
 
@@ -146,13 +147,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--greedy-steps", type=int, default=32)
     parser.add_argument("--llamacpp", action="store_true", help="also the llama.cpp runner (the llamacpp extra)")
+    parser.add_argument(
+        "--kv-cache-dtypes", nargs="*", default=[], choices=KV_CACHE_DTYPES, help="more runners on the default weights"
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
 
-    base = ModelArgs(max_running_requests=max(*args.batches, 8), max_seq_len=512, disable_radix_cache=True)
+    base = ModelArgs(
+        max_running_requests=max(*args.batches, 8), max_seq_len=max(512, args.context + 32), disable_radix_cache=True
+    )
     runners: dict[str, BaseModelRunner] = {
         dtype: ModelRunner(replace(base, weight_dtype=dtype)) for dtype in (BASELINE, *WEIGHT_DTYPES)
     }
+    for kv in args.kv_cache_dtypes:
+        runners[f"KV {kv}"] = ModelRunner(replace(base, weight_dtype=DEFAULT_FORMAT, kv_cache_dtype=kv))
     if args.llamacpp:
         if not llamacpp_runner.is_available():
             parser.error("--llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'")
