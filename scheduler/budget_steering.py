@@ -135,7 +135,8 @@ class BudgetSteering:
             if remaining - len(plan.tokens) >= (WATCH if is_greedy else HORIZON):
                 continue
             assert grammar is not None
-            self._steer_row(grammar, plan, remaining, logits[req_rows.start], 1 if is_greedy else NUM_CANDIDATES)
+            wanted = 1 if is_greedy else NUM_CANDIDATES
+            self._steer_row(grammar, req.grammar_key, plan, remaining, logits[req_rows.start], wanted)
 
     def may_take(self, req: Req, token: int) -> bool:
         """Whether ``req`` may take ``token``, its model's choice after drafts that stood (a row ``steer`` did not
@@ -148,8 +149,7 @@ class BudgetSteering:
         remaining = self._remaining(req)
         if remaining - len(plan.tokens) >= WATCH:
             return True
-        ending, _ = self._ending_after(grammar, plan.tokens, token, remaining - 1, 0)
-        return ending is not None
+        return self._choice_ending(grammar, req.grammar_key, plan.tokens, token, remaining - 1) is not None
 
     def watched_rows(self, batch: list[Req], rows: list[range], greedy: list[bool]) -> list[int]:
         """The first rows of sampled requests within ``WATCH`` but beyond the horizon (``steer`` left them as they
@@ -177,11 +177,11 @@ class BudgetSteering:
             if token is None or plan is None or not plan.tokens or grammar is None:
                 continue
             remaining = self._remaining(req)
-            ending, _ = self._ending_after(grammar, plan.tokens, token, remaining - 1, 0)
+            ending = self._choice_ending(grammar, req.grammar_key, plan.tokens, token, remaining - 1)
             if ending is not None:
                 plan.after = {token: ending}
                 continue
-            self._steer_row(grammar, plan, remaining, logits[row], NUM_CANDIDATES)
+            self._steer_row(grammar, req.grammar_key, plan, remaining, logits[row], NUM_CANDIDATES)
             refused.append(row)
         return refused
 
@@ -239,7 +239,9 @@ class BudgetSteering:
             found = search.bridge(grammar, ending)
         if found is None:
             self.num_searches += 1
-            found = search.find(grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_RECORD_SEARCH_SECONDS)
+            found = search.find(
+                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_RECORD_SEARCH_SECONDS, first_moves=False
+            )
             if found is None:
                 self.num_stale += 1
             else:
@@ -283,7 +285,13 @@ class BudgetSteering:
         return limit - len(req.output_ids)
 
     def _steer_row(
-        self, grammar: BaseGrammarObject, plan: EndingPlan, remaining: int, row: torch.Tensor, wanted: int
+        self,
+        grammar: BaseGrammarObject,
+        key: GrammarKey | None,
+        plan: EndingPlan,
+        remaining: int,
+        row: torch.Tensor,
+        wanted: int,
     ) -> None:
         """Keep in ``row`` the most likely tokens after which an ending fits ``remaining - 1`` tokens (at most
         ``wanted`` of them), and the plan's next token. A greedy row (``wanted`` 1) whose choice fits is left as it
@@ -295,7 +303,7 @@ class BudgetSteering:
         if wanted == 1:
             choice = int(numpy.argmax(logits))  # the first largest, as the greedy sampler takes it
             if logits[choice] != -numpy.inf:
-                ending, _ = self._ending_after(grammar, plan.tokens, choice, remaining - 1, 0)
+                ending = self._choice_ending(grammar, key, plan.tokens, choice, remaining - 1)
                 if ending is not None:
                     plan.after = {choice: ending}
                     return
@@ -323,6 +331,23 @@ class BudgetSteering:
         if not is_view:
             row.copy_(torch.from_numpy(logits))
 
+    def _choice_ending(
+        self, grammar: BaseGrammarObject, key: GrammarKey | None, ending: list[int], token: int, budget: int
+    ) -> list[int] | None:
+        """An ending of at most ``budget`` tokens after the model's choice ``token`` (which the grammar allows), found
+        as ``record`` would keep the plan current after it (``_ending_anew``), or None. The grammar ends where it
+        started."""
+        if token == ending[0]:
+            return ending[1:]
+        grammar.accept_token(token)
+        try:
+            if grammar.is_terminated():
+                return []
+            found = self._ending_anew(grammar, key, ending, token)
+            return found if found is not None and len(found) <= budget else None
+        finally:
+            grammar.rollback(1)
+
     def _ending_after(
         self, grammar: BaseGrammarObject, ending: list[int], token: int, budget: int, num_searches: int
     ) -> tuple[list[int] | None, int]:
@@ -339,7 +364,7 @@ class BudgetSteering:
                 after = self.search.bridge(grammar, ending)
             if after is not None or num_searches >= MAX_SEARCHES:
                 return after, 0
-            found = self.search.find(grammar, MAX_CHECK_STEPS, ascii_only=True)
+            found = self.search.find(grammar, MAX_CHECK_STEPS, ascii_only=True, first_moves=False)
             return (found if found is not None and len(found) <= budget else None), 1
         finally:
             grammar.rollback(1)

@@ -7,8 +7,9 @@ nears (the feature's cost there is its bookkeeping), with the constraint's short
 tokens (within ``WATCH``: each sampled token checked, the plan kept current after every token, rows steered once the
 horizon comes) and plus ``--slack`` tokens (every step near the budget: every sampled row checked). One
 ``BudgetSteering`` serves a constraint's walks, as the scheduler's serves its requests. Printed per backend and
-constraint: microseconds per token of the mask fill (for scale) and of the steering far, within ``WATCH`` and near,
-each over the fill; the bounded searches run to keep plans current and the
+constraint: microseconds per token of the mask fill (for scale) and of the steering far, within ``WATCH`` (the check
+of the sampled token and ``record``: the watch walks' rows are steered too once their horizon comes, which is near's
+cost) and near, each over the fill; the bounded searches run to keep plans current and the
 plans gone stale (nothing found: searched anew once the budget nears). The start's ending (searched once per
 constraint, when its first request is admitted) is timed apart.
 
@@ -48,17 +49,17 @@ MAX_FAR_TOKENS = 96
 
 def walk(
     grammar: BaseGrammarObject, key: Any, steering: BudgetSteering, budget: int, seed: int, vocab_size: int
-) -> tuple[float, float, float, int, bool]:
-    """Seconds spent filling masks, steering rows (before sampling, and the check of a sampled token within
-    ``WATCH`` after it) and recording tokens (``record``: keeping the plan current), tokens walked, and whether the
-    grammar ended. ``steering`` is
+) -> tuple[float, float, float, float, int, bool]:
+    """Seconds spent filling masks, steering rows (before sampling), checking sampled tokens within ``WATCH`` (after
+    it) and recording tokens (``record``: keeping the plan current), tokens walked, and whether the grammar ended.
+    ``steering`` is
     shared by the walks of one constraint, as the scheduler shares it among requests."""
     params = SamplingParams(max_new_tokens=budget, temperature=1.0)
     req = Req(rid=str(seed), client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
     steering.refusal(req)
     generator = torch.Generator().manual_seed(seed)
     mask = allocate_bitmask(1, vocab_size, "cpu")
-    fill_s = steer_s = record_s = 0.0
+    fill_s = steer_s = check_s = record_s = 0.0
     limit = min(budget, MAX_FAR_TOKENS) if budget == FAR_BUDGET else budget
     while len(req.output_ids) < limit and not grammar.is_terminated():
         start = time.perf_counter()
@@ -74,15 +75,16 @@ def walk(
         check_start = time.perf_counter()
         if steering.refused_samples([req], [range(1)], watched, logits, [token]):
             token = int(torch.multinomial(torch.softmax(logits[0], dim=0), 1, generator=generator))
-        steered += time.perf_counter() - check_start
+        checked = time.perf_counter()
         grammar.accept_token(token)
         req.output_ids.append(token)
         record_start = time.perf_counter()
         steering.record(req, token)
         fill_s += filled - start
         steer_s += steered - steer_start
+        check_s += checked - check_start
         record_s += time.perf_counter() - record_start
-    return fill_s, steer_s, record_s, len(req.output_ids), grammar.is_terminated()
+    return fill_s, steer_s, check_s, record_s, len(req.output_ids), grammar.is_terminated()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     vocabulary = tokenizer_vocabulary(setup.tokenizer, setup.vocab_size, setup.eos_token_ids)
     search = EndingSearch(vocabulary)
     print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; SmolLM2 vocabulary ({setup.vocab_size})")
-    print("us/token: fill (the grammar's mask) | steering far from the budget | within WATCH | near it")
+    print("us/token: fill (the grammar's mask) | far from the budget | within WATCH (check + record) | near it")
     for name in args.backends:
         backend = create_grammar_backend(
             replace(server_args, grammar_backend=name), setup.tokenizer, setup.vocab_size, setup.eos_token_ids
@@ -126,10 +128,11 @@ def main(argv: list[str] | None = None) -> None:
                         ("near", len(ending) + args.slack),
                     ]
                     for label, budget in distances if i % 2 == 0 else distances[::-1]:
-                        fill_s, steer_s, record_s, num_tokens, ended = walk(
+                        fill_s, steer_s, check_s, record_s, num_tokens, ended = walk(
                             grammar.copy(), key, steering, budget, i, setup.vocab_size
                         )
-                        per_token[label].append((steer_s + record_s) / num_tokens * 1e6)
+                        spent = check_s + record_s if label == "watch" else steer_s + check_s + record_s
+                        per_token[label].append(spent / num_tokens * 1e6)
                         per_token["fill"].append(fill_s / num_tokens * 1e6)
                         num_ended += ended and label == "near"
                 fill, far, watch, near = (statistics.median(per_token[k]) for k in ("fill", "far", "watch", "near"))

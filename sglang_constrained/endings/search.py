@@ -122,12 +122,13 @@ class EndingSearch:
         max_steps: int = MAX_STATES,
         ascii_only: bool = False,
         max_seconds: float = MAX_SEARCH_SECONDS,
+        first_moves: bool = True,
     ) -> list[int] | None:
         """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
-        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte; between them
-        the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them; the exact search before them
-        gets half as long). A full
+        found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte; between them,
+        with ``first_moves``, the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them; the exact
+        search before them gets half as long). A full
         search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
         budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change."""
         if grammar.is_terminated():
@@ -143,7 +144,7 @@ class EndingSearch:
             return [stop]
         start = _Node((), self._moves(), hash(self._scratch_bytes()))
         found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps, deadline)
-        if found is None:
+        if found is None and first_moves:
             found = self._first_moves(grammar, deadline)
         if found is None and not ascii_only:
             found = self._breadth_first(grammar, start, range(256), max_steps, deadline)
@@ -284,8 +285,7 @@ class EndingSearch:
                         if moves == node.moves:
                             if has_loop:
                                 continue
-                            is_content = self._pieces_of[token].isalnum()  # not a closing run such as ]]]
-                            has_loop, loop_token, loop_run = True, token, node.loop_run + is_content
+                            has_loop, loop_token, loop_run = True, token, node.loop_run + 1
                         if fingerprint not in seen:
                             seen.add(fingerprint)
                             num_blank = node.num_blank + (self._pieces_of[token].strip() == b"")
