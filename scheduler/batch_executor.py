@@ -222,11 +222,10 @@ class BatchExecutor:
                 if self.budget is not None:
                     self.budget.steer(batch, info.request_rows(), logits, greedy)
                     watched = self.budget.watched_rows(batch, info.request_rows(), greedy)
-                before_sampling = logits[watched].clone()
                 logprobs = row_logprobs(logits, info.rows)
-                tokens = sample(logits, info.rows)
+                tokens = sample(logits, info.rows)  # reads the logits: the refused rows are steered from them
                 if watched:
-                    self._sample_refused_again(batch, watched, before_sampling, logits, tokens, logprobs)
+                    self._sample_refused_again(batch, watched, logits, tokens, logprobs)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
             failure = Abort(AbortCause.INTERNAL, f"internal error while generating: {type(e).__name__}: {e}")
@@ -241,7 +240,6 @@ class BatchExecutor:
         self,
         batch: list[Req],
         watched: list[int],
-        before_sampling: torch.Tensor,
         logits: torch.Tensor,
         tokens: list[int | None],
         logprobs: dict[int, torch.Tensor],
@@ -250,7 +248,6 @@ class BatchExecutor:
         log-probabilities too)."""
         assert self.budget is not None
         info = self.sampling_info
-        logits[watched] = before_sampling
         refused = self.budget.refused_samples(batch, info.request_rows(), watched, logits, tokens)
         if not refused:
             return

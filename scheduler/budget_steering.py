@@ -212,13 +212,15 @@ class BudgetSteering:
     def _stale_ending_anew(
         self, grammar: BaseGrammarObject, key: GrammarKey | None, plan: EndingPlan
     ) -> list[int] | None:
-        """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a search of every step
-        (ASCII), which the bounded one does not replace where the output went far from any ending (inside many open
-        brackets, or an object of many required fields)."""
+        """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a bounded search that goes
+        on with the walk of first moves where its steps run out (inside many open brackets, or an object of many
+        required fields, where a bounded breadth-first search finds nothing)."""
         found = next((known for known in self._known_for(key) if self.search.finishes(grammar, known)), None)
         if found is None and not plan.search_failed:
             self.num_searches += 1
-            found = self.search.find(grammar, ascii_only=True)  # any ending will do: not the exact search's 0.1 s
+            found = self.search.find(  # any ending will do: the walk of first moves where the steps run out
+                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_RECORD_SEARCH_SECONDS
+            )
             plan.search_failed = found is None
             if found is not None:
                 self._remember(key, found)

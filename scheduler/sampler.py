@@ -54,7 +54,7 @@ class SamplingRows:
 def row_logprobs(logits: torch.Tensor, rows: SamplingRows) -> dict[int, torch.Tensor]:
     """``{row: [vocab] log-probabilities}`` for the rows whose request asked for logprobs: the log-softmax of the
     row's (masked) logits divided by its temperature (not for greedy rows), before min-p, top-k and top-p. Rows the
-    grammar allows nothing in are left out. Call before ``sample``, which may change ``logits``."""
+    grammar allows nothing in are left out."""
     wanted = [i for i, k in enumerate(rows.top_logprobs_nums) if k is not None]
     if not wanted:
         return {}

@@ -193,6 +193,7 @@ STEP_PARTS = (
     ("mask apply (apply_logits_bias)", "scheduler.sampling_batch_info", "SamplingBatchInfo.apply_logits_bias"),
     ("sample", "scheduler.sampler", "sample"),
     ("budget steering (steer: rows near the budget)", "scheduler.budget_steering", "BudgetSteering.steer"),
+    ("budget checks (a sampled choice within WATCH)", "scheduler.budget_steering", "BudgetSteering.refused_samples"),
     ("budget plans (record: follow the output)", "scheduler.budget_steering", "BudgetSteering.record"),
     ("budget refusal (start's ending, once per schema)", "scheduler.budget_steering", "BudgetSteering.refusal"),
     ("accept token, grammar, finish (_accept)", "scheduler.batch_executor", "BatchExecutor._accept"),
