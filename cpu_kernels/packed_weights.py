@@ -11,6 +11,8 @@ import torch
 
 LANES = 16
 """Columns per packed panel; also the partial sums of a row reduction."""
+GROUP_PANELS = 8
+"""Block weights' panels per group, stored block by block (``_grouped``; ``csrc/int8_blocks.h``'s ``kGroupPanels``)."""
 BLOCK = 32
 """The GGUF block formats' k values per scale."""
 SUPER_BLOCK = 256
@@ -61,7 +63,7 @@ class PackedWeight:
     """A ``[out_features, in_features]`` weight in panels of 16 output columns (layout: the C++ source)."""
 
     format: WeightFormat
-    data: torch.Tensor  # uint8, [panels, panel_bytes]
+    data: torch.Tensor  # uint8, [panels, panel_bytes]; block formats' panels grouped (_grouped)
     out_features: int
     in_features: int
 
@@ -118,6 +120,26 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(padded // LANES, LANES, *weight.shape[1:]).transpose(1, 2)
 
 
+def _grouped(units: torch.Tensor, head_bytes: int, blocks_per_unit: int = 1) -> torch.Tensor:
+    """Per-panel units ``[P, units, unit_bytes]`` (a unit: a ``head_bytes`` head, then ``blocks_per_unit`` blocks of
+    one size) -> ``[P, panel_bytes]`` with the panels in groups of ``GROUP_PANELS`` (the last holding the rest),
+    block by block: per unit the group's heads side by side, then per block the group's blocks side by side. A
+    one-row product over a group then reads one sequential stream (``csrc/int8_blocks.h``)."""
+    panels, num_units, unit_bytes = units.shape
+    block_bytes = (unit_bytes - head_bytes) // blocks_per_unit
+    whole = panels // GROUP_PANELS * GROUP_PANELS
+    groups = []
+    for part, width in ((units[:whole], GROUP_PANELS), (units[whole:], panels - whole)):
+        if not len(part):
+            continue
+        part = part.reshape(-1, width, num_units, unit_bytes)  # [groups, width, units, bytes]
+        heads = part[..., :head_bytes].permute(0, 2, 1, 3).reshape(part.shape[0], num_units, -1)
+        blocks = part[..., head_bytes:].reshape(part.shape[0], width, num_units, blocks_per_unit, block_bytes)
+        blocks = blocks.permute(0, 2, 3, 1, 4).reshape(part.shape[0], num_units, -1)
+        groups.append(torch.cat([heads, blocks], dim=2).reshape(-1))
+    return torch.cat(groups).reshape(panels, -1)
+
+
 def pack_dense(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeight:
     """Pack a float ``[out_features, in_features]`` weight as float32, bfloat16 or float16 panels (the kernel
     converts 16-bit weights to float32 exactly: a float16 or bfloat16 weight packed in its own dtype gives the bits
@@ -142,7 +164,7 @@ def pack_q8_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
     q = q.permute(0, 1, 3, 2, 4).contiguous().view(torch.uint8).reshape(q.shape[0], blocks, -1)  # [.., 8, 16, 4]
     d = _panels(scales.to(torch.float16)).contiguous().view(torch.uint8)  # [P, blocks, 16 x 2 bytes]
     d = d.reshape(q.shape[0], blocks, -1)
-    data = torch.cat([q, d], dim=2).reshape(q.shape[0], -1)
+    data = _grouped(torch.cat([q, d], dim=2), 0)
     return PackedWeight(WeightFormat.Q8_0, data, out_features, in_features)
 
 
@@ -158,7 +180,7 @@ def pack_q4_1(scales: torch.Tensor, mins: torch.Tensor, quants: torch.Tensor) ->
     nibbles = nibbles.reshape(nibbles.shape[0], blocks, -1)
     d = _panels(scales.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)
     m = _panels(mins.to(torch.float16)).contiguous().view(torch.uint8).reshape(nibbles.shape[0], blocks, -1)
-    data = torch.cat([nibbles, d, m], dim=2).reshape(nibbles.shape[0], -1)
+    data = _grouped(torch.cat([nibbles, d, m], dim=2), 0)
     return PackedWeight(WeightFormat.Q4_1, data, out_features, in_features)
 
 
@@ -200,8 +222,7 @@ def _block_bytes(quants: torch.Tensor, bits: int, per_block: list[torch.Tensor])
 
 def _pack_blocks(fmt: WeightFormat, quants: torch.Tensor, bits: int, *per_block: torch.Tensor) -> PackedWeight:
     """A 32-block format: its blocks as ``_block_bytes`` lays them out, one after another."""
-    data = _block_bytes(quants, bits, list(per_block))
-    return PackedWeight(fmt, data.reshape(data.shape[0], -1), *quants.shape)
+    return PackedWeight(fmt, _grouped(_block_bytes(quants, bits, list(per_block)), 0), *quants.shape)
 
 
 def pack_q4_0(scales: torch.Tensor, quants: torch.Tensor) -> PackedWeight:
@@ -230,8 +251,9 @@ def _pack_super_blocks(
     supers = quants.shape[1] // SUPER_BLOCK
     body = _block_bytes(quants, bits, per_block)
     body = body.reshape(body.shape[0], supers, -1)
-    data = torch.cat([*(_lanes(values.to(torch.float16), supers) for values in head), body], dim=2)
-    return PackedWeight(fmt, data.reshape(data.shape[0], -1), *quants.shape)
+    heads = [_lanes(values.to(torch.float16), supers) for values in head]
+    data = torch.cat([*heads, body], dim=2)
+    return PackedWeight(fmt, _grouped(data, sum(h.shape[2] for h in heads), SUPER_BLOCK // BLOCK), *quants.shape)
 
 
 def pack_q4_k(

@@ -14,6 +14,8 @@
 // - Q8_0: int8 q[8 quads][16 lanes][4], then float16 d[16]                              (544 bytes)
 // - Q4_1: uint8 [4][16 lanes][4]: byte j of lane l in vector i holds k = 4i + j in its low nibble and k = 16 + 4i + j
 //   in its high nibble; then float16 d[16], m[16]                                          (320 bytes)
+// The panels are stored in groups of kGroupPanels, block by block (PanelGroup): a group holds its panels' block 0
+// side by side, then their block 1, and so on.
 
 #pragma once
 
@@ -234,19 +236,58 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
 
 static inline int64_t int8_block_bytes(int32_t format) { return format == kQ8_0 ? 8 * 64 + 32 : 4 * 64 + 64; }
 
-// A tile of several rows asks the cache for the same block of the next column group's panels (NP panels on) while
-// it computes: a group's panels span pages, which the hardware prefetcher does not cross, so the next group's first
-// tile would otherwise wait on memory (docs/benchmarks.md: SmolLM2's matmuls at 8 rows from memory). A tile of
-// one row is bound by its reads already. Only a hint: past the last panel it fetches nothing anyone reads.
+// ---- the panels, in groups -----------------------------------------------------------------------------------------
+//
+// Block weights store their panels in groups of kGroupPanels (the last group holds the rest), block by block: per
+// super-block (Q4_K, Q5_K, Q6_K; per 32-block for the others) the group's panels' heads side by side, then per block
+// the group's panels' blocks side by side (Python's packed_weights._grouped). A one-row tile over a group then reads
+// one sequential stream, where separate panels were kGroupPanels streams a few KB long each, on which the hardware
+// prefetchers kept fewer reads in flight (docs/benchmarks.md: a decode step's one-row tiles streamed ~30 GB/s a
+// thread, a sum 47). Where the bytes are changes no arithmetic: the same bits.
+constexpr int64_t kGroupPanels = 8;
+
+// A tile's panels: `width` panels from `base` on, the tile's first one `first` of them.
+struct PanelGroup {
+  const uint8_t* base;
+  int64_t width, first;
+};
+
+// The group holding `panel` of a weight of `num_panels` panels of `pbytes` each.
+static inline PanelGroup panel_group(const uint8_t* packed, int64_t pbytes, int64_t num_panels, int64_t panel) {
+  const int64_t start = panel / kGroupPanels * kGroupPanels;
+  return {packed + start * pbytes, std::min(kGroupPanels, num_panels - start), panel - start};
+}
+
+// Where block b of the tile's first panel is, in a group of super-blocks (head, then `per_super` blocks per panel;
+// per_super 1 and no head for the 32-block formats); the tile's next panels' blocks follow it.
+static inline const uint8_t* group_block(const PanelGroup& g, int64_t b, int64_t head_bytes, int64_t block_bytes,
+                                         int64_t per_super) {
+  const uint8_t* super = g.base + (b / per_super) * g.width * (head_bytes + per_super * block_bytes);
+  return super + g.width * head_bytes + ((b % per_super) * g.width + g.first) * block_bytes;
+}
+
+// Where the head of the super-block holding block b of the tile's first panel is; its next panels' heads follow.
+static inline const uint8_t* group_head(const PanelGroup& g, int64_t b, int64_t head_bytes, int64_t block_bytes,
+                                        int64_t per_super) {
+  return g.base + (b / per_super) * g.width * (head_bytes + per_super * block_bytes) + g.first * head_bytes;
+}
+
+// Cache hints, the same bits either way. A tile of several rows asks for the same block of the next column
+// group's panels while it computes: the next group's first tile would otherwise wait on memory (docs/benchmarks.md:
+// SmolLM2's matmuls at 8 rows from memory). A tile of one row asks for its own panels' blocks kRowAhead blocks on:
+// a one-row tile does little work per byte, and the hardware prefetchers alone kept too few reads in flight (one
+// thread streamed 30 GB/s, 46 with these hints; a sum reads 47). Past the last block the hint reaches the next
+// group's first blocks, which the thread's next tile reads; past the weight it fetches nothing anyone reads.
+constexpr int64_t kRowAhead = 2;
 static inline void prefetch_bytes(const uint8_t* p, int64_t n) {
   for (int64_t at = 0; at < n; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(p + n - 1), _MM_HINT_T0);
 }
 
-// MR rows from `row` on, times NP panels, every block.
+// MR rows from `row` on, times NP panels of group g, every block; `next`: the next column group's panels.
 template <int MR, int NP>
-static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const uint8_t* panels, int64_t pbytes,
-                      float* y, int64_t ldy, int cols) {
+static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const PanelGroup& g,
+                      const PanelGroup& next, float* y, int64_t ldy, int cols) {
   const int64_t block_bytes = int8_block_bytes(format), K = x.K, nblocks = x.nblocks;
   V16 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
@@ -256,13 +297,15 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < NP; ++p) s[r][p] = izero();
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
-    const uint8_t* block = panels + b * block_bytes;
+    const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
     if constexpr (MR > 1)
-      for (int p = 0; p < NP; ++p) prefetch_bytes(block + (NP + p) * pbytes, block_bytes);
+      prefetch_bytes(group_block(next, b, 0, block_bytes, 1), NP * block_bytes);
+    else
+      prefetch_bytes(group_block(g, b + kRowAhead, 0, block_bytes, 1), NP * block_bytes);
     if (format == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         B64 w[NP];
-        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * pbytes + i * 64));
+        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * block_bytes + i * 64));
         for (int r = 0; r < MR; ++r) {
           const B64 xv = bbroadcast4(xq + r * K + 4 * i);
           for (int p = 0; p < NP; ++p) s[r][p] = dot_s(s[r][p], w[p], xv);
@@ -272,7 +315,7 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
       for (int i = 0; i < 4; ++i) {
         B64 lo[NP], hi[NP];
         for (int p = 0; p < NP; ++p) {
-          const B64 packed = bload(block + p * pbytes + i * 64);
+          const B64 packed = bload(block + p * block_bytes + i * 64);
           lo[p] = blow(packed);
           hi[p] = bhigh(packed);
         }
@@ -284,7 +327,7 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
     }
     const int64_t scales_at = format == kQ8_0 ? 8 * 64 : 4 * 64;
     for (int p = 0; p < NP; ++p) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * pbytes + scales_at);
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * block_bytes + scales_at);
       const V16 d = vfrom_f16(scales);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (row + r) * nblocks + b;
@@ -304,14 +347,14 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
 template <int MR, int NP>
 static void int8_rows(int rows, int panels_here, int32_t format, const QuantizedRows& x, int64_t row,
-                      const uint8_t* panels, int64_t pbytes, float* y, int64_t ldy, int cols) {
+                      const PanelGroup& g, const PanelGroup& next, float* y, int64_t ldy, int cols) {
   if constexpr (MR > 1) {
-    if (rows < MR) return int8_rows<MR - 1, NP>(rows, panels_here, format, x, row, panels, pbytes, y, ldy, cols);
+    if (rows < MR) return int8_rows<MR - 1, NP>(rows, panels_here, format, x, row, g, next, y, ldy, cols);
   }
   if constexpr (NP > 1) {
-    if (panels_here < NP) return int8_rows<MR, NP - 1>(rows, panels_here, format, x, row, panels, pbytes, y, ldy, cols);
+    if (panels_here < NP) return int8_rows<MR, NP - 1>(rows, panels_here, format, x, row, g, next, y, ldy, cols);
   }
-  int8_tile<MR, NP>(format, x, row, panels, pbytes, y, ldy, cols);
+  int8_tile<MR, NP>(format, x, row, g, next, y, ldy, cols);
 }
 
 // Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm). On an
@@ -329,10 +372,13 @@ constexpr int64_t kInt8RowBlock = 64;  // rows per pass over a column group: the
 template <int MR, int NP>
 static void int8_groups(int32_t format, const QuantizedRows& x, int64_t M, const uint8_t* packed, int64_t N,
                         float* y, int64_t ldy, int threads) {
-  const int64_t pbytes = x.nblocks * int8_block_bytes(format);
+  static_assert(kGroupPanels % NP == 0, "a tile's panels lie in one group");
+  const int64_t pbytes = x.nblocks * int8_block_bytes(format), num_panels = (N + kLanes - 1) / kLanes;
   for_each_tile<MR, NP>(M, N, pbytes, kInt8RowBlock, threads,
                         [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
-                          int8_rows<MR, NP>(rows, panels_here, format, x, m, packed + panel * pbytes, pbytes,
+                          int8_rows<MR, NP>(rows, panels_here, format, x, m,
+                                            panel_group(packed, pbytes, num_panels, panel),
+                                            panel_group(packed, pbytes, num_panels, panel + NP),
                                             y + m * ldy + column, ldy, cols);
                         });
 }

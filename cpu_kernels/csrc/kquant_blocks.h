@@ -26,7 +26,9 @@
 // - 6-bit quants: two planes, bits 2(c % 4) and 2(c % 4) + 1 of plane c / 4's byte p = bits 4 and 5 of that quant.
 // Then per block:       Q4_0 float16 d[16] (288 bytes); Q5_0 d[16] (352); Q5_1 d[16], m[16] (384);
 //                       Q4_K uint8 sc[16], m[16] (288); Q5_K sc[16], m[16] (352); Q6_K int8 sc_0[16], sc_1[16] (416).
-// A k-quant super-block is a head, Q4_K and Q5_K float16 d[16], dmin[16], Q6_K d[16], then its 8 blocks.
+// A k-quant super-block is a head, Q4_K and Q5_K float16 d[16], dmin[16], Q6_K d[16], then its 8 blocks. Panels are
+// stored in groups, block by block, as int8_blocks.h's (PanelGroup): per super-block the group's heads, then per block
+// the group's blocks.
 
 #pragma once
 
@@ -143,39 +145,40 @@ static Buffer<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int th
 
 // ---- the tiles ---------------------------------------------------------------------------------------------------
 
-// MR rows from `row` on, times NP panels, every block.
+// MR rows from `row` on, times NP panels of group g, every block; `next`: the next column group's panels.
 template <int32_t F, int MR, int NP>
-static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t row, const uint8_t* panels,
-                        int64_t pbytes, float* y, int64_t ldy, int cols) {
+static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t row, const PanelGroup& g,
+                        const PanelGroup& next, float* y, int64_t ldy, int cols) {
   constexpr int bits = quant_bits(F);
   constexpr int32_t offset = quant_offset(F);
   constexpr bool two_sums = F == kQ6_K;
   constexpr int64_t block_bytes = kquant_block_bytes(F), head_bytes = kquant_head_bytes(F);
-  constexpr int64_t per_super = kquant_blocks_per_super(F), super_bytes = head_bytes + per_super * block_bytes;
+  constexpr int64_t per_super = kquant_blocks_per_super(F);
   const int64_t K = x.K, nblocks = x.nblocks;
   V16 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* head = panels + (b / per_super) * super_bytes;
-    const uint8_t* block = head + head_bytes + (b % per_super) * block_bytes;
+    // panel p's head and block: p * head_bytes and p * block_bytes on
+    const uint8_t* head = group_head(g, b, head_bytes, block_bytes, per_super);
+    const uint8_t* block = group_block(g, b, head_bytes, block_bytes, per_super);
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
-    if constexpr (MR > 1)
-      for (int p = 0; p < NP; ++p) {  // the next column group's block (int8_blocks.h), and its super-block's head
-        prefetch_bytes(block + (NP + p) * pbytes, block_bytes);
-        if (b % per_super == 0) prefetch_bytes(head + (NP + p) * pbytes, head_bytes);
-      }
+    const PanelGroup& hinted = MR > 1 ? next : g;  // int8_blocks.h: the next group's block, or this one's ahead
+    const int64_t ahead = MR > 1 ? b : b + kRowAhead;
+    prefetch_bytes(group_block(hinted, ahead, head_bytes, block_bytes, per_super), NP * block_bytes);
+    if (head_bytes > 0 && ahead % per_super == 0)
+      prefetch_bytes(group_head(hinted, ahead, head_bytes, block_bytes, per_super), NP * head_bytes);
     I16 s[MR][NP], t[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < NP; ++p) s[r][p] = t[r][p] = izero();
     B64 plane[NP][2];
     if constexpr (bits > 4)
       for (int p = 0; p < NP; ++p)
-        for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(block + p * pbytes + kQuantBytes + h * 64);
+        for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(block + p * block_bytes + kQuantBytes + h * 64);
     for (int i = 0; i < 4; ++i) {
       B64 lo[NP], hi[NP];
       for (int p = 0; p < NP; ++p) {
-        const B64 packed = bload(block + p * pbytes + i * 64);
+        const B64 packed = bload(block + p * block_bytes + i * 64);
         lo[p] = blow(packed);
         hi[p] = bhigh(packed);
         if constexpr (bits == 5) {
@@ -200,8 +203,8 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
       }
     }
     for (int p = 0; p < NP; ++p) {
-      const uint8_t* scales = block + p * pbytes + kQuantBytes + (bits - 4) * 64;
-      const uint16_t* supers = reinterpret_cast<const uint16_t*>(head + p * pbytes);
+      const uint8_t* scales = block + p * block_bytes + kQuantBytes + (bits - 4) * 64;
+      const uint16_t* supers = reinterpret_cast<const uint16_t*>(head + p * head_bytes);
       const uint16_t* halves16 = reinterpret_cast<const uint16_t*>(scales);
       const int8_t* signed_scales = reinterpret_cast<const int8_t*>(scales);
       // the weights' scale (and minimum) vectors: for the k-quants, products exact in float
@@ -237,24 +240,26 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
 template <int32_t F, int MR, int NP>
 static void kquant_rows(int rows, int panels_here, const QuantizedRows& x, const int32_t* halves, int64_t row,
-                        const uint8_t* panels, int64_t pbytes, float* y, int64_t ldy, int cols) {
+                        const PanelGroup& g, const PanelGroup& next, float* y, int64_t ldy, int cols) {
   if constexpr (MR > 1) {
-    if (rows < MR) return kquant_rows<F, MR - 1, NP>(rows, panels_here, x, halves, row, panels, pbytes, y, ldy, cols);
+    if (rows < MR) return kquant_rows<F, MR - 1, NP>(rows, panels_here, x, halves, row, g, next, y, ldy, cols);
   }
   if constexpr (NP > 1) {
-    if (panels_here < NP)
-      return kquant_rows<F, MR, NP - 1>(rows, panels_here, x, halves, row, panels, pbytes, y, ldy, cols);
+    if (panels_here < NP) return kquant_rows<F, MR, NP - 1>(rows, panels_here, x, halves, row, g, next, y, ldy, cols);
   }
-  kquant_tile<F, MR, NP>(x, halves, row, panels, pbytes, y, ldy, cols);
+  kquant_tile<F, MR, NP>(x, halves, row, g, next, y, ldy, cols);
 }
 
 template <int32_t F, int MR, int NP>
 static void kquant_groups(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
                           float* y, int64_t ldy, int threads) {
-  const int64_t pbytes = kquant_panel_bytes(F, x.K);
+  static_assert(kGroupPanels % NP == 0, "a tile's panels lie in one group");
+  const int64_t pbytes = kquant_panel_bytes(F, x.K), num_panels = (N + kLanes - 1) / kLanes;
   for_each_tile<MR, NP>(M, N, pbytes, kInt8RowBlock, threads,
                         [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
-                          kquant_rows<F, MR, NP>(rows, panels_here, x, halves, m, packed + panel * pbytes, pbytes,
+                          kquant_rows<F, MR, NP>(rows, panels_here, x, halves, m,
+                                                 panel_group(packed, pbytes, num_panels, panel),
+                                                 panel_group(packed, pbytes, num_panels, panel + NP),
                                                  y + m * ldy + column, ldy, cols);
                         });
 }
