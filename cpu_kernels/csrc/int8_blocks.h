@@ -234,7 +234,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
 
 // ---- the tiles ---------------------------------------------------------------------------------------------------
 
-static inline int64_t int8_block_bytes(int32_t format) { return format == kQ8_0 ? 8 * 64 + 32 : 4 * 64 + 64; }
+static constexpr int64_t int8_block_bytes(int32_t format) { return format == kQ8_0 ? 8 * 64 + 32 : 4 * 64 + 64; }
 
 // ---- the panels, in groups -----------------------------------------------------------------------------------------
 //
@@ -279,16 +279,18 @@ static inline const uint8_t* group_head(const PanelGroup& g, int64_t b, int64_t 
 // thread streamed 30 GB/s, 46 with these hints; a sum reads 47). Past the last block the hint reaches the next
 // group's first blocks, which the thread's next tile reads; past the weight it fetches nothing anyone reads.
 constexpr int64_t kRowAhead = 2;
-static inline void prefetch_bytes(const uint8_t* p, int64_t n) {
-  for (int64_t at = 0; at < n; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(p + n - 1), _MM_HINT_T0);
+template <int64_t kBytes>
+static inline void prefetch_bytes(const uint8_t* p) {
+  for (int64_t at = 0; at < kBytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + kBytes - 1), _MM_HINT_T0);
 }
 
 // MR rows from `row` on, times NP panels of group g, every block; `next`: the next column group's panels.
-template <int MR, int NP>
-static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const PanelGroup& g,
-                      const PanelGroup& next, float* y, int64_t ldy, int cols) {
-  const int64_t block_bytes = int8_block_bytes(format), K = x.K, nblocks = x.nblocks;
+template <int32_t F, int MR, int NP>
+static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, const PanelGroup& next, float* y,
+                      int64_t ldy, int cols) {
+  constexpr int64_t block_bytes = int8_block_bytes(F);
+  const int64_t K = x.K, nblocks = x.nblocks;
   V16 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
@@ -299,10 +301,10 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
     const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
     if constexpr (MR > 1)
-      prefetch_bytes(group_block(next, b, 0, block_bytes, 1), NP * block_bytes);
+      prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
     else
-      prefetch_bytes(group_block(g, b + kRowAhead, 0, block_bytes, 1), NP * block_bytes);
-    if (format == kQ8_0) {
+      prefetch_bytes<NP * block_bytes>(group_block(g, b + kRowAhead, 0, block_bytes, 1));
+    if constexpr (F == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         B64 w[NP];
         for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * block_bytes + i * 64));
@@ -325,16 +327,16 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
         }
       }
     }
-    const int64_t scales_at = format == kQ8_0 ? 8 * 64 : 4 * 64;
+    constexpr int64_t scales_at = F == kQ8_0 ? 8 * 64 : 4 * 64;
     for (int p = 0; p < NP; ++p) {
       const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * block_bytes + scales_at);
       const V16 d = vfrom_f16(scales);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (row + r) * nblocks + b;
-        const I16 sum = format == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
+        const I16 sum = F == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
         acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
       }
-      if (format == kQ4_1) {
+      if constexpr (F == kQ4_1) {
         const V16 mins = vfrom_f16(scales + kLanes);
         for (int r = 0; r < MR; ++r)
           acc[r][p] = vfma(mins, vset1(x.scaled_sum[(row + r) * nblocks + b]), acc[r][p]);
@@ -345,16 +347,16 @@ static void int8_tile(int32_t format, const QuantizedRows& x, int64_t row, const
 }
 
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
-template <int MR, int NP>
-static void int8_rows(int rows, int panels_here, int32_t format, const QuantizedRows& x, int64_t row,
-                      const PanelGroup& g, const PanelGroup& next, float* y, int64_t ldy, int cols) {
+template <int32_t F, int MR, int NP>
+static void int8_rows(int rows, int panels_here, const QuantizedRows& x, int64_t row, const PanelGroup& g,
+                      const PanelGroup& next, float* y, int64_t ldy, int cols) {
   if constexpr (MR > 1) {
-    if (rows < MR) return int8_rows<MR - 1, NP>(rows, panels_here, format, x, row, g, next, y, ldy, cols);
+    if (rows < MR) return int8_rows<F, MR - 1, NP>(rows, panels_here, x, row, g, next, y, ldy, cols);
   }
   if constexpr (NP > 1) {
-    if (panels_here < NP) return int8_rows<MR, NP - 1>(rows, panels_here, format, x, row, g, next, y, ldy, cols);
+    if (panels_here < NP) return int8_rows<F, MR, NP - 1>(rows, panels_here, x, row, g, next, y, ldy, cols);
   }
-  int8_tile<MR, NP>(format, x, row, g, next, y, ldy, cols);
+  int8_tile<F, MR, NP>(x, row, g, next, y, ldy, cols);
 }
 
 // Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm). On an
@@ -369,14 +371,14 @@ constexpr int kInt8MR = 4, kInt8NP = 1;
 #endif
 constexpr int64_t kInt8RowBlock = 64;  // rows per pass over a column group: their quants stay in cache
 
-template <int MR, int NP>
-static void int8_groups(int32_t format, const QuantizedRows& x, int64_t M, const uint8_t* packed, int64_t N,
-                        float* y, int64_t ldy, int threads) {
+template <int32_t F, int MR, int NP>
+static void int8_groups(const QuantizedRows& x, int64_t M, const uint8_t* packed, int64_t N, float* y, int64_t ldy,
+                        int threads) {
   static_assert(kGroupPanels % NP == 0, "a tile's panels lie in one group");
-  const int64_t pbytes = x.nblocks * int8_block_bytes(format), num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t pbytes = x.nblocks * int8_block_bytes(F), num_panels = (N + kLanes - 1) / kLanes;
   for_each_tile<MR, NP>(M, N, pbytes, kInt8RowBlock, threads,
                         [&](int rows, int panels_here, int64_t m, int64_t panel, int64_t column, int cols) {
-                          int8_rows<MR, NP>(rows, panels_here, format, x, m,
+                          int8_rows<F, MR, NP>(rows, panels_here, x, m,
                                             panel_group(packed, pbytes, num_panels, panel),
                                             panel_group(packed, pbytes, num_panels, panel + NP),
                                             y + m * ldy + column, ldy, cols);
@@ -404,9 +406,14 @@ static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, in
                         int64_t N, float* y, int64_t ldy, int threads) {
   QuantizedRows quantized;
   quantize_rows(x, M, K, ldx, threads, &quantized);
-  with_block_tile(M, N, threads, [&](auto mr, auto np) {
-    int8_groups<decltype(mr)::value, decltype(np)::value>(format, quantized, M, packed, N, y, ldy, threads);
-  });
+  const auto shapes = [&](auto f) {
+    with_block_tile(M, N, threads, [&](auto mr, auto np) {
+      int8_groups<decltype(f)::value, decltype(mr)::value, decltype(np)::value>(quantized, M, packed, N, y, ldy,
+                                                                                threads);
+    });
+  };
+  if (format == kQ8_0) return shapes(Int<kQ8_0>());
+  shapes(Int<kQ4_1>());
 }
 
 }  // namespace
