@@ -57,6 +57,7 @@ def _declare(library: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
     library.invariant_isa.restype = ctypes.c_char_p
     library.invariant_row_tile.restype = i32
+    library.invariant_group_panels.restype = i32
     library.invariant_attention_supports.argtypes = [i64, i64]
     library.invariant_attention_supports.restype = i32
     library.invariant_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, ptr, ptr, f32, ptr, i32]
@@ -113,3 +114,9 @@ def row_tile() -> int:
     """Rows of ``x`` one pass over a weight tile multiplies together: a matmul of up to this many rows streams its
     weights as often as a one-row matmul does (decode is bound by those reads, so such rows come nearly free)."""
     return int(loaded().invariant_row_tile())
+
+
+def group_panels() -> int:
+    """Panels of 16 columns the loaded build's block weights store together, block by block
+    (``packed_weights.pack_q8_0`` and the other block formats' packing; ``csrc/int8_blocks.h``)."""
+    return int(loaded().invariant_group_panels())

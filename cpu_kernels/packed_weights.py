@@ -11,8 +11,6 @@ import torch
 
 LANES = 16
 """Columns per packed panel; also the partial sums of a row reduction."""
-GROUP_PANELS = 8
-"""Block weights' panels per group, stored block by block (``_grouped``; ``csrc/int8_blocks.h``'s ``kGroupPanels``)."""
 BLOCK = 32
 """The GGUF block formats' k values per scale."""
 SUPER_BLOCK = 256
@@ -122,14 +120,17 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 
 def _grouped(units: torch.Tensor, head_bytes: int, blocks_per_unit: int = 1) -> torch.Tensor:
     """Per-panel units ``[P, units, unit_bytes]`` (a unit: a ``head_bytes`` head, then ``blocks_per_unit`` blocks of
-    one size) -> ``[P, panel_bytes]`` with the panels in groups of ``GROUP_PANELS`` (the last holding the rest),
-    block by block: per unit the group's heads side by side, then per block the group's blocks side by side. A
-    one-row product over a group then reads one sequential stream (``csrc/int8_blocks.h``)."""
+    one size) -> ``[P, panel_bytes]`` with the panels in groups of the loaded build's width (the last holding the
+    rest), block by block: per unit the group's heads side by side, then per block the group's blocks side by side.
+    A one-row product over a group then reads one sequential stream (``csrc/int8_blocks.h``)."""
+    from cpu_kernels.library import group_panels  # the library's module imports this one (its structs)
+
+    group = group_panels()
     panels, num_units, unit_bytes = units.shape
     block_bytes = (unit_bytes - head_bytes) // blocks_per_unit
-    whole = panels // GROUP_PANELS * GROUP_PANELS
+    whole = panels // group * group
     groups = []
-    for part, width in ((units[:whole], GROUP_PANELS), (units[whole:], panels - whole)):
+    for part, width in ((units[:whole], group), (units[whole:], panels - whole)):
         if not len(part):
             continue
         part = part.reshape(-1, width, num_units, unit_bytes)  # [groups, width, units, bytes]

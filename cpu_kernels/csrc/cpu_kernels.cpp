@@ -45,6 +45,8 @@ extern "C" {
 
 int32_t invariant_row_tile() { return kMR; }
 
+int32_t invariant_group_panels() { return static_cast<int32_t>(kGroupPanels); }
+
 const char* invariant_isa() { return kDotIsa; }
 
 // y[M, columns of every part] = x[M, K] @ W.T for a packed weight or a stack of parts (packed_matmul.h), each part

@@ -240,11 +240,17 @@ static constexpr int64_t int8_block_bytes(int32_t format) { return format == kQ8
 //
 // Block weights store their panels in groups of kGroupPanels (the last group holds the rest), block by block: per
 // super-block (Q4_K, Q5_K, Q6_K; per 32-block for the others) the group's panels' heads side by side, then per block
-// the group's panels' blocks side by side (Python's packed_weights._grouped). A one-row tile over a group then reads
-// one sequential stream, where separate panels were kGroupPanels streams a few KB long each, on which the hardware
-// prefetchers kept fewer reads in flight (docs/benchmarks.md: a decode step's one-row tiles streamed ~30 GB/s a
-// thread, a sum 47). Where the bytes are changes no arithmetic: the same bits.
+// the group's panels' blocks side by side (Python's packed_weights._grouped, which asks the build for the width). A
+// one-row tile over a whole group then reads one sequential stream, where separate panels were 8 streams a few KB
+// long each, on which the hardware prefetchers kept fewer reads in flight (docs/benchmarks.md: one thread streamed
+// ~31 GB/s, a sum 47). The AVX2 and scalar builds, whose tiles are one panel wide, keep one panel a group: a tile
+// over 1 of 8 panels strided through the group (AVX2, one thread, from memory: Q4_1 43 -> 26 GB/s). Where the bytes
+// are changes no arithmetic: the same bits.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int64_t kGroupPanels = 8;
+#else
+constexpr int64_t kGroupPanels = 1;
+#endif
 
 // A tile's panels: `width` panels from `base` on, the tile's first one `first` of them.
 struct PanelGroup {
@@ -277,8 +283,12 @@ static inline const uint8_t* group_head(const PanelGroup& g, int64_t b, int64_t 
 // SmolLM2's matmuls at 8 rows from memory). A tile of one row asks for its own panels' blocks kRowAhead blocks on:
 // a one-row tile does little work per byte, and the hardware prefetchers alone kept too few reads in flight (one
 // thread streamed 30 GB/s, 46 with these hints; a sum reads 47). Past the last block the hint reaches the next
-// group's first blocks, which the thread's next tile reads; past the weight it fetches nothing anyone reads.
+// group's first blocks, which the thread's next tile reads; past the weight it fetches nothing anyone reads. Builds
+// of one-panel groups give one-row tiles no hints: there a single panel streams, and the hints measured slower
+// (AVX2, one thread: Q4_1 44 -> 38 GB/s, Q5_0 37 -> 32).
 constexpr int64_t kRowAhead = 2;
+template <int MR>
+constexpr bool kHinted = MR > 1 || kGroupPanels > 1;
 template <int64_t kBytes>
 static inline void prefetch_bytes(const uint8_t* p) {
   for (int64_t at = 0; at < kBytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
@@ -302,7 +312,7 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
     const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
     if constexpr (MR > 1)
       prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
-    else
+    else if constexpr (kHinted<MR>)
       prefetch_bytes<NP * block_bytes>(group_block(g, b + kRowAhead, 0, block_bytes, 1));
     if constexpr (F == kQ8_0) {
       for (int i = 0; i < 8; ++i) {

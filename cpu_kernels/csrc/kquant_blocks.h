@@ -163,12 +163,14 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
     const uint8_t* head = group_head(g, b, head_bytes, block_bytes, per_super);
     const uint8_t* block = group_block(g, b, head_bytes, block_bytes, per_super);
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
-    const PanelGroup& hinted = MR > 1 ? next : g;  // int8_blocks.h: the next group's block, or this one's ahead
-    const int64_t ahead = MR > 1 ? b : b + kRowAhead;
-    prefetch_bytes<NP * block_bytes>(group_block(hinted, ahead, head_bytes, block_bytes, per_super));
-    if constexpr (head_bytes > 0)
-      if (ahead % per_super == 0)
-        prefetch_bytes<NP * head_bytes>(group_head(hinted, ahead, head_bytes, block_bytes, per_super));
+    if constexpr (kHinted<MR>) {  // int8_blocks.h: the next group's block, or this one's ahead
+      const PanelGroup& hinted = MR > 1 ? next : g;
+      const int64_t ahead = MR > 1 ? b : b + kRowAhead;
+      prefetch_bytes<NP * block_bytes>(group_block(hinted, ahead, head_bytes, block_bytes, per_super));
+      if constexpr (head_bytes > 0)
+        if (ahead % per_super == 0)
+          prefetch_bytes<NP * head_bytes>(group_head(hinted, ahead, head_bytes, block_bytes, per_super));
+    }
     I16 s[MR][NP], t[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < NP; ++p) s[r][p] = t[r][p] = izero();
