@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_kernels import packed_weights
 from cpu_kernels.build import TARGETS, build
 from cpu_kernels.structs import BatchRef, LayerRef, ModelShape, PackedRef
 
@@ -48,6 +49,7 @@ def load(build_dir: Path, target: str = "native") -> ctypes.CDLL:
         library = ctypes.CDLL(str(build(build_dir, target)))
         _declare(library)
         logger.info("batch-invariant CPU kernels: %s build", library.invariant_isa().decode())
+        packed_weights.set_group_panels(library.invariant_group_panels())  # block weights packed for this build
         _library = library
     return _library
 
@@ -114,9 +116,3 @@ def row_tile() -> int:
     """Rows of ``x`` one pass over a weight tile multiplies together: a matmul of up to this many rows streams its
     weights as often as a one-row matmul does (decode is bound by those reads, so such rows come nearly free)."""
     return int(loaded().invariant_row_tile())
-
-
-def group_panels() -> int:
-    """Panels of 16 columns the loaded build's block weights store together, block by block
-    (``packed_weights.pack_q8_0`` and the other block formats' packing; ``csrc/int8_blocks.h``)."""
-    return int(loaded().invariant_group_panels())

@@ -118,14 +118,24 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(padded // LANES, LANES, *weight.shape[1:]).transpose(1, 2)
 
 
+_group_panels: int | None = None
+
+
+def set_group_panels(panels: int) -> None:
+    """The loaded build's group width, which ``cpu_kernels.library.load`` sets: block weights are packed for the
+    build that multiplies them (``_grouped``)."""
+    global _group_panels
+    _group_panels = panels
+
+
 def _grouped(units: torch.Tensor, head_bytes: int, blocks_per_unit: int = 1) -> torch.Tensor:
     """Per-panel units ``[P, units, unit_bytes]`` (a unit: a ``head_bytes`` head, then ``blocks_per_unit`` blocks of
     one size) -> ``[P, panel_bytes]`` with the panels in groups of the loaded build's width (the last holding the
     rest), block by block: per unit the group's heads side by side, then per block the group's blocks side by side.
     A one-row product over a group then reads one sequential stream (``csrc/int8_blocks.h``)."""
-    from cpu_kernels.library import group_panels  # the library's module imports this one (its structs)
-
-    group = group_panels()
+    if _group_panels is None:
+        raise RuntimeError("cpu_kernels.library.load(build_dir) must be called before packing block weights")
+    group = _group_panels
     panels, num_units, unit_bytes = units.shape
     block_bytes = (unit_bytes - head_bytes) // blocks_per_unit
     whole = panels // group * group
