@@ -135,20 +135,23 @@ def _grouped(units: torch.Tensor, head_bytes: int, blocks_per_unit: int = 1) -> 
     A one-row product over a group then reads one sequential stream (``csrc/int8_blocks.h``)."""
     if _group_panels is None:
         raise RuntimeError("cpu_kernels.library.load(build_dir) must be called before packing block weights")
-    group = _group_panels
     panels, num_units, unit_bytes = units.shape
+    if _group_panels == 1:
+        return units.reshape(panels, -1)
     block_bytes = (unit_bytes - head_bytes) // blocks_per_unit
-    whole = panels // group * group
-    groups = []
-    for part, width in ((units[:whole], group), (units[whole:], panels - whole)):
-        if not len(part):
+    whole = panels // _group_panels * _group_panels
+    out = torch.empty(panels, num_units * unit_bytes, dtype=torch.uint8)  # filled part by part: no copy beside it
+    for first, last in ((0, whole), (whole, panels)):
+        if first == last:
             continue
-        part = part.reshape(-1, width, num_units, unit_bytes)  # [groups, width, units, bytes]
-        heads = part[..., :head_bytes].permute(0, 2, 1, 3).reshape(part.shape[0], num_units, -1)
-        blocks = part[..., head_bytes:].reshape(part.shape[0], width, num_units, blocks_per_unit, block_bytes)
-        blocks = blocks.permute(0, 2, 3, 1, 4).reshape(part.shape[0], num_units, -1)
-        groups.append(torch.cat([heads, blocks], dim=2).reshape(-1))
-    return torch.cat(groups).reshape(panels, -1)
+        width = min(_group_panels, last - first)
+        part = units[first:last].reshape(-1, width, num_units, unit_bytes)  # [groups, width, units, bytes]
+        target = out[first:last].view(part.shape[0], num_units, width * unit_bytes)
+        heads = target[..., : width * head_bytes].unflatten(-1, (width, head_bytes))
+        heads.copy_(part[..., :head_bytes].permute(0, 2, 1, 3))
+        blocks = target[..., width * head_bytes :].unflatten(-1, (blocks_per_unit, width, block_bytes))
+        blocks.copy_(part[..., head_bytes:].unflatten(-1, (blocks_per_unit, block_bytes)).permute(0, 2, 3, 1, 4))
+    return out
 
 
 def pack_dense(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> PackedWeight:
