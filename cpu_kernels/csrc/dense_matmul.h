@@ -114,7 +114,11 @@ template <int MR, int NP, class Tile>
 static void for_each_tile(int64_t M, int64_t N, int64_t pbytes, int64_t row_block, int threads, const Tile& tile) {
   const int64_t num_panels = (N + kLanes - 1) / kLanes;
   const int64_t num_groups = (num_panels + NP - 1) / NP;
-  parallel_for(num_groups, num_groups / (4 * threads), threads, [&](int64_t first, int64_t last) {
+  // One row: a thread's groups in one claim. A claim and its completion are two atomics on lines both threads write;
+  // a one-row matmul of ~15 groups is a few µs, and 15 claims made two threads slower than one on SmolLM2's q/k/v and
+  // o_proj (docs/benchmarks.md). More rows: a quarter of a thread's share per claim, for balance.
+  const int64_t grain = M == 1 ? (num_groups + threads - 1) / threads : num_groups / (4 * threads);
+  parallel_for(num_groups, grain, threads, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
       const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));
       const int panels_here = static_cast<int>(std::min<int64_t>(NP, num_panels - g * NP));
