@@ -176,7 +176,7 @@ class BatchExecutor:
         failure = None
         for j, token in enumerate(row_tokens):
             if j > 0 and self.budget is not None and token is not None and not self.budget.may_take(req, token):
-                break  # a greedy choice after the drafts whose ending would not fit: steered as the next first row
+                break  # a choice after the drafts whose ending would not fit: steered as the next step's first row
             failure = self._accept(req, token, logprobs[j])
             if failure is not None or req.finished:
                 break
