@@ -218,14 +218,15 @@ class BatchExecutor:
                 info.update_regex_vocab_mask()
                 info.apply_logits_bias(logits)
                 greedy = [req.sampling_params.temperature == 0 for req in batch]
+                request_rows = info.request_rows()
                 watched: list[int] = []
                 if self.budget is not None:
-                    self.budget.steer(batch, info.request_rows(), logits, greedy)
-                    watched = self.budget.watched_rows(batch, info.request_rows(), greedy)
+                    self.budget.steer(batch, request_rows, logits, greedy)
+                    watched = self.budget.watched_rows(batch, request_rows, greedy)
                 logprobs = row_logprobs(logits, info.rows)
                 tokens = sample(logits, info.rows)  # reads the logits: the refused rows are steered from them
                 if watched:
-                    self._sample_refused_again(batch, watched, logits, tokens, logprobs)
+                    self._sample_refused_again(batch, request_rows, watched, logits, tokens, logprobs)
         except Exception as e:  # an internal failure aborts this batch, not the server
             logger.exception("a batch of %d requests failed", len(batch))
             failure = Abort(AbortCause.INTERNAL, f"internal error while generating: {type(e).__name__}: {e}")
@@ -239,6 +240,7 @@ class BatchExecutor:
     def _sample_refused_again(
         self,
         batch: list[Req],
+        request_rows: list[range],
         watched: list[int],
         logits: torch.Tensor,
         tokens: list[int | None],
@@ -247,11 +249,10 @@ class BatchExecutor:
         """Sample again the ``watched`` rows whose token budget steering refused, from their steered logits (their
         log-probabilities too)."""
         assert self.budget is not None
-        info = self.sampling_info
-        refused = self.budget.refused_samples(batch, info.request_rows(), watched, logits, tokens)
+        refused = self.budget.refused_samples(batch, request_rows, watched, logits, tokens)
         if not refused:
             return
-        rows = info.rows.select(refused)
+        rows = self.sampling_info.rows.select(refused)
         again = logits[refused]
         for row, row_logprob in row_logprobs(again, rows).items():
             logprobs[refused[row]] = row_logprob

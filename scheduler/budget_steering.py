@@ -215,7 +215,7 @@ class BudgetSteering:
         """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a bounded search that goes
         on with the walk of first moves where its steps run out (inside many open brackets, or an object of many
         required fields, where a bounded breadth-first search finds nothing)."""
-        found = next((known for known in self._known_for(key) if self.search.finishes(grammar, known)), None)
+        found = self._known_ending(grammar, key)
         if found is None and not plan.search_failed:
             self.num_searches += 1
             found = self.search.find(  # any ending will do: the walk of first moves where the steps run out
@@ -236,7 +236,7 @@ class BudgetSteering:
         found = search.replay(grammar, ending, len(ending) + MAX_GROWTH, search.piece(token))
         if found is not None:
             return found
-        found = next((known for known in self._known_for(key) if search.finishes(grammar, known)), None)
+        found = self._known_ending(grammar, key)
         if found is None:
             found = search.bridge(grammar, ending)
         if found is None:
@@ -370,6 +370,10 @@ class BudgetSteering:
             return (found if found is not None and len(found) <= budget else None), 1
         finally:
             grammar.rollback(1)
+
+    def _known_ending(self, grammar: BaseGrammarObject, key: GrammarKey | None) -> list[int] | None:
+        """The shortest ending searched for ``key``'s requests that ends ``grammar`` from its state, or None."""
+        return next((known for known in self._known_for(key) if self.search.finishes(grammar, known)), None)
 
     def _known_for(self, key: GrammarKey | None) -> list[list[int]]:
         """The endings searched for ``key``'s requests, shortest first."""

@@ -207,6 +207,30 @@ def test_maskbench_schemas_end_valid_within_their_budget(
     assert check_budgets(backend, smollm2_tokenizer, search, "json", case.schema, json_judge(case.schema), seed) == []
 
 
+def greedy_walk(
+    grammar: BaseGrammarObject, key: Any, search: EndingSearch, setup: TokenizerSetup, preferred: list[int], budget: int
+) -> str:
+    """A greedy model that picks ``preferred``'s next token while the grammar and the steering allow it (the first
+    allowed token after it), steered as the scheduler steers a greedy row, within ``budget`` tokens; its text."""
+    steering = BudgetSteering(search, max_seq_len=1 << 20)
+    params = SamplingParams(max_new_tokens=budget, temperature=0.0)
+    req = Req(rid="greedy", client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
+    assert steering.refusal(req) is None
+    mask = allocate_bitmask(1, setup.vocab_size, "cpu")
+    while len(req.output_ids) < budget and not grammar.is_terminated():
+        grammar.fill_vocab_mask(mask, 0)
+        logits = torch.zeros(1, setup.vocab_size)
+        if len(req.output_ids) < len(preferred):
+            logits[0, preferred[len(req.output_ids)]] = 10.0
+        logits[~unpack_bitmask(mask, setup.vocab_size)] = float("-inf")
+        steering.steer([req], [range(1)], logits, [True])
+        token = int(logits[0].argmax())
+        grammar.accept_token(token)
+        req.output_ids.append(token)
+        steering.record(req, token)
+    return setup.tokenizer.decode([t for t in req.output_ids if t not in setup.eos_token_ids])
+
+
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
 def test_an_ending_that_grows_a_token_at_a_time_still_fits(
     backend_name: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
@@ -222,24 +246,8 @@ def test_an_ending_that_grows_a_token_at_a_time_still_fits(
     backend = build_backend(backend_name, setup)
     for budget in (30, 44, 70):
         grammar = compile_grammar(backend, "json_object", True)
-        steering = BudgetSteering(search, max_seq_len=1 << 20)
-        params = SamplingParams(max_new_tokens=budget, temperature=0.0)
         key = make_grammar_key("json_object", True)
-        req = Req(rid="nested", client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
-        assert steering.refusal(req) is None
-        mask = allocate_bitmask(1, setup.vocab_size, "cpu")
-        while len(req.output_ids) < budget and not grammar.is_terminated():
-            grammar.fill_vocab_mask(mask, 0)
-            logits = torch.zeros(1, setup.vocab_size)
-            if len(req.output_ids) < len(preferred):
-                logits[0, preferred[len(req.output_ids)]] = 10.0
-            logits[~unpack_bitmask(mask, setup.vocab_size)] = float("-inf")
-            steering.steer([req], [range(1)], logits, [True])
-            token = int(logits[0].argmax())
-            grammar.accept_token(token)
-            req.output_ids.append(token)
-            steering.record(req, token)
-        text = tokenizer.decode([t for t in req.output_ids if t not in setup.eos_token_ids])
+        text = greedy_walk(grammar, key, search, setup, preferred, budget)
         assert grammar.is_terminated(), f"budget {budget}: cut: {text!r}"
         assert text.count("[") >= 5 and json_judge({"type": "object"})(text) is None, text
 
@@ -271,22 +279,6 @@ def test_a_greedy_row_does_not_open_an_item_its_budget_cannot_close(
     key = make_grammar_key("json", ITEMS)
     for budget in range(len(tokenizer.encode(item)) + 4, 2 * len(tokenizer.encode(item)) + 8, 3):
         grammar = compile_grammar(backend, "json", ITEMS)
-        steering = BudgetSteering(search, max_seq_len=1 << 20)
-        params = SamplingParams(max_new_tokens=budget, temperature=0.0)
-        req = Req(rid="items", client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
-        assert steering.refusal(req) is None
-        mask = allocate_bitmask(1, setup.vocab_size, "cpu")
-        while len(req.output_ids) < budget and not grammar.is_terminated():
-            grammar.fill_vocab_mask(mask, 0)
-            logits = torch.zeros(1, setup.vocab_size)
-            if len(req.output_ids) < len(preferred):
-                logits[0, preferred[len(req.output_ids)]] = 10.0
-            logits[~unpack_bitmask(mask, setup.vocab_size)] = float("-inf")
-            steering.steer([req], [range(1)], logits, [True])
-            token = int(logits[0].argmax())
-            grammar.accept_token(token)
-            req.output_ids.append(token)
-            steering.record(req, token)
-        text = tokenizer.decode([t for t in req.output_ids if t not in setup.eos_token_ids])
+        text = greedy_walk(grammar, key, search, setup, preferred, budget)
         assert grammar.is_terminated(), f"budget {budget}: cut: {text!r}"
         assert json_judge(ITEMS)(text) is None, text
