@@ -11,19 +11,21 @@ token would leave the answer's shortest ending no room.
   plan follows the output where the output follows it. Beyond ``WATCH`` tokens of slack nothing else is computed
   (the plan goes stale); within it the plan is kept current after every token (``record``): the plan itself where
   it still ends the output (a string's content), a suffix of it, an ending searched for this constraint's other
-  requests, one byte followed by the plan (``]`` after one more ``[``), else a bounded search (milliseconds,
+  requests, a few bytes followed by the plan (``]`` after one more ``[``), else a bounded search (milliseconds,
   remembered for the others); where that finds nothing it goes stale until the budget comes near. A plan gone stale
-  beyond ``WATCH`` is searched for in full as the output comes within it (once: where that finds nothing, it waits
-  for the horizon too). Outputs that never come near their budget are the same token for token as without the
-  feature (a row is changed only where the model's choice would leave no ending within the budget).
+  beyond ``WATCH`` is found anew as the output comes within it: a suffix of the path it last held, an ending known
+  for the constraint, else a bounded search (once: where that finds nothing, it waits for the horizon too). Outputs
+  that never come near their budget are the same token for token as without the feature (a row is changed only
+  where the model's choice would leave no ending within the budget).
 - Near the budget the masked logits are steered: the most likely tokens the grammar allows are checked in order
   (after each, an ending must fit the budget left: the plan's own next token, a suffix of the plan, or a new
   search), and the row keeps those that pass plus the plan's next token, which always does. The guarantee is
-  therefore sound whatever the search misses: every token allowed has a walked ending within the budget. Within
-  ``HORIZON`` tokens of slack a sampled row keeps ``NUM_CANDIDATES`` such tokens. Within ``WATCH`` the model's own
-  choice is checked (a greedy row's before sampling, a sampled row's after it, ``refused_samples``) and the row is
-  steered only where that choice leaves no ending within the budget: one token can open an item whose ending is
-  longer than the horizon (a second tool call after a first, a new array item of many required fields).
+  therefore sound whatever the search misses: every token allowed has a walked ending within the budget. A row is
+  steered only where the model's own choice leaves no ending within the budget: within ``WATCH`` that choice is
+  checked (a greedy row's before sampling; a sampled row's after it, ``refused_samples``, which steers a refused
+  row to ``NUM_CANDIDATES`` passing tokens to be sampled again with the same draws). One token can open an item
+  whose ending is longer than the slack (a second tool call after a first, a new array item of many required
+  fields), so the check runs from ``WATCH`` tokens of slack, not only at the last few.
 - Drafts stop where the rows they would need come near the horizon; within ``WATCH`` the model's choices after
   drafts that stood are checked as first rows are (``may_take``), so that speculation changes no output. Forced
   tokens (the grammar allows one token) keep any ending's length minus one and need no check.
@@ -52,11 +54,12 @@ from sglang_constrained.constraint_spec import GrammarKey
 from sglang_constrained.endings.search import EndingSearch
 
 HORIZON = 12
-"""Slack (remaining budget beyond the plan's length) below which every sampled token is checked."""
+"""Slack (remaining budget beyond the plan's length) below which a stale plan is searched for in full and no drafts
+are verified."""
 WATCH = 48
 """Slack below which the plan is kept current after every token (``record``); beyond it nothing is computed."""
 NUM_CANDIDATES = 8
-"""Tokens a sampled row keeps near the budget (a greedy row needs one): the most likely that pass."""
+"""Tokens a sampled row whose own choice was refused keeps (a greedy row needs one): the most likely that pass."""
 MAX_CHECKED = 24
 """Most tokens checked for one row in one step."""
 MAX_SEARCHES = 1
@@ -64,6 +67,9 @@ MAX_SEARCHES = 1
 MAX_CHECK_STEPS = 300
 """Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
 kept (the plan's next token always is)."""
+MAX_CANDIDATE_SEARCH_SECONDS = 0.005
+"""Longest the search for a candidate's ending near the budget may run (where the plan's suffixes and a few bytes
+before it did not end the output, the candidate rarely fits: a row keeps the plan's next token whatever is found)."""
 MAX_RECORD_SEARCH_SECONDS = 0.02
 """Longest a bounded search keeping a plan current may run (its steps cost what the grammar's masks cost, which
 ranges over three orders of magnitude): beyond it the plan goes stale, as before."""
@@ -119,24 +125,25 @@ class BudgetSteering:
         return max(self._remaining(req) - plan.length - HORIZON, 0)
 
     def steer(self, batch: list[Req], rows: list[range], logits: torch.Tensor, greedy: list[bool]) -> None:
-        """Steer the masked logits of requests near their budget, in place: ``rows[i]`` are ``batch[i]``'s rows of
-        ``logits``, ``greedy[i]`` whether it samples greedily. A sampled request with drafts is never near its budget
-        (``draft_room``); a greedy one may be within ``WATCH``: its first row is steered here, the tokens after its
-        verified drafts by ``may_take``."""
+        """Steer the masked logits of greedy requests within ``WATCH`` whose choice leaves no ending within the
+        budget, in place: ``rows[i]`` are ``batch[i]``'s rows of ``logits``, ``greedy[i]`` whether it samples greedily.
+        Only a greedy request's first row is steered here (the tokens after its verified drafts by ``may_take``); a
+        sampled request's choice is checked after sampling (``watched_rows``, ``refused_samples``)."""
         for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
             grammar = req.ready_grammar
             if isinstance(grammar, ReasonerGrammarObject) and grammar.is_thinking and len(req_rows) == 1:
                 self._close_thinking_in_time(req, grammar.think_end_id, logits[req_rows.start])
                 continue
+            if not is_greedy:
+                continue
             plan = self._plan(req)
-            if plan is None or plan.tokens is None or (len(req_rows) != 1 and not is_greedy):
+            if plan is None or plan.tokens is None:
                 continue
             remaining = self._remaining(req)
-            if remaining - len(plan.tokens) >= (WATCH if is_greedy else HORIZON):
+            if remaining - len(plan.tokens) >= WATCH:
                 continue
             assert grammar is not None
-            wanted = 1 if is_greedy else NUM_CANDIDATES
-            self._steer_row(grammar, req.grammar_key, plan, remaining, logits[req_rows.start], wanted)
+            self._steer_row(grammar, req.grammar_key, plan, remaining, logits[req_rows.start], 1)
 
     def may_take(self, req: Req, token: int) -> bool:
         """Whether ``req`` may take ``token``, its model's choice after drafts that stood (a row ``steer`` did not
@@ -152,23 +159,23 @@ class BudgetSteering:
         return self._choice_ending(grammar, req.grammar_key, plan.tokens, token, remaining - 1) is not None
 
     def watched_rows(self, batch: list[Req], rows: list[range], greedy: list[bool]) -> list[int]:
-        """The first rows of sampled requests within ``WATCH`` but beyond the horizon (``steer`` left them as they
-        are): their sampled tokens are checked after sampling (``refused_samples``)."""
+        """The first rows of sampled requests within ``WATCH`` (``steer`` left them as they are): their sampled
+        tokens are checked after sampling (``refused_samples``); the tokens after their drafts by ``may_take``."""
         watched = []
         for req, req_rows, is_greedy in zip(batch, rows, greedy, strict=True):
-            plan = req.ending
-            if is_greedy or plan is None or not plan.tokens or not _is_answering(req.ready_grammar):
+            if is_greedy:
                 continue
-            if HORIZON <= self._remaining(req) - len(plan.tokens) < WATCH:
+            plan = self._plan(req)
+            if plan is not None and plan.tokens and self._remaining(req) - len(plan.tokens) < WATCH:
                 watched.append(req_rows.start)
         return watched
 
     def refused_samples(
         self, batch: list[Req], rows: list[range], watched: list[int], logits: torch.Tensor, tokens: list[int | None]
     ) -> list[int]:
-        """Of the ``watched`` rows, those whose sampled token leaves no ending within the budget (one token opened an
-        item longer than the slack beyond the horizon): steered now as within the horizon (``logits`` are the rows
-        as they were before sampling), to be sampled again."""
+        """Of the ``watched`` rows, those whose sampled token leaves no ending within the budget: steered now to the
+        most likely tokens that leave one (``logits`` are the rows as they were before sampling), to be sampled
+        again."""
         owner = {req_rows.start: req for req, req_rows in zip(batch, rows, strict=True)}
         refused = []
         for row in watched:
@@ -188,8 +195,8 @@ class BudgetSteering:
     def record(self, req: Req, token: int) -> None:
         """``req`` took ``token`` (its grammar accepted it): follow it with the plan. Within ``WATCH`` tokens of the
         budget a plan the output left is found anew (the plan itself where it still ends the output, a suffix of it,
-        an ending searched for this constraint's other requests, one byte and the plan, a bounded search), so that its
-        length is current at every step there; it goes stale where none is found, or beyond ``WATCH`` (nothing is
+        an ending searched for this constraint's other requests, a few bytes and the plan, a bounded search), so that
+        its length is current at every step there; it goes stale where none is found, or beyond ``WATCH`` (nothing is
         checked there)."""
         plan = req.ending
         grammar = req.ready_grammar
@@ -201,6 +208,7 @@ class BudgetSteering:
         elif token in after:
             plan.tokens = after[token]
         elif self._remaining(req) - plan.length >= WATCH:
+            plan.last_tokens = plan.tokens or plan.last_tokens
             plan.tokens = None
         elif plan.tokens is None:
             plan.tokens = self._stale_ending_anew(grammar, req.grammar_key, plan)
@@ -212,10 +220,14 @@ class BudgetSteering:
     def _stale_ending_anew(
         self, grammar: BaseGrammarObject, key: GrammarKey | None, plan: EndingPlan
     ) -> list[int] | None:
-        """A stale plan within ``WATCH``: an ending known for ``key``, else (the first time) a bounded search that goes
-        on with the walk of first moves where its steps run out (inside many open brackets, or an object of many
-        required fields, where a bounded breadth-first search finds nothing)."""
-        found = self._known_ending(grammar, key)
+        """A stale plan within ``WATCH``: a suffix of the path it held when it went stale, an ending known for
+        ``key``, else (the first time) a bounded search that goes on with the walk of first moves where its steps run
+        out (inside many open brackets, or an object of many required fields, where a bounded breadth-first search
+        finds nothing)."""
+        last = plan.last_tokens
+        found = self.search.replay(grammar, last, len(last) + MAX_GROWTH, respell=True) if last else None
+        if found is None:
+            found = self._known_ending(grammar, key)
         if found is None and not plan.search_failed:
             self.num_searches += 1
             found = self.search.find(  # any ending will do: the walk of first moves where the steps run out
@@ -233,12 +245,12 @@ class BudgetSteering:
         search = self.search
         if search.finishes(grammar, ending):
             return ending
-        found = search.replay(grammar, ending, len(ending) + MAX_GROWTH, search.piece(token))
+        found = search.replay(grammar, ending, len(ending) + MAX_GROWTH, search.piece(token), respell=True)
         if found is not None:
             return found
         found = self._known_ending(grammar, key)
         if found is None:
-            found = search.bridge(grammar, ending)
+            found = search.rejoin(grammar, ending)
         if found is None:
             self.num_searches += 1
             found = search.find(
@@ -362,11 +374,14 @@ class BudgetSteering:
             if grammar.is_terminated():
                 return [], 0
             after = self.search.replay(grammar, ending, budget, self.search.piece(token))
-            if after is None and len(ending) < budget:  # one byte more and the ending: "]" after one more "["
-                after = self.search.bridge(grammar, ending)
+            if after is None and len(ending) < budget:  # a byte or two more and the ending: "]" after one more "["
+                after = self.search.rejoin(grammar, ending)
+                after = after if after is not None and len(after) <= budget else None
             if after is not None or num_searches >= MAX_SEARCHES:
                 return after, 0
-            found = self.search.find(grammar, MAX_CHECK_STEPS, ascii_only=True, first_moves=False)
+            found = self.search.find(
+                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_CANDIDATE_SEARCH_SECONDS, first_moves=False
+            )
             return (found if found is not None and len(found) <= budget else None), 1
         finally:
             grammar.rollback(1)

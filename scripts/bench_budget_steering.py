@@ -4,13 +4,13 @@ Walks SmolLM2's vocabulary through ``bench_serving``'s JSON schema and regex on 
 the grammar, steered as the scheduler steers them (``BudgetSteering.steer``, the check of a sampled token within
 ``WATCH`` and ``record``), sampled, accepted. Each walk runs three times, interleaved: with a budget its output never
 nears (the feature's cost there is its bookkeeping), with the constraint's shortest output plus ``--watch-slack``
-tokens (within ``WATCH``: each sampled token checked, the plan kept current after every token, rows steered once the
-horizon comes) and plus ``--slack`` tokens (every step near the budget: every sampled row checked). One
-``BudgetSteering`` serves a constraint's walks, as the scheduler's serves its requests. Printed per backend and
-constraint: microseconds per token of the mask fill (for scale) and of the steering far, within ``WATCH`` (the check
-of the sampled token and ``record``: the watch walks' rows are steered too once their horizon comes, which is near's
-cost) and near, each over the fill; the bounded searches run to keep plans current and the
-plans gone stale (nothing found: searched anew once the budget nears). The start's ending (searched once per
+tokens (within ``WATCH``: each sampled token checked, the plan kept current after every token) and plus ``--slack``
+tokens (every step near the budget). One ``BudgetSteering`` serves a constraint's walks, as the scheduler's serves its
+requests. Printed per backend and constraint: microseconds per token of the mask fill (for scale) and of all the
+steering's work (checks, the steering and sampling again of refused tokens, ``record``) far, within ``WATCH`` and
+near, each over the fill; the bounded searches run to keep plans current and the plans gone stale (nothing found:
+searched anew once the budget nears). Random logits choose tokens no model would near the budget (a new item, a long
+string), so far more of their tokens are refused and steered than a model's. The start's ending (searched once per
 constraint, when its first request is admitted) is timed apart.
 
     python -m scripts.bench_budget_steering [--walks 12] [--slack 6] [--watch-slack 30]
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                         fill_s, steer_s, check_s, record_s, num_tokens, ended = walk(
                             grammar.copy(), key, steering, budget, i, setup.vocab_size
                         )
-                        spent = check_s + record_s if label == "watch" else steer_s + check_s + record_s
+                        spent = steer_s + check_s + record_s
                         per_token[label].append(spent / num_tokens * 1e6)
                         per_token["fill"].append(fill_s / num_tokens * 1e6)
                         num_ended += ended and label == "near"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,6 +117,11 @@ class BaseGrammarObject(ABC):
     def validate_tokens(self, tokens: list[int]) -> int:
         """Length of the longest prefix of ``tokens`` the grammar accepts from here; the state does not change."""
         raise NotImplementedError(f"{type(self).__name__} cannot validate token sequences")
+
+    def accepts_to_end(self, tokens: Sequence[int]) -> bool | None:
+        """Whether ``tokens`` take the grammar from here to its end, in one call into the engine; None where the engine
+        has no such call (the caller walks them token by token). The state does not change."""
+        return None
 
     def state_key(self) -> Hashable | None:
         """A value equal for two states of this grammar object exactly when they allow the same token sequences from

@@ -18,8 +18,9 @@ path returned was walked through the grammar, so a budget kept at or above its l
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy
@@ -52,6 +53,8 @@ MAX_REPEATS = 64
 """Most times the first-moves walk takes one move from states with one mask (a run of closing brackets repeats it)."""
 WIDE_STATE_MOVES = 32
 """Single-byte moves from which a state is content (a string's): its moves that keep its mask go nowhere."""
+REJOIN_BYTES = 3
+"""Most first moves ``rejoin`` takes before a known ending (a counted run: ``[A-Z][a-z]{1,12}`` needs two)."""
 MAX_FORCED_MOVES = 64
 """Most tokens searched from a state that allows no single-byte token."""
 ASCII_BYTES = range(0x80)
@@ -158,22 +161,41 @@ class EndingSearch:
         return list(path) + tail
 
     def replay(
-        self, grammar: BaseGrammarObject, ending: Sequence[int], max_tokens: int, taken: bytes = b""
+        self,
+        grammar: BaseGrammarObject,
+        ending: Sequence[int],
+        max_tokens: int,
+        taken: bytes = b"",
+        respell: bool = False,
     ) -> list[int] | None:
         """A suffix of ``ending`` (at most ``max_tokens`` long, the shortest first) that finishes ``grammar`` from its
-        state, or None: an ending known before the last token often still ends the output after it (the same closing
-        brackets after more of a string). Where the last token's text ``taken`` begins the ending's text (``"`` where
-        the ending had ``"}``), the rest of that text, spelled anew, is tried first. The state does not change."""
-        if taken:
-            tail = [ending[-1]] if ending and ending[-1] in self._stops else []
-            text = b"".join(self._pieces_of[t] for t in ending[: len(ending) - len(tail)])
-            rest = self.spell(text[len(taken) :]) if text.startswith(taken) else None
-            if rest is not None and len(rest) + len(tail) <= max_tokens and self.finishes(grammar, rest + tail):
-                return rest + tail
+        state, or None: an ending known before the last tokens often still ends the output after them (the same
+        closing brackets after more of a string). Where none does and the last token's text ``taken`` (or that text
+        without its leading whitespace) occurs in the ending's text (``"`` where the ending had ``"}``, or ``aa"}``
+        where it closed the string sooner), the rest of that text after it, spelled anew, is tried. With ``respell``,
+        the suffixes of the ending's text that start inside a token are tried last, spelled anew (``"age":0}`` after
+        the ``",`` the ending began with). The state does not change."""
         for start in range(max(len(ending) - max_tokens, 0), len(ending) + 1)[::-1]:
             suffix = list(ending[start:])
             if self.finishes(grammar, suffix):
                 return suffix
+        tail = [ending[-1]] if ending and ending[-1] in self._stops else []
+        text = b"".join(self._pieces_of[t] for t in ending[: len(ending) - len(tail)])
+        for piece in dict.fromkeys(piece for piece in (taken, taken.lstrip()) if piece):
+            at = text.find(piece)
+            rest = self.spell(text[at + len(piece) :]) if at >= 0 else None
+            if rest is not None and len(rest) + len(tail) <= max_tokens and self.finishes(grammar, rest + tail):
+                return rest + tail
+        if not respell:
+            return None
+        boundaries = set(itertools.accumulate(len(self._pieces_of[t]) for t in ending[: len(ending) - len(tail)]))
+        spellings = self._suffix_spellings(text)
+        for start in range(len(text) - 1, 0, -1):
+            rest = spellings(start)
+            if start in boundaries or rest is None or len(rest) + len(tail) > max_tokens:
+                continue
+            if self.finishes(grammar, rest + tail):
+                return rest + tail
         return None
 
     def bridge(self, grammar: BaseGrammarObject, ending: Sequence[int]) -> list[int] | None:
@@ -185,6 +207,27 @@ class EndingSearch:
             if token in self._byte_tokens and self.finishes(grammar, [token, *ending]):
                 return [token, *ending]
         return None
+
+    def rejoin(self, grammar: BaseGrammarObject, ending: Sequence[int]) -> list[int] | None:
+        """A few bytes followed by ``ending`` that finish ``grammar`` from its state, or None: ``bridge`` from here and
+        after each of up to ``REJOIN_BYTES`` first moves (``Aa`` and the ending after a space that opened a word of
+        ``[A-Z][a-z]+``). Stops at a state of ``WIDE_STATE_MOVES`` moves (a string's content), where ``bridge``
+        has tried the bytes that matter. The state does not change."""
+        path: list[int] = []
+        try:
+            while True:
+                found = self.bridge(grammar, ending)
+                if found is not None:
+                    return path + found
+                moves = [t for t in self._moves() if t in self._ascii_tokens]
+                if len(path) == REJOIN_BYTES or not moves or len(moves) >= WIDE_STATE_MOVES:
+                    return None
+                grammar.accept_token(moves[0])
+                path.append(moves[0])
+                if grammar.is_terminated():
+                    return path
+        finally:
+            grammar.rollback(len(path))
 
     def _exact_search(self) -> ExactEndingSearch:
         """The exact search, its trie of pieces built the first time a grammar exposes its state."""
@@ -201,6 +244,9 @@ class EndingSearch:
         change."""
         if not tokens:
             return grammar.is_terminated()
+        at_once = grammar.accepts_to_end(tokens)
+        if at_once is not None:
+            return at_once
         if grammar.validate_tokens(list(tokens)) != len(tokens):
             return False
         if tokens[-1] in self._stops:
@@ -234,6 +280,29 @@ class EndingSearch:
             tokens.append(self._pieces[text[end - last_piece[end] : end]])
             end -= last_piece[end]
         return tokens[::-1]
+
+    def _suffix_spellings(self, text: bytes) -> Callable[[int], list[int] | None]:
+        """For each start, ``text[start:]`` in as few vocabulary pieces as possible (None if some byte has no
+        piece): one pass from the end, read back per start."""
+        unreachable = len(text) + 1
+        num_pieces = [unreachable] * len(text) + [0]  # fewest pieces spelling text[start:]
+        first_piece = [0] * (len(text) + 1)  # the length of the first of them
+        for start in range(len(text) - 1, -1, -1):
+            for length in range(1, min(len(text) - start, MAX_PIECE_BYTES) + 1):
+                count = num_pieces[start + length] + 1
+                if count < num_pieces[start] and text[start : start + length] in self._pieces:
+                    num_pieces[start], first_piece[start] = count, length
+
+        def spelled(start: int) -> list[int] | None:
+            if num_pieces[start] == unreachable:
+                return None
+            tokens = []
+            while start < len(text):
+                tokens.append(self._pieces[text[start : start + first_piece[start]]])
+                start += first_piece[start]
+            return tokens
+
+        return spelled
 
     def _breadth_first(
         self, grammar: BaseGrammarObject, start: _Node, byte_values: range, max_steps: int, deadline: float

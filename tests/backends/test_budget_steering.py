@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.budget_steering import BudgetSteering
+from scheduler.budget_steering import WATCH, BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import GrammarArgs
@@ -208,11 +208,18 @@ def test_maskbench_schemas_end_valid_within_their_budget(
 
 
 def greedy_walk(
-    grammar: BaseGrammarObject, key: Any, search: EndingSearch, setup: TokenizerSetup, preferred: list[int], budget: int
+    grammar: BaseGrammarObject,
+    key: Any,
+    search: EndingSearch,
+    setup: TokenizerSetup,
+    preferred: list[int],
+    budget: int,
+    steering: BudgetSteering | None = None,
 ) -> str:
     """A greedy model that picks ``preferred``'s next token while the grammar and the steering allow it (the first
-    allowed token after it), steered as the scheduler steers a greedy row, within ``budget`` tokens; its text."""
-    steering = BudgetSteering(search, max_seq_len=1 << 20)
+    allowed token after it), steered as the scheduler steers a greedy row (by ``steering``, else a new one), within
+    ``budget`` tokens; its text."""
+    steering = steering or BudgetSteering(search, max_seq_len=1 << 20)
     params = SamplingParams(max_new_tokens=budget, temperature=0.0)
     req = Req(rid="greedy", client_id=b"", prompt_ids=[], sampling_params=params, grammar_key=key, grammar=grammar)
     assert steering.refusal(req) is None
@@ -282,3 +289,61 @@ def test_a_greedy_row_does_not_open_an_item_its_budget_cannot_close(
         text = greedy_walk(grammar, key, search, setup, preferred, budget)
         assert grammar.is_terminated(), f"budget {budget}: cut: {text!r}"
         assert json_judge(ITEMS)(text) is None, text
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_a_plan_the_output_left_far_from_the_budget_is_found_again_without_a_search(
+    backend_name: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """With a budget of ``WATCH`` tokens and more beyond the shortest output, the plan goes stale at the model's first
+    token off it, and is needed again as the output comes within ``WATCH``: a suffix of the path it last held (spelled
+    anew where it starts inside a token) ends the output, where each request used to run a search of up to 20 ms
+    (at 32 requests in flight, a tenth of the JSON phase's time)."""
+    setup = smollm2_tokenizer
+    text = '{"name": "Jonathan Livingston Seagull the Third", "age": 41, "tags": ["flying", "gulls", "sea"]}'
+    preferred = setup.tokenizer.encode(text)
+    backend = build_backend(backend_name, setup)
+    key = make_grammar_key("json", PERSON)
+    steering = BudgetSteering(search, max_seq_len=1 << 20)
+    budget = len(search.find(compile_grammar(backend, "json", PERSON)) or []) + WATCH + 8
+    grammar = compile_grammar(backend, "json", PERSON)
+    output = greedy_walk(grammar, key, search, setup, preferred, budget, steering)
+    assert grammar.is_terminated() and json_judge(PERSON)(output) is None, output
+    assert output == text
+    assert steering.num_searches == 0
+
+
+def step_through(grammar: BaseGrammarObject, search: EndingSearch, text: bytes) -> None:
+    """Accept ``text`` as the search spells it (in few pieces)."""
+    tokens = search.spell(text)
+    assert tokens is not None
+    for token in tokens:
+        grammar.accept_token(token)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_an_ending_is_spelled_again_after_a_token_it_did_not_expect(
+    backend_name: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """The checks of the model's choices keep the plan current without a search where the output leaves it by a few
+    bytes: the quote that closes a word the plan would have made longer (the rest of its text after that quote), the
+    plan's text from inside its first token (``, done`` from ``",`` after a ``"`` alone), and a space that opens a
+    second word of ``[A-Z][a-z]+`` (two first moves, then the plan)."""
+    stop = smollm2_tokenizer.eos_token_ids[0]
+    backend = build_backend(backend_name, smollm2_tokenizer)
+    words = r'"[a-z]{3,20}", done'
+    grammar = compile_grammar(backend, "regex", words)
+    step_through(grammar, search, b'"xyz"')
+    plan = [*(search.spell(b'aa", done') or []), stop]
+    assert search.replay(grammar, plan, len(plan), taken=b'"') == [*(search.spell(b", done") or []), stop]
+    plan = [*(search.spell(b'", done') or []), stop]
+    assert not search.finishes(grammar, plan[1:]), "the test needs a plan whose first token holds the quote"
+    assert search.replay(grammar, plan, len(plan)) is None
+    assert search.replay(grammar, plan, len(plan), respell=True) == [*(search.spell(b", done") or []), stop]
+    names = r'"[A-Z][a-z]{1,12}( [A-Z][a-z]{1,12})?", done'
+    grammar = compile_grammar(backend, "regex", names)
+    step_through(grammar, search, b'"Ab ')
+    plan = [*(search.spell(b'", done') or []), stop]
+    assert search.bridge(grammar, plan) is None
+    rejoined = search.rejoin(grammar, plan)
+    assert rejoined is not None and len(rejoined) == len(plan) + 2 and search.finishes(grammar, rejoined)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.backends.base import TokenRejectedError
+from sglang_constrained.backends.base import BaseGrammarObject, TokenRejectedError
 from sglang_constrained.backends.xgrammar.backend import XGrammarGrammarBackend
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder
@@ -250,3 +250,54 @@ def test_state_key_tells_apart_states_whose_parser_printouts_agree(backend, toke
     for byte in b'{"name": "Al", "age": 7':
         grammar.accept_token(backend.backend.vocabulary.decoded_vocab.index(bytes([byte])))
     assert grammar.state_key() == key
+
+
+def one_token_at_a_time(grammar: BaseGrammarObject, tokens: list[int]) -> bool:
+    """Whether ``tokens``, accepted one by one, take ``grammar`` to its end (the reference for ``accepts_to_end``)."""
+    if grammar.validate_tokens(tokens) != len(tokens):
+        return False
+    for token in tokens:
+        grammar.accept_token(token)
+    terminated = grammar.is_terminated()
+    grammar.rollback(len(tokens))
+    return terminated
+
+
+ENDS_TO_TEST = [
+    ("json", PERSON_SCHEMA, '{"name": "Zoë O\'Neil", "age": 101}'),
+    ("regex", r"(cat|dog)( and (cat|dog)){0,3}\.", "cat and dog and cat."),
+    ("ebnf", EBNF, "SELECT bb FROM t"),
+]
+
+
+@pytest.mark.parametrize("kind,spec,text", ENDS_TO_TEST, ids=[case[0] for case in ENDS_TO_TEST])
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_an_ending_accepted_as_one_string_is_accepted_token_by_token(backend, tokenizer_case, kind, spec, text, data):
+    """``accepts_to_end`` (the tokens' bytes as one string, on a fork) answers as accepting them one by one does, on
+    endings, their cut and extended forms, tokens that do not fit, and stop tokens, from any point of a walk; and the
+    state does not change."""
+    vocab_size = tokenizer_case.vocab_size
+    ids = encode_exactly(tokenizer_case, text)
+    grammar = compile_grammar(backend, kind, spec)
+    taken = data.draw(st.integers(0, len(ids)))
+    for token in ids[:taken]:
+        grammar.accept_token(token)
+    stop = tokenizer_case.eos_token_ids[0]
+    pieces = backend.backend.vocabulary.decoded_vocab
+    rest = ids[taken:]
+    allowed = sorted(allowed_tokens(grammar, vocab_size))
+    candidates = [[*rest, stop], rest, [*rest[:-1], stop], [stop]]
+    candidates.append([data.draw(st.sampled_from(allowed)), *rest, stop])
+    candidates.append([data.draw(st.integers(0, vocab_size - 1)), stop])
+    candidates.append([*rest, data.draw(st.integers(0, vocab_size - 1))])
+    before = allowed_tokens(grammar, vocab_size)
+    for tokens in candidates:
+        if not tokens:
+            continue
+        answer = grammar.accepts_to_end(tokens)
+        body = tokens[:-1] if tokens[-1] == stop else tokens
+        assert answer is not None or not all(pieces[t] for t in body), tokens  # None only for a special token
+        if answer is not None:
+            assert answer == one_token_at_a_time(grammar, tokens), tokens
+        assert allowed_tokens(grammar, vocab_size) == before

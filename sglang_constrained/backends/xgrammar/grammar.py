@@ -106,11 +106,15 @@ class XGrammarGrammar(BaseGrammarObject):
         """The parser's printed states, whether the root has completed and the bytes the open rules return to (exact:
         ``parser_state``); None without the vocabulary's pieces, for a grammar with budgets or token terminals, or
         where the printout is not what ``parser_state`` reads. The state does not change."""
-        if self._decoded_vocab is None:
+        if self._decoded_vocab is None or not self._keyed():
             return None
+        return matcher_state_key(self.matcher, self._accepted)
+
+    def _keyed(self) -> bool:
+        """Whether the grammar moves byte by byte with no budget or token terminal (worked out once)."""
         if self._is_keyed is None:
             self._is_keyed = is_keyed_grammar(self.compiled_grammar)
-        return matcher_state_key(self.matcher, self._accepted) if self._is_keyed else None
+        return self._is_keyed
 
     def memory_size_bytes(self) -> int:
         return self.compiled_grammar.memory_size_bytes
@@ -124,6 +128,27 @@ class XGrammarGrammar(BaseGrammarObject):
             num_accepted += 1
         self.rollback(num_accepted)
         return num_accepted
+
+    def accepts_to_end(self, tokens: Sequence[int]) -> bool | None:
+        """Whether ``tokens`` take the grammar from here to its end: their bytes accepted as one string by a fork of
+        the matcher, then the stop token if they end with one. For a keyed grammar (it moves byte by byte, with no
+        budget or token terminal) that is the answer of accepting them one by one, at half the cost; None for other
+        grammars, without the vocabulary's pieces, or for a special token that is not the last stop token (its piece
+        is empty). The state does not change (``accept_string`` cannot be rolled back, hence the fork)."""
+        if self._decoded_vocab is None or not tokens or not self._keyed():
+            return None
+        body = tokens[:-1] if tokens[-1] in self.stop_token_ids else tokens
+        pieces = [self._decoded_vocab[token] if 0 <= token < len(self._decoded_vocab) else b"" for token in body]
+        if not all(pieces):
+            return None
+        if self.matcher.is_terminated():
+            return False
+        fork = self.matcher.fork()
+        if pieces and not fork.accept_string(b"".join(pieces)):
+            return False
+        if len(body) < len(tokens):
+            return fork.accept_token(tokens[-1])
+        return fork.is_terminated()
 
     def try_jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
         """``([], text)`` where ``text`` is what every continuation starts with; the caller tokenises it."""
