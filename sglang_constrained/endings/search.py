@@ -264,22 +264,7 @@ class EndingSearch:
 
     def spell(self, text: bytes) -> list[int] | None:
         """``text`` in as few vocabulary pieces as possible (None if some byte has no piece)."""
-        unreachable = len(text) + 1
-        num_pieces = [0] + [unreachable] * len(text)  # fewest pieces spelling text[:end]
-        last_piece = [0] * (len(text) + 1)  # the length of the last of them
-        for end in range(1, len(text) + 1):
-            for length in range(1, min(end, MAX_PIECE_BYTES) + 1):
-                count = num_pieces[end - length] + 1
-                if count < num_pieces[end] and text[end - length : end] in self._pieces:
-                    num_pieces[end], last_piece[end] = count, length
-        if num_pieces[-1] == unreachable:
-            return None
-        tokens: list[int] = []
-        end = len(text)
-        while end:
-            tokens.append(self._pieces[text[end - last_piece[end] : end]])
-            end -= last_piece[end]
-        return tokens[::-1]
+        return self._suffix_spellings(text)(0)
 
     def _suffix_spellings(self, text: bytes) -> Callable[[int], list[int] | None]:
         """For each start, ``text[start:]`` in as few vocabulary pieces as possible (None if some byte has no
