@@ -53,6 +53,8 @@ MAX_REPEATS = 64
 """Most times the first-moves walk takes one move from states with one mask (a run of closing brackets repeats it)."""
 WIDE_STATE_MOVES = 32
 """Single-byte moves from which a state is content (a string's): its moves that keep its mask go nowhere."""
+MAX_SPELLED = 1024
+"""Texts whose spellings ``_suffix_spellings`` keeps (least recently spelled dropped)."""
 REJOIN_BYTES = 3
 """Most first moves ``rejoin`` takes before a known ending (a counted run: ``[A-Z][a-z]{1,12}`` needs two)."""
 MAX_FORCED_MOVES = 64
@@ -118,6 +120,7 @@ class EndingSearch:
         self._scratch_words = self._scratch[0].numpy()  # a view: the grammars write through the tensor
         self._vocabulary = vocabulary
         self._exact: ExactEndingSearch | None = None
+        self._spelled: dict[bytes, Callable[[int], list[int] | None]] = {}
 
     def find(
         self,
@@ -170,22 +173,30 @@ class EndingSearch:
     ) -> list[int] | None:
         """A suffix of ``ending`` (at most ``max_tokens`` long, the shortest first) that finishes ``grammar`` from its
         state, or None: an ending known before the last tokens often still ends the output after them (the same
-        closing brackets after more of a string). Where none does and the last token's text ``taken`` (or that text
-        without its leading whitespace) occurs in the ending's text (``"`` where the ending had ``"}``, or ``aa"}``
-        where it closed the string sooner), the rest of that text after it, spelled anew, is tried. With ``respell``,
-        the suffixes of the ending's text that start inside a token are tried last, spelled anew (``"age":0}`` after
-        the ``",`` the ending began with). The state does not change."""
+        closing brackets after more of a string). Where the last token's text ``taken`` begins the ending's text
+        (``"`` where the ending had ``"}``), the rest of that text, spelled anew, is tried first; where it (or that
+        text without its leading whitespace) occurs further on (``aa"}`` where the ending closed the string sooner),
+        the rest after it is tried after the suffixes. With ``respell``, the suffixes of the ending's text that start
+        inside a token are tried last, spelled anew (``"age":0}`` after the ``",`` the ending began with). The state
+        does not change."""
+        tail = [ending[-1]] if ending and ending[-1] in self._stops else []
+        text = b"".join(self._pieces_of[t] for t in ending[: len(ending) - len(tail)])
+
+        def after(piece: bytes, at: int) -> list[int] | None:
+            rest = self.spell(text[at + len(piece) :]) if at >= 0 else None
+            if rest is not None and len(rest) + len(tail) <= max_tokens and self.finishes(grammar, rest + tail):
+                return rest + tail
+            return None
+
+        if taken and text.startswith(taken) and (found := after(taken, 0)) is not None:
+            return found
         for start in range(max(len(ending) - max_tokens, 0), len(ending) + 1)[::-1]:
             suffix = list(ending[start:])
             if self.finishes(grammar, suffix):
                 return suffix
-        tail = [ending[-1]] if ending and ending[-1] in self._stops else []
-        text = b"".join(self._pieces_of[t] for t in ending[: len(ending) - len(tail)])
         for piece in dict.fromkeys(piece for piece in (taken, taken.lstrip()) if piece):
-            at = text.find(piece)
-            rest = self.spell(text[at + len(piece) :]) if at >= 0 else None
-            if rest is not None and len(rest) + len(tail) <= max_tokens and self.finishes(grammar, rest + tail):
-                return rest + tail
+            if (found := after(piece, text.find(piece, 1 if piece == taken else 0))) is not None:
+                return found
         if not respell:
             return None
         boundaries = set(itertools.accumulate(len(self._pieces_of[t]) for t in ending[: len(ending) - len(tail)]))
@@ -268,7 +279,17 @@ class EndingSearch:
 
     def _suffix_spellings(self, text: bytes) -> Callable[[int], list[int] | None]:
         """For each start, ``text[start:]`` in as few vocabulary pieces as possible (None if some byte has no
-        piece): one pass from the end, read back per start."""
+        piece): one pass from the end, read back per start; kept for the ``MAX_SPELLED`` texts last spelled (a
+        constraint's endings recur across its requests)."""
+        known = self._spelled.pop(text, None)
+        if known is None:
+            known = self._spell_suffixes(text)
+            if len(self._spelled) >= MAX_SPELLED:
+                del self._spelled[next(iter(self._spelled))]
+        self._spelled[text] = known
+        return known
+
+    def _spell_suffixes(self, text: bytes) -> Callable[[int], list[int] | None]:
         unreachable = len(text) + 1
         num_pieces = [unreachable] * len(text) + [0]  # fewest pieces spelling text[start:]
         first_piece = [0] * (len(text) + 1)  # the length of the first of them
