@@ -374,9 +374,8 @@ class BudgetSteering:
             if grammar.is_terminated():
                 return [], 0
             after = self.search.replay(grammar, ending, budget, self.search.piece(token))
-            if after is None and len(ending) < budget:  # a byte or two more and the ending: "]" after one more "["
-                after = self.search.rejoin(grammar, ending)
-                after = after if after is not None and len(after) <= budget else None
+            if after is None and len(ending) < budget:  # one byte more and the ending: "]" after one more "["
+                after = self.search.bridge(grammar, ending)
             if after is not None or num_searches >= MAX_SEARCHES:
                 return after, 0
             found = self.search.find(
