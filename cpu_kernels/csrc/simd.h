@@ -166,7 +166,31 @@ static inline void vstore_at(float* p, int64_t i, int64_t n, V16 a) {
     vstore_head(p + i, a, n - i);
 }
 
-// The fixed tree that adds 16 partial sums: ((0+8) + (4+12)) + ((2+10) + (6+14)) and so on, pairwise by halves.
+// The fixed trees over 16 lanes, pairwise by halves: lane l with lane l + width, width 8, 4, 2, 1, the lower lane the
+// first operand (tree_sum: ((0+8) + (4+12)) + ((2+10) + (6+14)) and so on). The SIMD builds pair the halves of their
+// registers, the scalar build the elements of an array: the same operations on the same operands.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+static inline __m256 halves_of(V16 a, bool high) {
+#if defined(__AVX512F__)
+  return high ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.r), 1)) : _mm512_castps512_ps256(a.r);
+#else
+  return high ? a.hi : a.lo;
+#endif
+}
+// `op` (an _mm_ operation of 4 lanes) over the tree: 16 lanes to 8 (two 4-lane halves each side), 4, 2 and 1.
+template <class Op>
+static inline float tree_reduce(V16 a, const Op& op) {
+  const __m256 lo = halves_of(a, false), hi = halves_of(a, true);
+  const __m128 w8_lo = op(_mm256_castps256_ps128(lo), _mm256_castps256_ps128(hi));
+  const __m128 w8_hi = op(_mm256_extractf128_ps(lo, 1), _mm256_extractf128_ps(hi, 1));
+  const __m128 w4 = op(w8_lo, w8_hi);
+  const __m128 w2 = op(w4, _mm_movehl_ps(w4, w4));
+  return _mm_cvtss_f32(op(w2, _mm_shuffle_ps(w2, w2, 1)));
+}
+static inline float tree_sum(V16 a) {
+  return tree_reduce(a, [](__m128 x, __m128 y) { return _mm_add_ps(x, y); });
+}
+#else
 static inline float tree_sum(V16 a) {
   alignas(64) float s[kLanes];
   vstore(s, a);
@@ -174,6 +198,7 @@ static inline float tree_sum(V16 a) {
     for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
   return s[0];
 }
+#endif
 
 // tree_sum of 16 vectors at once: lane i of the result is tree_sum(a[i]), the same pairings in the same order
 // (IEEE addition is commutative, so only the pairing matters). AVX-512: a network of shuffles, 30 shuffles and
@@ -201,6 +226,12 @@ static inline V16 tree_sum16(const V16* a) {
 #endif
 }
 
+// tree_sum's tree with a > b ? a : b (maxps: the second operand where they are equal or either is NaN).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+static inline float tree_max(V16 a) {
+  return tree_reduce(a, [](__m128 x, __m128 y) { return _mm_max_ps(x, y); });
+}
+#else
 static inline float tree_max(V16 a) {
   alignas(64) float s[kLanes];
   vstore(s, a);
@@ -208,6 +239,7 @@ static inline float tree_max(V16 a) {
     for (int l = 0; l < width; ++l) s[l] = s[l] > s[l + width] ? s[l] : s[l + width];
   return s[0];
 }
+#endif
 
 // exp(x) for x <= 0 (softmax) and any x (SiLU): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6
 // polynomial by Horner's rule with fma; below -87 it underflows to 0, above 88 it saturates (never met: callers
