@@ -201,8 +201,40 @@ struct QuantizedRows {
   int64_t K = 0, nblocks = 0;
 };
 
+// 16 consecutive blocks of a row as quantize_row quantises each: the 16 blocks' trees side by side (tree_max16,
+// tree_sum16: the same pairings) and their divisions as one vector's, each lane the same IEEE operation. A block's
+// scalar steps (its maximum and sum trees, two divisions) were most of its time, alone (AMD EPYC: 6 -> 2.4 ns a
+// block); an 8-row matmul quantises its rows on one thread while the others wait (M <= kRowsPerClaim).
+static void quantize_16_blocks(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* bias) {
+  V16 parts[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    const V16 x0 = vload(x + j * kBlock), x1 = vload(x + j * kBlock + kLanes);
+    parts[j] = vmax(vmax(x0, vsub(vzero(), x0)), vmax(x1, vsub(vzero(), x1)));
+  }
+  const V16 amax = tree_max16(parts);
+  alignas(64) float amaxes[kLanes], inverses[kLanes], sums[kLanes];
+  vstore(amaxes, amax);
+  vstore(inverses, vdiv(vset1(127.0f), amax));
+  for (int j = 0; j < kLanes; ++j) inverses[j] = amaxes[j] > 0.0f ? inverses[j] : 0.0f;
+  for (int j = 0; j < kLanes; ++j) {
+    const V16 inverse = vset1(inverses[j]);
+    const V16 q0 = vround(vmul(vload(x + j * kBlock), inverse)), q1 = vround(vmul(vload(x + j * kBlock + kLanes), inverse));
+    vstore_i8(q + j * kBlock, q0);
+    vstore_i8(q + j * kBlock + kLanes, q1);
+    parts[j] = vadd(q0, q1);
+  }
+  const V16 sum = tree_sum16(parts), d = vdiv(amax, vset1(127.0f));
+  vstore(scale, d);
+  vstore(scaled_sum, vmul(d, sum));
+  vstore(sums, sum);
+  for (int j = 0; j < kLanes; ++j) bias[j] = kSignedBias * static_cast<int32_t>(sums[j]);
+}
+
 static void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* scale, float* scaled_sum, int32_t* bias) {
-  for (int64_t b = 0; b < nblocks; ++b) {
+  int64_t b = 0;
+  for (; b + kLanes <= nblocks; b += kLanes)
+    quantize_16_blocks(x + b * kBlock, q + b * kBlock, scale + b, scaled_sum + b, bias + b);
+  for (; b < nblocks; ++b) {
     const V16 x0 = vload(x + b * kBlock), x1 = vload(x + b * kBlock + kLanes);
     const V16 magnitudes = vmax(vmax(x0, vsub(vzero(), x0)), vmax(x1, vsub(vzero(), x1)));
     const float amax = tree_max(magnitudes);  // max is exact in any order

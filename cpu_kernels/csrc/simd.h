@@ -200,31 +200,32 @@ static inline float tree_sum(V16 a) {
 }
 #endif
 
-// tree_sum of 16 vectors at once: lane i of the result is tree_sum(a[i]), the same pairings in the same order
-// (IEEE addition is commutative, so only the pairing matters). AVX-512: a network of shuffles, 30 shuffles and
-// 15 additions instead of 16 stores and 240 scalar additions.
-static inline V16 tree_sum16(const V16* a) {
+// tree_sum (op: addition) or tree_max (op: maximum) of 16 vectors at once: lane i of the result is that tree over
+// a[i], the same pairings with the same operand order. AVX-512: a network of shuffles, 30 shuffles and 15 operations
+// instead of 16 stores and 240 scalar ones.
 #if defined(__AVX512F__)
+template <class Op>
+static inline V16 tree_reduce16(const V16* a, const Op& op) {
   __m512 z[8], w[4], v[2];
-  for (int m = 0; m < 8; ++m)  // width 8: lanes 0-7 hold a[2m]'s sums, lanes 8-15 a[2m+1]'s
-    z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m].r, a[2 * m + 1].r, 0x44),
-                         _mm512_shuffle_f32x4(a[2 * m].r, a[2 * m + 1].r, 0xEE));
+  for (int m = 0; m < 8; ++m)  // width 8: lanes 0-7 hold a[2m]'s, lanes 8-15 a[2m+1]'s
+    z[m] = op(_mm512_shuffle_f32x4(a[2 * m].r, a[2 * m + 1].r, 0x44),
+              _mm512_shuffle_f32x4(a[2 * m].r, a[2 * m + 1].r, 0xEE));
   for (int n = 0; n < 4; ++n)  // width 4: 128-bit block k holds a[4n + k]'s
-    w[n] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * n], z[2 * n + 1], 0x88),
-                         _mm512_shuffle_f32x4(z[2 * n], z[2 * n + 1], 0xDD));
+    w[n] = op(_mm512_shuffle_f32x4(z[2 * n], z[2 * n + 1], 0x88), _mm512_shuffle_f32x4(z[2 * n], z[2 * n + 1], 0xDD));
   for (int n = 0; n < 2; ++n)  // width 2: block k holds a[8n + k] in lanes 0-1, a[8n + 4 + k] in lanes 2-3
-    v[n] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0x44),
-                         _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0xEE));
+    v[n] = op(_mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0x44), _mm512_shuffle_ps(w[2 * n], w[2 * n + 1], 0xEE));
   // width 1: block k holds a[k], a[4 + k], a[8 + k], a[12 + k]
-  __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  __m512 r = op(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return {_mm512_permutexvar_ps(order, r)};
-#else
-  alignas(64) float sums[kLanes];
-  for (int i = 0; i < kLanes; ++i) sums[i] = tree_sum(a[i]);
-  return vload(sums);
-#endif
 }
+static inline V16 tree_sum16(const V16* a) {
+  return tree_reduce16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+}
+static inline V16 tree_max16(const V16* a) {
+  return tree_reduce16(a, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+}
+#endif
 
 // tree_sum's tree with a > b ? a : b (maxps: the second operand where they are equal or either is NaN).
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -238,6 +239,19 @@ static inline float tree_max(V16 a) {
   for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) s[l] = s[l] > s[l + width] ? s[l] : s[l + width];
   return s[0];
+}
+#endif
+
+#if !defined(__AVX512F__)
+static inline V16 tree_sum16(const V16* a) {
+  alignas(64) float sums[kLanes];
+  for (int i = 0; i < kLanes; ++i) sums[i] = tree_sum(a[i]);
+  return vload(sums);
+}
+static inline V16 tree_max16(const V16* a) {
+  alignas(64) float peaks[kLanes];
+  for (int i = 0; i < kLanes; ++i) peaks[i] = tree_max(a[i]);
+  return vload(peaks);
 }
 #endif
 

@@ -100,6 +100,27 @@ def test_block_formats_quantise_activations_with_little_error(fmt: str) -> None:
     assert torch.allclose(ops.matmul(constant, weight).double(), constant.double() @ exact.T, atol=1e-4)
 
 
+def test_block_formats_quantise_every_block_as_defined_bit_for_bit() -> None:
+    """Each 32-block of x is quantised as ``activations_as_multiplied`` defines it, to the bit, wherever it lies in
+    the row (the kernels take 16 blocks at once, then the rest one by one): weights that pick one quantised value
+    (Q8_0, w = 1 at k = n) give d * q, and Q4_1 weights of zero quants and minimum 1 in one block give d * sum(q)."""
+    blocks = 20
+    width = blocks * packed_weights.BLOCK
+    x = torch.randn(6, width, generator=torch.Generator().manual_seed(10)) * torch.logspace(-3, 3, 6)[:, None]
+    x[1] = 0.0
+    x[2, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4)  # ties: round half to even
+    x[3, 40:64] = -7.25  # a block's largest value repeated, negative
+    amax = x.reshape(6, blocks, -1).abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    q = torch.round(x.reshape(6, blocks, -1) * inverse)
+    d = amax / 127
+    picks = packed_weights.pack_q8_0(torch.ones(width, blocks).half(), torch.eye(width, dtype=torch.int8))
+    assert torch.equal(ops.matmul(x, picks), (d * q).reshape(6, width))
+    mins = torch.eye(blocks).half()  # column b: minimum 1 in block b, 0 elsewhere
+    sums = packed_weights.pack_q4_1(torch.ones(blocks, blocks).half(), mins, torch.zeros(blocks, width).byte())
+    assert torch.equal(ops.matmul(x, sums), (d * q.sum(dim=-1, keepdim=True)).reshape(6, blocks))
+
+
 @pytest.mark.parametrize(("fmt", "offset"), [("q4_0", 8), ("q5_0", 16)])
 def test_offset_formats_compute_what_q8_0_computes(fmt: str, offset: int) -> None:
     """Q4_0 and Q5_0 blocks give the bits of Q8_0 blocks holding their integers ``q - offset``: one integer sum,
@@ -244,6 +265,9 @@ from tests.unit.invariant_cases import ATTENTION_SHAPES, FORMATS, attention_case
 library.load(Path(sys.argv[1]), sys.argv[2])
 x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5))
 outs = [ops.matmul(x, random_weight(fmt, 40, 256)[0]) for fmt in FORMATS]
+# rows of 20 blocks: the activations quantised 16 blocks at once, then one by one
+wide_x = torch.randn(7, 640, generator=torch.Generator().manual_seed(11))
+outs += [ops.matmul(wide_x, random_weight(fmt, 40, 640)[0]) for fmt in ("q8_0", "q4_1")]
 # the extremes of 8-bit products (-128 and 127 weights times +-127 quants): no build's pairwise sums saturate
 wide = torch.tensor([-128, 127, -128, -128, 127, 127, -128, 127], dtype=torch.int8).repeat(40, 32)
 extreme, signs = wide[:, :96], torch.tensor([1.0, -1.0, -1.0, 1.0]).repeat(7, 64)
