@@ -114,10 +114,13 @@ template <int MR, int NP, class Tile>
 static void for_each_tile(int64_t M, int64_t N, int64_t pbytes, int64_t row_block, int threads, const Tile& tile) {
   const int64_t num_panels = (N + kLanes - 1) / kLanes;
   const int64_t num_groups = (num_panels + NP - 1) / NP;
-  // One row: a thread's groups in one claim. A claim and its completion are two atomics on lines both threads write;
-  // a one-row matmul of ~15 groups is a few µs, and 15 claims made two threads slower than one on SmolLM2's q/k/v and
-  // o_proj (docs/benchmarks.md). More rows: a quarter of a thread's share per claim, for balance.
-  const int64_t grain = M == 1 ? (num_groups + threads - 1) / threads : num_groups / (4 * threads);
+  // Rows of one row block (the weights stream once: a decode step, a draft's verification, a small batch): a thread's
+  // groups in one claim, one sequential stream. A claim and its completion are two atomics on lines both threads
+  // write, and a claim's first group is read unprefetched; a one-row matmul of ~15 groups is a few µs, and 15 claims
+  // made two threads slower than one on SmolLM2's q/k/v and o_proj (docs/benchmarks.md); at 2 to 32 rows, quarter
+  // shares left the block formats 15-40% slower (docs/benchmarks.md). More rows: a quarter of a thread's share per
+  // claim, for balance.
+  const int64_t grain = M <= row_block ? (num_groups + threads - 1) / threads : num_groups / (4 * threads);
   parallel_for(num_groups, grain, threads, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
       const int cols = static_cast<int>(std::min<int64_t>(NP * kLanes, N - g * NP * kLanes));

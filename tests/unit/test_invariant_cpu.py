@@ -58,7 +58,8 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt: str, name: str) -> None:
 
 
 def test_matmul_rows_cross_the_row_block() -> None:
-    """Past 96 rows the kernel streams the weights again for the next block of rows: nothing changes for a row."""
+    """Past 64 rows (96 for dense weights) the kernel streams the weights again for the next block of rows, and its
+    threads claim smaller shares of the columns: nothing changes for a row."""
     weight, _ = random_weight("q4_1", 100, 64)
     x = torch.randn(100, 64, generator=torch.Generator().manual_seed(2))
     assert_rows_invariant(lambda rows: ops.matmul(rows, weight), x, 100)
