@@ -203,8 +203,8 @@ struct QuantizedRows {
 
 // 16 consecutive blocks of a row as quantize_row quantises each: the 16 blocks' trees side by side (tree_max16,
 // tree_sum16: the same pairings) and their divisions as one vector's, each lane the same IEEE operation. A block's
-// scalar steps (its maximum and sum trees, two divisions) were most of its time, alone (AMD EPYC: 6 -> 2.4 ns a
-// block); an 8-row matmul quantises its rows on one thread while the others wait (M <= kRowsPerClaim).
+// scalar steps (its maximum and sum trees, two divisions) were most of its time, alone (AMD EPYC: 6 -> 3.7 ns a
+// block); an 8-row matmul quantises its rows on one thread while the others wait.
 static void quantize_16_blocks(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* bias) {
   V16 parts[kLanes];
   for (int j = 0; j < kLanes; ++j) {
@@ -218,7 +218,8 @@ static void quantize_16_blocks(const float* x, int8_t* q, float* scale, float* s
   for (int j = 0; j < kLanes; ++j) inverses[j] = amaxes[j] > 0.0f ? inverses[j] : 0.0f;
   for (int j = 0; j < kLanes; ++j) {
     const V16 inverse = vset1(inverses[j]);
-    const V16 q0 = vround(vmul(vload(x + j * kBlock), inverse)), q1 = vround(vmul(vload(x + j * kBlock + kLanes), inverse));
+    const V16 q0 = vround(vmul(vload(x + j * kBlock), inverse));
+    const V16 q1 = vround(vmul(vload(x + j * kBlock + kLanes), inverse));
     vstore_i8(q + j * kBlock, q0);
     vstore_i8(q + j * kBlock + kLanes, q1);
     parts[j] = vadd(q0, q1);
@@ -249,6 +250,14 @@ static void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* scal
   }
 }
 
+// Threads split the row-blocks: a thread's share in one claim up to one row block of the tiles (for_each_tile's
+// rule), a quarter of it past that, and at least kBlocksPerClaim (~1 µs: handing work to another thread costs about
+// that; below it one thread quantises all). AMD EPYC, 2 threads, SmolLM2's matmuls at 32 rows: rows on one thread
+// -> blocks on two: 3% faster; at 8 and 16 rows no faster, so they stay on one. Each block is quantised alone: the
+// same bits however they are split.
+constexpr int64_t kBlocksPerClaim = 256;
+constexpr int64_t kInt8RowBlock = 64;  // rows per pass of the tiles over a column group: their quants stay in cache
+
 static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int threads, QuantizedRows* out) {
   const int64_t nblocks = K / kBlock;
   out->K = K;
@@ -257,11 +266,16 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
   out->scale.resize(M * nblocks);
   out->scaled_sum.resize(M * nblocks);
   out->bias.resize(M * nblocks);
-  parallel_for(M, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; ++m)
-      quantize_row(x + m * ldx, nblocks, out->q.data() + m * K, out->scale.data() + m * nblocks,
-                   out->scaled_sum.data() + m * nblocks, out->bias.data() + m * nblocks);
-  });
+  const int64_t units = M * nblocks, share = (units + threads - 1) / threads;
+  parallel_for(units, std::max(kBlocksPerClaim, M <= kInt8RowBlock ? share : share / 4), threads,
+               [&](int64_t first, int64_t last) {
+                 for (int64_t u = first; u < last;) {  // row-block u: row u / nblocks's block u % nblocks
+                   const int64_t m = u / nblocks, b = u % nblocks, n = std::min(last - u, nblocks - b);
+                   quantize_row(x + m * ldx + b * kBlock, n, out->q.data() + m * K + b * kBlock,
+                                out->scale.data() + u, out->scaled_sum.data() + u, out->bias.data() + u);
+                   u += n;
+                 }
+               });
 }
 
 // ---- the tiles ---------------------------------------------------------------------------------------------------
@@ -411,7 +425,6 @@ constexpr int kInt8MR = 2, kInt8NP = 1;
 #else
 constexpr int kInt8MR = 4, kInt8NP = 1;
 #endif
-constexpr int64_t kInt8RowBlock = 64;  // rows per pass over a column group: their quants stay in cache
 
 template <int32_t F, int MR, int NP>
 static void int8_groups(const QuantizedRows& x, int64_t M, const uint8_t* packed, int64_t N, float* y, int64_t ldy,
