@@ -119,6 +119,16 @@ void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t 
   decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
 }
 
+// invariant_decoder, then logits [num_logits, the lm_head's columns] of the output rows logit_rows: each row's RMSNorm
+// by final_norm times the lm_head (a decode step's last kernels in the same call).
+void invariant_decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num_layers,
+                              const BatchRef* batch, float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes,
+                              const int64_t* logit_rows, int64_t num_logits, const float* final_norm,
+                              const PackedRef* lm_head, float* logits, int32_t threads) {
+  decoder_logits(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, logit_rows, num_logits,
+                 final_norm, lm_head, logits, threads);
+}
+
 // Masks rows of logits [*, vocab] (float32, or a 16-bit float: element_bytes 4 or 2) in place by int32 words
 // [*, num_words]: the rows rows[0..num_rows) of both, or rows 0..num_rows when rows is null (mask_logits.h).
 void invariant_mask_logits(void* logits, int32_t element_bytes, uint32_t neg_inf_bits, int64_t vocab, int64_t ldl,
