@@ -69,6 +69,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_softcap.argtypes = [ptr, i64, i64, i64, f32, i32]
+    library.invariant_q8_0_rows.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i32]
+    library.invariant_q8_0_rows.restype = i32
     library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
     library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]

@@ -281,7 +281,11 @@ class LlamaModel:
         return self.tp.all_reduce(hidden.masked_fill_(~is_local[:, None], 0.0))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed.rows(ids) if isinstance(self.embed, BlockQuantized) else F.embedding(ids, self.embed)
+        if isinstance(self.embed, BlockQuantized):
+            if self.embed.format == "q8_0":  # llama.cpp's token embeddings: one kernel call, the same bits
+                return ops.q8_0_rows(self.embed.scales, self.embed.quants, ids)
+            return self.embed.rows(ids)
+        return F.embedding(ids, self.embed)
 
 
 @contextlib.contextmanager
