@@ -60,6 +60,18 @@ class DecoderBatch:
     num_keys: torch.Tensor
 
 
+class Head:
+    """The final RMSNorm's float32 weight and the lm_head, as ``Decoder.run_logits`` takes them (the lm_head's C++ view
+    made once)."""
+
+    def __init__(self, norm: torch.Tensor, lm_head: MatmulWeight) -> None:
+        if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (lm_head.in_features,):
+            raise ValueError(f"the final norm takes {lm_head.in_features} contiguous float32 weights")
+        self.norm = norm
+        self.lm_head = lm_head
+        self.ref = packed_ref(lm_head)
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -145,6 +157,31 @@ class Decoder:
             ctypes.byref(self.shape), self.refs, len(self.layers), ctypes.byref(self._batch(batch)), hidden.data_ptr(),
             k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel() * k_pool.element_size(), threads,
         )  # fmt: skip
+
+    def run_logits(
+        self,
+        hidden: torch.Tensor,
+        batch: DecoderBatch,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        logit_rows: torch.Tensor,
+        head: Head,
+        threads: int,
+    ) -> torch.Tensor:
+        """``run``, then the logits ``[len(logit_rows), head's vocabulary]`` of the output rows ``logit_rows`` (int64):
+        each row's RMSNorm by the head's norm times its lm_head, in the same call (a decode step's Python between
+        the kernels was a share of it)."""
+        self._check(hidden, batch)
+        self.shape.kv_dtype = kv_dtype_code(k_pool, v_pool)
+        if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous():
+            raise ValueError("the logits' rows are a contiguous int64 tensor")
+        logits = torch.empty(logit_rows.shape[0], head.lm_head.out_features, dtype=torch.float32)
+        loaded().invariant_decoder_logits(
+            ctypes.byref(self.shape), self.refs, len(self.layers), ctypes.byref(self._batch(batch)), hidden.data_ptr(),
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel() * k_pool.element_size(), logit_rows.data_ptr(),
+            logit_rows.shape[0], head.norm.data_ptr(), ctypes.byref(head.ref), logits.data_ptr(), threads,
+        )  # fmt: skip
+        return logits
 
     def attention_block(
         self,

@@ -69,14 +69,19 @@ def _declare(library: ctypes.CDLL) -> None:
     library.invariant_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_softcap.argtypes = [ptr, i64, i64, i64, f32, i32]
+    library.invariant_q8_0_rows.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i32]
+    library.invariant_q8_0_rows.restype = i32
     library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
     library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     shape, layer, batch = ctypes.POINTER(ModelShape), ctypes.POINTER(LayerRef), ctypes.POINTER(BatchRef)
-    library.invariant_packed_matmul.argtypes = [ctypes.POINTER(PackedRef), ptr, i64, i64, ptr, i64, i32]
+    packed = ctypes.POINTER(PackedRef)
+    library.invariant_packed_matmul.argtypes = [packed, ptr, i64, i64, ptr, i64, i32]
     library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
     library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
-    library.invariant_decoder.argtypes = [shape, layer, i32, batch, ptr, ptr, ptr, i64, i32]
+    decoder_args = [shape, layer, i32, batch, ptr, ptr, ptr, i64]
+    library.invariant_decoder.argtypes = [*decoder_args, i32]
+    library.invariant_decoder_logits.argtypes = [*decoder_args, ptr, i64, ptr, packed, ptr, i32]
     for name in (
         "invariant_packed_matmul",
         "invariant_attention",
@@ -87,6 +92,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "invariant_attention_block",
         "invariant_mlp_block",
         "invariant_decoder",
+        "invariant_decoder_logits",
         "invariant_mask_logits",
         "invariant_exponentials",
         "invariant_gumbel_race",

@@ -156,6 +156,27 @@ def _gated(activation: Activation, gate_up: torch.Tensor, threads: int | None) -
     return out
 
 
+def q8_0_rows(
+    scales: torch.Tensor, quants: torch.Tensor, ids: torch.Tensor, threads: int | None = None
+) -> torch.Tensor:
+    """Rows ``ids`` (int64) of a Q8_0 matrix (float16 ``scales`` ``[rows, K / 32]``, int8 ``quants`` ``[rows, K]``) as
+    float32 ``[len(ids), K]``: an embedding lookup, with the bits of ``scales.float()`` repeated times
+    ``quants.float()``. Raises IndexError for an id that is not a row."""
+    rows, width = quants.shape
+    if scales.dtype != torch.float16 or quants.dtype != torch.int8 or width % 32 or scales.shape != (rows, width // 32):
+        raise ValueError("Q8_0 rows take float16 scales [rows, K / 32] and int8 quants [rows, K], K a multiple of 32")
+    if not (scales.is_contiguous() and quants.is_contiguous() and ids.is_contiguous()) or ids.dtype != torch.int64:
+        raise ValueError("Q8_0 rows take contiguous scales, quants and int64 ids")
+    out = torch.empty(ids.shape[0], width, dtype=torch.float32)
+    found = loaded().invariant_q8_0_rows(
+        scales.data_ptr(), quants.data_ptr(), rows, width, ids.data_ptr(), ids.shape[0], out.data_ptr(),
+        threads or kernel_threads(),
+    )  # fmt: skip
+    if not found:
+        raise IndexError(f"an id is not one of the {rows} rows")
+    return out
+
+
 def softcap(x: torch.Tensor, cap: float, threads: int | None = None) -> torch.Tensor:
     """``cap * tanh(x / cap)`` of float32 ``[T, N]`` (unit column stride), in place; returns ``x``. Gemma's
     soft-capping of the logits."""

@@ -10,6 +10,7 @@
 //   kv_element.h      the KV pool's float32, bfloat16 or float16 elements
 //   norm_activation.h RMSNorm, SiLU, GELU-tanh, softcap  decoder_layer.h  a layer's two blocks, every layer
 //   mask_logits.h     the grammar's mask                 sampling_noise.h the sampler's draws and race
+//   block_rows.h      rows of Q8_0 blocks as float32 (an embedding lookup)
 //
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
 // depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
@@ -34,6 +35,7 @@
 #include <stdint.h>
 
 #include "attention.h"
+#include "block_rows.h"
 #include "decoder_layer.h"
 #include "int8_blocks.h"
 #include "mask_logits.h"
@@ -117,6 +119,23 @@ void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t
 void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                        float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads) {
   decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
+}
+
+// invariant_decoder, then logits [num_logits, the lm_head's columns] of the output rows logit_rows: each row's RMSNorm
+// by final_norm times the lm_head (a decode step's last kernels in the same call).
+void invariant_decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num_layers,
+                              const BatchRef* batch, float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes,
+                              const int64_t* logit_rows, int64_t num_logits, const float* final_norm,
+                              const PackedRef* lm_head, float* logits, int32_t threads) {
+  decoder_logits(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, logit_rows, num_logits,
+                 final_norm, lm_head, logits, threads);
+}
+
+// out[n, K] = rows ids[n] of a Q8_0 matrix (float16 scales [rows, K / 32], int8 quants [rows, K]) as float32
+// (block_rows.h); 0 (out untouched) if an id is not one of its rows.
+int32_t invariant_q8_0_rows(const uint16_t* scales, const int8_t* quants, int64_t rows, int64_t K, const int64_t* ids,
+                            int64_t n, float* out, int32_t threads) {
+  return q8_0_rows(scales, quants, rows, K, ids, n, out, threads);
 }
 
 // Masks rows of logits [*, vocab] (float32, or a 16-bit float: element_bytes 4 or 2) in place by int32 words

@@ -107,19 +107,40 @@ static void run_rows(int rows, int panels_here, int32_t format, const float* x, 
   tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
 }
 
+// One row's tiles: each thread one span of consecutive panels, the spans even to a panel, in one claim (a claim and
+// its completion are two atomics on lines both threads write; a one-row matmul is a few µs, and ~15 claims made two
+// threads slower than one on SmolLM2's q/k/v and o_proj: docs/benchmarks.md). A span's tiles hold up to NP panels
+// and never cross a multiple of NP, where the block formats' groups of panels start (int8_blocks.h).
+template <int NP, class Tile>
+static void for_each_row_span(int64_t N, int threads, const Tile& tile) {
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t spans = std::min<int64_t>(std::max(threads, 1), num_panels);
+  parallel_for(spans, 1, threads, [&](int64_t first, int64_t last) {
+    for (int64_t span = first; span < last; ++span) {
+      const int64_t end = num_panels * (span + 1) / spans;
+      for (int64_t panel = num_panels * span / spans, stop; panel < end; panel = stop) {
+        stop = std::min(end, (panel / NP + 1) * NP);
+        const int64_t column = panel * kLanes;
+        tile(1, static_cast<int>(stop - panel), 0, panel, column,
+             static_cast<int>(std::min<int64_t>((stop - panel) * kLanes, N - column)));
+      }
+    }
+  });
+}
+
 // The tiles of one matmul over N columns of packed panels (pbytes each): threads take column groups of NP panels;
 // each group runs its rows in blocks of `row_block` (they stay in cache while the group streams), in tiles of MR.
 // tile(rows, panels_here, m, panel, column, cols) computes rows m.. of panels `panel`.. (columns `column`..).
+// One row: for_each_row_span.
 template <int MR, int NP, class Tile>
 static void for_each_tile(int64_t M, int64_t N, int64_t pbytes, int64_t row_block, int threads, const Tile& tile) {
+  if (M == 1) return for_each_row_span<NP>(N, threads, tile);
   const int64_t num_panels = (N + kLanes - 1) / kLanes;
   const int64_t num_groups = (num_panels + NP - 1) / NP;
-  // Rows of one row block (the weights stream once: a decode step, a draft's verification, a small batch): a thread's
-  // groups in one claim, one sequential stream. A claim and its completion are two atomics on lines both threads
-  // write, and a claim's first group is read unprefetched; a one-row matmul of ~15 groups is a few µs, and 15 claims
-  // made two threads slower than one on SmolLM2's q/k/v and o_proj (docs/benchmarks.md); at 2 to 32 rows, quarter
-  // shares left the block formats 15-40% slower (docs/benchmarks.md). More rows: a quarter of a thread's share per
-  // claim, for balance.
+  // Rows of one row block (the weights stream once: a draft's verification, a small batch): a thread's groups in one
+  // claim, one sequential stream. A claim and its completion are two atomics on lines both threads write, and a
+  // claim's first group is read unprefetched: at 2 to 32 rows, quarter shares left the block formats 15-40% slower
+  // (docs/benchmarks.md). More rows: a quarter of a thread's share per claim, for balance.
   const int64_t grain = M <= row_block ? (num_groups + threads - 1) / threads : num_groups / (4 * threads);
   parallel_for(num_groups, grain, threads, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {

@@ -444,13 +444,12 @@ template <int V>
 using Int = std::integral_constant<int, V>;
 
 // The block formats' tile shape for M rows and N columns: groups(Int<MR>(), Int<NP>()). One row (a decode step)
-// takes wider column groups where the registers hold them: a tile's sums are its only independent dot-product
-// chains.
+// takes a whole group of panels a tile where the registers hold them: a tile's sums are its only independent
+// dot-product chains, and the threads' spans of panels balance whatever the tile's width (for_each_row_span).
 template <class Groups>
 static void with_block_tile(int64_t M, int64_t N, int threads, const Groups& groups) {
   if constexpr (kInt8NP > 1) {
-    const bool many_groups = (N + kLanes - 1) / kLanes >= 8 * 4 * threads;  // enough wide groups for every thread
-    if (M == 1) return many_groups ? groups(Int<1>(), Int<8>()) : groups(Int<1>(), Int<4>());
+    if (M == 1) return groups(Int<1>(), Int<static_cast<int>(kGroupPanels)>());
     if (M == 2) return groups(Int<2>(), Int<4>());
   }
   groups(Int<kInt8MR>(), Int<kInt8NP>());

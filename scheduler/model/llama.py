@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cpu_kernels import library, ops, packed_weights
-from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Rope
+from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Head, Rope
 from cpu_kernels.packed_weights import MatmulWeight, PackedWeight, WeightStack
 from scheduler.model import architecture
 from scheduler.model.gguf_blocks import AS_Q8_0, BlockQuantized, as_q8_0, stack_blocks
@@ -76,22 +76,25 @@ class ForwardBatch:
         row_starts = [0]
         for seq_rows in rows:
             row_starts.append(row_starts[-1] + len(seq_rows))
-        positions = [start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))]
+        token_positions = [
+            start + j for start, tokens in zip(starts, token_lists, strict=True) for j in range(len(tokens))
+        ]
         counts = num_logits if num_logits is not None else [1] * len(token_lists)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-        return cls(
-            input_ids=as_tensor([token for tokens in token_lists for token in tokens]),
-            positions=as_tensor(positions),
-            new_rows=as_tensor([row for seq_rows, start in zip(rows, starts, strict=True) for row in seq_rows[start:]]),
-            logit_indices=as_tensor(
-                [i for end, count in zip(offsets[1:], counts, strict=True) for i in range(end - count, end)]
-            ),
-            key_rows=as_tensor([row for seq_rows in rows for row in seq_rows]),
-            key_starts=as_tensor([row_starts[i] for i, tokens in enumerate(token_lists) for _ in tokens]),
-            num_keys=as_tensor(positions) + 1,
-            offsets=offsets,
-            starts=list(starts),
+        columns = (
+            [token for tokens in token_lists for token in tokens],
+            token_positions,
+            [row for seq_rows, start in zip(rows, starts, strict=True) for row in seq_rows[start:]],
+            [i for end, count in zip(offsets[1:], counts, strict=True) for i in range(end - count, end)],
+            [row for seq_rows in rows for row in seq_rows],
+            [row_starts[i] for i, tokens in enumerate(token_lists) for _ in tokens],
+            [position + 1 for position in token_positions],
         )
+        # one tensor, its columns views of it: a decode step builds its batch in a fraction of seven tensors' time
+        flat = torch.tensor(list(itertools.chain.from_iterable(columns)), dtype=torch.long)
+        input_ids, positions, new_rows, logit_indices, key_rows, key_starts, num_keys = flat.split(
+            [len(column) for column in columns]
+        )
+        return cls(input_ids, positions, new_rows, logit_indices, key_rows, key_starts, num_keys, offsets, list(starts))
 
 
 class LlamaModel:
@@ -194,6 +197,7 @@ class LlamaModel:
             scale=arch.attention_scale,
             activation=arch.activation,
         )
+        self.head = Head(self.norm, self.lm_head)
         self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale, dtype=torch.float32)
 
     @property
@@ -252,7 +256,7 @@ class LlamaModel:
         hidden = hidden.contiguous()
         tokens = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
         if self.tp.size == 1:
-            self.decoder.run(hidden, tokens, pool.k, pool.v, threads)
+            logits = self.decoder.run_logits(hidden, tokens, pool.k, pool.v, batch.logit_indices, self.head, threads)
         else:  # the ranks sum each block's output before the residual add
             for i in range(self.num_layers):
                 attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads)
@@ -260,8 +264,8 @@ class LlamaModel:
                 self.decoder.add_block(
                     i, hidden, self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads)), False, threads
                 )
-        selected = ops.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
-        logits = self.tp.gather_columns(ops.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
+            selected = ops.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
+            logits = self.tp.gather_columns(ops.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
         if self.architecture.final_softcap is not None:
             ops.softcap(logits, self.architecture.final_softcap, threads)
         return logits
@@ -277,7 +281,11 @@ class LlamaModel:
         return self.tp.all_reduce(hidden.masked_fill_(~is_local[:, None], 0.0))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed.rows(ids) if isinstance(self.embed, BlockQuantized) else F.embedding(ids, self.embed)
+        if isinstance(self.embed, BlockQuantized):
+            if self.embed.format == "q8_0":  # llama.cpp's token embeddings: one kernel call, the same bits
+                return ops.q8_0_rows(self.embed.scales, self.embed.quants, ids)
+            return self.embed.rows(ids)
+        return F.embedding(ids, self.embed)
 
 
 @contextlib.contextmanager

@@ -109,6 +109,18 @@ def test_every_bit_pattern_unpacks_to_ggufs_weights(fmt: str) -> None:
     assert torch.equal(again.dequantize(), weights)
 
 
+def test_q8_0_rows_are_ggufs_weights() -> None:
+    """The embedding lookup from Q8_0 blocks (llama.cpp's token embeddings; one kernel call a decode step) gives
+    gguf's de-quantised rows bit for bit, and refuses an id past the last row."""
+    raw = random_bytes("q8_0", 37, 512, seed=8)
+    blocks = read_blocks(raw, gguf_type("q8_0"))
+    assert blocks is not None
+    rows = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(ops.q8_0_rows(blocks.scales, blocks.quants, rows), reference(raw, "q8_0")[rows])
+    with pytest.raises(IndexError):
+        ops.q8_0_rows(blocks.scales, blocks.quants, torch.tensor([37]))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantizer_blocks_multiply_as_their_weights(fmt: str) -> None:
     """The quantizers' blocks, de-quantised as gguf does, and the kernels' product with them: the product of those
