@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.invariant_packed_matmul.argtypes = [packed, ptr, i64, i64, ptr, i64, i32]
     library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i32]
     library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
-    decoder_args = [shape, layer, i32, batch, ptr, ptr, ptr, i64]
+    decoder_args: list[Any] = [shape, layer, i32, batch, ptr, ptr, ptr, i64]
     library.invariant_decoder.argtypes = [*decoder_args, i32]
     library.invariant_decoder_logits.argtypes = [*decoder_args, ptr, i64, ptr, packed, ptr, i32]
     for name in (
