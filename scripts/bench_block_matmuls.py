@@ -2,7 +2,7 @@
 Q4_1 and Q8_0 weights of SmolLM2's four decoder shapes, at M = 1 to 512 rows, from memory (30 layers' weights,
 more than the L3 holds, as a forward streams them) and from cache (one layer's).
 
-    python scripts/bench_block_matmuls.py --compare <other checkout> [--rounds 2] [--threads N]
+    python -m scripts.bench_block_matmuls --compare <other checkout> [--rounds 2] [--threads N]
 
 A small matmul is tens of µs, so a figure is the best of many short trials (a busy machine's other processes take
 whole time slices; the best trials are the ones they left alone). Each round runs one process per checkout,
@@ -14,14 +14,11 @@ sides run this file's measurement through the checkout's own ``ops.matmul``, so 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from cpu_kernels.cpu_info import describe_cpu
+from scripts.checkout_ab import figures_in, side_by_side
 
 MEASURE = """
 import dataclasses, json, sys, time, torch
@@ -57,19 +54,6 @@ print(json.dumps(out))
 """
 
 
-def measure(checkout: Path, threads: int) -> dict[str, float]:
-    """One process's rates (GOP/s) from ``checkout``."""
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(threads)],
-        cwd=checkout,
-        env={**os.environ, "PYTHONPATH": str(checkout)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", type=Path, required=True, help="another checkout of this repository")
@@ -77,15 +61,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: the machine's)")
     args = parser.parse_args()
     here = Path(__file__).resolve().parents[1]
-    figures: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
-    for round_index in range(args.rounds):
-        order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
-        for side in order:
-            figures[side].append(measure(here if side == "this" else args.compare, args.threads))
+    medians = side_by_side(
+        here, args.compare, args.rounds, lambda checkout: figures_in(checkout, MEASURE, str(args.threads))
+    )
     threads = args.threads or os.cpu_count()
     print(f"CPU {describe_cpu()}; {threads} threads; this checkout against {args.compare}, {args.rounds} rounds, GOP/s")
-    for name in figures["this"][0]:
-        ours, theirs = (statistics.median(run[name] for run in figures[side]) for side in ("this", "other"))
+    for name, (ours, theirs) in medians.items():
         print(f"{name:>24}  this {ours:7.1f}  other {theirs:7.1f}  this/other {ours / theirs:.2f}")
 
 

@@ -2,7 +2,7 @@
 steps at B = 1, 8, 32 and a k = 8 extend; the block-format matmuls' rates on the model's shapes; and one layer's
 attention over a 1,550-token sequence (its prefill's rate, extends of 8 and 16 tokens at its end).
 
-    python scripts/bench_forward.py --compare <other checkout> [--rounds 2] [--prompt 1550]
+    python -m scripts.bench_forward --compare <other checkout> [--rounds 2] [--prompt 1550]
 
 Each round runs one process per checkout, alternating which goes first, so that both share the machine's
 conditions; per measurement it prints each checkout's median over rounds and this one's over the other's. Each
@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
-import os
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from cpu_kernels.cpu_info import describe_cpu
+from scripts.checkout_ab import figures_in, side_by_side
 
 MEASURE = """
 import json, statistics, sys, time, torch
@@ -108,19 +104,6 @@ def measure_code(checkout: Path) -> str:
     raise ValueError(f"{checkout} has no scripts/bench_forward.py MEASURE")
 
 
-def measure(checkout: Path, prompt_length: int) -> dict[str, float]:
-    """One process's figures from ``checkout``."""
-    result = subprocess.run(
-        [sys.executable, "-c", measure_code(checkout), str(prompt_length)],
-        cwd=checkout,
-        env={**os.environ, "PYTHONPATH": str(checkout)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", type=Path, required=True, help="another checkout of this repository")
@@ -128,14 +111,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1550, help="new tokens of the prefill")
     args = parser.parse_args()
     here = Path(__file__).resolve().parents[1]
-    figures: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
-    for round_index in range(args.rounds):
-        order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
-        for side in order:
-            figures[side].append(measure(here if side == "this" else args.compare, args.prompt))
+    medians = side_by_side(
+        here, args.compare, args.rounds, lambda checkout: figures_in(checkout, measure_code(checkout), str(args.prompt))
+    )
     print(f"CPU {describe_cpu()}; this checkout against {args.compare}, {args.rounds} rounds")
-    for name in figures["this"][0]:
-        ours, theirs = (statistics.median(run[name] for run in figures[side]) for side in ("this", "other"))
+    for name, (ours, theirs) in medians.items():
         unit = "" if "GOP/s" in name else " ms"
         scale = 1 if "GOP/s" in name else 1e3
         sides = f"this {ours * scale:8.1f}{unit}  other {theirs * scale:8.1f}{unit}"

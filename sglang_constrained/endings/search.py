@@ -230,7 +230,7 @@ class EndingSearch:
                 found = self.bridge(grammar, ending)
                 if found is not None:
                     return path + found
-                moves = [t for t in self._moves() if t in self._ascii_tokens]
+                moves = [t for t in self._moves() if t in self._ascii_tokens]  # bridge filled this state's mask
                 if len(path) == REJOIN_BYTES or not moves or len(moves) >= WIDE_STATE_MOVES:
                     return None
                 grammar.accept_token(moves[0])
