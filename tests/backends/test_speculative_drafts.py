@@ -131,23 +131,24 @@ def test_a_batch_of_lookup_max_batch_requests_takes_only_the_grammar_s_drafts(
     assert sources(4) <= {"grammar", "follower"}
 
 
-def test_the_ngram_cache_drafts_what_an_earlier_output_held_cut_by_the_grammar(
+def test_the_ngram_cache_drafts_what_earlier_outputs_agreed_on_cut_by_the_grammar(
     build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
 ) -> None:
     backend = build_backend("xgrammar", smollm2_tokenizer)
     cache = NgramCache(capacity=1000, max_ngram=4, max_continuation=8)
     proposer = DraftProposer("ngram", 8, smollm2_tokenizer.tokenizer, smollm2_tokenizer.vocab_size, ngram_cache=cache)
     prompt = smollm2_tokenizer.encode("Count the fruit in the basket for me, please.")
-    earlier = Req(rid="a", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams())
-    earlier.output_ids = smollm2_tokenizer.encode("12 apples and 3 pears")
-    proposer.record(earlier, NO_DRAFTS, 0)
-    proposer.forget(earlier)  # finished: the cache takes all of its output
+    for rid, answer in (("a", "12 apples and 3 pears"), ("b", "12 apples and 3 pears, I think")):
+        earlier = Req(rid=rid, client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams())
+        earlier.output_ids = smollm2_tokenizer.encode(answer)
+        proposer.record(earlier, NO_DRAFTS, 0)
+        proposer.forget(earlier)  # finished: the cache takes all of its output
     assert len(cache) > 0
     grammar = compile_grammar(backend, make_grammar_key("regex", r"[0-9]+ apples"))
     output = smollm2_tokenizer.encode("12")
     for token in output:
         grammar.accept_token(token)
-    req = Req(rid="b", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+    req = Req(rid="c", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
     req.output_ids = list(output)
     assert prompt_lookup(prompt + output, 8) == (0, [])  # nothing in this request to look up
     drafts = proposer.propose([req], [output[-1:]], [8])[0]
