@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "buffer.h"
 #include "kv_element.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -44,11 +45,12 @@ constexpr int kScoreBlocks = 1;
 constexpr int kScoreSpan = 1;
 constexpr int kValueAccumulators = 6;
 #endif
-constexpr int kTileQueryRows = 12;  // query rows (tokens x heads of a KV head) per work item of a run, at least
+constexpr int kTileQueryRows = 24;  // query rows (tokens x heads of a KV head) per work item of a run, at least
 constexpr int kMaxTileRows = kTileQueryRows + 7;  // whole tokens of up to 8 heads
 // Shorter runs take the head_dim-in-lanes path token by token: transposing the keys costs more than the tiles save
 // (measured break-even between 8 and 16 tokens, docs/benchmarks.md).
 constexpr int64_t kMinRunTokens = 12;
+constexpr int64_t kKeptKeyFloats = int64_t{4} << 20;  // 16 MB of transposed keys at most kept between calls
 
 // exp(s_j - max s) in place over s[0..L); returns 1 / Z.
 static inline float softmax_numerators(float* s, int64_t L) {
@@ -425,8 +427,14 @@ static void attention_over(const float* q, int64_t T, int64_t H, int64_t D, cons
   std::vector<Run> tiled;
   for (const Run& run : runs)
     if (run.kt_offset >= 0) tiled.push_back(run);
-  std::vector<float> kt(kt_floats);
-  transpose_keys<KV>(tiled, k_pool, Hkv, D, rows, row_start, kt.data(), threads);
+  // The transposed keys (written in full): the caller's buffer, kept between calls up to kKeptKeyFloats, so that a
+  // layer's ~1 MB is not mapped and faulted in afresh at every call (the workers below have buffers of their own).
+  thread_local Buffer<float> kept;
+  Buffer<float> larger;
+  Buffer<float>& buffer = kt_floats <= kKeptKeyFloats ? kept : larger;
+  if (buffer.size() < static_cast<size_t>(kt_floats)) buffer.resize(kt_floats);
+  float* const kt = buffer.data();
+  transpose_keys<KV>(tiled, k_pool, Hkv, D, rows, row_start, kt, threads);
   // Work items, longest first (a run's later tokens see more keys): (run, first token, tokens, KV head).
   const int64_t tile_tokens = (kTileQueryRows + group - 1) / group;
   struct Item {
@@ -461,7 +469,7 @@ static void attention_over(const float* q, int64_t T, int64_t H, int64_t D, cons
         for (int64_t h = g * group; h < (g + 1) * group; ++h, ++n)
           queries[n] = q + (t * H + h) * D, outs[n] = out + (t * H + h) * D, L[n] = num_keys[t];
       const int64_t num_blocks = (item.run->keys + kLanes - 1) / kLanes;
-      attend_run(n, queries, kt.data() + item.run->kt_offset + g * num_blocks * D * kLanes, v_pool + g * D, Hkv * D,
+      attend_run(n, queries, kt + item.run->kt_offset + g * num_blocks * D * kLanes, v_pool + g * D, Hkv * D,
                  rows + row_start[item.first], L, scale, scores.data(), outs);
     }
   });
