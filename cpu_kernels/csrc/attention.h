@@ -144,16 +144,17 @@ static AttendFn<KV> attend_for_group(int64_t group) {
 
 // ---- a run of tokens: keys in lanes ----------------------------------------------------------------------------
 
-// Zero, as the compiler sees it only once `prior` is computed: it keeps the score tree's leaves in the order
-// written (depth first), which needs 5 live vectors per output; without it, it computes all 16 leaves ahead of their
-// additions and spills them. No instruction: the processor still overlaps the leaves.
-static inline V16 vzero_after(const V16& prior, V16 zero = vzero()) {
+// `value`, as the compiler sees it only once `prior` is computed (no instruction: the processor still overlaps
+// them). The score tree's leaves start from a zero ordered after the node before them, so that the compiler keeps
+// them in the order written (depth first, a few live vectors per output); left free, it computes all 16 leaves ahead
+// of their additions and spills them.
+static inline V16 ordered_after(const V16& prior, V16 value) {
 #if defined(__AVX512F__)
-  asm("" : "+v"(zero.r) : "v"(prior.r));
+  asm("" : "+v"(value.r) : "v"(prior.r));
 #else
   (void)prior;
 #endif
-  return zero;
+  return value;
 }
 
 // `a`, loaded into a register once: the compiler would otherwise fold the load into each of its R fmas.
@@ -167,14 +168,15 @@ static inline V16 in_register(V16 a) {
 // A key block b holds 16 keys transposed, kt[d][lane] = k_{16b + lane}[d] (zero past the run's last key).
 // The node of tree_sum's tree that starts at partial l and pairs l with l + WIDTH, for R query rows (packed, D = 16
 // CHUNKS floats apart) and B consecutive key blocks: T(l, 16) = P_l, T(l, w) = T(l, 2w) + T(l + w, 2w); the whole
-// sum is T(0, 1). Evaluated depth first, a node holds 5 live vectors at most: R x B x 5 accumulators in registers,
-// and each step over d loads R broadcasts and B key vectors for R x B fmas.
+// sum is T(0, 1). Evaluated depth first, a node of width w holds log2(16 / w) + 1 live vectors per output, and each
+// step over d loads R broadcasts and B key vectors for R x B fmas. `fence`: the last node computed (ordered_after).
 template <int R, int B, int CHUNKS, int WIDTH>
-[[gnu::always_inline]] static inline void score_tree(const float* q, const float* kt, int l, V16 (&out)[R][B], V16& fence) {
+[[gnu::always_inline]] static inline void score_tree(const float* q, const float* kt, int l, V16 (&out)[R][B],
+                                                     V16& fence) {
   constexpr int64_t kBlockFloats = CHUNKS * kLanes * kLanes;
   if constexpr (WIDTH == kLanes) {
     for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) out[r][b] = vzero_after(fence);
+      for (int b = 0; b < B; ++b) out[r][b] = ordered_after(fence, vzero());
     for (int c = 0; c < CHUNKS; ++c) {
       V16 k[B];
       for (int b = 0; b < B; ++b) k[b] = in_register(vload(kt + b * kBlockFloats + (l + c * kLanes) * kLanes));
@@ -190,7 +192,7 @@ template <int R, int B, int CHUNKS, int WIDTH>
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) out[r][b] = vadd(out[r][b], other[r][b]);
     for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) fence = vzero_after(out[r][b], fence);
+      for (int b = 0; b < B; ++b) fence = ordered_after(out[r][b], fence);
   }
 }
 
@@ -224,7 +226,7 @@ template <int R, int B, int CHUNKS>
       ++depth;
     }
     for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) fence = vzero_after(s[r][b], fence);
+      for (int b = 0; b < B; ++b) fence = ordered_after(s[r][b], fence);
   }
 }
 
