@@ -48,8 +48,8 @@ constexpr int kValueAccumulators = 6;
 constexpr int kTileQueryRows = 24;  // query rows (tokens x heads of a KV head) per work item of a run, at least
 constexpr int kMaxTileRows = kTileQueryRows + 7;  // whole tokens of up to 8 heads
 // Shorter runs take the head_dim-in-lanes path token by token: transposing the keys costs more than the tiles save
-// (measured break-even between 4 and 8 tokens on two threads, docs/benchmarks.md).
-constexpr int64_t kMinRunTokens = 8;
+// (measured break-even between 8 and 16 tokens, docs/benchmarks.md).
+constexpr int64_t kMinRunTokens = 12;
 constexpr int64_t kKeptKeyFloats = int64_t{4} << 20;  // 16 MB of transposed keys at most kept between calls
 
 // exp(s_j - max s) in place over s[0..L); returns 1 / Z.

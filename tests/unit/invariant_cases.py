@@ -89,7 +89,7 @@ def attention_case(
     """A pool of 300 rows and 64 query tokens of four sequences: token t attends to the first ``num_keys[t]`` rows of
     its sequence. Interleaved, every token is alone in its sequence (decode steps); with ``runs``, the tokens come
     as a 37-token prefill, one decode step, an 8-token extend at position 100 and an 18-token extend at 12, each run
-    of consecutive positions (runs of 8 tokens or more are the layout whose keys the kernel transposes and tiles).
+    of consecutive positions (runs of 12 tokens or more are the layout whose keys the kernel transposes and tiles).
     ``kv_dtype``: the pool's elements (K and V rounded to them as a 16-bit pool stores them)."""
     heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
     generator = torch.Generator().manual_seed(seed)
