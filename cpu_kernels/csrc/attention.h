@@ -37,12 +37,12 @@ namespace {
 // (3 live vectors each: 24 accumulators) and the tree above them through memory (score_block).
 constexpr int kScoreRows = 4;
 constexpr int kScoreBlocks = 2;
-constexpr int kScoreSpan = 4;
+constexpr int kScoreNodeWidth = 4;
 constexpr int kValueAccumulators = 24;
 #else
 constexpr int kScoreRows = 1;
 constexpr int kScoreBlocks = 1;
-constexpr int kScoreSpan = 1;
+constexpr int kScoreNodeWidth = 1;
 constexpr int kValueAccumulators = 6;
 #endif
 constexpr int kTileQueryRows = 24;  // query rows (tokens x heads of a KV head) per work item of a run, at least
@@ -197,13 +197,14 @@ template <int R, int B, int CHUNKS, int WIDTH>
 }
 
 // scores[r * stride + 16b ..] = (q_r . k_j) * scale for R rows and the 16 keys of each of B blocks. The tree's
-// nodes of width kScoreSpan are evaluated in registers, one after another (depth first); the tree above them is
+// nodes of width kScoreNodeWidth are evaluated in registers, one after another (depth first); the tree above them is
 // added up through a stack in L1 (the lower node first, as tree_sum pairs them), so that only 2, 3, 4 or 5 vectors
 // per output are live and R x B can grow.
 template <int R, int B, int CHUNKS>
 [[gnu::always_inline]] static inline void score_block(const float* q, const float* kt, float scale, float* scores,
                                                       int64_t stride) {
-  constexpr int kNodes = kScoreSpan, kLevels = kNodes == 8 ? 3 : kNodes == 4 ? 2 : kNodes == 2 ? 1 : 0;
+  // the tree has w nodes of width w, kLevels = log2(w) levels above them
+  constexpr int kNodes = kScoreNodeWidth, kLevels = kNodes == 8 ? 3 : kNodes == 4 ? 2 : kNodes == 2 ? 1 : 0;
   V16 stack[kLevels > 0 ? kLevels : 1][R][B];
   V16 fence = vzero();
   int depth = 0;
