@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "buffer.h"
 #include "kv_element.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -32,17 +33,24 @@ namespace {
 
 // Accumulator budgets (vectors) of the two tiled loops: the register file is 32 zmm, or 16 ymm holding 8 vectors.
 #if defined(__AVX512F__)
-constexpr int kScoreRows = 4;  // a key block's scores are built for 4 query rows at once (5 live vectors each)
+// A tile's scores are built for 4 query rows x 2 key blocks at once, the score tree's nodes of width 4 in registers
+// (3 live vectors each: 24 accumulators) and the tree above them through memory (score_block).
+constexpr int kScoreRows = 4;
+constexpr int kScoreBlocks = 2;
+constexpr int kScoreNodeWidth = 4;
 constexpr int kValueAccumulators = 24;
 #else
 constexpr int kScoreRows = 1;
+constexpr int kScoreBlocks = 1;
+constexpr int kScoreNodeWidth = 1;
 constexpr int kValueAccumulators = 6;
 #endif
-constexpr int kTileQueryRows = 12;  // query rows (tokens x heads of a KV head) per work item of a run, at least
+constexpr int kTileQueryRows = 24;  // query rows (tokens x heads of a KV head) per work item of a run, at least
 constexpr int kMaxTileRows = kTileQueryRows + 7;  // whole tokens of up to 8 heads
 // Shorter runs take the head_dim-in-lanes path token by token: transposing the keys costs more than the tiles save
 // (measured break-even between 8 and 16 tokens, docs/benchmarks.md).
 constexpr int64_t kMinRunTokens = 12;
+constexpr int64_t kKeptKeyFloats = int64_t{4} << 20;  // 16 MB of transposed keys at most kept between calls
 
 // exp(s_j - max s) in place over s[0..L); returns 1 / Z.
 static inline float softmax_numerators(float* s, int64_t L) {
@@ -136,43 +144,115 @@ static AttendFn<KV> attend_for_group(int64_t group) {
 
 // ---- a run of tokens: keys in lanes ----------------------------------------------------------------------------
 
+// `value`, as the compiler sees it only once `prior` is computed (no instruction: the processor still overlaps
+// them). The score tree's leaves start from a zero ordered after the node before them, so that the compiler keeps
+// them in the order written (depth first, a few live vectors per output); left free, it computes all 16 leaves ahead
+// of their additions and spills them.
+static inline V16 ordered_after(const V16& prior, V16 value) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(value.r) : "v"(prior.r));
+#else
+  (void)prior;
+#endif
+  return value;
+}
+
+// `a`, loaded into a register once: the compiler would otherwise fold the load into each of its R fmas.
+static inline V16 in_register(V16 a) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(a.r));
+#endif
+  return a;
+}
+
 // A key block b holds 16 keys transposed, kt[d][lane] = k_{16b + lane}[d] (zero past the run's last key).
-// The node of tree_sum's tree that starts at partial l and pairs l with l + WIDTH, for R query rows and one key
-// block: T(l, 16) = P_l, T(l, w) = T(l, 2w) + T(l + w, 2w); the whole sum is T(0, 1).
-template <int R, int CHUNKS, int WIDTH>
-static inline void score_tree(const float* const* q, const float* kt, int l, V16* out) {
+// The node of tree_sum's tree that starts at partial l and pairs l with l + WIDTH, for R query rows (packed, D = 16
+// CHUNKS floats apart) and B consecutive key blocks: T(l, 16) = P_l, T(l, w) = T(l, 2w) + T(l + w, 2w); the whole
+// sum is T(0, 1). Evaluated depth first, a node of width w holds log2(16 / w) + 1 live vectors per output, and each
+// step over d loads R broadcasts and B key vectors for R x B fmas. `fence`: the last node computed (ordered_after).
+template <int R, int B, int CHUNKS, int WIDTH>
+[[gnu::always_inline]] static inline void score_tree(const float* q, const float* kt, int l, V16 (&out)[R][B],
+                                                     V16& fence) {
+  constexpr int64_t kBlockFloats = CHUNKS * kLanes * kLanes;
   if constexpr (WIDTH == kLanes) {
-    for (int r = 0; r < R; ++r) out[r] = vzero();
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) out[r][b] = ordered_after(fence, vzero());
     for (int c = 0; c < CHUNKS; ++c) {
-      const V16 k = vload(kt + (l + c * kLanes) * kLanes);
-      for (int r = 0; r < R; ++r) out[r] = vfma(vset1(q[r][l + c * kLanes]), k, out[r]);
+      V16 k[B];
+      for (int b = 0; b < B; ++b) k[b] = in_register(vload(kt + b * kBlockFloats + (l + c * kLanes) * kLanes));
+      for (int r = 0; r < R; ++r) {
+        const V16 x = vset1(q[r * CHUNKS * kLanes + l + c * kLanes]);
+        for (int b = 0; b < B; ++b) out[r][b] = vfma(x, k[b], out[r][b]);
+      }
     }
   } else {
-    V16 other[R];
-    score_tree<R, CHUNKS, WIDTH * 2>(q, kt, l, out);
-    score_tree<R, CHUNKS, WIDTH * 2>(q, kt, l + WIDTH, other);
-    for (int r = 0; r < R; ++r) out[r] = vadd(out[r], other[r]);
+    V16 other[R][B];
+    score_tree<R, B, CHUNKS, WIDTH * 2>(q, kt, l, out, fence);
+    score_tree<R, B, CHUNKS, WIDTH * 2>(q, kt, l + WIDTH, other, fence);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) out[r][b] = vadd(out[r][b], other[r][b]);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) fence = ordered_after(out[r][b], fence);
   }
 }
 
-// scores[r][16b ..] = (q_r . k_j) * scale for the 16 keys of each block b < blocks, R <= kScoreRows rows at a time.
-template <int CHUNKS, int R = kScoreRows>
-static void score_rows(int rows, const float* const* q, const float* kt, int64_t blocks, float scale,
-                       float* const* scores) {
-  if constexpr (R > 1) {
-    if (rows < R) return score_rows<CHUNKS, R - 1>(rows, q, kt, blocks, scale, scores);
-  }
-  for (int r0 = 0; r0 + R <= rows; r0 += R) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      V16 s[R];
-      score_tree<R, CHUNKS, 1>(q + r0, kt + b * CHUNKS * kLanes * kLanes, 0, s);
-      for (int r = 0; r < R; ++r) vstore(scores[r0 + r] + b * kLanes, vmul(s[r], vset1(scale)));
+// scores[r * stride + 16b ..] = (q_r . k_j) * scale for R rows and the 16 keys of each of B blocks. The tree's
+// nodes of width kScoreNodeWidth are evaluated in registers, one after another (depth first); the tree above them is
+// added up through a stack in L1 (the lower node first, as tree_sum pairs them), so that only 2, 3, 4 or 5 vectors
+// per output are live and R x B can grow.
+template <int R, int B, int CHUNKS>
+[[gnu::always_inline]] static inline void score_block(const float* q, const float* kt, float scale, float* scores,
+                                                      int64_t stride) {
+  // the tree has w nodes of width w, kLevels = log2(w) levels above them
+  constexpr int kNodes = kScoreNodeWidth, kLevels = kNodes == 8 ? 3 : kNodes == 4 ? 2 : kNodes == 2 ? 1 : 0;
+  V16 stack[kLevels > 0 ? kLevels : 1][R][B];
+  V16 fence = vzero();
+  int depth = 0;
+  for (int i = 0; i < kNodes; ++i) {
+    int node = 0;  // the i-th node of width kNodes, depth first: i's bits reversed
+    for (int bit = 0; bit < kLevels; ++bit) node |= ((i >> bit) & 1) << (kLevels - 1 - bit);
+    V16 s[R][B];
+    score_tree<R, B, CHUNKS, kNodes>(q, kt, node, s, fence);
+    for (int merges = i + 1; merges % 2 == 0; merges /= 2) {
+      --depth;
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) s[r][b] = vadd(stack[depth][r][b], s[r][b]);
     }
+    if (i + 1 == kNodes) {
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) vstore(scores + r * stride + b * kLanes, vmul(s[r][b], vset1(scale)));
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) stack[depth][r][b] = s[r][b];
+      ++depth;
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) fence = ordered_after(s[r][b], fence);
   }
+}
+
+// Every row of the tile over B key blocks, R rows at a time, then the rows left R' < R at a time.
+template <int B, int CHUNKS, int R = kScoreRows>
+static inline void score_rows(int rows, const float* q, const float* kt, float scale, float* scores, int64_t stride) {
+  int r0 = 0;
+  for (; r0 + R <= rows; r0 += R)
+    score_block<R, B, CHUNKS>(q + r0 * CHUNKS * kLanes, kt, scale, scores + r0 * stride, stride);
   if constexpr (R > 1) {
-    const int done = rows / R * R;
-    if (done < rows) score_rows<CHUNKS, R - 1>(rows - done, q + done, kt, blocks, scale, scores + done);
+    if (r0 < rows)
+      score_rows<B, CHUNKS, R - 1>(rows - r0, q + r0 * CHUNKS * kLanes, kt, scale, scores + r0 * stride, stride);
   }
+}
+
+// scores[r * stride + j] = (q_r . k_j) * scale for every row of a tile (packed queries) and j < 16 blocks: B key
+// blocks at a time (held in L1 while every row passes over them), each row's scores in the same fixed sequence.
+template <int CHUNKS>
+static void score_tile(int rows, const float* q, const float* kt, int64_t blocks, float scale, float* scores,
+                       int64_t stride) {
+  constexpr int64_t kBlockFloats = CHUNKS * kLanes * kLanes;
+  int64_t b = 0;
+  for (; b + kScoreBlocks <= blocks; b += kScoreBlocks)
+    score_rows<kScoreBlocks, CHUNKS>(rows, q, kt + b * kBlockFloats, scale, scores + b * kLanes, stride);
+  for (; b < blocks; ++b) score_rows<1, CHUNKS>(rows, q, kt + b * kBlockFloats, scale, scores + b * kLanes, stride);
 }
 
 // out_r = (chain over j < L_r of p_rj v_j) * inverse_r for R rows at a time; every row's keys are a prefix of the
@@ -224,11 +304,14 @@ static void attend_tile(int rows, const float* const* q, const float* kt, const 
   int64_t longest = 0;
   for (int r = 0; r < rows; ++r) longest = std::max(longest, L[r]);
   const int64_t blocks = (longest + kLanes - 1) / kLanes;
+  alignas(64) float packed[kMaxTileRows * CHUNKS * kLanes];  // the rows' queries side by side: fixed offsets
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < CHUNKS; ++c) vstore(packed + (r * CHUNKS + c) * kLanes, vload(q[r] + c * kLanes));
   const float* row_scores[kMaxTileRows];
   float* writable[kMaxTileRows];
   float inverse[kMaxTileRows];
   for (int r = 0; r < rows; ++r) writable[r] = scores + r * blocks * kLanes, row_scores[r] = writable[r];
-  score_rows<CHUNKS>(rows, q, kt, blocks, scale, writable);
+  score_tile<CHUNKS>(rows, packed, kt, blocks, scale, scores, blocks * kLanes);
   for (int r = 0; r < rows; ++r) inverse[r] = softmax_numerators(writable[r], L[r]);
   weigh_values<CHUNKS, KV>(rows, v_pool, row_stride, keys, L, row_scores, inverse, out);
 }
@@ -347,8 +430,14 @@ static void attention_over(const float* q, int64_t T, int64_t H, int64_t D, cons
   std::vector<Run> tiled;
   for (const Run& run : runs)
     if (run.kt_offset >= 0) tiled.push_back(run);
-  std::vector<float> kt(kt_floats);
-  transpose_keys<KV>(tiled, k_pool, Hkv, D, rows, row_start, kt.data(), threads);
+  // The transposed keys (written in full): the caller's buffer, kept between calls up to kKeptKeyFloats, so that a
+  // layer's ~1 MB is not mapped and faulted in afresh at every call (the workers below have buffers of their own).
+  thread_local Buffer<float> kept;
+  Buffer<float> larger;
+  Buffer<float>& buffer = kt_floats <= kKeptKeyFloats ? kept : larger;
+  if (buffer.size() < static_cast<size_t>(kt_floats)) buffer.resize(kt_floats);
+  float* const kt = buffer.data();
+  transpose_keys<KV>(tiled, k_pool, Hkv, D, rows, row_start, kt, threads);
   // Work items, longest first (a run's later tokens see more keys): (run, first token, tokens, KV head).
   const int64_t tile_tokens = (kTileQueryRows + group - 1) / group;
   struct Item {
@@ -383,7 +472,7 @@ static void attention_over(const float* q, int64_t T, int64_t H, int64_t D, cons
         for (int64_t h = g * group; h < (g + 1) * group; ++h, ++n)
           queries[n] = q + (t * H + h) * D, outs[n] = out + (t * H + h) * D, L[n] = num_keys[t];
       const int64_t num_blocks = (item.run->keys + kLanes - 1) / kLanes;
-      attend_run(n, queries, kt.data() + item.run->kt_offset + g * num_blocks * D * kLanes, v_pool + g * D, Hkv * D,
+      attend_run(n, queries, kt + item.run->kt_offset + g * num_blocks * D * kLanes, v_pool + g * D, Hkv * D,
                  rows + row_start[item.first], L, scale, scores.data(), outs);
     }
   });
