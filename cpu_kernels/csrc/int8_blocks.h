@@ -332,12 +332,17 @@ static inline const uint8_t* group_head(const PanelGroup& g, int64_t b, int64_t 
 // group's first blocks, which the thread's next tile reads; past the weight it fetches nothing anyone reads. Builds
 // of one-panel groups give one-row tiles no hints: there a single panel streams, and the hints measured slower
 // (AVX2, one thread: Q4_1 44 -> 38 GB/s, Q5_0 37 -> 32).
-// - Four blocks on rather than two: SmolLM2's 120 one-row Q4_1 matmuls of a step from memory on 2 threads, best of
-//   6 alternating runs, 849 -> 808 µs (5 and 6 alike, 8 slower; AMD EPYC).
-// - In groups of panels, a group's first row tile of several also asks for its own blocks kRowAhead on: nothing
-//   asked for a claim's first group, and a few rows' claims hold few groups (8 rows: down's 9 a thread). The 120
-//   matmuls at 8 rows, best of 6: 2072 -> 1983 µs; 4 to 32 rows 3-5% faster.
-constexpr int64_t kRowAhead = 4;
+// - Q8_0 and Q4_1 ask kAheadBytes of a group on (kInt8Ahead blocks, at least kRowAhead): about 10 KB in flight a
+//   thread. Q4_1 4 blocks (10 KB) rather than 2: SmolLM2's 120 one-row Q4_1 matmuls of a step from memory on 2
+//   threads, best of 6 alternating runs, 849 -> 808 µs (5 and 6 alike, 8 slower); Q8_0 stays at 2 (8.7 KB): its
+//   lm_head (49152 x 576) from memory, 568 µs at 2 blocks, 675 at 3, 622 at 4 (AMD EPYC).
+// - In groups of panels, a group's first row tile of several also asks for its own blocks ahead: nothing asked for
+//   a claim's first group, and a few rows' claims hold few groups (8 rows: down's 9 a thread). The 120 matmuls at
+//   8 rows, best of 6: 2072 -> 1983 µs; 4 to 32 rows 3-5% faster.
+constexpr int64_t kRowAhead = 2;
+constexpr int64_t kAheadBytes = 10240;
+template <int32_t F>
+constexpr int64_t kInt8Ahead = std::max(kRowAhead, kAheadBytes / (kGroupPanels * int8_block_bytes(F)));
 template <int MR>
 constexpr bool kHinted = MR > 1 || kGroupPanels > 1;
 template <int64_t kBytes>
@@ -364,9 +369,9 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
     if constexpr (MR > 1) {
       prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
       if (kGroupPanels > 1 && row == 0)
-        prefetch_bytes<NP * block_bytes>(group_block(g, b + kRowAhead, 0, block_bytes, 1));
+        prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
     } else if constexpr (kHinted<MR>)
-      prefetch_bytes<NP * block_bytes>(group_block(g, b + kRowAhead, 0, block_bytes, 1));
+      prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
     if constexpr (F == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         B64 w[NP];
