@@ -270,7 +270,9 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
   parallel_for(units, std::max(kBlocksPerClaim, M <= kInt8RowBlock ? share : share / 4), threads,
                [&](int64_t first, int64_t last) {
                  for (int64_t u = first; u < last;) {  // row-block u: row u / nblocks's block u % nblocks
-                   const int64_t m = u / nblocks, b = u % nblocks, n = std::min(last - u, nblocks - b);
+                   // rows end to end (ldx == K): a run crosses them, 16 blocks at a time past a row's end
+                   const int64_t m = u / nblocks, b = u % nblocks;
+                   const int64_t n = ldx == K ? last - u : std::min(last - u, nblocks - b);
                    quantize_row(x + m * ldx + b * kBlock, n, out->q.data() + m * K + b * kBlock,
                                 out->scale.data() + u, out->scaled_sum.data() + u, out->bias.data() + u);
                    u += n;
