@@ -105,7 +105,8 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
   rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
-  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {  // tokens apart: rows apart
+  // tokens apart: rows apart; ~0.1 ns a value of a row (RoPE, the K/V stores): split from ~1.5 µs of it
+  parallel_for(T, rows_per_claim(T, width, 16384, threads), threads, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       float* row = qkv.data() + t * width;
       if (layer->qkv_bias != nullptr)

@@ -270,7 +270,9 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
   parallel_for(units, std::max(kBlocksPerClaim, M <= kInt8RowBlock ? share : share / 4), threads,
                [&](int64_t first, int64_t last) {
                  for (int64_t u = first; u < last;) {  // row-block u: row u / nblocks's block u % nblocks
-                   const int64_t m = u / nblocks, b = u % nblocks, n = std::min(last - u, nblocks - b);
+                   // rows end to end (ldx == K): a run crosses them, 16 blocks at a time past a row's end
+                   const int64_t m = u / nblocks, b = u % nblocks;
+                   const int64_t n = ldx == K ? last - u : std::min(last - u, nblocks - b);
                    quantize_row(x + m * ldx + b * kBlock, n, out->q.data() + m * K + b * kBlock,
                                 out->scale.data() + u, out->scaled_sum.data() + u, out->bias.data() + u);
                    u += n;
@@ -332,7 +334,18 @@ static inline const uint8_t* group_head(const PanelGroup& g, int64_t b, int64_t 
 // group's first blocks, which the thread's next tile reads; past the weight it fetches nothing anyone reads. Builds
 // of one-panel groups give one-row tiles no hints: there a single panel streams, and the hints measured slower
 // (AVX2, one thread: Q4_1 44 -> 38 GB/s, Q5_0 37 -> 32).
+// - Q8_0 and Q4_1 ask kAheadBytes of a group on (kInt8Ahead blocks, at least kRowAhead): about 10 KB in flight a
+//   thread. Q4_1 4 blocks (10 KB) rather than 2: SmolLM2's 120 one-row Q4_1 matmuls of a step from memory on 2
+//   threads, best of 6 alternating runs, 849 -> 808 µs (5 and 6 alike, 8 slower); Q8_0 stays at 2 (8.7 KB): its
+//   lm_head (49152 x 576) from memory, 568 µs at 2 blocks, 675 at 3, 622 at 4 (AMD EPYC). The k-quant tiles
+//   ask as far ahead in bytes (kquant_blocks.h).
+// - In groups of panels, a group's first row tile of several also asks for its own blocks ahead: nothing asked for
+//   a claim's first group, and a few rows' claims hold few groups (8 rows: down's 9 a thread). The 120 matmuls at
+//   8 rows, best of 6: 2072 -> 1983 µs; 4 to 32 rows 3-5% faster.
 constexpr int64_t kRowAhead = 2;
+constexpr int64_t kAheadBytes = 10240;
+template <int32_t F>
+constexpr int64_t kInt8Ahead = std::max(kRowAhead, kAheadBytes / (kGroupPanels * int8_block_bytes(F)));
 template <int MR>
 constexpr bool kHinted = MR > 1 || kGroupPanels > 1;
 template <int64_t kBytes>
@@ -356,10 +369,12 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
       for (int p = 0; p < NP; ++p) s[r][p] = izero();
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
     const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
-    if constexpr (MR > 1)
+    if constexpr (MR > 1) {
       prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
-    else if constexpr (kHinted<MR>)
-      prefetch_bytes<NP * block_bytes>(group_block(g, b + kRowAhead, 0, block_bytes, 1));
+      if (kGroupPanels > 1 && row == 0)
+        prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
+    } else if constexpr (kHinted<MR>)
+      prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
     if constexpr (F == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         B64 w[NP];

@@ -2,12 +2,14 @@
 // step's attention reads, which stream from memory, and half the pool's memory).
 //
 // A 16-bit pool rounds K and V once, when a token's row is written: to nearest, ties to even, in integer arithmetic
-// on each value, so every build stores the same bits (and the same as torch's .to(torch.bfloat16 / torch.float16)).
+// on each value (float16 by vcvtps2ph where the build has F16C: the same bits), so every build stores the same bits
+// (and the same as torch's .to(torch.bfloat16 / torch.float16)).
 // Every read converts exactly to float32, so attention computes with the same float32 values whichever path reads
 // them (a token alone, a run of tokens) and its arithmetic (attention.h) is unchanged.
 
 #pragma once
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -54,19 +56,44 @@ struct KvFloat32 {
   static void store(T* dst, const float* src, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
 };
 
+// float_to_bf16's integer steps on 8 values at once where the build has AVX2.
 struct KvBfloat16 {
   using T = uint16_t;
   static V16 load(const T* p) { return vfrom_bf16(p); }
   static void store(T* dst, const float* src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      const __m256i high = _mm256_srli_epi32(bits, 16);
+      const __m256i rounded =
+          _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half_ulp, _mm256_and_si256(high, one))), 16);
+      const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                                _mm256_set1_epi32(0x7f800000));
+      const __m256i out = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), is_nan);
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0xD8);  // 8 uint16 in order
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
   }
 };
 
+// Builds with F16C convert 8 values an instruction: vcvtps2ph rounds to nearest, ties to even, and gives
+// float_to_half's bits for every one of the 2^32 float32 inputs (checked exhaustively on AMD EPYC, with and without
+// FTZ/DAZ); the integer routine took a token's K and V ~0.35 µs, a k = 8 extend's ~2.8 µs a layer.
 struct KvFloat16 {
   using T = uint16_t;
   static V16 load(const T* p) { return vfrom_f16(p); }
   static void store(T* dst, const float* src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; ++i) dst[i] = float_to_half(src[i]);
   }
 };
 

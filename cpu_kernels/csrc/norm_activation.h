@@ -10,23 +10,46 @@
 
 namespace {
 
+// Values of a row-wise step from which it splits over threads (rows_per_claim): ~1.5 µs of one thread's work, AMD
+// EPYC (a norm ~0.06 ns a value over rows side by side; SiLU's exp and division ~0.17).
+constexpr int64_t kNormSplitAt = 24576, kGatedSplitAt = 8192;
+
+// R rows of rms_norm: their sums of squares side by side, each row's own chain (one row's chain of N / 16 fmas waits
+// on the fma latency; R rows' hide it: 8 rows of 576 in ~0.5 µs instead of ~0.95, AMD EPYC).
+template <int R>
+static inline void rms_norm_rows(const float* x, int64_t N, int64_t ldx, const float* weight, float eps, float* out,
+                                 int64_t ldo) {
+  const int64_t full = N - N % kLanes;  // whole chunks, then the tail through vload_at
+  V16 partial[R];
+  for (int r = 0; r < R; ++r) partial[r] = vzero();
+  for (int64_t n = 0; n < full; n += kLanes)
+    for (int r = 0; r < R; ++r) {
+      const V16 v = vload(x + r * ldx + n);
+      partial[r] = vfma(v, v, partial[r]);
+    }
+  if (full < N)
+    for (int r = 0; r < R; ++r) {
+      const V16 v = vload_at(x + r * ldx, full, N);
+      partial[r] = vfma(v, v, partial[r]);
+    }
+  for (int r = 0; r < R; ++r) {
+    const float inverse = 1.0f / sqrtf(tree_sum(partial[r]) / static_cast<float>(N) + eps);
+    const V16 scale = vset1(inverse);
+    const float* row = x + r * ldx;
+    float* normed = out + r * ldo;
+    for (int64_t n = 0; n < full; n += kLanes) vstore(normed + n, vmul(vmul(vload(row + n), scale), vload(weight + n)));
+    if (full < N) vstore_at(normed, full, N, vmul(vmul(vload_at(row, full, N), scale), vload_at(weight, full, N)));
+  }
+}
+
 // out[T, N] = x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm orders it.
-// The sum of squares: 16 partial sums (lane n mod 16) then the fixed tree.
+// The sum of squares: 16 partial sums (lane n mod 16) then the fixed tree. In place (out == x) too.
 static void rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* weight, float eps, float* out,
                      int64_t ldo, int32_t threads) {
-  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
-  for (int64_t t = first; t < last; ++t) {
-    const float* row = x + t * ldx;
-    V16 partial = vzero();
-    for (int64_t n = 0; n < N; n += kLanes) {
-      V16 v = vload_at(row, n, N);
-      partial = vfma(v, v, partial);
-    }
-    const float inverse = 1.0f / sqrtf(tree_sum(partial) / static_cast<float>(N) + eps);
-    V16 r = vset1(inverse);
-    for (int64_t n = 0; n < N; n += kLanes)
-      vstore_at(out + t * ldo, n, N, vmul(vmul(vload_at(row, n, N), r), vload_at(weight, n, N)));
-  }
+  parallel_for(T, rows_per_claim(T, N, kNormSplitAt, threads), threads, [&](int64_t first, int64_t last) {
+    int64_t t = first;
+    for (; t + 4 <= last; t += 4) rms_norm_rows<4>(x + t * ldx, N, ldx, weight, eps, out + t * ldo, ldo);
+    for (; t < last; ++t) rms_norm_rows<1>(x + t * ldx, N, ldx, weight, eps, out + t * ldo, ldo);
   });
 }
 
@@ -34,7 +57,7 @@ static void rms_norm(const float* x, int64_t T, int64_t N, int64_t ldx, const fl
 // one form (SiLU's exponent is -gate, GELU-tanh's -2u).
 template <class Exponent>
 static void gated_mul(const float* x, int64_t T, int64_t N, float* out, int32_t threads, const Exponent& exponent) {
-  parallel_for(T, kRowsPerClaim, threads, [&](int64_t first, int64_t last) {
+  parallel_for(T, rows_per_claim(T, N, kGatedSplitAt, threads), threads, [&](int64_t first, int64_t last) {
   for (int64_t t = first; t < last; ++t) {
     const float* gate = x + t * 2 * N;
     const float* up = gate + N;
