@@ -26,14 +26,13 @@ Two things make a constrained answer cheaper than one forward per token:
   docs/benchmarks.md).
 
 k adapts: each request's prompt-lookup length doubles after a fully accepted run and halves after a rejected first
-draft (pausing at 0, then probing again), its prediction length likewise (from the most, never below 1); the n-gram
-cache drafts only what earlier outputs agreed on (right about 0.6 of the time where prompt lookup is right about 0.3),
-so a request's failed lookups do not pause it (greedy JSON answers of the serving workload: forwards/token 0.513 ->
-0.481 for as many draft rows); and a batch's drafts share a token budget that
-shrinks as the batch grows (a full batch is already compute-bound: drafts would slow it). Lookup drafts (prompt lookup,
-right about half the time, and the cache) stop at the runner's ``lookup_max_batch`` requests; below it, the rows that
-fill the model runner's row multiple (``free_rows``) always take lookup drafts, paused or not, since they cost no more
-weight reads.
+draft (pausing at 0, then probing again), its prediction length likewise (from the most, never below 1). The n-gram
+cache drafts only what earlier outputs agreed on (greedy serving-workload answers: 0.6 of its drafts stood, 0.2-0.5 of
+prompt lookup's), so a request's failed lookups do not pause it (JSON: forwards/token 0.513 -> 0.481 for as many
+draft rows). A batch's drafts share a token budget that shrinks as the batch grows (a full batch is already
+compute-bound: drafts would slow it). Lookup drafts (prompt lookup and the cache) stop at the runner's
+``lookup_max_batch`` requests; below it, the rows that fill the model runner's row multiple (``free_rows``) always take
+lookup drafts, paused or not, since they cost no more weight reads.
 """
 
 from __future__ import annotations
