@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.radix_cache import RadixCache, TreeNode
 
@@ -19,7 +21,8 @@ class KVSequence:
     """One request's cached tokens and the pool rows that hold their K/V.
 
     The first ``num_cached`` rows were found in the prefix cache (shared, read-only); the rest are the request's.
-    ``reserved`` is the budget of rows it may still take.
+    ``reserved`` is the budget of rows it may still take. ``rows`` changes only through ``KVCacheManager``, which
+    keeps ``row_tensor`` in step with it.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -27,9 +30,28 @@ class KVSequence:
     num_cached: int = 0
     reserved: int = 0
     node: TreeNode | None = None
+    _row_buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long), repr=False)
+    _num_copied: int = field(default=0, repr=False)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def row_tensor(self) -> torch.Tensor:
+        """``rows`` as int64, kept between forwards: a decode step copies its new row, not the whole table (a
+        1,600-row table took ~0.1 ms to build from the list every step, 32 of them ~2.6 ms)."""
+        num_rows = len(self.rows)
+        if num_rows > self._row_buffer.numel():
+            grown = torch.empty(max(num_rows, 2 * self._row_buffer.numel(), 64), dtype=torch.long)
+            grown[: self._num_copied] = self._row_buffer[: self._num_copied]
+            self._row_buffer = grown
+        if self._num_copied < num_rows:
+            self._row_buffer[self._num_copied : num_rows] = torch.tensor(self.rows[self._num_copied :])
+            self._num_copied = num_rows
+        return self._row_buffer[:num_rows]
+
+    def rows_changed_from(self, index: int) -> None:
+        """Rows from ``index`` on were dropped or replaced: ``row_tensor`` copies them again."""
+        self._num_copied = min(self._num_copied, index)
 
 
 class KVCacheManager:
@@ -104,6 +126,7 @@ class KVCacheManager:
         dropped = seq.rows[length:]
         self.pool.free(dropped)
         del seq.rows[length:], seq.token_ids[length:]
+        seq.rows_changed_from(length)
         seq.reserved += len(dropped)
         self.num_reserved += len(dropped)
 
@@ -153,6 +176,7 @@ class KVCacheManager:
             num_tokens,
             node,
         )
+        follower.rows_changed_from(0)
 
     def release(self, seq: KVSequence) -> None:
         """The request is done: its tokens enter the prefix cache (duplicates freed), its budget is returned."""
@@ -166,6 +190,7 @@ class KVCacheManager:
             if seq.node is not None:
                 self.radix.unlock(seq.node)
         seq.rows, seq.token_ids, seq.node = [], [], None
+        seq.rows_changed_from(0)
 
     def flush(self) -> int:
         """Drop every cached prefix no running request reads; returns the rows freed."""

@@ -98,7 +98,9 @@ class ModelRunner(BaseModelRunner):
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int],
     ) -> torch.Tensor:
-        batch = ForwardBatch.build([seq.rows for seq in seqs], starts, token_lists, num_logits)
+        batch = ForwardBatch.build(
+            [seq.rows for seq in seqs], starts, token_lists, num_logits, [seq.row_tensor() for seq in seqs]
+        )
         return self.model.forward(batch, self.kv.pool)
 
 

@@ -17,7 +17,9 @@ def manager(capacity: int, radix: bool = True) -> KVCacheManager:
 
 
 def check_invariants(kv: KVCacheManager, running: list[KVSequence]) -> None:
-    """Every row is free, cached, or owned by exactly one running request; the budget adds up."""
+    """Every row is free, cached, or owned by exactly one running request; the budget adds up; each request's row
+    tensor, which its forwards read, holds its rows."""
+    assert all(seq.row_tensor().tolist() == seq.rows for seq in running)
     owned = [row for seq in running for row in seq.rows[seq.num_cached :]]
     assert len(owned) == len(set(owned)) and PADDING_ROW not in owned
     cached = kv.radix.num_tokens if kv.radix is not None else 0
