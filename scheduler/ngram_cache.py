@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from sglang_constrained.backends.base import common_prefix_length
+
 
 class NgramCache:
     """n-gram (1 to ``max_ngram`` tokens) -> the ``max_continuation`` tokens that followed it last, and how many of
@@ -42,7 +44,7 @@ class NgramCache:
             for n in range(1, min(self.max_ngram, position) + 1):
                 key = tuple(tokens[position - n : position])
                 previous = entries[key][0] if key in entries else ()
-                entries[key] = continuation, _common_prefix(previous, continuation)
+                entries[key] = continuation, common_prefix_length(previous, continuation)
                 entries.move_to_end(key)
         while len(entries) > self.capacity:
             entries.popitem(last=False)
@@ -60,11 +62,3 @@ class NgramCache:
                 self._entries.move_to_end(key)
                 return n, list(entry[0][: min(entry[1], max_tokens)])
         return 0, []
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))

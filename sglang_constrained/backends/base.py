@@ -382,8 +382,8 @@ class BaseGrammarBackend(GrammarBackend):
         return grammar
 
 
-def common_prefix_length(old_ids: list[int], new_ids: list[int]) -> int:
-    """How many leading ids two token lists share (where ``jump_and_retokenize`` rolls back to)."""
+def common_prefix_length(old_ids: Sequence[int], new_ids: Sequence[int]) -> int:
+    """How many leading ids two token sequences share (where ``jump_and_retokenize`` rolls back to)."""
     for position, (old, new) in enumerate(zip(old_ids, new_ids, strict=False)):
         if old != new:
             return position
