@@ -98,9 +98,7 @@ class ModelRunner(BaseModelRunner):
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int],
     ) -> torch.Tensor:
-        batch = ForwardBatch.build(
-            [seq.rows for seq in seqs], starts, token_lists, num_logits, [seq.row_tensor() for seq in seqs]
-        )
+        batch = ForwardBatch.build([seq.row_tensor() for seq in seqs], starts, token_lists, num_logits)
         return self.model.forward(batch, self.kv.pool)
 
 
