@@ -354,20 +354,65 @@ static inline void prefetch_bytes(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p + kBytes - 1), _MM_HINT_T0);
 }
 
+// Block b of MR rows from `row` on times NP panels (their blocks from `block` on, block_bytes apart) into acc: the
+// integer sums, then per panel and row the block's float steps.
+template <int32_t F, int MR, int NP>
+static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP], const QuantizedRows& x, int64_t row,
+                                                             const uint8_t* block, int64_t b) {
+  constexpr int64_t block_bytes = int8_block_bytes(F);
+  const int64_t K = x.K, nblocks = x.nblocks;
+  I16 s[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) s[r][p] = izero();
+  const int8_t* xq = x.q.data() + row * K + b * kBlock;
+  if constexpr (F == kQ8_0) {
+    for (int i = 0; i < 8; ++i) {
+      B64 w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * block_bytes + i * 64));
+      for (int r = 0; r < MR; ++r) {
+        const B64 xv = bbroadcast4(xq + r * K + 4 * i);
+        for (int p = 0; p < NP; ++p) s[r][p] = dot_s(s[r][p], w[p], xv);
+      }
+    }
+  } else {
+    for (int i = 0; i < 4; ++i) {
+      B64 lo[NP], hi[NP];
+      for (int p = 0; p < NP; ++p) {
+        const B64 packed = bload(block + p * block_bytes + i * 64);
+        lo[p] = blow(packed);
+        hi[p] = bhigh(packed);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
+        for (int p = 0; p < NP; ++p) s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+      }
+    }
+  }
+  constexpr int64_t scales_at = F == kQ8_0 ? 8 * 64 : 4 * 64;
+  for (int p = 0; p < NP; ++p) {
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * block_bytes + scales_at);
+    const V16 d = vfrom_f16(scales);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (row + r) * nblocks + b;
+      const I16 sum = F == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
+      acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
+    }
+    if constexpr (F == kQ4_1) {
+      const V16 mins = vfrom_f16(scales + kLanes);
+      for (int r = 0; r < MR; ++r) acc[r][p] = vfma(mins, vset1(x.scaled_sum[(row + r) * nblocks + b]), acc[r][p]);
+    }
+  }
+}
+
 // MR rows from `row` on, times NP panels of group g, every block; `next`: the next column group's panels.
 template <int32_t F, int MR, int NP>
 static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, const PanelGroup& next, float* y,
                       int64_t ldy, int cols) {
   constexpr int64_t block_bytes = int8_block_bytes(F);
-  const int64_t K = x.K, nblocks = x.nblocks;
   V16 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
-  for (int64_t b = 0; b < nblocks; ++b) {
-    I16 s[MR][NP];
-    for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < NP; ++p) s[r][p] = izero();
-    const int8_t* xq = x.q.data() + row * K + b * kBlock;
+  for (int64_t b = 0; b < x.nblocks; ++b) {
     const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
     if constexpr (MR > 1) {
       prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
@@ -375,44 +420,7 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
         prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
     } else if constexpr (kHinted<MR>)
       prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
-    if constexpr (F == kQ8_0) {
-      for (int i = 0; i < 8; ++i) {
-        B64 w[NP];
-        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * block_bytes + i * 64));
-        for (int r = 0; r < MR; ++r) {
-          const B64 xv = bbroadcast4(xq + r * K + 4 * i);
-          for (int p = 0; p < NP; ++p) s[r][p] = dot_s(s[r][p], w[p], xv);
-        }
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {
-        B64 lo[NP], hi[NP];
-        for (int p = 0; p < NP; ++p) {
-          const B64 packed = bload(block + p * block_bytes + i * 64);
-          lo[p] = blow(packed);
-          hi[p] = bhigh(packed);
-        }
-        for (int r = 0; r < MR; ++r) {
-          const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
-          for (int p = 0; p < NP; ++p) s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
-        }
-      }
-    }
-    constexpr int64_t scales_at = F == kQ8_0 ? 8 * 64 : 4 * 64;
-    for (int p = 0; p < NP; ++p) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * block_bytes + scales_at);
-      const V16 d = vfrom_f16(scales);
-      for (int r = 0; r < MR; ++r) {
-        const int64_t at = (row + r) * nblocks + b;
-        const I16 sum = F == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
-        acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
-      }
-      if constexpr (F == kQ4_1) {
-        const V16 mins = vfrom_f16(scales + kLanes);
-        for (int r = 0; r < MR; ++r)
-          acc[r][p] = vfma(mins, vset1(x.scaled_sum[(row + r) * nblocks + b]), acc[r][p]);
-      }
-    }
+    int8_block<F, MR, NP>(acc, x, row, block, b);
   }
   store_tile<MR, NP>(acc, y, ldy, cols);
 }
@@ -455,6 +463,75 @@ static void int8_groups(const QuantizedRows& x, int64_t M, const uint8_t* packed
                         });
 }
 
+// ---- two rows, block by block -------------------------------------------------------------------------------------
+//
+// Two rows (a draft of one token verified, a batch of two) stream the weights as one row does (for_each_row_span:
+// each thread an even span of panels, pieces within a group): per block, the piece's panels side by side are one
+// sequential read, hinted kInt8Ahead blocks on as the one-row tile's, and 2 x 2 tiles go over them while they are
+// in L1; each row's and panel's float accumulator is stored in a stash in L1 between blocks and loaded again, which
+// keeps its bits. The tiles over a column group's panels read a block's 8 panels in passes of 2 or 4, strided:
+// SmolLM2's 120 Q4_1 matmuls at 2 rows from memory 1,097-1,112 -> 957-987 µs (one row: ~770), its Q8_0 lm_head
+// 324-334 -> 240-246 µs (AMD EPYC Zen 5, 2 threads; FEW rows doc in docs/benchmarks.md). At 3 rows the same (1,205
+// both), at 4 and 8 slower (1,120 -> 1,500, 1,920 -> 2,760): there the tiles are compute-bound (a 4 x 2 tile's 8
+// vpdpbusd, vmulps and 2 vfmadd per row, panel and block share the two FMA pipes: ~5.5 cycles at best), and the
+// stash's loads and stores and the tiles' shorter runs cost more than the stream gains; they keep the tiles.
+constexpr int kStreamedRows = 2;
+constexpr int kStreamedNP = 2;  // 2 x 2 tiles: 2 x 4 measured 1,025 µs and Q8_0's 2 x 4 tile is slow
+constexpr int64_t kStashLd = kGroupPanels * kLanes;  // a row's accumulators in the stash: its group's columns
+
+// Block b of M rows times NP panels (their blocks from `block` on), the accumulators in stash.
+template <int32_t F, int M, int NP>
+static inline __attribute__((always_inline)) void int8_block_stashed(float* stash, const QuantizedRows& x,
+                                                                     const uint8_t* block, int64_t b) {
+  V16 acc[M][NP];
+  for (int r = 0; r < M; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = vload(stash + r * kStashLd + p * kLanes);
+  int8_block<F, M, NP>(acc, x, 0, block, b);
+  for (int r = 0; r < M; ++r)
+    for (int p = 0; p < NP; ++p) vstore(stash + r * kStashLd + p * kLanes, acc[r][p]);
+}
+
+// Block b of M rows times the piece's panels from p on (n of them), NP at a time, then fewer.
+template <int32_t F, int M, int NP>
+static inline __attribute__((always_inline)) void int8_block_panels(float* stash, const QuantizedRows& x,
+                                                                    const uint8_t* block, int64_t b, int p, int n) {
+  constexpr int64_t block_bytes = int8_block_bytes(F);
+  for (; p + NP <= n; p += NP) int8_block_stashed<F, M, NP>(stash + p * kLanes, x, block + p * block_bytes, b);
+  if constexpr (NP > 1)
+    if (p < n) int8_block_panels<F, M, NP / 2>(stash, x, block, b, p, n);
+}
+
+// M rows times `panels` panels of group g from g.first on, into y's first `cols` columns.
+template <int32_t F, int M>
+static void int8_streamed_piece(const QuantizedRows& x, const PanelGroup& g, int panels, float* y, int64_t ldy,
+                                int cols) {
+  constexpr int64_t block_bytes = int8_block_bytes(F);
+  const int64_t piece_bytes = panels * block_bytes;
+  const auto hint = [&](int64_t b) {
+    const uint8_t* p = group_block(g, b, 0, block_bytes, 1);
+    for (int64_t at = 0; at < piece_bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+  };
+  alignas(64) float stash[M * kStashLd];
+  for (float& v : stash) v = 0.0f;
+  for (int64_t b = 0; b < kInt8Ahead<F>; ++b) hint(b);  // a thread's first piece: nothing asked for it yet
+  for (int64_t b = 0; b < x.nblocks; ++b) {
+    hint(b + kInt8Ahead<F>);
+    int8_block_panels<F, M, kStreamedNP>(stash, x, group_block(g, b, 0, block_bytes, 1), b, 0, panels);
+  }
+  for (int r = 0; r < M; ++r) memcpy(y + r * ldy, stash + r * kStashLd, cols * sizeof(float));
+}
+
+template <int32_t F>
+static void int8_streamed_rows(const QuantizedRows& x, const uint8_t* packed, int64_t N, float* y, int64_t ldy,
+                               int threads) {
+  const int64_t pbytes = x.nblocks * int8_block_bytes(F), num_panels = (N + kLanes - 1) / kLanes;
+  for_each_row_span<kGroupPanels>(
+      N, threads, [&](int, int panels, int64_t, int64_t panel, int64_t column, int cols) {
+        int8_streamed_piece<F, kStreamedRows>(x, panel_group(packed, pbytes, num_panels, panel), panels, y + column,
+                                              ldy, cols);
+      });
+}
+
 template <int V>
 using Int = std::integral_constant<int, V>;
 
@@ -481,6 +558,9 @@ static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, in
                                                                                 threads);
     });
   };
+  if (kGroupPanels > 1 && M == kStreamedRows)
+    return format == kQ8_0 ? int8_streamed_rows<kQ8_0>(quantized, packed, N, y, ldy, threads)
+                           : int8_streamed_rows<kQ4_1>(quantized, packed, N, y, ldy, threads);
   if (format == kQ8_0) return shapes(Int<kQ8_0>());
   shapes(Int<kQ4_1>());
 }
