@@ -355,7 +355,10 @@ static inline void prefetch_bytes(const uint8_t* p) {
 }
 
 // Block b of MR rows from `row` on times NP panels (their blocks from `block` on, block_bytes apart) into acc: the
-// integer sums, then per panel and row the block's float steps.
+// integer sums, then per panel and row the block's float steps, int8_tile's loop body to the operation (for the
+// streamed rows below). int8_tile keeps its own copy: built on this step, GCC 12's code for its tiles changed, and
+// the Q8_0 lm_head at 8 rows from memory went 394 -> 442 µs (4 rows 303 -> 261; the 120 Q4_1 matmuls at 8 rows
+// +1-2%; AMD EPYC). The invariance tests hold both to the same bits.
 template <int32_t F, int MR, int NP>
 static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP], const QuantizedRows& x, int64_t row,
                                                              const uint8_t* block, int64_t b) {
@@ -409,10 +412,15 @@ template <int32_t F, int MR, int NP>
 static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, const PanelGroup& next, float* y,
                       int64_t ldy, int cols) {
   constexpr int64_t block_bytes = int8_block_bytes(F);
+  const int64_t K = x.K, nblocks = x.nblocks;
   V16 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
-  for (int64_t b = 0; b < x.nblocks; ++b) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    I16 s[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NP; ++p) s[r][p] = izero();
+    const int8_t* xq = x.q.data() + row * K + b * kBlock;
     const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
     if constexpr (MR > 1) {
       prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
@@ -420,7 +428,44 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
         prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
     } else if constexpr (kHinted<MR>)
       prefetch_bytes<NP * block_bytes>(group_block(g, b + kInt8Ahead<F>, 0, block_bytes, 1));
-    int8_block<F, MR, NP>(acc, x, row, block, b);
+    if constexpr (F == kQ8_0) {
+      for (int i = 0; i < 8; ++i) {
+        B64 w[NP];
+        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * block_bytes + i * 64));
+        for (int r = 0; r < MR; ++r) {
+          const B64 xv = bbroadcast4(xq + r * K + 4 * i);
+          for (int p = 0; p < NP; ++p) s[r][p] = dot_s(s[r][p], w[p], xv);
+        }
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        B64 lo[NP], hi[NP];
+        for (int p = 0; p < NP; ++p) {
+          const B64 packed = bload(block + p * block_bytes + i * 64);
+          lo[p] = blow(packed);
+          hi[p] = bhigh(packed);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
+          for (int p = 0; p < NP; ++p) s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+        }
+      }
+    }
+    constexpr int64_t scales_at = F == kQ8_0 ? 8 * 64 : 4 * 64;
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * block_bytes + scales_at);
+      const V16 d = vfrom_f16(scales);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (row + r) * nblocks + b;
+        const I16 sum = F == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
+        acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
+      }
+      if constexpr (F == kQ4_1) {
+        const V16 mins = vfrom_f16(scales + kLanes);
+        for (int r = 0; r < MR; ++r)
+          acc[r][p] = vfma(mins, vset1(x.scaled_sum[(row + r) * nblocks + b]), acc[r][p]);
+      }
+    }
   }
   store_tile<MR, NP>(acc, y, ldy, cols);
 }
@@ -465,18 +510,19 @@ static void int8_groups(const QuantizedRows& x, int64_t M, const uint8_t* packed
 
 // ---- two rows, block by block -------------------------------------------------------------------------------------
 //
-// Two rows (a draft of one token verified, a batch of two) stream the weights as one row does (for_each_row_span:
-// each thread an even span of panels, pieces within a group): per block, the piece's panels side by side are one
-// sequential read, hinted kInt8Ahead blocks on as the one-row tile's, and 2 x 2 tiles go over them while they are
-// in L1; each row's and panel's float accumulator is stored in a stash in L1 between blocks and loaded again, which
-// keeps its bits. The tiles over a column group's panels read a block's 8 panels in passes of 2 or 4, strided:
-// SmolLM2's 120 Q4_1 matmuls at 2 rows from memory 1,097-1,112 -> 957-987 µs (one row: ~770), its Q8_0 lm_head
-// 324-334 -> 240-246 µs (AMD EPYC Zen 5, 2 threads; FEW rows doc in docs/benchmarks.md). At 3 rows the same (1,205
-// both), at 4 and 8 slower (1,120 -> 1,500, 1,920 -> 2,760): there the tiles are compute-bound (a 4 x 2 tile's 8
-// vpdpbusd, vmulps and 2 vfmadd per row, panel and block share the two FMA pipes: ~5.5 cycles at best), and the
-// stash's loads and stores and the tiles' shorter runs cost more than the stream gains; they keep the tiles.
+// Two rows (an extend of two tokens: a short draft verified; a batch of two) stream the weights as one row does
+// (for_each_row_span: each thread an even span of panels, in pieces within a group): per block, the piece's panels
+// side by side are one sequential read, hinted kInt8Ahead blocks on as the one-row tile's, and 2 x 2 tiles go over
+// them while they are in L1; each row's and panel's float accumulator waits in a stash in L1 between blocks (stored
+// and loaded again, the same bits). The column groups' tiles read a block's 8 panels in passes of 2 or 4, strided,
+// and streamed slower: SmolLM2's 120 Q4_1 matmuls at 2 rows from memory 1,095-1,126 -> 958 µs (one row ~790-830),
+// its Q8_0 lm_head (49152 x 576) 341-367 -> 244-246 µs (AMD EPYC Zen 5, 2 threads; docs/benchmarks.md). At 3 rows
+// the same (1,205 both); at 4 and 8 slower (1,118-1,135 -> 1,468-1,481 µs, 1,931-1,952 -> 2,687-2,713): there the
+// tiles are near compute-bound (per row, panel and block 8 vpdpbusd, a vmulps and 2 vfmadd share the two FMA pipes:
+// ~5.5 cycles at best, the 4 x 2 tile ~5.7-6.5 in L1), and the stash's loads and stores and the shorter runs of the
+// tiles (8.3 cycles) cost more than the stream gains; they keep the tiles.
 constexpr int kStreamedRows = 2;
-constexpr int kStreamedNP = 2;  // 2 x 2 tiles: 2 x 4 measured 1,025 µs and Q8_0's 2 x 4 tile is slow
+constexpr int kStreamedNP = 2;  // 2 x 4: 1,025 µs against 2 x 2's 947-963 in one run
 constexpr int64_t kStashLd = kGroupPanels * kLanes;  // a row's accumulators in the stash: its group's columns
 
 // Block b of M rows times NP panels (their blocks from `block` on), the accumulators in stash.
@@ -538,6 +584,7 @@ using Int = std::integral_constant<int, V>;
 // The block formats' tile shape for M rows and N columns: groups(Int<MR>(), Int<NP>()). One row (a decode step)
 // takes a whole group of panels a tile where the registers hold them: a tile's sums are its only independent
 // dot-product chains, and the threads' spans of panels balance whatever the tile's width (for_each_row_span).
+// Two rows of Q8_0 and Q4_1 stream instead (int8_streamed_rows); the k-quant formats' take the 2 x 4 tile.
 template <class Groups>
 static void with_block_tile(int64_t M, int64_t N, int threads, const Groups& groups) {
   if constexpr (kInt8NP > 1) {
