@@ -103,6 +103,38 @@ static inline V16 vfrom_i8(const int8_t* p) {
 }
 #endif
 
+// The quants of combination c: the nibble in bits 0-3 of n (its bits above ignored) joined with their bits above the
+// nibble from `plane` (the 5-bit formats' one plane, Q6_K's two).
+#if defined(__GFNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+template <int BITS>
+static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
+  // vgf2p8affineqb: bit i of each byte = parity of (byte 7 - i of the matrix) & the byte, so byte 3 (2) of the
+  // matrix picks the bit that lands in bit 4 (5), and every other bit comes out clear: one instruction where a shift
+  // needed a mask
+  const int low = BITS == 5 ? c : 2 * (c % 4);
+  const uint64_t matrix = (uint64_t{1} << low << 24) | (BITS == 6 ? uint64_t{2} << low << 16 : 0);
+  const __m512i high = _mm512_gf2p8affine_epi64_epi8(plane[BITS == 5 ? 0 : c / 4].r, _mm512_set1_epi64(matrix), 0);
+  return {_mm512_ternarylogic_epi32(n.r, high, _mm512_set1_epi8(15), 0xEC)};  // (n & 15) | high
+}
+#elif defined(__GFNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <int BITS>
+static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
+  const int low = BITS == 5 ? c : 2 * (c % 4);
+  const __m256i matrix = _mm256_set1_epi64x(
+      static_cast<long long>((uint64_t{1} << low << 24) | (BITS == 6 ? uint64_t{2} << low << 16 : 0)));
+  const B64& h = plane[BITS == 5 ? 0 : c / 4];
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_or_si256(_mm256_and_si256(n.lo, m), _mm256_gf2p8affine_epi64_epi8(h.lo, matrix, 0)),
+          _mm256_or_si256(_mm256_and_si256(n.hi, m), _mm256_gf2p8affine_epi64_epi8(h.hi, matrix, 0))};
+}
+#else
+template <int BITS>
+static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
+  if constexpr (BITS == 5) return bmerge(blow(n), bshift(plane[0], 4 - c), 0x10);
+  return bmerge(blow(n), bshift(plane[c / 4], 4 - 2 * (c % 4)), 0x30);
+}
+#endif
+
 // ---- the formats' shapes -----------------------------------------------------------------------------------------
 
 static constexpr bool is_k_format(int32_t format) { return format == kQ4_K || format == kQ5_K || format == kQ6_K; }
@@ -145,6 +177,14 @@ static Buffer<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int th
 
 // ---- the tiles ---------------------------------------------------------------------------------------------------
 
+// A one-row tile's cache hints (int8_blocks.h's, for these formats): its own panels' block kOneRowAhead blocks on, about
+// 11 KB of a group ahead, asked for a quarter at a time among the quants' loads rather than all at the block's start.
+// SmolLM2's gate_up (576 x 3072) in Q5_0 from memory on 2 threads, median of 600 (AMD EPYC): 15.2 -> 13.9 µs spread
+// at 3 blocks as before, 13.0 at 4 (with bjoin's vgf2p8affineqb; alone it gives 14.9), 13.0-13.2 at 6, slower at 5.
+// Hints per load, or a second far one into L2, were slower (17 µs).
+template <int32_t F>
+constexpr int64_t kOneRowAhead = std::max(kRowAhead, 11264 / (kGroupPanels * kquant_block_bytes(F)));
+
 // MR rows from `row` on, times NP panels of group g, every block; `next`: the next column group's panels.
 template <int32_t F, int MR, int NP>
 static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t row, const PanelGroup& g,
@@ -163,13 +203,12 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
     const uint8_t* head = group_head(g, b, head_bytes, block_bytes, per_super);
     const uint8_t* block = group_block(g, b, head_bytes, block_bytes, per_super);
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
-    if constexpr (kHinted<MR>) {  // int8_blocks.h: the next group's block, or this one's kAheadBytes ahead
-      // (SmolLM2's shapes, 120 one-row matmuls from memory, 2 threads, best of 4 alternating: Q4_K 910 -> 837 µs,
-      // Q5_0 1114 -> 1102, Q6_K 1223 -> 1210 against 2 blocks ahead; AMD EPYC)
-      constexpr int64_t kAhead = std::max(kRowAhead, kAheadBytes / (kGroupPanels * block_bytes));
+    if constexpr (kHinted<MR>) {
+      // several rows: the next group's block (int8_blocks.h); one row: its own block kOneRowAhead on, a quarter of
+      // it per quarter of this block's quants below, and the heads here
       const PanelGroup& hinted = MR > 1 ? next : g;
-      const int64_t ahead = MR > 1 ? b : b + kAhead;
-      prefetch_bytes<NP * block_bytes>(group_block(hinted, ahead, head_bytes, block_bytes, per_super));
+      const int64_t ahead = MR > 1 ? b : b + kOneRowAhead<F>;
+      if constexpr (MR > 1) prefetch_bytes<NP * block_bytes>(group_block(next, b, head_bytes, block_bytes, per_super));
       if constexpr (head_bytes > 0)
         if (ahead % per_super == 0)
           prefetch_bytes<NP * head_bytes>(group_head(hinted, ahead, head_bytes, block_bytes, per_super));
@@ -183,17 +222,20 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
         for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(block + p * block_bytes + kQuantBytes + h * 64);
     for (int i = 0; i < 4; ++i) {
       B64 lo[NP], hi[NP];
+      if constexpr (kHinted<MR> && MR == 1) {
+        constexpr int64_t bytes = NP * block_bytes, quarter = (bytes + 255) / 256 * 64;  // whole lines
+        const uint8_t* ahead = group_block(g, b + kOneRowAhead<F>, head_bytes, block_bytes, per_super);
+        for (int64_t at = i * quarter; at < std::min((i + 1) * quarter, bytes + 63); at += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+      }
       for (int p = 0; p < NP; ++p) {
         const B64 packed = bload(block + p * block_bytes + i * 64);
-        lo[p] = blow(packed);
-        hi[p] = bhigh(packed);
-        if constexpr (bits == 5) {
-          lo[p] = bmerge(lo[p], bshift(plane[p][0], 4 - 2 * i), 0x10);
-          hi[p] = bmerge(hi[p], bshift(plane[p][0], 3 - 2 * i), 0x10);
-        } else if constexpr (bits == 6) {
-          const B64 h = plane[p][i / 2];
-          lo[p] = bmerge(lo[p], bshift(h, 4 - 4 * (i % 2)), 0x30);
-          hi[p] = bmerge(hi[p], bshift(h, 2 - 4 * (i % 2)), 0x30);
+        if constexpr (bits > 4) {
+          lo[p] = bjoin<bits>(packed, plane[p], 2 * i);
+          hi[p] = bjoin<bits>(bshift(packed, -4), plane[p], 2 * i + 1);
+        } else {
+          lo[p] = blow(packed);
+          hi[p] = bhigh(packed);
         }
       }
       for (int r = 0; r < MR; ++r) {
