@@ -110,7 +110,7 @@ template <int BITS>
 static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
   // vgf2p8affineqb: bit i of each byte = parity of (byte 7 - i of the matrix) & the byte, so byte 3 (2) of the
   // matrix picks the bit that lands in bit 4 (5), and every other bit comes out clear: one instruction where a shift
-  // needed a mask
+  // needed a mask (and a run-time count: Q5_0, 576 x 1024 in L2 on one thread, 6.3 -> 5.5 µs; AMD EPYC)
   const int low = BITS == 5 ? c : 2 * (c % 4);
   const uint64_t matrix = (uint64_t{1} << low << 24) | (BITS == 6 ? uint64_t{2} << low << 16 : 0);
   const __m512i high = _mm512_gf2p8affine_epi64_epi8(plane[BITS == 5 ? 0 : c / 4].r, _mm512_set1_epi64(matrix), 0);
@@ -177,11 +177,13 @@ static Buffer<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int th
 
 // ---- the tiles ---------------------------------------------------------------------------------------------------
 
-// A one-row tile's cache hints (int8_blocks.h's, for these formats): its own panels' block kOneRowAhead blocks on, about
-// 11 KB of a group ahead, asked for a quarter at a time among the quants' loads rather than all at the block's start.
-// SmolLM2's gate_up (576 x 3072) in Q5_0 from memory on 2 threads, median of 600 (AMD EPYC): 15.2 -> 13.9 µs spread
-// at 3 blocks as before, 13.0 at 4 (with bjoin's vgf2p8affineqb; alone it gives 14.9), 13.0-13.2 at 6, slower at 5.
-// Hints per load, or a second far one into L2, were slower (17 µs).
+// A one-row tile's cache hints (int8_blocks.h's, for these formats): its own panels' block kOneRowAhead blocks on,
+// about 11 KB of a group ahead, asked for a quarter at a time among the quants' loads rather than all at the block's
+// start.
+// SmolLM2's gate_up (576 x 3072) in Q5_0 from memory on 2 threads, median of 600 (AMD EPYC, with bjoin's
+// vgf2p8affineqb, which alone gave 15.2 -> 14.9 µs): spread 13.8 at 3 blocks as before, 13.0 at 4, 13.1 at 6 (5
+// slower in a step's 121 matmuls); all at the block's start 14.9; hints per load, or a far one into L2, 17 µs.
+// docs/benchmarks.md: in a decode step the L3 then keeps less of the lm_head, and the step is no faster.
 template <int32_t F>
 constexpr int64_t kOneRowAhead = std::max(kRowAhead, 11264 / (kGroupPanels * kquant_block_bytes(F)));
 
