@@ -337,8 +337,8 @@ static inline const uint8_t* group_head(const PanelGroup& g, int64_t b, int64_t 
 // - Q8_0 and Q4_1 ask kAheadBytes of a group on (kInt8Ahead blocks, at least kRowAhead): about 10 KB in flight a
 //   thread. Q4_1 4 blocks (10 KB) rather than 2: SmolLM2's 120 one-row Q4_1 matmuls of a step from memory on 2
 //   threads, best of 6 alternating runs, 849 -> 808 µs (5 and 6 alike, 8 slower); Q8_0 stays at 2 (8.7 KB): its
-//   lm_head (49152 x 576) from memory, 568 µs at 2 blocks, 675 at 3, 622 at 4 (AMD EPYC). The k-quant tiles
-//   ask as far ahead in bytes (kquant_blocks.h).
+//   lm_head (49152 x 576) from memory, 568 µs at 2 blocks, 675 at 3, 622 at 4 (AMD EPYC). The k-quant one-row
+//   tiles ask about 11 KB on, a quarter of a block at a time (kquant_blocks.h's kOneRowAhead).
 // - In groups of panels, a group's first row tile of several also asks for its own blocks ahead: nothing asked for
 //   a claim's first group, and a few rows' claims hold few groups (8 rows: down's 9 a thread). The 120 matmuls at
 //   8 rows, best of 6: 2072 -> 1983 µs; 4 to 32 rows 3-5% faster.
