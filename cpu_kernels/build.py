@@ -49,8 +49,8 @@ TARGETS = {
     "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c"),
 }
 """Builds: the CPU at hand, or a narrower instruction set (to show that every build computes the same bits): AVX-512
-and AVX2 without their 8-bit dot products (VNNI) or GFNI (kquant_blocks.h's bit joins: as AVX-512 CPUs before Ice Lake
-and AMD's before Zen 4 have neither), and AVX2 with AVX-VNNI's (and GFNI, where the CPU has it)."""
+and AVX2 without their 8-bit dot products (VNNI) or GFNI (kquant_blocks.h's bit joins: Intel's AVX-512 CPUs before Ice
+Lake and AMD's CPUs before Zen 4 have no GFNI), and AVX2 with AVX-VNNI's (and GFNI, where the CPU has it)."""
 TARGET_NEEDS = {"avx512": "avx512bw", "avx2-vnni": "avx_vnni", "avx2": "avx2"}
 """The CPU flag (as /proc/cpuinfo names it) each narrower build needs to run; the scalar build runs anywhere."""
 
