@@ -358,7 +358,9 @@ static inline void prefetch_bytes(const uint8_t* p) {
 // integer sums, then per panel and row the block's float steps, int8_tile's loop body to the operation (for the
 // streamed rows below). int8_tile keeps its own copy: built on this step, GCC 12's code for its tiles changed, and
 // the Q8_0 lm_head at 8 rows from memory went 394 -> 442 µs (4 rows 303 -> 261; the 120 Q4_1 matmuls at 8 rows
-// +1-2%; AMD EPYC). The invariance tests hold both to the same bits.
+// +1-2%; AMD EPYC; re-measured in the session after, seq.cpp/lmh.cpp alternating 3 times: 4 and 8 rows +1.5-3%, the
+// lm_head +1-4%, and the tile's hints passed in as a callback 20-40% slower). The invariance tests hold both to the
+// same bits.
 template <int32_t F, int MR, int NP>
 static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP], const QuantizedRows& x, int64_t row,
                                                              const uint8_t* block, int64_t b) {

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 BLOCK_TOKENS_PER_FORWARD = 48
 """The tokens a decode forward takes (pending and drafts over the batch) when its weights are GGUF blocks. Their rows
-cost compute, not weight reads (a k = 8 extend ~2.3x a decode step), so no row is free (``row_multiple`` 1); but the
+cost compute, not weight reads (a k = 8 extend ~2x a decode step), so no row is free (``row_multiple`` 1: a second row
+of Q8_0 or Q4_1 costs ~1.09x since it streams with the first, but taking it free, with a one-token guess where no
+source drafts, measured no faster at C = 1, docs/benchmarks.md); but the
 grammar's drafts, right 0.96-1.00 of the time in batches, pay for their rows at any batch size measured. Chosen with
 ``BLOCK_LOOKUP_MAX_BATCH`` by ``bench_serving.py --concurrency 1 8 32 --temperature 0`` over budgets of 8, 24, 32
 and 48 (docs/benchmarks.md)."""
