@@ -13,8 +13,9 @@ terminated) is the minimum, because every state reachable in fewer tokens was ex
 
 It assumes what byte-level engines guarantee: a token is accepted exactly when its bytes are, one by one, and leads
 to the state they lead to (checked at the end: the path returned is walked). It gives up (None) beyond
-``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps, a byte path longer than ``MAX_PATH_BYTES``,
-``MAX_SEARCH_SECONDS`` or its caller's deadline, and where a state it meets has no key.
+``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps, ``MAX_SEARCH_STEPS`` grammar steps, a byte path longer
+than ``MAX_PATH_BYTES`` or its caller's deadline (a safety net for slow masks), and where a state it meets has no key.
+Its limits count work, not time, so that what it finds is the same on every machine.
 
 llguidance exposes no state (``state_key`` is None), nor do xgrammar's grammars with budgets or token terminals: for
 them, and wherever this search gives up, ``EndingSearch`` keeps its sound bound. xgrammar's keys merge less than a
@@ -39,11 +40,13 @@ MAX_TRIE_STEPS = 100_000
 more: it gets the bound."""
 MAX_PATH_BYTES = 180
 """Longest byte path from the search's start to a state it learns (outlines-core keeps 200 tokens to roll back)."""
-MAX_SEARCH_SECONDS = 0.05
-"""Longest one search runs, keys included (a state learnt costs a mask and an accept, a key and a rollback per byte it
-allows: ~1 us a byte for outlines-core, ~7 us for xgrammar, whose searches that give up reach it first: on JSON with
-whitespace, where it always does, this is what a new schema's first request pays; the exact searches that succeed
-took 1-32 ms)."""
+MAX_SEARCH_STEPS = 8000
+"""Most grammar steps one search takes: a state learnt costs its path's accepts, a mask, and an accept, a key and a
+rollback per byte it allows (~7 us a step for xgrammar on AMD EPYC Zen 5, 13-15 on Zen 3; ~1 us for outlines-core).
+The recursive EBNF of tests/backends/test_exact_ending.py needs up to ~5,000. Bounded at 50 ms before, what a search
+found depended on the machine, and with it the tokens budget steering allowed: on AMD EPYC Zen 3 greedy outputs far
+from their budget were steered that Zen 5 left alone. On JSON with whitespace, where xgrammar's searches always give
+up, this is what a new schema's first request pays."""
 
 
 @dataclass
@@ -100,17 +103,18 @@ class ExactEndingSearch:
         self.is_walkable = all(byte in self._byte_token for node in self._trie.children for byte in node)
         """Whether every byte of every piece has a token of its own (the trie's walks need it)."""
         self._scratch = allocate_bitmask(1, vocabulary.model_vocab_size, "cpu")
+        self.num_steps = 0
+        """Grammar steps the last search took."""
 
     def shortest(self, grammar: BaseGrammarObject, deadline: float = float("inf")) -> list[int] | None:
         """The fewest tokens after which ``grammar`` has terminated (the last a stop token unless it ends by
         itself), ``[]`` if it has; None where its engine exposes no state or the search gives up (its limits, or
-        ``time.perf_counter()`` past ``deadline`` or ``MAX_SEARCH_SECONDS`` when it learns a state). The state does not
-        change."""
-        deadline = min(deadline, time.perf_counter() + MAX_SEARCH_SECONDS)
+        ``time.perf_counter()`` past ``deadline`` when it learns a state). The state does not change."""
         start = grammar.state_key()
         if start is None or not self.is_walkable:
             return None
         states: dict[Hashable, _State] = {}
+        self.num_steps = 0
         reached: dict[Hashable, tuple[Hashable, int] | None] = {start: None}  # a boundary state: (previous, token)
         level = [start]
         num_trie_steps = 0
@@ -159,9 +163,12 @@ class ExactEndingSearch:
         state = states.get(key)
         if state is not None:
             return state
-        if len(states) >= MAX_EXPLORED_STATES or len(path) > MAX_PATH_BYTES or time.perf_counter() > deadline:
+        if len(states) >= MAX_EXPLORED_STATES or len(path) > MAX_PATH_BYTES or self.num_steps >= MAX_SEARCH_STEPS:
+            return None
+        if time.perf_counter() > deadline:  # a safety net for slow masks
             return None
         state = states[key] = _State(path)
+        self.num_steps += 1 + len(path)
         for token in path:
             grammar.accept_token(token)
         try:
@@ -174,6 +181,7 @@ class ExactEndingSearch:
             for byte, token in self._byte_token.items():
                 if not _is_set(row, token):
                     continue
+                self.num_steps += 1
                 grammar.accept_token(token)
                 try:
                     after = grammar.state_key()
