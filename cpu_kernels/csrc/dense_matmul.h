@@ -46,16 +46,18 @@ static inline int64_t panel_bytes(int32_t format, int64_t K) {
   }
 }
 
-// A tile's accumulators into y: row r's panel p to columns 16p.., the first `cols` columns of the tile only.
+// A tile's accumulators into y: row r's panel p to columns p * panel_columns.. (16p.. where its panels lie side by
+// side), `cols` columns in all: every panel whole but perhaps the last.
 template <int MR, int NP>
-static inline void store_tile(const V16 (&acc)[MR][NP], float* y, int64_t ldy, int cols) {
+static inline void store_tile(const V16 (&acc)[MR][NP], float* y, int64_t ldy, int cols,
+                              int64_t panel_columns = kLanes) {
   alignas(64) float out[kLanes];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) {
       const int n = std::min(kLanes, cols - p * kLanes);
       if (n <= 0) break;
       vstore(out, acc[r][p]);
-      memcpy(y + r * ldy + p * kLanes, out, n * sizeof(float));
+      memcpy(y + r * ldy + p * panel_columns, out, n * sizeof(float));
     }
 }
 
@@ -123,6 +125,28 @@ static void for_each_row_span(int64_t N, int threads, const Tile& tile) {
         const int64_t column = panel * kLanes;
         tile(1, static_cast<int>(stop - panel), 0, panel, column,
              static_cast<int>(std::min<int64_t>((stop - panel) * kLanes, N - column)));
+      }
+    }
+  });
+}
+
+// One row's tiles where a build keeps one panel a group (AVX2, scalar): each thread's span of for_each_row_span, in
+// tiles of up to NP panels spread over it, panel p of a tile `stride` panels on from its first, so that a thread
+// reads NP streams at once. tile(panels_here, panel, stride, cols): the tile's first panel, its panels' distance
+// and their columns in all. One stream a thread left AMD EPYC Zen 3's memory half idle (docs/benchmarks.md).
+template <int NP, class Tile>
+static void for_each_spread_span(int64_t N, int threads, const Tile& tile) {
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  const int64_t spans = std::min<int64_t>(std::max(threads, 1), num_panels);
+  parallel_for(spans, 1, threads, [&](int64_t first, int64_t last) {
+    for (int64_t span = first; span < last; ++span) {
+      const int64_t start = num_panels * span / spans, end = num_panels * (span + 1) / spans;
+      const int64_t stride = (end - start + NP - 1) / NP;
+      for (int64_t panel = start; panel < start + stride; ++panel) {
+        const int64_t here = std::min<int64_t>(NP, (end - panel + stride - 1) / stride);
+        const int64_t last_column = (panel + (here - 1) * stride) * kLanes;
+        tile(static_cast<int>(here), panel, stride,
+             static_cast<int>((here - 1) * kLanes + std::min<int64_t>(kLanes, N - last_column)));
       }
     }
   });

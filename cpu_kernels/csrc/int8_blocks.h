@@ -71,6 +71,15 @@ static inline I16 dot_s(I16 acc, B64 w, B64 s) {  // |w| * (s with w's sign)
   return dot_u(acc, {_mm512_abs_epi8(w.r)}, {signed_s});
 }
 static const char* const kDotIsa = "avx512";
+#define INT8_WORD_SUMS 1
+struct W32 {
+  __m512i r;
+};
+static inline W32 wstart(I16) { return {_mm512_setzero_si512()}; }
+static inline W32 wdot(W32 w, B64 u, B64 s) { return {_mm512_add_epi16(w.r, _mm512_maddubs_epi16(u.r, s.r))}; }
+static inline I16 wend(I16 acc, W32 w) {
+  return {_mm512_add_epi32(acc.r, _mm512_madd_epi16(w.r, _mm512_set1_epi16(1)))};
+}
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct B64 {
@@ -126,6 +135,20 @@ static inline I16 dot_s(I16 acc, B64 w, B64 s) {
           dot_u8(acc.hi, _mm256_abs_epi8(w.hi), _mm256_sign_epi8(s.hi, w.hi))};
 }
 static const char* const kDotIsa = "avx2";
+#define INT8_WORD_SUMS 1
+struct W32 {
+  __m256i lo, hi;
+};
+static inline W32 wstart(I16) { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline W32 wdot(W32 w, B64 u, B64 s) {
+  return {_mm256_add_epi16(w.lo, _mm256_maddubs_epi16(u.lo, s.lo)),
+          _mm256_add_epi16(w.hi, _mm256_maddubs_epi16(u.hi, s.hi))};
+}
+static inline I16 wend(I16 acc, W32 w) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(w.lo, ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(w.hi, ones))};
+}
 #endif
 #else
 struct B64 {
@@ -176,6 +199,22 @@ static inline I16 dot_s(I16 acc, B64 w, B64 s) {
 }
 static const char* const kDotIsa = "scalar";
 #endif
+
+// Sums of unsigned quants u times x, between wstart(acc) and wend(acc, w): w = wdot(w, u, x) per product. Builds
+// without VNNI keep vpmaddubsw's pair sums as 16-bit words there and widen them with one vpmaddwd at wend, rather
+// than one per product (the multiply ports are what a row's tiles wait on: AVX2 on AMD EPYC Zen 3); the others add
+// into the int32 sums directly. Exact while the words cannot overflow: u < 2^bits and |x| <= 128 give a pair sum of
+// at most 2 * (2^bits - 1) * 128, so kWordDots<bits> products between widenings (8 for 4-bit quants, 4 for 5-bit, 2
+// for 6-bit): the same integers as dot_u's. AVX2 on AMD EPYC Zen 3, SmolLM2's 16 matmuls of 4 layers at 64 rows on 2
+// threads, medians of 5 interleaved rounds: Q4_1 11.7 -> 11.2 ms, Q5_0 15.4 -> 13.3 (one row: docs/benchmarks.md).
+#ifndef INT8_WORD_SUMS
+using W32 = I16;
+static inline W32 wstart(I16 acc) { return acc; }
+static inline W32 wdot(W32 w, B64 u, B64 s) { return dot_u(w, u, s); }
+static inline I16 wend(I16, W32 w) { return w; }
+#endif
+template <int bits>
+constexpr int kWordDots = 32767 / (2 * ((1 << bits) - 1) * 128);
 
 // 16 integral floats in [-127, 127] to int8
 static inline void vstore_i8(int8_t* p, V16 a) {
@@ -300,11 +339,21 @@ constexpr int64_t kGroupPanels = 8;
 constexpr int64_t kGroupPanels = 1;
 #endif
 
-// A tile's panels: `width` panels from `base` on, the tile's first one `first` of them.
+// A tile's panels: `width` panels from `base` on, the tile's first one `first` of them. A spread tile's panels
+// (for_each_spread_span) lie `spread` panels apart, `spread_bytes` from one to the next; the others' side by side.
 struct PanelGroup {
   const uint8_t* base;
   int64_t width, first;
+  int64_t spread = 0, spread_bytes = 0;
 };
+
+// Where the tile's panel p has what its first panel has at `first`: `unit` bytes on per panel in a group.
+static inline const uint8_t* tile_panel(const PanelGroup& g, const uint8_t* first, int p, int64_t unit) {
+  return first + p * (g.spread != 0 ? g.spread_bytes : unit);
+}
+
+// Columns from one of the tile's panels' outputs to the next.
+static inline int64_t tile_columns(const PanelGroup& g) { return g.spread != 0 ? g.spread * kLanes : kLanes; }
 
 // The group holding `panel` of a weight of `num_panels` panels of `pbytes` each.
 static inline PanelGroup panel_group(const uint8_t* packed, int64_t pbytes, int64_t num_panels, int64_t panel) {
@@ -380,6 +429,9 @@ static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP],
       }
     }
   } else {
+    W32 w[MR][NP];  // 8 products of 4-bit quants: one widening
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NP; ++p) w[r][p] = wstart(s[r][p]);
     for (int i = 0; i < 4; ++i) {
       B64 lo[NP], hi[NP];
       for (int p = 0; p < NP; ++p) {
@@ -389,9 +441,11 @@ static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP],
       }
       for (int r = 0; r < MR; ++r) {
         const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
-        for (int p = 0; p < NP; ++p) s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+        for (int p = 0; p < NP; ++p) w[r][p] = wdot(wdot(w[r][p], lo[p], x_lo), hi[p], x_hi);
       }
     }
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < NP; ++p) s[r][p] = wend(s[r][p], w[r][p]);
   }
   constexpr int64_t scales_at = F == kQ8_0 ? 8 * 64 : 4 * 64;
   for (int p = 0; p < NP; ++p) {
@@ -423,7 +477,9 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < NP; ++p) s[r][p] = izero();
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
-    const uint8_t* block = group_block(g, b, 0, block_bytes, 1);  // panel p's block: p * block_bytes on
+    const uint8_t* block = group_block(g, b, 0, block_bytes, 1);
+    const uint8_t* panel_block[NP];
+    for (int p = 0; p < NP; ++p) panel_block[p] = tile_panel(g, block, p, block_bytes);
     if constexpr (MR > 1) {
       prefetch_bytes<NP * block_bytes>(group_block(next, b, 0, block_bytes, 1));
       if (kGroupPanels > 1 && row == 0)
@@ -433,29 +489,34 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
     if constexpr (F == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         B64 w[NP];
-        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(block + p * block_bytes + i * 64));
+        for (int p = 0; p < NP; ++p) w[p] = bsigned(bload(panel_block[p] + i * 64));
         for (int r = 0; r < MR; ++r) {
           const B64 xv = bbroadcast4(xq + r * K + 4 * i);
           for (int p = 0; p < NP; ++p) s[r][p] = dot_s(s[r][p], w[p], xv);
         }
       }
     } else {
+      W32 w[MR][NP];  // 8 products of 4-bit quants: one widening
+      for (int r = 0; r < MR; ++r)
+        for (int p = 0; p < NP; ++p) w[r][p] = wstart(s[r][p]);
       for (int i = 0; i < 4; ++i) {
         B64 lo[NP], hi[NP];
         for (int p = 0; p < NP; ++p) {
-          const B64 packed = bload(block + p * block_bytes + i * 64);
+          const B64 packed = bload(panel_block[p] + i * 64);
           lo[p] = blow(packed);
           hi[p] = bhigh(packed);
         }
         for (int r = 0; r < MR; ++r) {
           const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
-          for (int p = 0; p < NP; ++p) s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+          for (int p = 0; p < NP; ++p) w[r][p] = wdot(wdot(w[r][p], lo[p], x_lo), hi[p], x_hi);
         }
       }
+      for (int r = 0; r < MR; ++r)
+        for (int p = 0; p < NP; ++p) s[r][p] = wend(s[r][p], w[r][p]);
     }
     constexpr int64_t scales_at = F == kQ8_0 ? 8 * 64 : 4 * 64;
     for (int p = 0; p < NP; ++p) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + p * block_bytes + scales_at);
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(panel_block[p] + scales_at);
       const V16 d = vfrom_f16(scales);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (row + r) * nblocks + b;
@@ -469,7 +530,7 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
       }
     }
   }
-  store_tile<MR, NP>(acc, y, ldy, cols);
+  store_tile<MR, NP>(acc, y, ldy, cols, tile_columns(g));
 }
 
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
@@ -596,12 +657,36 @@ static void with_block_tile(int64_t M, int64_t N, int threads, const Groups& gro
   groups(Int<kInt8MR>(), Int<kInt8NP>());
 }
 
+// One row where a build keeps one panel a group (kGroupPanels 1: AVX2, scalar): tiles of up to kSpreadPanels panels
+// spread over each thread's span (for_each_spread_span); rows(panels_here, group, y at the tile's first column, cols).
+// AMD EPYC Zen 3 (AVX2), SmolLM2's 120 one-row Q4_1 matmuls of a step from memory on 2 threads, min / medians of
+// three runs of 5-10 interleaved rounds on a busy machine: one panel a tile 2,840 / 3,432-3,975 µs; 2 spread 2,155 /
+// 2,657-2,711; 3 1,974 / 2,440-2,707; 4 2,052 / 2,675-2,811. Q8_0 and its lm_head alike; Q5_0's medians within
+// the noise. One thread, 3 spread: Q4_1 5,416 / 5,755 -> 3,254 / 4,116, Q5_0 6,353 / 6,616 -> 4,350 / 4,567.
+constexpr int kSpreadPanels = 3;
+template <class Rows>
+static void spread_tiles(const uint8_t* packed, int64_t pbytes, int64_t N, float* y, int threads, const Rows& rows) {
+  const int64_t num_panels = (N + kLanes - 1) / kLanes;
+  for_each_spread_span<kSpreadPanels>(N, threads, [&](int here, int64_t panel, int64_t stride, int cols) {
+    PanelGroup g = panel_group(packed, pbytes, num_panels, panel);
+    g.spread = stride, g.spread_bytes = stride * pbytes;
+    rows(here, g, y + panel * kLanes, cols);
+  });
+}
+
 // y[M, N] = x[M, K] @ W.T for block weights: x quantised, then the tiles.
 static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                         int64_t N, float* y, int64_t ldy, int threads) {
   QuantizedRows quantized;
   quantize_rows(x, M, K, ldx, threads, &quantized);
   const auto shapes = [&](auto f) {
+    constexpr int32_t F = decltype(f)::value;
+    if constexpr (kGroupPanels == 1)
+      if (M == 1)
+        return spread_tiles(packed, quantized.nblocks * int8_block_bytes(F), N, y, threads,
+                            [&](int here, const PanelGroup& g, float* at, int cols) {
+                              int8_rows<F, 1, kSpreadPanels>(1, here, quantized, 0, g, g, at, ldy, cols);
+                            });
     with_block_tile(M, N, threads, [&](auto mr, auto np) {
       int8_groups<decltype(f)::value, decltype(mr)::value, decltype(np)::value>(quantized, M, packed, N, y, ldy,
                                                                                 threads);

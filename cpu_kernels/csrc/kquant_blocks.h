@@ -201,9 +201,11 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vzero();
   for (int64_t b = 0; b < nblocks; ++b) {
-    // panel p's head and block: p * head_bytes and p * block_bytes on
     const uint8_t* head = group_head(g, b, head_bytes, block_bytes, per_super);
     const uint8_t* block = group_block(g, b, head_bytes, block_bytes, per_super);
+    const uint8_t *panel_head[NP], *panel_block[NP];
+    for (int p = 0; p < NP; ++p)
+      panel_head[p] = tile_panel(g, head, p, head_bytes), panel_block[p] = tile_panel(g, block, p, block_bytes);
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
     if constexpr (kHinted<MR>) {
       // several rows: the next group's block (int8_blocks.h); one row: its own block kOneRowAhead on, a quarter of
@@ -221,8 +223,15 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
     B64 plane[NP][2];
     if constexpr (bits > 4)
       for (int p = 0; p < NP; ++p)
-        for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(block + p * block_bytes + kQuantBytes + h * 64);
+        for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(panel_block[p] + kQuantBytes + h * 64);
+    // each i adds 2 products to s (Q6_K: 1 to s and 1 to t); widened every `widen` of i
+    constexpr int widen = kWordDots<bits> / (two_sums ? 1 : 2);
+    static_assert(widen >= 1 && 4 % widen == 0, "whole widenings per block");
+    W32 ws[MR][NP], wt[MR][NP];
     for (int i = 0; i < 4; ++i) {
+      if (i % widen == 0)
+        for (int r = 0; r < MR; ++r)
+          for (int p = 0; p < NP; ++p) ws[r][p] = wstart(s[r][p]), wt[r][p] = wstart(t[r][p]);
       B64 lo[NP], hi[NP];
       if constexpr (kHinted<MR> && MR == 1) {
         constexpr int64_t bytes = NP * block_bytes, quarter = (bytes + 255) / 256 * 64;  // whole lines
@@ -231,7 +240,7 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
           _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
       }
       for (int p = 0; p < NP; ++p) {
-        const B64 packed = bload(block + p * block_bytes + i * 64);
+        const B64 packed = bload(panel_block[p] + i * 64);
         if constexpr (bits > 4) {
           lo[p] = bjoin<bits>(packed, plane[p], 2 * i);
           hi[p] = bjoin<bits>(bshift(packed, -4), plane[p], 2 * i + 1);
@@ -244,17 +253,23 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
         const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
         for (int p = 0; p < NP; ++p) {
           if constexpr (two_sums) {
-            s[r][p] = dot_u(s[r][p], lo[p], x_lo);
-            t[r][p] = dot_u(t[r][p], hi[p], x_hi);
+            ws[r][p] = wdot(ws[r][p], lo[p], x_lo);
+            wt[r][p] = wdot(wt[r][p], hi[p], x_hi);
           } else {
-            s[r][p] = dot_u(dot_u(s[r][p], lo[p], x_lo), hi[p], x_hi);
+            ws[r][p] = wdot(wdot(ws[r][p], lo[p], x_lo), hi[p], x_hi);
           }
         }
       }
+      if (i % widen == widen - 1)
+        for (int r = 0; r < MR; ++r)
+          for (int p = 0; p < NP; ++p) {
+            s[r][p] = wend(s[r][p], ws[r][p]);
+            if constexpr (two_sums) t[r][p] = wend(t[r][p], wt[r][p]);
+          }
     }
     for (int p = 0; p < NP; ++p) {
-      const uint8_t* scales = block + p * block_bytes + kQuantBytes + (bits - 4) * 64;
-      const uint16_t* supers = reinterpret_cast<const uint16_t*>(head + p * head_bytes);
+      const uint8_t* scales = panel_block[p] + kQuantBytes + (bits - 4) * 64;
+      const uint16_t* supers = reinterpret_cast<const uint16_t*>(panel_head[p]);
       const uint16_t* halves16 = reinterpret_cast<const uint16_t*>(scales);
       const int8_t* signed_scales = reinterpret_cast<const int8_t*>(scales);
       // the weights' scale (and minimum) vectors: for the k-quants, products exact in float
@@ -284,7 +299,7 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
       }
     }
   }
-  store_tile<MR, NP>(acc, y, ldy, cols);
+  store_tile<MR, NP>(acc, y, ldy, cols, tile_columns(g));
 }
 
 // A tile of 1..MR rows and 1..NP panels, each with the code compiled for exactly that many.
@@ -318,6 +333,12 @@ static void kquant_groups(const QuantizedRows& x, const int32_t* halves, int64_t
 template <int32_t F>
 static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
                           float* y, int64_t ldy, int threads) {
+  if constexpr (kGroupPanels == 1)
+    if (M == 1)
+      return spread_tiles(packed, kquant_panel_bytes(F, x.K), N, y, threads,
+                          [&](int here, const PanelGroup& g, float* at, int cols) {
+                            kquant_rows<F, 1, kSpreadPanels>(1, here, x, halves, 0, g, g, at, ldy, cols);
+                          });
   with_block_tile(M, N, threads, [&](auto mr, auto np) {
     kquant_groups<F, decltype(mr)::value, decltype(np)::value>(x, halves, M, packed, N, y, ldy, threads);
   });
