@@ -67,12 +67,12 @@ MAX_SEARCHES = 1
 MAX_CHECK_STEPS = 300
 """Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
 kept (the plan's next token always is)."""
-MAX_SEARCH_SECONDS = 0.25
+SEARCH_SAFETY_SECONDS = 0.25
 """A safety net on the searches for a candidate's ending and for a plan kept current, for grammars whose masks are slow
 (~1 ms): everywhere else their steps (``MAX_CHECK_STEPS``) bound them, the same on every machine. Bounded at 5 and 20
 ms before, what they found depended on the machine, and with it which tokens were allowed: on AMD EPYC Zen 3 greedy
-JSON answers 20 tokens from a budget of 32 were steered (``"Bo"`` became ``"Bo1234567890"``) where Zen 5 left them
-alone, and speculation changed outputs."""
+JSON answers of 20 tokens under a budget of 32 were steered from their fifth token on (``"Bo"`` became
+``"Bo1234567890"``) where Zen 5 left them alone, and speculation changed outputs."""
 MAX_CACHED_STARTS = 1024
 """Start endings kept, by constraint key (and as many keys' known endings)."""
 MAX_GROWTH = 64
@@ -231,7 +231,7 @@ class BudgetSteering:
         if found is None and not plan.search_failed:
             self.num_searches += 1
             found = self.search.find(  # any ending will do: the walk of first moves where the steps run out
-                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_SEARCH_SECONDS
+                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=SEARCH_SAFETY_SECONDS
             )
             plan.search_failed = found is None
             if found is not None:
@@ -254,7 +254,7 @@ class BudgetSteering:
         if found is None:
             self.num_searches += 1
             found = search.find(
-                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_SEARCH_SECONDS, first_moves=False
+                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=SEARCH_SAFETY_SECONDS, first_moves=False
             )
             if found is None:
                 self.num_stale += 1
@@ -379,7 +379,7 @@ class BudgetSteering:
             if after is not None or num_searches >= MAX_SEARCHES:
                 return after, 0
             found = self.search.find(
-                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=MAX_SEARCH_SECONDS, first_moves=False
+                grammar, MAX_CHECK_STEPS, ascii_only=True, max_seconds=SEARCH_SAFETY_SECONDS, first_moves=False
             )
             return (found if found is not None and len(found) <= budget else None), 1
         finally:

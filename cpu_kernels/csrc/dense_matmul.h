@@ -109,45 +109,46 @@ static void run_rows(int rows, int panels_here, int32_t format, const float* x, 
   tile_dense<MR, NP>(format, x, ldx, panels, pbytes, K, y, ldy, cols);
 }
 
-// One row's tiles: each thread one span of consecutive panels, the spans even to a panel, in one claim (a claim and
-// its completion are two atomics on lines both threads write; a one-row matmul is a few µs, and ~15 claims made two
-// threads slower than one on SmolLM2's q/k/v and o_proj: docs/benchmarks.md). A span's tiles hold up to NP panels
-// and never cross a multiple of NP, where the block formats' groups of panels start (int8_blocks.h).
-template <int NP, class Tile>
-static void for_each_row_span(int64_t N, int threads, const Tile& tile) {
+// One row's split of N columns' panels among the threads: each thread one span of consecutive panels, the spans even
+// to a panel, in one claim (a claim and its completion are two atomics on lines both threads write; a one-row matmul
+// is a few µs, and ~15 claims made two threads slower than one on SmolLM2's q/k/v and o_proj: docs/benchmarks.md).
+// span(start, end) on each thread's panels [start, end).
+template <class Span>
+static void for_each_thread_span(int64_t N, int threads, const Span& span) {
   const int64_t num_panels = (N + kLanes - 1) / kLanes;
   const int64_t spans = std::min<int64_t>(std::max(threads, 1), num_panels);
   parallel_for(spans, 1, threads, [&](int64_t first, int64_t last) {
-    for (int64_t span = first; span < last; ++span) {
-      const int64_t end = num_panels * (span + 1) / spans;
-      for (int64_t panel = num_panels * span / spans, stop; panel < end; panel = stop) {
-        stop = std::min(end, (panel / NP + 1) * NP);
-        const int64_t column = panel * kLanes;
-        tile(1, static_cast<int>(stop - panel), 0, panel, column,
-             static_cast<int>(std::min<int64_t>((stop - panel) * kLanes, N - column)));
-      }
+    for (int64_t i = first; i < last; ++i) span(num_panels * i / spans, num_panels * (i + 1) / spans);
+  });
+}
+
+// One row's tiles over each thread's span (for_each_thread_span). A span's tiles hold up to NP panels and never cross
+// a multiple of NP, where the block formats' groups of panels start (int8_blocks.h).
+template <int NP, class Tile>
+static void for_each_row_span(int64_t N, int threads, const Tile& tile) {
+  for_each_thread_span(N, threads, [&](int64_t start, int64_t end) {
+    for (int64_t panel = start, stop; panel < end; panel = stop) {
+      stop = std::min(end, (panel / NP + 1) * NP);
+      const int64_t column = panel * kLanes;
+      tile(1, static_cast<int>(stop - panel), 0, panel, column,
+           static_cast<int>(std::min<int64_t>((stop - panel) * kLanes, N - column)));
     }
   });
 }
 
-// One row's tiles where a build keeps one panel a group (AVX2, scalar): each thread's span of for_each_row_span, in
+// One row's tiles where a build keeps one panel a group (AVX2, scalar): each thread's span (for_each_thread_span) in
 // tiles of up to NP panels spread over it, panel p of a tile `stride` panels on from its first, so that a thread
 // reads NP streams at once. tile(panels_here, panel, stride, cols): the tile's first panel, its panels' distance
 // and their columns in all. One stream a thread left AMD EPYC Zen 3's memory half idle (docs/benchmarks.md).
 template <int NP, class Tile>
 static void for_each_spread_span(int64_t N, int threads, const Tile& tile) {
-  const int64_t num_panels = (N + kLanes - 1) / kLanes;
-  const int64_t spans = std::min<int64_t>(std::max(threads, 1), num_panels);
-  parallel_for(spans, 1, threads, [&](int64_t first, int64_t last) {
-    for (int64_t span = first; span < last; ++span) {
-      const int64_t start = num_panels * span / spans, end = num_panels * (span + 1) / spans;
-      const int64_t stride = (end - start + NP - 1) / NP;
-      for (int64_t panel = start; panel < start + stride; ++panel) {
-        const int64_t here = std::min<int64_t>(NP, (end - panel + stride - 1) / stride);
-        const int64_t last_column = (panel + (here - 1) * stride) * kLanes;
-        tile(static_cast<int>(here), panel, stride,
-             static_cast<int>((here - 1) * kLanes + std::min<int64_t>(kLanes, N - last_column)));
-      }
+  for_each_thread_span(N, threads, [&](int64_t start, int64_t end) {
+    const int64_t stride = (end - start + NP - 1) / NP;
+    for (int64_t panel = start; panel < start + stride; ++panel) {
+      const int64_t here = std::min<int64_t>(NP, (end - panel + stride - 1) / stride);
+      const int64_t last_column = (panel + (here - 1) * stride) * kLanes;
+      tile(static_cast<int>(here), panel, stride,
+           static_cast<int>((here - 1) * kLanes + std::min<int64_t>(kLanes, N - last_column)));
     }
   });
 }
