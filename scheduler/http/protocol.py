@@ -103,7 +103,7 @@ def _openai_wording(problem: Any, where: str, same_field: list[Any], depth: int)
         return f"Invalid type for {what}: expected {expected}, but got {got} instead.", "invalid_type"
     inside = [p for p in same_field if len(p["loc"]) > depth + 1]
     if inside:  # the value has the type of a member of the field's union: its problem is within the value
-        problem = inside[0]
+        problem = min(inside, key=_problem_rank)
         where = ".".join(str(part) for part in problem["loc"] if not _is_union_member(part))
     kind = problem["type"]
     if kind == "missing":
@@ -111,6 +111,17 @@ def _openai_wording(problem: Any, where: str, same_field: list[Any], depth: int)
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {where}", "unknown_parameter"
     return f"{where or 'body'}: {problem['msg']}", None
+
+
+_RANKED_KINDS = ("literal_error", *_EXPECTED_TYPES, "missing")
+"""Which of a value's problems its message names: the wrong tag of a tagged part first (a part of another kind
+then also lacks fields and has unknown ones), then a wrong type, then a missing field; pydantic's own order of
+them differs between its releases (2.13 reports an unknown field of the part before its tag)."""
+
+
+def _problem_rank(problem: Any) -> int:
+    kind = problem["type"]
+    return _RANKED_KINDS.index(kind) if kind in _RANKED_KINDS else len(_RANKED_KINDS)
 
 
 def json_type_name(value: Any) -> str:
