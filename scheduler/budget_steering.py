@@ -68,11 +68,11 @@ MAX_CHECK_STEPS = 300
 """Steps a candidate's search may take (``EndingSearch.find``); a candidate whose ending it does not find is not
 kept (the plan's next token always is)."""
 SEARCH_SAFETY_SECONDS = 0.25
-"""A safety net on the searches for a candidate's ending and for a plan kept current, for grammars whose masks are slow
-(~1 ms): everywhere else their steps (``MAX_CHECK_STEPS``) bound them, the same on every machine. Bounded at 5 and 20
-ms before, what they found depended on the machine, and with it which tokens were allowed: on AMD EPYC Zen 3 greedy
-JSON answers of 20 tokens under a budget of 32 were steered from their fifth token on (``"Bo"`` became
-``"Bo1234567890"``) where Zen 5 left them alone, and speculation changed outputs."""
+"""A safety net on the searches for a candidate's ending and for a plan kept current, in CPU seconds, for grammars
+whose masks are slow (~1 ms): everywhere else their steps (``MAX_CHECK_STEPS``) bound them, the same on every machine.
+Bounded at 5 and 20 ms before, what they found depended on the machine, and with it which tokens were allowed: on AMD
+EPYC Zen 3 greedy JSON answers of 20 tokens under a budget of 32 were steered from their fifth token on (``"Bo"``
+became ``"Bo1234567890"``) where Zen 5 left them alone, and speculation changed outputs."""
 MAX_CACHED_STARTS = 1024
 """Start endings kept, by constraint key (and as many keys' known endings)."""
 MAX_GROWTH = 64

@@ -14,8 +14,8 @@ terminated) is the minimum, because every state reachable in fewer tokens was ex
 It assumes what byte-level engines guarantee: a token is accepted exactly when its bytes are, one by one, and leads
 to the state they lead to (checked at the end: the path returned is walked). It gives up (None) beyond
 ``MAX_EXPLORED_STATES`` states, ``MAX_TRIE_STEPS`` trie steps, ``MAX_SEARCH_STEPS`` grammar steps, a byte path longer
-than ``MAX_PATH_BYTES`` or its caller's deadline (a safety net for slow masks), and where a state it meets has no key.
-Its limits count work, not time, so that what it finds is the same on every machine.
+than ``MAX_PATH_BYTES`` or its caller's deadline (a safety net for slow masks, on ``cpu_seconds``), and where a state it
+meets has no key. Its limits count work, not time, so that what it finds is the same on every machine.
 
 llguidance exposes no state (``state_key`` is None), nor do xgrammar's grammars with budgets or token terminals: for
 them, and wherever this search gives up, ``EndingSearch`` keeps its sound bound. xgrammar's keys merge less than a
@@ -47,6 +47,13 @@ The recursive EBNF of tests/backends/test_exact_ending.py needs up to ~5,000. Bo
 found depended on the machine, and with it the tokens budget steering allowed: on AMD EPYC Zen 3 greedy outputs far
 from their budget were steered that Zen 5 left alone. On JSON with whitespace, where xgrammar's searches always give
 up, this is what a new schema's first request pays."""
+
+
+def cpu_seconds() -> float:
+    """The clock of the ending searches' safety nets: the searching thread's CPU time. A busy machine (other
+    processes, the scheduler's other threads) does not stop a search sooner, as the wall clock did: under the test
+    suite's load an exact search gave up on one run and not on the next, and servers' outputs parted."""
+    return time.thread_time()
 
 
 @dataclass
@@ -109,7 +116,7 @@ class ExactEndingSearch:
     def shortest(self, grammar: BaseGrammarObject, deadline: float = float("inf")) -> list[int] | None:
         """The fewest tokens after which ``grammar`` has terminated (the last a stop token unless it ends by
         itself), ``[]`` if it has; None where its engine exposes no state or the search gives up (its limits, or
-        ``time.perf_counter()`` past ``deadline`` when it learns a state). The state does not change."""
+        ``cpu_seconds()`` past ``deadline`` when it learns a state). The state does not change."""
         start = grammar.state_key()
         if start is None or not self.is_walkable:
             return None
@@ -165,7 +172,7 @@ class ExactEndingSearch:
             return state
         if len(states) >= MAX_EXPLORED_STATES or len(path) > MAX_PATH_BYTES or self.num_steps >= MAX_SEARCH_STEPS:
             return None
-        if time.perf_counter() > deadline:  # a safety net for slow masks
+        if cpu_seconds() > deadline:  # a safety net for slow masks
             return None
         state = states[key] = _State(path)
         self.num_steps += 1 + len(path)

@@ -19,7 +19,6 @@ path returned was walked through the grammar, so a budget kept at or above its l
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import numpy
 
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.cache.vocabulary import TokenizerVocabulary
-from sglang_constrained.endings.exact import ExactEndingSearch
+from sglang_constrained.endings.exact import ExactEndingSearch, cpu_seconds
 from sglang_constrained.errors import TokenRejectedError
 from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 
@@ -39,8 +38,9 @@ MAX_STATES = 20_000
 bounds it first wherever a mask is slow. The four bounds were chosen on MaskBench's schemas searched from their start
 (docs/benchmarks.md): few searches give up, none runs past the deadline."""
 MAX_SEARCH_SECONDS = 1.0
-"""Longest one search runs (it runs in the scheduler's loop): a step's mask costs what the grammar's mask costs, and
-some grammars' masks are slow (xgrammar's string of ``maxLength`` 255, MaskBench's o58909)."""
+"""Most CPU time one search spends (``cpu_seconds``: it runs in the scheduler's loop): a step's mask costs what the
+grammar's mask costs, and some grammars' masks are slow (xgrammar's string of ``maxLength`` 255, MaskBench's
+o58909)."""
 MAX_PIECE_BYTES = 24
 """Longest vocabulary piece used to spell an ending."""
 BEAM_WIDTH = 32
@@ -140,10 +140,10 @@ class EndingSearch:
         if grammar.is_terminated():
             return []
         if not ascii_only and grammar.state_key() is not None:
-            exact = self._exact_search().shortest(grammar, time.perf_counter() + max_seconds / 2)
+            exact = self._exact_search().shortest(grammar, cpu_seconds() + max_seconds / 2)
             if exact is not None and self.finishes(grammar, exact):
                 return exact
-        deadline = time.perf_counter() + max_seconds
+        deadline = cpu_seconds() + max_seconds
         grammar.fill_vocab_mask(self._scratch, 0)
         stop = self._allowed_stop()
         if stop is not None:
@@ -339,7 +339,7 @@ class EndingSearch:
                 try:
                     for token in candidates:
                         num_steps += 1
-                        if num_steps > max_steps or time.perf_counter() > deadline:
+                        if num_steps > max_steps or cpu_seconds() > deadline:
                             return None
                         try:
                             grammar.accept_token(token)
@@ -383,7 +383,7 @@ class EndingSearch:
         repeats: dict[tuple[int, int], int] = {}
         grammar.fill_vocab_mask(self._scratch, 0)
         try:
-            while len(path) < MAX_ENDING_BYTES and time.perf_counter() <= deadline:
+            while len(path) < MAX_ENDING_BYTES and cpu_seconds() <= deadline:
                 moves = [t for t in self._moves() if t not in self._byte_tokens or t in self._ascii_tokens]
                 fingerprint = hash(self._scratch_bytes())
                 moves = [t for t in moves if repeats.get((fingerprint, t), 0) < MAX_REPEATS]
