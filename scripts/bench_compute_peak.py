@@ -1,15 +1,16 @@
 """The compute limits the kernels are judged against: float32 FMA, bfloat16 dot products and int8 dot products
-(VNNI), measured on this CPU with 1 thread and with every core, by chains of independent instructions that never
-touch memory.
+(VNNI; on AVX2 without it, the kernels' ``vpmaddubsw`` with 16-bit word sums, a ``vpmaddwd`` per four), measured on
+this CPU with 1 thread and with every core, by chains of independent instructions that never touch memory.
 
     python -m scripts.bench_compute_peak [--seconds 0.3] [--rounds 5]
 
 A small C++ probe is compiled for this CPU (``g++ -O3 -march=native``) into a temporary folder: per instruction,
 twelve independent accumulators (enough to hide each instruction's latency on the CPUs seen here) run the same
 instruction in a loop on as many threads as asked, each pinned to nothing. An instruction the compiler's target
-lacks (bfloat16 or VNNI on an AVX2-only CPU) is reported as absent. Printed per instruction and thread count: the best
-of ``--rounds`` runs in GFLOP/s (float) or GOP/s (int8: a multiply and an add per byte pair), beside the CPU model and
-flags. ``bench_forward.py`` prints the kernels' own rates (matmuls in GOP/s, attention in GOP/s) to set beside these.
+lacks (bfloat16 on an AVX2-only CPU, int8 dot products without AVX2) is reported as absent. Printed per instruction
+and thread count: the best of ``--rounds`` runs in GFLOP/s (float) or GOP/s (int8: a multiply and an add per byte
+pair), beside the CPU model and flags. ``bench_forward.py`` prints the kernels' own rates (matmuls in GOP/s,
+attention in GOP/s) to set beside these.
 """
 
 from __future__ import annotations
@@ -96,6 +97,28 @@ void dot_i8(long n) {
   sink_i = s;
 }
 constexpr double DOT_I8_OPS = 32 * 2;
+#elif defined(__AVX2__)
+// No VNNI: the AVX2 kernels' form (int8_blocks.h): vpmaddubsw's pair sums added as 16-bit words, one vpmaddwd
+// widening four products to 32 bits (as 4-bit weights allow).
+void dot_i8(long n) {
+  __m256i acc[CHAINS];
+  for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_set1_epi32(i);
+  const __m256i b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+  const __m256i a0 = _mm256_set1_epi8(3), a1 = _mm256_set1_epi8(5), a2 = _mm256_set1_epi8(7), a3 = _mm256_set1_epi8(9);
+  for (long k = 0; k < n; ++k)
+#pragma GCC unroll 16
+    for (int i = 0; i < CHAINS; ++i) {
+      const __m256i x = _mm256_add_epi8(b, acc[i]);  // depends on the chain: nothing is hoisted out of the loop
+      const __m256i low = _mm256_add_epi16(_mm256_maddubs_epi16(a0, x), _mm256_maddubs_epi16(a1, x));
+      const __m256i high = _mm256_add_epi16(_mm256_maddubs_epi16(a2, x), _mm256_maddubs_epi16(a3, x));
+      const __m256i words = _mm256_add_epi16(low, high);
+      acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(words, ones));
+    }
+  int lanes[8]; int s = 0;
+  for (int i = 0; i < CHAINS; ++i) { _mm256_storeu_si256((__m256i*)lanes, acc[i]); for (int v : lanes) s += v; }
+  sink_i = s;
+}
+constexpr double DOT_I8_OPS = 4 * 32 * 2;
 #else
 #define NO_DOT_I8
 #endif
