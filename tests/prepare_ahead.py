@@ -1,7 +1,8 @@
 """First-time preparations started in the background as the session starts, for the tests that need them later.
 
 On a new machine some tests first wait for work whose result the cache then keeps: the float32 weights
-de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (~8 s of compiler each),
+de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (8-55 s of compiler each;
+only those that differ from the native build, ``build.narrows_here``),
 and the any-JSON index outlines-core builds for ``json_object`` at the model's vocabulary (~7 s), which the grammar
 disk cache keeps for the in-process schedulers of ``test_speculative`` (test servers compile theirs:
 ``COLD_GRAMMARS``).
@@ -56,7 +57,7 @@ PREPARATIONS: dict[str, str] = {
 
 
 def _runs_here(name: str) -> bool:
-    return not name.endswith(" kernels") or build.runs_here(name.removesuffix(" kernels"))
+    return not name.endswith(" kernels") or build.narrows_here(name.removesuffix(" kernels"))
 
 
 class PrepareAhead:

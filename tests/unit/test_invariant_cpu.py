@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpu_kernels import library, ops, packed_weights
-from cpu_kernels.build import runs_here
+from cpu_kernels import build, library, ops, packed_weights
+from cpu_kernels.build import narrows_here
 from scheduler.server_args import ModelArgs
 from tests.helpers import THREAD_COUNTS, assert_rows_invariant
 from tests.unit.invariant_cases import (
@@ -319,14 +319,31 @@ print(json.dumps({"isa": library.isa(), "bits": bits}))
 """
 
 
+@pytest.mark.parametrize(
+    ("flags", "narrower"),
+    [
+        ({"avx2", "fma", "f16c"}, ["scalar"]),  # AMD EPYC Zen 3: its avx2 build is its native one
+        ({"avx2", "fma", "f16c", "avx_vnni", "gfni"}, ["scalar", "avx2"]),
+        ({"avx2", "fma", "f16c", "avx_vnni", "gfni", "avx512f", "avx512bw", "avx512_vnni"}, list(NARROWER_TARGETS)),
+    ],
+    ids=["avx2", "avx2-vnni-gfni", "avx512-vnni"],
+)
+def test_the_narrower_builds_are_those_that_turn_off_what_the_cpu_has(
+    flags: set[str], narrower: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
+    assert [target for target in NARROWER_TARGETS if narrows_here(target)] == narrower
+
+
 @pytest.mark.prepared_ahead(*(f"{target} kernels" for target in NARROWER_TARGETS))
 def test_every_instruction_set_computes_the_same_bits() -> None:
     """The AVX-512 and AVX2 builds, each with and without 8-bit dot products (VNNI), and the scalar build (as many
-    as this CPU runs) give identical results: lanes hold different outputs, never parts of one float sum, integer
-    sums are exact whatever instruction forms them, and the fixed reduction trees and exp polynomial are the same in
-    every build; the logits mask stores the same -inf bits, and the sampler's draws are the same.
-    So a model's outputs are the same on every CPU, not only on each."""
-    targets = ["native", *filter(runs_here, NARROWER_TARGETS)]
+    as this CPU runs, and that turn off something it has: another would be the native build again) give identical
+    results: lanes hold different outputs, never parts of one float sum, integer sums are exact whatever instruction
+    forms them, and the fixed reduction trees and exp polynomial are the same in every build; the logits mask stores
+    the same -inf bits, and the sampler's draws are the same. So a model's outputs are the same on every CPU, not only
+    on each."""
+    targets = ["native", *filter(narrows_here, NARROWER_TARGETS)]
     runs = [  # at once: each builds its library (seconds of compiler) and imports torch
         subprocess.Popen(
             [sys.executable, "-c", CROSS_ISA_SCRIPT, str(ModelArgs().kernel_build_path), target],
@@ -344,5 +361,5 @@ def test_every_instruction_set_computes_the_same_bits() -> None:
         result = json.loads(stdout.strip().splitlines()[-1])
         results[f"{target} ({result['isa']})"] = result["bits"]
     reference = results.pop("scalar (scalar)")
-    for build, bits in results.items():
-        assert bits == reference, f"the {build} build differs from the scalar build"
+    for name, bits in results.items():
+        assert bits == reference, f"the {name} build differs from the scalar build"
