@@ -21,9 +21,10 @@ from tests.prepare_ahead import PrepareAhead
 
 PREPARE_AHEAD = PrepareAhead()
 
-# The session's servers, ranks and compile processes each import the same modules. Where bytecode is not written
-# (PYTHONDONTWRITEBYTECODE, as on this project's CI machines) each compiled them from source again: ~0.5 s of CPU a
-# process (AMD EPYC Zen 3), in a session that starts a few hundred. They keep it in the cache instead of the tree.
+# The session's servers, ranks and compile processes each import the same modules. Where the environment turns
+# bytecode writes off (PYTHONDONTWRITEBYTECODE, set on the machines this suite has run on) each compiled them from
+# source again: ~0.5 s of CPU a process (AMD EPYC Zen 3), in a session that starts a few hundred. They keep the
+# bytecode in the cache instead, not in the tree.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("PYTHONPYCACHEPREFIX", str(cache_path(None) / "bytecode"))
 

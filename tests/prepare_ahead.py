@@ -56,7 +56,7 @@ PREPARATIONS: dict[str, str] = {
 """What each name prepares: a script run in a new interpreter."""
 
 
-def _runs_here(name: str) -> bool:
+def _needed_here(name: str) -> bool:
     return not name.endswith(" kernels") or build.narrows_here(name.removesuffix(" kernels"))
 
 
@@ -71,7 +71,7 @@ class PrepareAhead:
         unknown = names - PREPARATIONS.keys()
         if unknown:
             raise pytest.UsageError(f"prepared_ahead names unknown preparations {sorted(unknown)}")
-        for name in sorted(filter(_runs_here, names)):
+        for name in sorted(filter(_needed_here, names)):
             script = _LOWEST_PRIORITY + PREPARATIONS[name]
             self._started.append(
                 subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
