@@ -1,6 +1,7 @@
 """The compute limits the kernels are judged against: float32 FMA, bfloat16 dot products and int8 dot products
-(VNNI; on AVX2 without it, the kernels' ``vpmaddubsw`` with 16-bit word sums, a ``vpmaddwd`` per four), measured on
-this CPU with 1 thread and with every core, by chains of independent instructions that never touch memory.
+(VNNI; on AVX2 without it, the kernels' ``vpmaddubsw`` with 16-bit word sums, a ``vpmaddwd`` per four as 5-bit
+quants take them), measured on this CPU with 1 thread and with every core, by chains of independent instructions
+that never touch memory.
 
     python -m scripts.bench_compute_peak [--seconds 0.3] [--rounds 5]
 
@@ -99,7 +100,7 @@ void dot_i8(long n) {
 constexpr double DOT_I8_OPS = 32 * 2;
 #elif defined(__AVX2__)
 // No VNNI: the AVX2 kernels' form (int8_blocks.h): vpmaddubsw's pair sums added as 16-bit words, one vpmaddwd
-// widening four products to 32 bits (as 4-bit weights allow).
+// widening four of them to 32 bits (kWordDots<5>: 5-bit quants; 4-bit ones widen every 8, 8-bit ones every one).
 void dot_i8(long n) {
   __m256i acc[CHAINS];
   for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_set1_epi32(i);

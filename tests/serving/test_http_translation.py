@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
+import pydantic
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from scheduler.http.protocol import ChatCompletionRequest, ProtocolError, parse_body
+from scheduler.http.protocol import ChatCompletionRequest, ProtocolError, _openai_wording, parse_body
 from scheduler.http.request_conversion import RequestLimits, chat_calls
 from tests.helpers import ANSWER_TAG, COLORS, JSON_SCHEMA_FORMAT, PHONE_REGEX, QUESTION, SO, YES_NO_EBNF, YES_NO_SCHEMA
 
@@ -51,3 +53,20 @@ def test_one_constraint_is_translated_and_more_are_refused_by_name(names: set[st
     calls = chat_calls(request, "id", LIMITS)
     expected = [CONSTRAINT_SOURCES[name][1] for name in names]
     assert [call.sampling_params.constraint_fields() for call in calls] == [expected, expected]
+
+
+def test_a_part_of_the_wrong_type_is_named_by_its_type_whatever_order_pydantic_lists_its_problems() -> None:
+    """A predicted output's ``image_url`` part has a wrong tag, lacks ``text`` and has an unknown field. pydantic 2.13
+    lists the unknown field first and 2.14 the tag: the message names the tag in every order of the problems
+    (``test_bad_input_corpus`` checks the whole request on the pydantic installed, one order)."""
+    part = {"type": "image_url", "image_url": {"url": "x"}}
+    body = {"messages": QUESTION, "prediction": {"type": "content", "content": [part]}}
+    with pytest.raises(pydantic.ValidationError) as raised:
+        ChatCompletionRequest.model_validate_json(json.dumps(body))
+    field = ("prediction", "content")
+    problems = [p for p in raised.value.errors(include_url=False) if p["loc"][: len(field)] == field]
+    inside = [p for p in problems if len(p["loc"]) > len(field) + 1]
+    assert {p["type"] for p in inside} == {"literal_error", "missing", "extra_forbidden"}
+    for order in itertools.permutations(problems):
+        message, _ = _openai_wording(order[0], "prediction.content", list(order), len(field))
+        assert message.startswith("prediction.content.0.type: ") and "'text'" in message, message
