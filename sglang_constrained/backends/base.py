@@ -93,7 +93,8 @@ class BaseGrammarObject(ABC):
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """True once the grammar has accepted a stop token or can accept nothing more."""
+        """True once the grammar has accepted a stop token where it may end. Where it can take nothing but a stop
+        token it has not: the stop token is still an output token, on every backend alike."""
 
     @abstractmethod
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:

@@ -40,10 +40,13 @@ def test_rollback_restores_every_earlier_mask(backend: GuidanceBackend, tokenize
     grammar = compile_valid(backend, "json", PERSON_SCHEMA)
     tokens = tokenizer_case.encode('{"name": "Bo", "age": 7}')
     masks = walked_masks(grammar, tokenizer_case, tokens)
+    assert not grammar.is_terminated(), "the closed object still needs its stop token, as on xgrammar"
     grammar.accept_token(tokenizer_case.eos_token_ids[0])
     grammar.accept_token(tokens[0])  # after termination: ignored, yet counted by rollback
-    grammar.rollback(2)
+    grammar.rollback(1)
     assert grammar.is_terminated()
+    grammar.rollback(1)
+    assert not grammar.is_terminated()
     with pytest.raises(ValueError, match="cannot roll back"):
         grammar.rollback(len(tokens) + 1)
     for step in range(len(tokens), -1, -1):
@@ -158,12 +161,33 @@ def test_rejected_tokens_say_why_and_terminated_grammars_ignore_tokens(
     backend: GuidanceBackend, tokenizer_case: TokenizerSetup
 ) -> None:
     grammar = compile_valid(backend, "regex", "ab")
+    b = tokenizer_case.encode("b")[0]
     with pytest.raises(TokenRejectedError, match="doesn't satisfy the grammar"):
-        grammar.accept_token(tokenizer_case.encode("b")[0])
+        grammar.accept_token(b)
     with pytest.raises(TokenRejectedError, match="outside the model's vocabulary"):
         grammar.accept_token(tokenizer_case.vocab_size)
     for token in tokenizer_case.encode("ab"):
         grammar.accept_token(token)
+    assert allowed_tokens(grammar, tokenizer_case.vocab_size) == set(tokenizer_case.eos_token_ids)
+    assert not grammar.is_terminated()
+    with pytest.raises(TokenRejectedError, match="only a stop token may follow"):
+        grammar.accept_token(b)
+    grammar.accept_token(tokenizer_case.eos_token_ids[0])
     assert grammar.is_terminated()
-    grammar.accept_token(tokenizer_case.encode("b")[0])
+    grammar.accept_token(b)
     assert grammar.is_terminated()
+
+
+def test_a_stop_token_where_the_grammar_may_go_on_ends_it_and_rolls_back(
+    backend: GuidanceBackend, tokenizer_case: TokenizerSetup
+) -> None:
+    grammar = compile_valid(backend, "regex", "ab|abc")
+    for token in tokenizer_case.encode("ab"):
+        grammar.accept_token(token)
+    before = allowed_tokens(grammar, tokenizer_case.vocab_size)
+    assert set(tokenizer_case.eos_token_ids) < before and not grammar.is_terminated()
+    assert grammar.validate_tokens(tokenizer_case.eos_token_ids[:1]) == 1
+    grammar.accept_token(tokenizer_case.eos_token_ids[0])
+    assert grammar.is_terminated()
+    grammar.rollback(1)
+    assert not grammar.is_terminated() and allowed_tokens(grammar, tokenizer_case.vocab_size) == before

@@ -27,9 +27,11 @@ _SOURCE_ECHO = re.compile(r"^\d+ \|")
 class GuidanceGrammar(BaseGrammarObject):
     """The state of one request: an ``LLMatcher`` plus the bookkeeping llguidance leaves to its caller.
 
-    Tokens accepted after termination are not fed to the matcher (llguidance drops a stop token that follows a
-    stopped state from its history, so rolling it back would undo a real token); they are counted so that
-    ``rollback`` stays exact. A rejected token leaves the state unchanged.
+    The grammar terminates on a stop token, as xgrammar's and outlines' do: where llguidance's matcher has stopped
+    (it can take nothing but a stop token) the stop token is still to come, so that an output is the same tokens
+    whichever backend ``auto`` chose for it. That stop token, and any after it, are not fed to the matcher
+    (llguidance drops a stop token that follows a stopped state from its history, so rolling it back would undo a
+    real token); they are counted so that ``rollback`` stays exact. A rejected token leaves the state unchanged.
     """
 
     def __init__(self, ll_tokenizer: LLTokenizer, grammar: str, template: LLMatcher) -> None:
@@ -40,34 +42,55 @@ class GuidanceGrammar(BaseGrammarObject):
         self._matcher = template.deep_copy()
         self._vocab_size = ll_tokenizer.vocab_size
         self._rows = BitmaskRowAddresser(words_per_row(ll_tokenizer.vocab_size), "llguidance")
+        self._stop_token_ids = frozenset(ll_tokenizer.eos_tokens)
         self._num_consumed = 0
         self._num_ignored = 0
+        self._terminated_at: int | None = None
+        """How many tokens were accepted when a stop token ended the grammar (None: it has not ended)."""
 
     def accept_token(self, token: int) -> None:
         """Advance by ``token``; raises ``TokenRejectedError`` (state unchanged) if the grammar disallows it."""
         if not 0 <= token < self._vocab_size:
             raise TokenRejectedError(token, f"outside the model's vocabulary of {self._vocab_size} ids")
+        if self._terminated_at is not None:  # after the end: ignored, yet counted by rollback
+            self._num_ignored += 1
+            return
+        if self._awaits_stop():  # a stopped matcher consumes nothing, not even the stop token it allows
+            if token not in self._stop_token_ids:
+                raise TokenRejectedError(token, "the grammar has ended: only a stop token may follow")
+            self._num_ignored += 1
+            self._terminated_at = self._num_accepted
+            return
         if self._matcher.try_consume_tokens([token]) == 1:  # one call: refuses without entering the error state
             self._num_consumed += 1
-            return
-        if self.is_terminated():  # a stopped matcher consumes nothing
-            self._num_ignored += 1
+            if token in self._stop_token_ids and self._matcher.is_stopped():
+                self._terminated_at = self._num_accepted
             return
         if self._matcher.is_error():  # only resource limits get here; the matcher stays in error
             raise TokenRejectedError(token, clean_message(self._matcher.get_error()))
         raise TokenRejectedError(token, self._rejection_reason(token))
 
     def rollback(self, k: int) -> None:
-        if not 0 <= k <= self._num_consumed + self._num_ignored:
-            raise ValueError(f"cannot roll back {k} tokens: {self._num_consumed + self._num_ignored} were accepted")
+        if not 0 <= k <= self._num_accepted:
+            raise ValueError(f"cannot roll back {k} tokens: {self._num_accepted} were accepted")
         num_ignored = min(k, self._num_ignored)
         self._num_ignored -= num_ignored
         if k > num_ignored:
             self._matcher.rollback(k - num_ignored)
             self._num_consumed -= k - num_ignored
+        if self._terminated_at is not None and self._num_accepted < self._terminated_at:
+            self._terminated_at = None
+
+    @property
+    def _num_accepted(self) -> int:
+        return self._num_consumed + self._num_ignored
 
     def is_terminated(self) -> bool:
-        """True once a stop token was accepted or the grammar can take nothing but a stop token."""
+        """True once a stop token was accepted where the grammar may end."""
+        return self._terminated_at is not None
+
+    def _awaits_stop(self) -> bool:
+        """Whether the grammar can take nothing but a stop token (llguidance's matcher has stopped before one)."""
         return self._matcher.is_stopped() and not self._matcher.is_error()
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
@@ -94,7 +117,11 @@ class GuidanceGrammar(BaseGrammarObject):
 
     def validate_tokens(self, tokens: list[int]) -> int:
         in_range = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab_size), len(tokens))
-        return self._matcher.validate_tokens(tokens[:in_range]) if in_range else 0
+        if not in_range:
+            return 0
+        if self._terminated_at is None and self._awaits_stop():  # a stopped matcher validates nothing
+            return int(tokens[0] in self._stop_token_ids)
+        return self._matcher.validate_tokens(tokens[:in_range])
 
     def memory_size_bytes(self) -> int:
         """An estimate: 32 bytes per character of the serialised grammar.
