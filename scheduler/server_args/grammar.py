@@ -72,10 +72,10 @@ class GrammarArgs:
     )
     grammar_auto_allow_narrowing: bool = option(
         True,
-        "let auto choose a backend that would narrow a JSON schema (xgrammar's strict mode: objects admit only the "
-        "listed properties) when it compiles it first, as xgrammar alone does (the default: a model does not "
-        "invent keys); the grammar's stats name the narrowing. --no-grammar-auto-allow-narrowing: only backends "
-        "that enforce the schema exactly",
+        "auto closes each JSON schema as xgrammar's strict mode does (objects admit only the properties they list, "
+        "arrays only the items they describe), as xgrammar alone does (the default: a model does not invent keys), "
+        "and whichever backend compiles it enforces that exactly (one language, whichever auto chooses); the "
+        "grammar's stats name the narrowing. --no-grammar-auto-allow-narrowing: every schema enforced as written",
         action=argparse.BooleanOptionalAction,
     )
     grammar_cache_max_entries: int = option(1024)

@@ -3,11 +3,14 @@ enforces it exactly, or by whichever exact one compiles it first once the first 
 
 Every backend refuses up front, naming it, what it would otherwise ignore (``*_schema_rules.py``), and here also
 what it would narrow (``require_exact``: xgrammar writes an open object's default out and refuses arrays its
-strict mode would close, outlines refuses objects it would close; ``--grammar-auto-allow-narrowing`` lets them
-narrow, named in the grammar's stats). Such a refusal, or any other failure to compile, sends the constraint on to
-the next backend; so does slowness: a backend still compiling after ``--grammar-compile-slow-after`` seconds has
-the next one start beside it, and the first exact grammar to arrive wins (earlier backends first when both are
-in), the others being cancelled (an xgrammar compile process is killed). So ``auto`` never fails a constraint that
+strict mode would close, outlines refuses objects it would close). With ``--grammar-auto-allow-narrowing`` (the
+default) every backend first closes a JSON schema as xgrammar's strict mode would (``closes_open_schemas``), then
+enforces that exactly: the language is the same whichever backend wins (the choice, which a slow compile changes,
+changes at most how a token may split a key: llguidance allows fewer splits than xgrammar); the grammar's stats
+name the narrowing. A refusal, or any other failure to compile, sends the constraint on to the next backend; so
+does slowness: a backend still compiling after ``--grammar-compile-slow-after`` seconds has the next one start
+beside it, and the first exact grammar to arrive wins (earlier backends first when both are in), the others being
+cancelled (an xgrammar compile process is killed). So ``auto`` never fails a constraint that
 one of its backends compiles within the deadline.
 
 The choice is made once, at compile time: the grammar object cached and handed to requests is the chosen backend's
@@ -91,7 +94,8 @@ class AutoGrammarBackend(GrammarBackend):
             self.shutdown()
             raise
         for pipeline in self.backends.values():
-            pipeline.backend.require_exact = not server_args.grammar_auto_allow_narrowing
+            pipeline.backend.require_exact = True
+            pipeline.backend.closes_open_schemas = server_args.grammar_auto_allow_narrowing
         self.handover_s = server_args.grammar_compile_slow_after
         self._counts_lock = threading.Lock()
         self._num_chosen: Counter[str] = Counter()

@@ -13,6 +13,7 @@ and deadline, memory and disk caches, sharing with compile processes and replica
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -28,6 +29,7 @@ from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey, compile_method, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema.soundness import sound_json_schema, user_patterns_in
+from sglang_constrained.schema.strict_mode import close_as_strict_mode, strict_mode_narrowing
 from triton_ops.bitmask_format import VocabMaskLayout, allocate_bitmask
 from triton_ops.bitmask_ops import apply_token_bitmask_inplace
 
@@ -211,7 +213,11 @@ class GrammarBackend(ABC):
     name: str = "base"
     require_exact: bool = False
     """Compile each JSON schema exactly, or refuse it (``GrammarSpecError``) where this backend would narrow it
-    (``json_schema_narrowing``). ``auto`` sets it on its backends unless narrowing is allowed."""
+    (``json_schema_narrowing``). ``auto`` sets it on its backends."""
+    closes_open_schemas: bool = False
+    """Close each JSON schema as xgrammar's strict mode does (``close_as_strict_mode``) before compiling it exactly.
+    ``auto`` sets it on its backends while narrowing is allowed, so that its choice, which a slow compile changes,
+    changes no language: a schema is closed alike whichever backend compiles it."""
 
     def __init__(self, server_args: GrammarBackendArgs, vocab_size: int) -> None:
         self.server_args = server_args
@@ -278,6 +284,7 @@ class GrammarBackend(ABC):
             "json_disable_any_whitespace": args.constrained_json_disable_any_whitespace,
             "max_spec_bytes": self.max_spec_bytes,
             "require_exact": self.require_exact,
+            "closes_open_schemas": self.closes_open_schemas,
             "vocab_size": self.vocab_size,
         }
 
@@ -335,10 +342,20 @@ class BaseGrammarBackend(GrammarBackend):
         at the schema only."""
         return None
 
+    def compiled_narrowing(self, schema: Any) -> str | None:
+        """How the grammar this backend compiles for ``schema`` admits less than it allows (its closing first, then
+        the backend's own narrowing of what it compiles), for the grammar's stats; None when exact."""
+        if not self.closes_open_schemas:
+            return self.json_schema_narrowing(schema)
+        return strict_mode_narrowing(schema) or self.json_schema_narrowing(close_as_strict_mode(copy.deepcopy(schema)))
+
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
-        """The schema to compile for a request's ``schema``: checked (and, with ``require_exact``, refused where
-        this backend would narrow it), then its formats and patterns made sound (``originals`` receives the user's
-        text of each rewritten pattern, for messages)."""
+        """The schema to compile for a request's ``schema``: closed as strict mode closes it (with
+        ``closes_open_schemas``), checked (and, with ``require_exact``, refused where this backend would narrow it),
+        then its formats and patterns made sound (``originals`` receives the user's text of each rewritten pattern,
+        for messages)."""
+        if self.closes_open_schemas:
+            schema = close_as_strict_mode(copy.deepcopy(schema))
         self.check_json_schema(schema)
         if self.require_exact and (narrowing := self.json_schema_narrowing(schema)) is not None:
             raise GrammarSpecError(
@@ -368,7 +385,7 @@ class BaseGrammarBackend(GrammarBackend):
             grammar = InvalidGrammarObject(message)
         narrowing = None
         if schemas and not isinstance(grammar, InvalidGrammarObject):
-            narrowing = self.json_schema_narrowing(schemas[0])
+            narrowing = self.compiled_narrowing(schemas[0])
         grammar.grammar_stats = GrammarStats(
             dispatch_type=key_type, compile_time_s=time.perf_counter() - start, narrowing=narrowing
         )

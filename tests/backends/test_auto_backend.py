@@ -44,6 +44,7 @@ from sglang_constrained.base_grammar_backend import (
 )
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.errors import GrammarSpecError
+from sglang_constrained.schema.strict_mode import strict_mode_narrowing
 from sglang_constrained.testing.conformance import (
     KnownOutcomes,
     MaskBenchSweep,
@@ -53,7 +54,16 @@ from sglang_constrained.testing.conformance import (
 from sglang_constrained.testing.maskbench import MaskBenchCase, load_case
 from sglang_constrained.testing.random_walk import json_judge, walk_and_judge
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
-from tests.helpers import PERSON_SCHEMA, PRODUCT_SCHEMA, accepts_text, allowed_tokens, compile_valid, encode_exactly
+from tests.backends.conftest import BackendBuilder
+from tests.helpers import (
+    PERSON_SCHEMA,
+    PRODUCT_SCHEMA,
+    accepts_text,
+    allowed_tokens,
+    compile_grammar,
+    compile_valid,
+    encode_exactly,
+)
 from triton_ops.bitmask_format import allowed_token_ids
 
 XGRAMMAR_REFUSAL = "pattern together with minLength/maxLength"
@@ -403,9 +413,39 @@ def test_narrowing_when_allowed_is_named_in_the_stats(smollm2_tokenizer: Tokeniz
     backend.shutdown()
 
 
+NARROWED_SAMPLE = [case for case in VENDORED_CASES if strict_mode_narrowing(case.schema) is not None][::5]
+"""Every fifth vendored MaskBench schema that xgrammar's strict mode narrows (81 of 405)."""
+
+
+def test_narrowing_closes_a_schema_alike_whichever_backend_compiles_it(
+    smollm2_tokenizer: TokenizerSetup, build_backend: BackendBuilder
+) -> None:
+    """With narrowing allowed, ``auto``'s backends close each schema as strict mode would before compiling it, so
+    that a slow xgrammar compile handed over to llguidance serves the same language: each instance of the sample is
+    accepted by llguidance's grammar there exactly where xgrammar's strict mode accepts it (llguidance alone, the
+    schema as written, accepts more: the open language a hand-over served before)."""
+    closing = build_auto(smollm2_tokenizer, grammar_auto_allow_narrowing=True, grammar_backend_order=("llguidance",))
+    strict, as_written = build_backend("xgrammar", smollm2_tokenizer), build_backend("llguidance", smollm2_tokenizer)
+    compared = widened = 0
+    for case in NARROWED_SAMPLE:
+        reference, closed = compile_grammar(strict, "json", case.schema), compile_grammar(closing, "json", case.schema)
+        if isinstance(reference, InvalidGrammarObject) or isinstance(closed, InvalidGrammarObject):
+            continue
+        assert closed.grammar_stats is not None and closed.grammar_stats.narrowing == strict_mode_narrowing(case.schema)
+        open_grammar = compile_grammar(as_written, "json", case.schema)
+        for text in [*case.valid_instances, *case.invalid_instances]:
+            accepted = accepts_text(reference, smollm2_tokenizer, text)
+            assert accepts_text(closed, smollm2_tokenizer, text) == accepted, (case.name, text)
+            widened += not accepted and accepts_text(open_grammar, smollm2_tokenizer, text)
+            compared += 1
+    closing.shutdown()
+    assert compared >= 100 and widened >= 5, (compared, widened)
+
+
 def test_a_slow_first_choice_hands_over_and_its_compile_is_stopped(smollm2_tokenizer: TokenizerSetup) -> None:
     """xgrammar compiles four 3,000-character strings for tens of seconds (not predicted beyond the deadline, so it
-    starts); llguidance, started beside it after a second, wins, and xgrammar's compile process is killed."""
+    starts); llguidance, started beside it after a second, wins with the object closed as xgrammar's strict mode
+    would have closed it, and xgrammar's compile process is killed."""
     auto = build_auto(smollm2_tokenizer, grammar_compile_slow_after=GrammarArgs().grammar_compile_slow_after)
     assert isinstance(auto.backend, AutoGrammarBackend)
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 3000} for i in range(4)}}
@@ -413,6 +453,9 @@ def test_a_slow_first_choice_hands_over_and_its_compile_is_stopped(smollm2_token
     assert isinstance(grammar, GuidanceGrammar) and grammar.grammar_stats is not None
     reasons = dict(grammar.grammar_stats.fallback_reasons)  # outlines too, if llguidance took over a second
     assert reasons["xgrammar"].startswith(STILL_COMPILING)
+    assert grammar.grammar_stats.narrowing == strict_mode_narrowing(schema)
+    assert accepts_text(grammar, smollm2_tokenizer, '{"f0": "a"}')
+    assert not accepts_text(grammar, smollm2_tokenizer, '{"f0": "a", "x": 1}')
     xgrammar_service = auto.backend.backends["xgrammar"].compile_service
     for _ in range(100):
         if xgrammar_service.num_running == 0:

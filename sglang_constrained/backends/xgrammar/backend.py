@@ -31,11 +31,9 @@ from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar, xgramm
 from sglang_constrained.backends.xgrammar.json_whitespace import compact_json_schema_ebnf, json_schema_ebnf
 from sglang_constrained.backends.xgrammar.schema_rules import (
     XGRAMMAR_UNSUPPORTED_SCHEMA_FEATURES,
-    allow_unlisted_properties,
     refuse_predicted_beyond_deadline,
     schema_object_sizes,
     schema_patterns,
-    strict_mode_narrowing,
 )
 from sglang_constrained.backends.xgrammar.utf8 import check_grammar_format, well_formed_utf8_grammar
 from sglang_constrained.cache.compiled import GrammarExport
@@ -47,6 +45,7 @@ from sglang_constrained.constraint_spec import GrammarKey, check_schema_is_valid
 from sglang_constrained.errors import GrammarSpecError, bounded_message
 from sglang_constrained.schema.features import iter_subschemas, one_of_overlap_rule, refuse_unsupported_features
 from sglang_constrained.schema.lark import is_lark_grammar, lark_to_gbnf
+from sglang_constrained.schema.strict_mode import allow_unlisted_properties, strict_mode_narrowing
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         # xgrammar's default is 8 threads per compile, whatever the machine: one, so that a compile takes one core.
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.is_compact_json = server_args.constrained_json_disable_any_whitespace
-        self.compile_processes: CompileProcesses[tuple[GrammarKey, bool], GrammarExport] | None = None
+        self.compile_processes: CompileProcesses[tuple[GrammarKey, bool, bool], GrammarExport] | None = None
         if compile_in_processes and type(self) is XGrammarGrammarBackend:
             reason = why_processes_cannot_start()
             if reason is not None:
@@ -132,7 +131,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         """Keeps the export a compile process sent back: serialising again can cost several times the compile."""
         if self.compile_processes is None:
             return super().build_exportable(key, control)
-        export = self.compile_processes.run((key, self.require_exact), control)
+        export = self.compile_processes.run((key, self.require_exact, self.closes_open_schemas), control)
         return self.import_grammar(export), lambda: export
 
     @property
@@ -291,9 +290,10 @@ def _from_ebnf(ebnf: str) -> xgrammar.Grammar:
 
 def _start_compile_process(
     server_args: GrammarBackendArgs, vocabulary: TokenizerVocabulary
-) -> Callable[[tuple[GrammarKey, bool]], GrammarExport]:
+) -> Callable[[tuple[GrammarKey, bool, bool]], GrammarExport]:
     """The compile function of a compile process: the same checks and compile as the server's (asked for with the
-    server backend's ``require_exact``), on its own thread; the result comes back exported (serialised)."""
+    server backend's ``require_exact`` and ``closes_open_schemas``), on its own thread; the result comes back
+    exported (serialised)."""
     backend = XGrammarGrammarBackend(
         server_args,
         None,
@@ -303,8 +303,8 @@ def _start_compile_process(
         compile_in_processes=False,
     )
 
-    def compile_key(request: tuple[GrammarKey, bool]) -> GrammarExport:
-        key, backend.require_exact = request
+    def compile_key(request: tuple[GrammarKey, bool, bool]) -> GrammarExport:
+        key, backend.require_exact, backend.closes_open_schemas = request
         return backend.export_grammar(backend.build_grammar(key))
 
     return compile_key
