@@ -445,8 +445,13 @@ def test_narrowing_closes_a_schema_alike_whichever_backend_compiles_it(
 def test_a_slow_first_choice_hands_over_and_its_compile_is_stopped(smollm2_tokenizer: TokenizerSetup) -> None:
     """xgrammar compiles four 3,000-character strings for tens of seconds (not predicted beyond the deadline, so it
     starts); llguidance, started beside it after a second, wins with the object closed as xgrammar's strict mode
-    would have closed it, and xgrammar's compile process is killed."""
-    auto = build_auto(smollm2_tokenizer, grammar_compile_slow_after=GrammarArgs().grammar_compile_slow_after)
+    would have closed it (the defaults: narrowing allowed), and xgrammar's compile process is killed."""
+    defaults = GrammarArgs()
+    auto = build_auto(
+        smollm2_tokenizer,
+        grammar_compile_slow_after=defaults.grammar_compile_slow_after,
+        grammar_auto_allow_narrowing=defaults.grammar_auto_allow_narrowing,
+    )
     assert isinstance(auto.backend, AutoGrammarBackend)
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 3000} for i in range(4)}}
     grammar = auto.backend.build_grammar(make_grammar_key("json", schema))
