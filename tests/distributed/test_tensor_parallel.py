@@ -164,7 +164,10 @@ def test_greedy_outputs_of_two_tp_ranks_are_one_ranks_and_obey_their_constraints
         assert_obeys_its_constraint(output)
     assert [o.token_ids for o in again] == [o.token_ids for o in two], "a rerun on two ranks gives the same tokens"
     diverged = divergences(one, two)
-    assert all(gap < NEAR_TIE for _, _, gap in diverged), f"(rid, first differing token, tp=1 top-2 gap): {diverged}"
+    parted = [(o.rid, o.finish_reason, o.text) for o in (*one, *two) if o.rid in {rid for rid, _, _ in diverged}]
+    assert all(gap < NEAR_TIE for _, _, gap in diverged), (
+        f"(rid, first differing token, tp=1 top-2 gap): {diverged}; tp=1's outputs, then tp=2's: {parted}"
+    )
     assert "ranks ran different batches" not in tp2.log()
 
 
