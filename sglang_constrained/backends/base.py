@@ -342,20 +342,23 @@ class BaseGrammarBackend(GrammarBackend):
         at the schema only."""
         return None
 
+    def closed_schema(self, schema: Any) -> Any:
+        """``schema`` as this backend takes it before its checks: closed as strict mode closes it (a copy) with
+        ``closes_open_schemas``, else itself."""
+        return close_as_strict_mode(copy.deepcopy(schema)) if self.closes_open_schemas else schema
+
     def compiled_narrowing(self, schema: Any) -> str | None:
         """How the grammar this backend compiles for ``schema`` admits less than it allows (its closing first, then
         the backend's own narrowing of what it compiles), for the grammar's stats; None when exact."""
-        if not self.closes_open_schemas:
-            return self.json_schema_narrowing(schema)
-        return strict_mode_narrowing(schema) or self.json_schema_narrowing(close_as_strict_mode(copy.deepcopy(schema)))
+        closing = strict_mode_narrowing(schema) if self.closes_open_schemas else None
+        return closing or self.json_schema_narrowing(self.closed_schema(schema))
 
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
         """The schema to compile for a request's ``schema``: closed as strict mode closes it (with
         ``closes_open_schemas``), checked (and, with ``require_exact``, refused where this backend would narrow it),
         then its formats and patterns made sound (``originals`` receives the user's text of each rewritten pattern,
         for messages)."""
-        if self.closes_open_schemas:
-            schema = close_as_strict_mode(copy.deepcopy(schema))
+        schema = self.closed_schema(schema)
         self.check_json_schema(schema)
         if self.require_exact and (narrowing := self.json_schema_narrowing(schema)) is not None:
             raise GrammarSpecError(

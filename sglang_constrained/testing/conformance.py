@@ -175,14 +175,15 @@ class MaskBenchSweep:
 
 def exact_mode_narrowings(auto: AutoGrammarBackend, cases: Sequence[MaskBenchCase]) -> dict[str, dict[str, str]]:
     """Backend -> case -> the short reason (``refusal_reason``) why ``auto``'s backend would narrow the case's
-    schema, so that ``auto`` refuses it there (``KnownOutcomes.with_auto``). Looks at the schemas only."""
+    schema (as it takes it: closed first where narrowing is allowed), so that ``auto`` refuses it there
+    (``KnownOutcomes.with_auto``). Looks at the schemas only."""
     narrowed: dict[str, dict[str, str]] = {}
     for name, pipeline in auto.backends.items():
         backend = pipeline.backend
         if not isinstance(backend, BaseGrammarBackend) or not backend.require_exact:
             continue
         for case in cases:
-            narrowing = backend.json_schema_narrowing(case.schema)
+            narrowing = backend.json_schema_narrowing(backend.closed_schema(case.schema))
             if narrowing is not None:
                 narrowed.setdefault(name, {})[case.name] = refusal_reason(narrowing)
     return narrowed
