@@ -50,7 +50,13 @@ RECORDED_BACKENDS = ("xgrammar", "llguidance", "outlines")
 """The backends whose refusals known_refusals.json records; ``auto``'s outcomes follow from theirs."""
 BACKENDS = (*RECORDED_BACKENDS, AUTO_GRAMMAR_BACKEND)
 ROW = "{:<11} {:<9} {:<15} {:>13} {:>13} {:>13} {:>16} {:>18} {:>16} {:>7}"
-VERSUS_ROW = "{:<9} {:<15} {:>13} {:>13} {:>13} {:>13} {:>24} {:>9}"
+
+
+def versus_row(num_singles: int) -> str:
+    """The coverage table's row format: tokenizer, folder, each single backend, auto, the best, auto less the best."""
+    return "{:<9} {:<15} " + "{:>13} " * (num_singles + 1) + "{:>24} {:>9}"
+
+
 _POINTER = re.compile(r" \(at [^)]*\)")
 
 
@@ -191,7 +197,8 @@ def print_auto_versus_best(reports: list[PairReport]) -> None:
     if not tokenizers or not singles:
         return
     print("coverage (schemas exact / total): auto against each backend alone and the best of them")
-    print(VERSUS_ROW.format("tokenizer", "folder", *(f"{name:.13}" for name in singles), "auto", "best", "auto-best"))
+    row = versus_row(len(singles))
+    print(row.format("tokenizer", "folder", *(f"{name:.13}" for name in singles), "auto", "best", "auto-best"))
     for tokenizer in tokenizers:
         auto = by_pair[AUTO_GRAMMAR_BACKEND, tokenizer]
         for folder in [*sorted(auto.folders), "(all)"]:
@@ -201,8 +208,8 @@ def print_auto_versus_best(reports: list[PairReport]) -> None:
             cells = [f"{tally.num_exact}/{tally.num_schemas}" for tally in tallies.values()]
             versus = auto_tally.num_exact - tallies[best].num_exact
             best_cell = f"{best} {tallies[best].num_exact}/{tallies[best].num_schemas}"
-            print(VERSUS_ROW.format(tokenizer, folder, *cells, f"{auto_tally.num_exact}/{auto_tally.num_schemas}",
-                                    best_cell, f"{versus:+d}"))  # fmt: skip
+            print(row.format(tokenizer, folder, *cells, f"{auto_tally.num_exact}/{auto_tally.num_schemas}", best_cell,
+                             f"{versus:+d}"))  # fmt: skip
 
 
 def _folder_tally(report: PairReport, folder: str) -> Tally:

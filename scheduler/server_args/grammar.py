@@ -73,7 +73,8 @@ class GrammarArgs:
     grammar_auto_allow_narrowing: bool = option(
         True,
         "auto closes each JSON schema as xgrammar's strict mode does (objects admit only the properties they list, "
-        "arrays only the items they describe), as xgrammar alone does (the default: a model does not invent keys), "
+        "arrays only the items they describe; a schema whose closing JSON Schema cannot say is left as written), as "
+        "xgrammar alone does (the default: a model does not invent keys), "
         "and whichever backend compiles it enforces that exactly (one language, whichever auto chooses); the "
         "grammar's stats name the narrowing. --no-grammar-auto-allow-narrowing: every schema enforced as written",
         action=argparse.BooleanOptionalAction,

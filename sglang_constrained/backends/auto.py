@@ -4,9 +4,10 @@ enforces it exactly, or by whichever exact one compiles it first once the first 
 Every backend refuses up front, naming it, what it would otherwise ignore (``*_schema_rules.py``), and here also
 what it would narrow (``require_exact``: xgrammar writes an open object's default out and refuses arrays its
 strict mode would close, outlines refuses objects it would close). With ``--grammar-auto-allow-narrowing`` (the
-default) every backend first closes a JSON schema as xgrammar's strict mode would (``closes_open_schemas``), then
-enforces that exactly: the language is the same whichever backend wins (the choice, which a slow compile changes,
-changes at most how a token may split a key: llguidance allows fewer splits than xgrammar); the grammar's stats
+default) every backend first closes a JSON schema as xgrammar's strict mode would (``closes_open_schemas``; a
+schema whose closing JSON Schema cannot say, ``closing_is_exact``, is left as written), then enforces that exactly:
+the language is the same whichever backend wins (the choice, which a slow compile changes, changes at most how a
+token may split a key: llguidance allows fewer splits than xgrammar); the grammar's stats
 name the narrowing. A refusal, or any other failure to compile, sends the constraint on to the next backend; so
 does slowness: a backend still compiling after ``--grammar-compile-slow-after`` seconds has the next one start
 beside it, and the first exact grammar to arrive wins (earlier backends first when both are in), the others being

@@ -29,7 +29,7 @@ from sglang_constrained.compile.control import CompileControl
 from sglang_constrained.constraint_spec import GrammarKey, compile_method, lower_constraint
 from sglang_constrained.errors import GrammarSpecError, TokenRejectedError, bounded_message
 from sglang_constrained.schema.soundness import sound_json_schema, user_patterns_in
-from sglang_constrained.schema.strict_mode import close_as_strict_mode, strict_mode_narrowing
+from sglang_constrained.schema.strict_mode import close_as_strict_mode, closing_is_exact, strict_mode_narrowing
 from triton_ops.bitmask_format import VocabMaskLayout, allocate_bitmask
 from triton_ops.bitmask_ops import apply_token_bitmask_inplace
 
@@ -215,9 +215,10 @@ class GrammarBackend(ABC):
     """Compile each JSON schema exactly, or refuse it (``GrammarSpecError``) where this backend would narrow it
     (``json_schema_narrowing``). ``auto`` sets it on its backends."""
     closes_open_schemas: bool = False
-    """Close each JSON schema as xgrammar's strict mode does (``close_as_strict_mode``) before compiling it exactly.
-    ``auto`` sets it on its backends while narrowing is allowed, so that its choice, which a slow compile changes,
-    changes no language: a schema is closed alike whichever backend compiles it."""
+    """Close each JSON schema as xgrammar's strict mode does (``close_as_strict_mode``) before compiling it exactly,
+    where the closing can be written out (``closing_is_exact``; elsewhere the schema is taken as written). ``auto``
+    sets it on its backends while narrowing is allowed, so that its choice, which a slow compile changes, changes no
+    language: a schema is closed alike, or left alike, whichever backend compiles it."""
 
     def __init__(self, server_args: GrammarBackendArgs, vocab_size: int) -> None:
         self.server_args = server_args
@@ -342,15 +343,20 @@ class BaseGrammarBackend(GrammarBackend):
         at the schema only."""
         return None
 
+    def closes(self, schema: Any) -> bool:
+        """Whether this backend closes ``schema`` before its checks (``closes_open_schemas``, where the closing can
+        be written out: ``closing_is_exact``; elsewhere it takes the schema as written)."""
+        return self.closes_open_schemas and closing_is_exact(schema)
+
     def closed_schema(self, schema: Any) -> Any:
-        """``schema`` as this backend takes it before its checks: closed as strict mode closes it (a copy) with
-        ``closes_open_schemas``, else itself."""
-        return close_as_strict_mode(copy.deepcopy(schema)) if self.closes_open_schemas else schema
+        """``schema`` as this backend takes it before its checks: closed as strict mode closes it (a copy) where it
+        ``closes`` it, else itself."""
+        return close_as_strict_mode(copy.deepcopy(schema)) if self.closes(schema) else schema
 
     def compiled_narrowing(self, schema: Any) -> str | None:
         """How the grammar this backend compiles for ``schema`` admits less than it allows (its closing first, then
         the backend's own narrowing of what it compiles), for the grammar's stats; None when exact."""
-        closing = strict_mode_narrowing(schema) if self.closes_open_schemas else None
+        closing = strict_mode_narrowing(schema) if self.closes(schema) else None
         return closing or self.json_schema_narrowing(self.closed_schema(schema))
 
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:

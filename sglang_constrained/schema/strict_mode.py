@@ -6,7 +6,9 @@ to the listed ones, and an array with array keywords but no ``items`` to no item
 object or array of a type and annotations alone stays open. Written out, the same closing is
 ``"additionalProperties": false`` and ``"items": false``, which every exact backend enforces: xgrammar's grammar for
 the closed schema admits what strict mode admits for the original (``tests/backends/test_auto_backend.py`` walks
-them side by side).
+them side by side). JSON Schema's ``additionalProperties`` sees only the properties listed beside it, so the closing
+is written out only where no subschema beside a closed object or array may add to it (``closing_is_exact``): an
+object of ``{"type": "object", "oneOf": [...]}`` closed at its top would refuse every property its branches list.
 """
 
 from __future__ import annotations
@@ -96,3 +98,26 @@ def close_as_strict_mode(schema: Any) -> Any:
         if closes_items(subschema):
             subschema["items"] = False
     return schema
+
+
+_COMBINING = frozenset({"allOf", "not", "if", "then", "else", "dependentSchemas", "dependentRequired"})
+"""Keywords that combine a subschema's constraints with others' (a closed branch of an ``allOf`` refuses the
+properties the others list): a schema holding any of them is not closed."""
+_BESIDE = ("anyOf", "oneOf", "$ref", "patternProperties")
+"""Keywords beside a closed object or array that may list what it holds."""
+
+
+def closing_is_exact(schema: Any) -> bool:
+    """Whether ``close_as_strict_mode`` writes strict mode's closing out as JSON Schema means it: no subschema
+    combines with another, and every object or array it closes lists all it holds (each property it requires, no
+    properties or items from a subschema beside it)."""
+    for _, subschema in iter_subschemas(schema):
+        if _COMBINING & subschema.keys():
+            return False
+        closes_object, closes_array = closes_properties(subschema), closes_items(subschema)
+        if (closes_object or closes_array) and any(keyword in subschema for keyword in _BESIDE):
+            return False
+        listed = subschema.get("properties", {})
+        if closes_object and not (isinstance(listed, dict) and set(subschema.get("required", [])) <= listed.keys()):
+            return False
+    return True
