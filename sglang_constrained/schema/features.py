@@ -198,6 +198,12 @@ def _provably_disjoint(branches: list[Any]) -> bool:
     return _discriminated(branches)
 
 
+def schema_types(schema: dict[str, Any]) -> list[Any]:
+    """The types a schema's ``type`` names (none where it names none)."""
+    types = schema.get("type")
+    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
+
+
 def _type_set(schema: dict[str, Any]) -> frozenset[str] | None:
     types = schema.get("type")
     if isinstance(types, str):

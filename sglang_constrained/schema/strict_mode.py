@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_constrained.schema.features import iter_subschemas
+from sglang_constrained.schema.features import iter_subschemas, schema_types
 
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "$id", "$schema", "deprecated", "readOnly", "writeOnly"}
@@ -24,18 +24,13 @@ _OBJECT_KEYWORDS = ("properties", "required", "minProperties", "maxProperties", 
 _ARRAY_KEYWORDS = ("prefixItems", "minItems", "maxItems")
 
 
-def _types(schema: dict[str, Any]) -> list[Any]:
-    types = schema.get("type")
-    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
-
-
 def _is_plain(schema: dict[str, Any]) -> bool:
     """Only a type and annotations: xgrammar's strict mode leaves such an object or array open."""
     return set(schema) - {"type"} <= _ANNOTATIONS
 
 
 def _may_be(schema: dict[str, Any], kind: str, keywords: tuple[str, ...]) -> bool:
-    types = _types(schema)
+    types = schema_types(schema)
     return kind in types if "type" in schema else any(keyword in schema for keyword in keywords)
 
 

@@ -19,6 +19,7 @@ from sglang_constrained.schema.features import (
     one_of_overlap_rule,
     refuse_unsupported_features,
     resolve_local_ref,
+    schema_types,
     unknown_format_rule,
     with_siblings_rule,
 )
@@ -33,11 +34,6 @@ OUTLINES_STRING_FORMATS = frozenset(
 
 _COMPOSITION_KEYWORDS = ("allOf", "anyOf", "oneOf", "$ref", "enum", "const")
 _OBJECT_KEYWORDS = ("properties", "additionalProperties", "required", "minProperties", "maxProperties")
-
-
-def _types(schema: dict[str, Any]) -> list[Any]:
-    types = schema.get("type")
-    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
 
 
 def _has_name_needing_escapes(schema: dict[str, Any]) -> bool:
@@ -85,7 +81,7 @@ OUTLINES_UNSUPPORTED_SCHEMA_FEATURES: tuple[SchemaRule, ...] = (
     *(with_siblings_rule(keyword) for keyword in ("allOf", "anyOf", "oneOf")),  # siblings dropped
     SchemaRule(
         "object keywords on an array",  # the array becomes an object: only {} matches
-        lambda schema: _types(schema) == ["array"] and any(k in schema for k in _OBJECT_KEYWORDS),
+        lambda schema: schema_types(schema) == ["array"] and any(k in schema for k in _OBJECT_KEYWORDS),
     ),
     keywords_together_rule("prefixItems", ("minItems", "maxItems")),
 )
@@ -223,4 +219,4 @@ def _may_be_number(root: Any, schema: Any, depth: int) -> bool:
     branches = [b for keyword in ("anyOf", "oneOf") for b in schema.get(keyword) or ()]
     if branches:
         return any(_may_be_number(root, branch, depth + 1) for branch in branches)
-    return "number" in _types(schema) if "type" in schema else set(schema) <= _ANNOTATION_KEYWORDS
+    return "number" in schema_types(schema) if "type" in schema else set(schema) <= _ANNOTATION_KEYWORDS

@@ -20,6 +20,7 @@ from sglang_constrained.schema.features import (
     iter_subschemas,
     keyword_rule,
     keywords_together_rule,
+    schema_types,
     unknown_format_rule,
     with_siblings_rule,
 )
@@ -38,11 +39,6 @@ _ARRAY_INFERRED_FROM = ("items", "prefixItems")
 _MULTIPLE_OF_MAX_RANGE = 10_000
 
 
-def _types(schema: dict[str, Any]) -> list[Any]:
-    types = schema.get("type")
-    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
-
-
 def _integer_bound(schema: dict[str, Any], inclusive: str, exclusive: str, sign: int) -> int | None:
     """The tightest integer bound (``sign`` +1 for lower, -1 for upper) the schema puts on an integer."""
     candidates = []
@@ -56,7 +52,7 @@ def _integer_bound(schema: dict[str, Any], inclusive: str, exclusive: str, sign:
 
 
 def _is_multiple_of_ignored(schema: dict[str, Any]) -> bool:
-    step, types = schema.get("multipleOf"), _types(schema)
+    step, types = schema.get("multipleOf"), schema_types(schema)
     if step is None:
         return False
     if "integer" not in types or "number" in types or not float(step).is_integer():
@@ -78,7 +74,7 @@ def _untyped_rule(keyword: str, inferred_from: tuple[str, ...] = ()) -> SchemaRu
 
 def _has_required_outside_properties(schema: dict[str, Any]) -> bool:
     required, properties = schema.get("required"), schema.get("properties") or {}
-    may_be_object = "type" not in schema or "object" in _types(schema)
+    may_be_object = "type" not in schema or "object" in schema_types(schema)
     return may_be_object and isinstance(required, list) and any(name not in properties for name in required)
 
 
