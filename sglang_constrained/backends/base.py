@@ -356,8 +356,9 @@ class BaseGrammarBackend(GrammarBackend):
     def compiled_narrowing(self, schema: Any) -> str | None:
         """How the grammar this backend compiles for ``schema`` admits less than it allows (its closing first, then
         the backend's own narrowing of what it compiles), for the grammar's stats; None when exact."""
-        closing = strict_mode_narrowing(schema) if self.closes(schema) else None
-        return closing or self.json_schema_narrowing(self.closed_schema(schema))
+        if not self.closes(schema):
+            return self.json_schema_narrowing(schema)
+        return strict_mode_narrowing(schema) or self.json_schema_narrowing(close_as_strict_mode(copy.deepcopy(schema)))
 
     def prepare_json_schema(self, schema: Any, originals: dict[str, str] | None = None) -> Any:
         """The schema to compile for a request's ``schema``: closed as strict mode closes it (with
