@@ -546,15 +546,19 @@ static void int8_rows(int rows, int panels_here, const QuantizedRows& x, int64_t
   int8_tile<F, MR, NP>(x, row, g, next, y, ldy, cols);
 }
 
-// Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm). On an
-// AMD EPYC (AVX512-VNNI), SmolLM2's four matmuls at 512 rows: 4 x 2 1.14-1.21 TOP/s, 3 x 3 1.06-1.11, 2 x 4 ~1.0,
-// 4 x 3 and 8 x 1 ~0.92-0.94, 6 x 2 0.82-0.89 (the larger tiles spill).
+// Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm); the
+// k-quant formats' tiles (kquant_blocks.h) take kKquantMR rows. On an AMD EPYC (AVX512-VNNI), SmolLM2's four
+// matmuls at 512 rows: 4 x 2 1.14-1.21 TOP/s, 3 x 3 1.06-1.11, 2 x 4 ~1.0, 4 x 3 and 8 x 1 ~0.92-0.94, 6 x 2
+// 0.82-0.89 (the larger tiles spill). AVX2 on AMD EPYC Zen 3, the same matmuls on 2 threads, the best of 4
+// interleaved runs (GOP/s, 2 / 3 / 4 rows a tile): Q4_1 at 8 rows 183 / 180 / 204, at 512 218 / 237 / 245; Q8_0 at
+// 8 rows 138 / 150 / 167, at 512 194 / 184 / 176; Q5_0 (a k-quant tile, whose nibbles and high bits take more
+// registers) at 8 rows 146 / 140 / 96, at 512 202 / 131 / 144.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kInt8MR = 4, kInt8NP = 2;
+constexpr int kInt8MR = 4, kInt8NP = 2, kKquantMR = 4;
 #elif defined(__AVX2__)
-constexpr int kInt8MR = 2, kInt8NP = 1;
+constexpr int kInt8MR = 4, kInt8NP = 1, kKquantMR = 2;
 #else
-constexpr int kInt8MR = 4, kInt8NP = 1;
+constexpr int kInt8MR = 4, kInt8NP = 1, kKquantMR = 4;
 #endif
 
 template <int32_t F, int MR, int NP>
@@ -647,14 +651,15 @@ using Int = std::integral_constant<int, V>;
 // The block formats' tile shape for M rows and N columns: groups(Int<MR>(), Int<NP>()). One row (a decode step)
 // takes a whole group of panels a tile where the registers hold them: a tile's sums are its only independent
 // dot-product chains, and the threads' spans of panels balance whatever the tile's width (for_each_row_span).
-// Two rows of Q8_0 and Q4_1 stream instead (int8_streamed_rows); the k-quant formats' take the 2 x 4 tile.
-template <class Groups>
+// Two rows of Q8_0 and Q4_1 stream instead (int8_streamed_rows); the k-quant formats' take the 2 x 4 tile. MR: the
+// format's rows a tile past those (kInt8MR, kKquantMR).
+template <int MR, class Groups>
 static void with_block_tile(int64_t M, int64_t N, int threads, const Groups& groups) {
   if constexpr (kInt8NP > 1) {
     if (M == 1) return groups(Int<1>(), Int<static_cast<int>(kGroupPanels)>());
     if (M == 2) return groups(Int<2>(), Int<4>());
   }
-  groups(Int<kInt8MR>(), Int<kInt8NP>());
+  groups(Int<MR>(), Int<kInt8NP>());
 }
 
 // One row where a build keeps one panel a group (kGroupPanels 1: AVX2, scalar): tiles of up to kSpreadPanels panels
@@ -687,7 +692,7 @@ static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, in
                             [&](int here, const PanelGroup& g, float* at, int cols) {
                               int8_rows<F, 1, kSpreadPanels>(1, here, quantized, 0, g, g, at, ldy, cols);
                             });
-    with_block_tile(M, N, threads, [&](auto mr, auto np) {
+    with_block_tile<kInt8MR>(M, N, threads, [&](auto mr, auto np) {
       int8_groups<decltype(f)::value, decltype(mr)::value, decltype(np)::value>(quantized, M, packed, N, y, ldy,
                                                                                 threads);
     });

@@ -329,7 +329,7 @@ static void kquant_groups(const QuantizedRows& x, const int32_t* halves, int64_t
                         });
 }
 
-// int8_matmul's tile shapes (with_block_tile).
+// int8_matmul's tile shapes (with_block_tile), kKquantMR rows a tile.
 template <int32_t F>
 static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
                           float* y, int64_t ldy, int threads) {
@@ -339,7 +339,7 @@ static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t
                           [&](int here, const PanelGroup& g, float* at, int cols) {
                             kquant_rows<F, 1, kSpreadPanels>(1, here, x, halves, 0, g, g, at, ldy, cols);
                           });
-  with_block_tile(M, N, threads, [&](auto mr, auto np) {
+  with_block_tile<kKquantMR>(M, N, threads, [&](auto mr, auto np) {
     kquant_groups<F, decltype(mr)::value, decltype(np)::value>(x, halves, M, packed, N, y, ldy, threads);
   });
 }
