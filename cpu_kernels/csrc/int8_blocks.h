@@ -216,6 +216,21 @@ static inline I16 wend(I16, W32 w) { return w; }
 template <int bits>
 constexpr int kWordDots = 32767 / (2 * ((1 << bits) - 1) * 128);
 
+// A row's sums, made whole in registers where the tile's code puts this: left free, GCC reassociates the integer
+// additions of a block, computes its products first and spills them (AVX2: the 4-row Q4_1 tile stored 116 ymm a
+// block to the stack; kept, none). Integer sums: the same values in any order. AMD EPYC Zen 3, SmolLM2's Q4_1
+// matmuls on 2 threads, the two builds alternating in one process: 4 rows 1.16-1.26x the rate, 32 rows 1.47-1.66x,
+// 512 rows 1.37x, one row 1.01-1.05x. The Q8_0 tile (36 spilled) and the k-quant tiles measured 2-16% slower kept,
+// and keep GCC's order.
+template <class Sums>
+static inline void keep_in_registers(Sums& sums) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  asm("" : "+x"(sums.lo), "+x"(sums.hi));
+#else
+  (void)sums;
+#endif
+}
+
 // 16 integral floats in [-127, 127] to int8
 static inline void vstore_i8(int8_t* p, V16 a) {
 #if defined(__AVX512F__)
@@ -508,7 +523,8 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
         }
         for (int r = 0; r < MR; ++r) {
           const B64 x_lo = bbroadcast4(xq + r * K + 4 * i), x_hi = bbroadcast4(xq + r * K + 16 + 4 * i);
-          for (int p = 0; p < NP; ++p) w[r][p] = wdot(wdot(w[r][p], lo[p], x_lo), hi[p], x_hi);
+          for (int p = 0; p < NP; ++p)
+            w[r][p] = wdot(wdot(w[r][p], lo[p], x_lo), hi[p], x_hi), keep_in_registers(w[r][p]);
         }
       }
       for (int r = 0; r < MR; ++r)
