@@ -82,6 +82,16 @@ static inline float softmax_numerators(float* s, int64_t L) {
 
 // ---- a token alone: head_dim in lanes --------------------------------------------------------------------------
 
+// Chunks of head_dim a pass over the values of a token alone holds for GROUP heads: all where the build weighs
+// values in one pass (kValueChunksPerPass 0), else the most that divide CHUNKS within kValueAccumulators (AVX2: 3
+// heads of 4 chunks held 24 ymm and spilled; 2 chunks a pass, 12). Each accumulator is one chain over j either way.
+static constexpr int value_pass_chunks(int chunks, int group) {
+  if (kValueChunksPerPass == 0) return chunks;
+  int pass = chunks;
+  while (pass > 1 && (pass * group > kValueAccumulators || chunks % pass != 0)) --pass;
+  return pass;
+}
+
 // A decode step's keys and values stream from memory (each token its own sequence), through the pool's row
 // indirection, which the hardware prefetcher cannot follow: rows this many keys ahead are asked for in advance.
 constexpr int64_t kPrefetchKeys = 32;
@@ -122,19 +132,24 @@ static void attend(const float* q, const typename KV::T* k_pool, const typename 
   }
   float inverse[GROUP];
   for (int h = 0; h < GROUP; ++h) inverse[h] = softmax_numerators(scores + h * L, L);
-  V16 acc[GROUP][CHUNKS];
-  for (int h = 0; h < GROUP; ++h)
-    for (int c = 0; c < CHUNKS; ++c) acc[h][c] = vzero();
-  for (int64_t j = 0; j < L; ++j) {  // the values weighted by unnormalised p_j, each row loaded once
-    const typename KV::T* value = v_pool + rows[j] * row_stride;
-    if (j + kPrefetchKeys < L) prefetch_row(v_pool + rows[j + kPrefetchKeys] * row_stride, CHUNKS);
-    for (int c = 0; c < CHUNKS; ++c) {
-      const V16 v = KV::load(value + c * kLanes);
-      for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
+  // the values weighted by unnormalised p_j, kPass chunks of head_dim a pass (value_pass_chunks)
+  constexpr int kPass = value_pass_chunks(CHUNKS, GROUP);
+  for (int c0 = 0; c0 < CHUNKS; c0 += kPass) {
+    V16 acc[GROUP][kPass];
+    for (int h = 0; h < GROUP; ++h)
+      for (int c = 0; c < kPass; ++c) acc[h][c] = vzero();
+    for (int64_t j = 0; j < L; ++j) {
+      const typename KV::T* value = v_pool + rows[j] * row_stride + c0 * kLanes;
+      if (c0 == 0 && j + kPrefetchKeys < L) prefetch_row(v_pool + rows[j + kPrefetchKeys] * row_stride, CHUNKS);
+      for (int c = 0; c < kPass; ++c) {
+        const V16 v = KV::load(value + c * kLanes);
+        for (int h = 0; h < GROUP; ++h) acc[h][c] = vfma(vset1(scores[h * L + j]), v, acc[h][c]);
+      }
     }
+    for (int h = 0; h < GROUP; ++h)
+      for (int c = 0; c < kPass; ++c)
+        vstore(out + (h * CHUNKS + c0 + c) * kLanes, vmul(acc[h][c], vset1(inverse[h])));
   }
-  for (int h = 0; h < GROUP; ++h)
-    for (int c = 0; c < CHUNKS; ++c) vstore(out + (h * CHUNKS + c) * kLanes, vmul(acc[h][c], vset1(inverse[h])));
 }
 
 template <class KV>

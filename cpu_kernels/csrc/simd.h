@@ -225,6 +225,29 @@ static inline V16 tree_sum16(const V16* a) {
 static inline V16 tree_max16(const V16* a) {
   return tree_reduce16(a, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2: the same network on ymm pairs, 30 shuffles and 30 operations instead of 16 trees of extracts and 4-lane
+// operations, each stored (a decode step's attention adds 16 keys' partial sums at a time).
+template <class Op>
+static inline V16 tree_reduce16(const V16* a, const Op& op) {
+  __m256 z[16], u[8], v[4], r[2];
+  for (int i = 0; i < 16; ++i) z[i] = op(a[i].lo, a[i].hi);  // width 8: lane m of z[i] pairs a[i]'s m and m + 8
+  for (int k = 0; k < 8; ++k)  // width 4: the low 128 bits hold z[2k]'s, the high z[2k+1]'s
+    u[k] = op(_mm256_permute2f128_ps(z[2 * k], z[2 * k + 1], 0x20),
+              _mm256_permute2f128_ps(z[2 * k], z[2 * k + 1], 0x31));
+  for (int m = 0; m < 4; ++m)  // width 2: the low half holds a[4m]'s and a[4m+2]'s, the high a[4m+1]'s and a[4m+3]'s
+    v[m] = op(_mm256_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44), _mm256_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
+  for (int n = 0; n < 2; ++n)  // width 1: the low half holds a[8n + 2i]'s, the high a[8n + 2i + 1]'s
+    r[n] = op(_mm256_shuffle_ps(v[2 * n], v[2 * n + 1], 0x88), _mm256_shuffle_ps(v[2 * n], v[2 * n + 1], 0xDD));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  return {_mm256_permutevar8x32_ps(r[0], order), _mm256_permutevar8x32_ps(r[1], order)};
+}
+static inline V16 tree_sum16(const V16* a) {
+  return tree_reduce16(a, [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); });
+}
+static inline V16 tree_max16(const V16* a) {
+  return tree_reduce16(a, [](__m256 x, __m256 y) { return _mm256_max_ps(x, y); });
+}
 #endif
 
 // tree_sum's tree with a > b ? a : b (maxps: the second operand where they are equal or either is NaN).
@@ -242,7 +265,7 @@ static inline float tree_max(V16 a) {
 }
 #endif
 
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 static inline V16 tree_sum16(const V16* a) {
   alignas(64) float sums[kLanes];
   for (int i = 0; i < kLanes; ++i) sums[i] = tree_sum(a[i]);
