@@ -295,7 +295,8 @@ static void weigh_values(int rows, const typename KV::T* v_pool, int64_t row_str
                          const int64_t* L, const float* const* p, const float* inverse, float* const* out,
                          int64_t out_offset) {
   if constexpr (R > 1) {
-    if (rows < R) return weigh_values<CHUNKS, KV, R - 1>(rows, v_pool, row_stride, keys, L, p, inverse, out, out_offset);
+    if (rows < R)
+      return weigh_values<CHUNKS, KV, R - 1>(rows, v_pool, row_stride, keys, L, p, inverse, out, out_offset);
   }
   for (int r0 = 0; r0 + R <= rows; r0 += R) {
     int64_t shared = L[r0], longest = L[r0];
