@@ -73,6 +73,16 @@ _CPUINFO_NAMES = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}
 """/proc/cpuinfo's names of the instruction sets whose compiler flags are spelled otherwise."""
 
 
+def compile_library(translation_unit: Path, out: Path, target: str) -> None:
+    """``translation_unit`` compiled into the shared library ``out`` with the compiler at hand and ``target``'s flags
+    (``scripts/bench_kernel_ab.py`` compiles another checkout's sources so)."""
+    compiler = _compiler()
+    command = [compiler, *COMPILE_FLAGS, *TARGETS[target], str(translation_unit), "-o", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building {translation_unit.name} with {compiler} failed:\n{result.stderr[-4000:]}")
+
+
 def build(build_dir: Path, target: str) -> Path:
     """The compiled library for these sources, compiler, CPU and target, building it first if no process has yet."""
     compiler = _compiler()
@@ -101,10 +111,7 @@ def build(build_dir: Path, target: str) -> Path:
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=build_dir) as staging:
             staged = Path(staging) / library.name
-            command = [compiler, *flags, str(TRANSLATION_UNIT), "-o", str(staged)]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"building {TRANSLATION_UNIT.name} with {compiler} failed:\n{result.stderr[-4000:]}")
+            compile_library(TRANSLATION_UNIT, staged, target)
             staged.rename(library)  # atomic: no process ever loads half a library
         logger.info("built the batch-invariant CPU kernels in %.1f s: %s", time.perf_counter() - started, library)
     return library

@@ -21,7 +21,6 @@ import argparse
 import ctypes
 import hashlib
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from cpu_kernels import build, library, ops, packed_weights
+from cpu_kernels import build, library, ops
 from cpu_kernels.cpu_info import describe_cpu
+from cpu_kernels.packed_weights import PackedWeight
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ModelArgs
@@ -43,8 +43,7 @@ SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 def other_build(checkout: Path, out_dir: Path) -> ctypes.CDLL:
     """The other checkout's kernels, compiled as this checkout compiles its own."""
     out = out_dir / "other.so"
-    source = checkout / "cpu_kernels" / "csrc" / "cpu_kernels.cpp"
-    subprocess.run(["g++", *build.COMPILE_FLAGS, str(source), "-o", str(out)], check=True)
+    build.compile_library(checkout / "cpu_kernels" / "csrc" / "cpu_kernels.cpp", out, "native")
     other = ctypes.CDLL(str(out))
     library._declare(other)
     if other.invariant_group_panels() != library.loaded().invariant_group_panels():
@@ -66,9 +65,13 @@ def alternate(builds: dict[str, ctypes.CDLL], call: Callable[[], object], reps: 
     return times
 
 
-def run_matmuls(weights: list[tuple[packed_weights.PackedWeight, torch.Tensor]], rows: int) -> None:
-    for weight, x in weights:
-        ops.matmul(x[:rows], weight)
+def run_matmuls(weights: list[tuple[PackedWeight, torch.Tensor]], rows: int) -> list[torch.Tensor]:
+    return [ops.matmul(x[:rows], weight) for weight, x in weights]
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    """A prompt of ``length`` tokens, one per ``salt``."""
+    return [(i * 7919 + salt * 31) % 40000 + 100 for i in range(length)]
 
 
 def admitted(runner: ModelRunner, tokens: list[int], max_new_tokens: int) -> KVSequence:
@@ -89,7 +92,7 @@ def matmul_rates(builds: dict[str, ctypes.CDLL], formats: list[str], rows: list[
             digests = {}
             for name, lib in builds.items():
                 library._library = lib
-                outputs = [ops.matmul(x[:m], weight) for weight, x in weights]
+                outputs = run_matmuls(weights, m)
                 digests[name] = hashlib.sha256(b"".join(y.numpy().tobytes() for y in outputs)).hexdigest()
             times = alternate(builds, partial(run_matmuls, weights, m), reps)
             operations = sum(2 * m * k * n for k, n in SHAPES)
@@ -104,7 +107,6 @@ def matmul_rates(builds: dict[str, ctypes.CDLL], formats: list[str], rows: list[
 
 def forwards(builds: dict[str, ctypes.CDLL], model_path: str | None, reps: int) -> None:
     runner = ModelRunner(ModelArgs(model_path=model_path, max_running_requests=40, disable_radix_cache=True))
-    prompt = lambda n, salt: [(i * 7919 + salt * 31) % 40000 + 100 for i in range(n)]  # noqa: E731
 
     def prefill(n: int) -> None:
         runner.kv.release(admitted(runner, prompt(n, 1), 1))
@@ -142,8 +144,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-forwards", action="store_true", help="the matmuls alone")
     args = parser.parse_args()
-    library.load(ModelArgs().kernel_build_path)
-    packed_weights.set_group_panels(library.loaded().invariant_group_panels())
+    library.load(ModelArgs().kernel_build_path)  # which also packs block weights for its build's groups of panels
     with tempfile.TemporaryDirectory() as scratch:
         builds = {"this": library.loaded(), "other": other_build(args.other, Path(scratch))}
         print(f"CPU {describe_cpu()}; this checkout's kernels / {args.other}'s, in one process, alternating")
