@@ -109,6 +109,7 @@ class Scheduler:
             ngram_cache=ngram_cache,
             tokens_per_forward=model_runner.tokens_per_forward,
             lookup_max_batch=model_runner.lookup_max_batch,
+            lookup_row_tile=model_runner.lookup_row_tile,
             max_prediction_tokens=speculation.speculative_num_prediction_tokens,
         )
         mask_layout = grammar_backend.mask_layout if grammar_backend is not None else None

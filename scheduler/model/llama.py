@@ -237,6 +237,12 @@ class LlamaModel:
         counts = collections.Counter(w.format.name.lower() for w in self._packed_weights())
         return ", ".join(f"{count} {fmt}" for fmt, count in sorted(counts.items()))
 
+    @property
+    def row_tile(self) -> int:
+        """Rows a forward multiplies in one tile of every matmul weight: a row past a multiple of it starts another
+        tile of some weight (``library.weight_row_tile``)."""
+        return min(library.weight_row_tile(w.format) for w in self._packed_weights())
+
     def _packed_weights(self) -> list[PackedWeight]:
         """Every packed weight, a stack's parts each."""
         layers = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]

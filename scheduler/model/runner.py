@@ -64,6 +64,7 @@ class ModelRunner(BaseModelRunner):
         if self.model.has_block_weights:
             self.row_multiple, self.tokens_per_forward = 1, BLOCK_TOKENS_PER_FORWARD
             self.lookup_max_batch = BLOCK_LOOKUP_MAX_BATCH
+            self.lookup_row_tile = self.model.row_tile
         else:
             self.row_multiple = library.row_tile()
         pool = TokenKVPool(

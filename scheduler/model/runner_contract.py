@@ -33,9 +33,10 @@ class BaseModelRunner(ABC):
     ``eos_token_ids``, ``max_seq_len``, ``device`` and ``kv`` (the KV bookkeeping, prefix cache included), set by
     the engine's constructor; and what the loop plans forwards by: ``row_multiple`` (a forward of up to that many
     more tokens costs about as much: rows draft budgets may fill for free), ``tokens_per_forward`` (the tokens a
-    decode forward may take: what a batch's pending tokens and drafts share) and ``lookup_max_batch`` (the batch size
-    from which lookup drafts, right less often than the grammar's, no longer pay). Logits are float32
-    ``[rows, vocab_size]`` on ``device``."""
+    decode forward may take: what a batch's pending tokens and drafts share), ``lookup_max_batch`` (the batch size
+    from which lookup drafts, right less often than the grammar's, no longer pay) and ``lookup_row_tile`` (where set,
+    lookup drafts fill a forward's rows up to a multiple of it and no further: a row past it costs another tile's
+    compute, more than a lookup draft saves). Logits are float32 ``[rows, vocab_size]`` on ``device``."""
 
     tokenizer: Any
     vocab_size: int
@@ -46,6 +47,7 @@ class BaseModelRunner(ABC):
     row_multiple: int = 1
     tokens_per_forward: int = TOKENS_PER_FORWARD
     lookup_max_batch: int = LOOKUP_MAX_BATCH
+    lookup_row_tile: int | None = None
 
     def prefill(self, seqs: list[KVSequence], prompts: list[list[int]]) -> torch.Tensor:
         """Run each prompt past its cached prefix; logits ``[len(seqs), vocab_size]`` after each prompt."""

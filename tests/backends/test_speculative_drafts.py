@@ -204,3 +204,38 @@ def test_a_draft_run_crosses_the_think_end_where_the_thinking_budget_runs_out(
     assert drafts.sources[:3] == ["ngram", "ngram", "grammar"]
     assert qwen35_tokenizer.tokenizer.decode(drafts.token_ids[3:]) == "ANSWER:"
     assert grammar.validate_tokens(drafts.token_ids) == len(drafts.token_ids) and grammar.num_accepted == 1
+
+
+def test_lookup_drafts_fill_the_forward_s_row_tile_and_the_grammar_s_go_past_it(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """On block weights a row past the row tile starts another tile of every matmul (~0.4 of a decode step on Q4_1):
+    lookup drafts fill the rows up to the runner's ``lookup_row_tile`` multiple, over the whole batch, and stop;
+    the grammar's forced text, which mostly stands, goes past it, and lookups then fill the tile it opened (and no
+    more)."""
+    setup = smollm2_tokenizer
+    prompt = setup.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa, then alpha beta gamma delta")
+    output = setup.encode(" alpha beta")
+
+    def drafts(batch_size: int, lookup_row_tile: int | None, regex: str | None = None) -> list[list[str]]:
+        proposer = DraftProposer("grammar+ngram", 8, setup.tokenizer, setup.vocab_size, lookup_row_tile=lookup_row_tile)
+        batch = []
+        for i in range(batch_size):
+            grammar = None
+            if regex is not None:
+                grammar = compile_grammar(build_backend("xgrammar", setup), make_grammar_key("regex", regex))
+            req = Req(rid=f"r{i}", client_id=b"c", prompt_ids=prompt, sampling_params=SamplingParams(), grammar=grammar)
+            req.output_ids = list(output)
+            batch.append(req)
+        proposals = proposer.propose(batch, [output[-1:]] * batch_size, [8] * batch_size)
+        return [proposal.sources for proposal in proposals]
+
+    assert drafts(1, None) == [["ngram"] * 4]  # the adaptive prompt-lookup length's start
+    assert drafts(1, 4) == [["ngram"] * 3]  # 1 pending row + 3 drafts: one tile
+    assert drafts(3, 4) == [["ngram"], [], []]  # 3 pending rows + 1 draft
+    assert drafts(1, 2) == [["ngram"]]
+    forced_then_open = r" gamma delta epsilon zeta eta( [a-z]+)*"
+    past_the_tile = drafts(1, 4, forced_then_open)[0]
+    num_forced = past_the_tile.count("grammar")
+    assert num_forced >= 4 and past_the_tile == ["grammar"] * num_forced + ["ngram"] * (3 - num_forced % 4)
+    assert drafts(1, None, forced_then_open)[0] == ["grammar"] * num_forced + ["ngram"] * min(4, 8 - num_forced)

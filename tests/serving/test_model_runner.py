@@ -26,6 +26,7 @@ from transformers import (
 
 from cpu_kernels import library, ops
 from cpu_kernels.decoder import DecoderBatch
+from cpu_kernels.packed_weights import WeightFormat
 from scheduler.model.kv_cache import KVSequence
 from scheduler.model.kv_pool import TokenKVPool
 from scheduler.model.llama import ForwardBatch
@@ -125,18 +126,18 @@ def test_block_weights_plan_forwards_by_what_their_rows_cost(
     runner: ModelRunner, blocks_runner: ModelRunner, compact_runner: ModelRunner
 ) -> None:
     """Speculation's budget follows what a forward's rows cost: with block weights every row costs compute (no row
-    is free) and lookup drafts stop at small batches; dense weights' forwards are bound by their reads, so rows up to
-    the kernels' row tile are free and lookups pay up to larger batches."""
-    assert (blocks_runner.row_multiple, blocks_runner.tokens_per_forward, blocks_runner.lookup_max_batch) == (
-        1,
-        BLOCK_TOKENS_PER_FORWARD,
-        BLOCK_LOOKUP_MAX_BATCH,
-    )
+    is free), lookup drafts stop at small batches and at the block tile's rows (the embedded file's Q4_1 and Q8_0
+    weights: kInt8MR); dense weights' forwards are bound by their reads, so rows up to the kernels' row tile are free
+    and lookups pay up to larger batches."""
+    block_plan = (blocks_runner.row_multiple, blocks_runner.tokens_per_forward, blocks_runner.lookup_max_batch)
+    assert block_plan == (1, BLOCK_TOKENS_PER_FORWARD, BLOCK_LOOKUP_MAX_BATCH)
+    assert blocks_runner.lookup_row_tile == library.weight_row_tile(WeightFormat.Q4_1) == 4
     for dense in (runner, compact_runner):
-        assert (dense.row_multiple, dense.tokens_per_forward, dense.lookup_max_batch) == (
+        assert (dense.row_multiple, dense.tokens_per_forward, dense.lookup_max_batch, dense.lookup_row_tile) == (
             library.row_tile(),
             TOKENS_PER_FORWARD,
             LOOKUP_MAX_BATCH,
+            None,
         )
     assert BLOCK_LOOKUP_MAX_BATCH < LOOKUP_MAX_BATCH
 
