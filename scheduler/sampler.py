@@ -69,8 +69,17 @@ def row_logprobs(logits: torch.Tensor, rows: SamplingRows) -> dict[int, torch.Te
 def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
     """Each row's token (``logits`` ``[R, vocab]`` float32, already masked); a row's draft stands when its token is
     that draft. A row where every logit is -inf (its grammar allows nothing) gets None."""
-    unfiltered = (rows.top_ps >= 1.0) & (rows.min_ps <= 0.0) & torch.tensor([k is None for k in rows.top_ks])
-    race = (rows.temperatures <= 0) | unfiltered  # greedy rows too: the race's first largest logit, no draws
+    raced_rows = [
+        temperature <= 0 or (top_p >= 1.0 and min_p <= 0.0 and top_k is None)  # greedy rows: no draws
+        for temperature, top_p, min_p, top_k in zip(
+            rows.temperatures.tolist(), rows.top_ps.tolist(), rows.min_ps.tolist(), rows.top_ks, strict=True
+        )
+    ]
+    if all(raced_rows):  # the race over every row's logits in one call: a decode step's usual case, ~30 µs where the
+        # tensor indexing below took ~150 µs for one row (AMD EPYC Zen 3)
+        chosen = gumbel_race(logits, rows.temperatures, _keys(rows, list(range(len(raced_rows)))))
+        return [None if token < 0 else token for token in chosen.tolist()]
+    race = torch.tensor(raced_rows)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64)
     dead = torch.zeros(logits.shape[0], dtype=torch.bool)
     if bool(race.any()):  # over the logits themselves: no softmax, no second pass
