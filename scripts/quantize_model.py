@@ -13,10 +13,12 @@ models.
 file and engine (the engines take turns going first), ours (``ModelRunner`` on the file, ``--weight-dtype auto``) and
 llama.cpp's (``Llama.eval`` of one token), both after a 100-token prompt on ``torch.get_num_threads()`` threads. It
 prints the medians over rounds of each process's median step, the bytes our step streams (its packed weights), its
-bandwidth bound (those bytes over the rate at which the kernels stream a 268 MB float32 weight at one row, fastest
-of 10, the median of 3 processes after the rounds) and each process's peak resident memory; with the CPU model and
-flags, and the CPU pressure after each round (the machine may be shared: the engines' rounds are interleaved, read
-the ratios).
+bandwidth bound (those bytes over the rate at which the kernels stream a 268 MB float32 weight at one row) and each
+process's peak resident memory (before that weight); with the CPU model and flags, and the CPU pressure after each
+round (the machine may be shared: the engines' rounds are interleaved, read the ratios). The stream rate is measured
+in our process, one stream before each decode step, and the step over its bound is each process's median step over
+the bytes at its median rate: this machine's memory rate moved 1.4x within minutes, so a rate measured apart from
+the steps made the ratio move with it (1.68x and 2.59x in two runs of the same code, AMD EPYC Zen 3).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ TYPES = ("Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0", "Q5_0", "Q5_1", "Q8_0")
 """The file types this script makes (llama.cpp's ``LLAMA_FTYPE_MOSTLY_<type>``)."""
 
 OURS = """
-import json, resource, statistics, sys, time
+import json, resource, statistics, sys, time, torch
+from cpu_kernels import ops, packed_weights
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ModelArgs, ServerArgs
 
@@ -48,33 +51,25 @@ runner = ModelRunner(ModelArgs(model_path=path, max_running_requests=4, disable_
 tokens = [(i * 7919) % 40000 + 100 for i in range(100)]
 seq = runner.kv.admit(tokens, steps + 8)
 runner.prefill([seq], [tokens])
-times = []
+runner.decode([seq], [4])
+peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+weight = packed_weights.pack_dense(torch.randn(16384, 4096) * 0.01)
+x = torch.randn(1, 4096)
+times, rates = [], []
 for step in range(steps):
+    started = time.perf_counter()
+    ops.matmul(x, weight)
+    rates.append(weight.nbytes / (time.perf_counter() - started))
     started = time.perf_counter()
     runner.decode([seq], [5 + step])
     times.append(time.perf_counter() - started)
 print(json.dumps({
     "step": statistics.median(times),
+    "bandwidth": statistics.median(rates),
     "streamed": runner.model.num_streamed_bytes,
     "formats": runner.model.weight_formats,
-    "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "peak_rss": peak_rss,
 }))
-"""
-
-STREAM = """
-import json, time, torch
-from scheduler.server_args import ModelArgs, ServerArgs
-from cpu_kernels import library, ops, packed_weights
-
-library.load(ModelArgs().kernel_build_path)
-weight = packed_weights.pack_dense(torch.randn(16384, 4096) * 0.01)
-x = torch.randn(1, 4096)
-best = float("inf")
-for _ in range(10):
-    started = time.perf_counter()
-    ops.matmul(x, weight)
-    best = min(best, time.perf_counter() - started)
-print(json.dumps({"bandwidth": weight.nbytes / best}))
 """
 
 LLAMA_CPP = """
@@ -158,21 +153,20 @@ def main() -> None:
             for engine, code in engines if round_index % 2 == 0 else engines[::-1]:
                 figures[path.name, engine].append(run(code, path, args.steps))
         pressures.append(cpu_pressure())
-    # after the rounds: a process that has just freed the stream's 0.8 GB slowed the next one's decode steps 2.5x
-    bandwidth = statistics.median(float(run(STREAM)["bandwidth"]) for _ in range(3))
     print(f"CPU {describe_cpu()}; decode B=1 after a 100-token prompt, medians of {args.rounds} rounds")
     shown = ", ".join("-" if p is None else f"{p:.2f}" for p in pressures)
     print(f"CPU pressure (PSI some avg60) at the start and after each round: {shown}")
-    print(f"the kernels stream {bandwidth / 1e9:.1f} GB/s (a float32 weight of 268 MB at one row)")
     for path in files:
         ours, theirs = figures[path.name, "ours"], figures[path.name, "llama.cpp"]
         step, peer_step = (statistics.median(float(run["step"]) for run in runs) for runs in (ours, theirs))
         rss, peer_rss = (statistics.median(float(run["peak_rss"]) for run in runs) / 1e6 for runs in (ours, theirs))
         streamed = float(ours[0]["streamed"])
-        rate, bound = streamed / step / 1e9, streamed / bandwidth
+        bandwidth = statistics.median(float(run["bandwidth"]) for run in ours)
+        over_bound = statistics.median(float(run["step"]) * float(run["bandwidth"]) / streamed for run in ours)
         print(
-            f"{path.name}: ours {step * 1e3:.2f} ms ({streamed / 1e6:.1f} MB streamed, {rate:.1f} GB/s, bound"
-            f" {bound * 1e3:.2f} ms: {step / bound:.2f}x;"
+            f"{path.name}: ours {step * 1e3:.2f} ms ({streamed / 1e6:.1f} MB streamed, {streamed / step / 1e9:.1f}"
+            f" GB/s; the kernels stream {bandwidth / 1e9:.1f} GB/s beside it: bound {streamed / bandwidth * 1e3:.2f}"
+            f" ms, the step {over_bound:.2f}x it;"
             f" {ours[0]['formats']}), llama.cpp {peer_step * 1e3:.2f} ms; llama.cpp/ours {peer_step / step:.2f};"
             f" peak RSS ours {rss:.0f} MB, llama.cpp {peer_rss:.0f} MB"
         )
