@@ -75,8 +75,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> list[int | None]:
             rows.temperatures.tolist(), rows.top_ps.tolist(), rows.min_ps.tolist(), rows.top_ks, strict=True
         )
     ]
-    if all(raced_rows):  # the race over every row's logits in one call: a decode step's usual case, ~30 µs where the
-        # tensor indexing below took ~150 µs for one row (AMD EPYC Zen 3)
+    if all(raced_rows):  # the race over every row's logits in one call, a decode step's usual case: one greedy row
+        # 48 µs, where the masks and indexing below took 180-245 µs (AMD EPYC Zen 3)
         chosen = gumbel_race(logits, rows.temperatures, _keys(rows, list(range(len(raced_rows)))))
         return [None if token < 0 else token for token in chosen.tolist()]
     race = torch.tensor(raced_rows)
