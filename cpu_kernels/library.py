@@ -130,5 +130,5 @@ def row_tile() -> int:
 def weight_row_tile(format_code: int) -> int:
     """Rows of ``x`` one tile of a matmul over a weight of that format (``packed_weights.WeightFormat``) multiplies
     together: a row past a multiple of it starts another tile, which the block formats pay for in compute (a k = 5
-    extend of Q4_1 weights cost ~1.7x a decode step where k = 4 cost ~1.3x, AMD EPYC Zen 3)."""
+    extend of Q4_1 weights cost 1.69-2.07x a decode step where k = 4 cost 1.29-1.65x, AMD EPYC Zen 3)."""
     return int(loaded().invariant_weight_row_tile(format_code))

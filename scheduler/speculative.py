@@ -33,10 +33,11 @@ draft rows). A batch's drafts share a token budget that shrinks as the batch gro
 compute-bound: drafts would slow it). Lookup drafts (prompt lookup and the cache) stop at the runner's
 ``lookup_max_batch`` requests; below it, the rows that fill the model runner's row multiple (``free_rows``) always take
 lookup drafts, paused or not, since they cost no more weight reads. On block weights a row costs compute, most of all
-the first row of another tile of the matmuls (Q4_1 on AMD EPYC Zen 3: an extend of 4 rows ~1.3x a decode step, of 5
-~1.7x): there lookup drafts only fill the rows up to the runner's ``lookup_row_tile`` multiple, while the grammar's
-and the prediction's, which mostly stand, may go past it. Side by side at C=1, greedy, against lookups up to the draft
-limit: free text 1.11-1.15x the output tokens/s, JSON 1.00-1.05x, regex 1.01-1.07x (docs/benchmarks.md).
+the first row of another tile of the matmuls (Q4_1 on AMD EPYC Zen 3, two runs: an extend of 4 rows 1.29-1.65x a
+decode step, of 5 1.69-2.07x): there lookup drafts only fill the rows up to the runner's ``lookup_row_tile``
+multiple, while the grammar's and the prediction's, which mostly stand, may go past it. Side by side at C=1, greedy,
+against lookups up to the draft limit: free text 1.11-1.15x the output tokens/s, JSON 1.00-1.05x, regex 1.01-1.07x
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
