@@ -60,6 +60,18 @@ class DecoderBatch:
     num_keys: torch.Tensor
 
 
+def mask_covers(vocab_mask: torch.Tensor, vocab: int) -> bool:
+    """Whether ``vocab_mask`` can tell ``Decoder.run_logits`` what its rows allow: int32 host words, dense in each
+    row, a bit for each of ``vocab`` tokens (a grammar backend's vocabulary may be narrower than a padded lm_head's,
+    or its masks on another device)."""
+    return (
+        vocab_mask.device.type == "cpu"
+        and vocab_mask.dtype == torch.int32
+        and vocab_mask.stride(1) == 1
+        and vocab_mask.shape[1] * 32 >= vocab
+    )
+
+
 class Head:
     """The final RMSNorm's float32 weight and the lm_head, as ``Decoder.run_logits`` takes them (the lm_head's C++ view
     made once)."""
@@ -167,19 +179,28 @@ class Decoder:
         logit_rows: torch.Tensor,
         head: Head,
         threads: int,
+        vocab_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``run``, then the logits ``[len(logit_rows), head's vocabulary]`` of the output rows ``logit_rows`` (int64):
         each row's RMSNorm by the head's norm times its lm_head, in the same call (a decode step's Python between
-        the kernels was a share of it)."""
+        the kernels was a share of it). ``vocab_mask``: the rows' grammar masks (int32 bit words, one row per logits
+        row, at least the vocabulary's bits), which the rows must be masked by afterwards: a row that allows fewer
+        than a quarter of the lm_head's 16-token panels gets only those panels' logits (the same bits), -inf
+        elsewhere."""
         self._check(hidden, batch)
         self.shape.kv_dtype = kv_dtype_code(k_pool, v_pool)
         if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous():
             raise ValueError("the logits' rows are a contiguous int64 tensor")
-        logits = torch.empty(logit_rows.shape[0], head.lm_head.out_features, dtype=torch.float32)
+        vocab = head.lm_head.out_features
+        rows = logit_rows.shape[0]
+        if vocab_mask is not None and (vocab_mask.shape[0] != rows or not mask_covers(vocab_mask, vocab)):
+            raise ValueError(f"a vocabulary mask is int32 CPU words [{rows}, >= {vocab} / 32], rows dense")
+        logits = torch.empty(rows, vocab, dtype=torch.float32)
+        masks, ldm = (vocab_mask.data_ptr(), vocab_mask.stride(0)) if vocab_mask is not None else (None, 0)
         loaded().invariant_decoder_logits(
             ctypes.byref(self.shape), self.refs, len(self.layers), ctypes.byref(self._batch(batch)), hidden.data_ptr(),
             k_pool.data_ptr(), v_pool.data_ptr(), k_pool[0].numel() * k_pool.element_size(), logit_rows.data_ptr(),
-            logit_rows.shape[0], head.norm.data_ptr(), ctypes.byref(head.ref), logits.data_ptr(), threads,
+            logit_rows.shape[0], head.norm.data_ptr(), ctypes.byref(head.ref), masks, ldm, logits.data_ptr(), threads,
         )  # fmt: skip
         return logits
 

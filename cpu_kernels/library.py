@@ -84,7 +84,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
     decoder_args: list[Any] = [shape, layer, i32, batch, ptr, ptr, ptr, i64]
     library.invariant_decoder.argtypes = [*decoder_args, i32]
-    library.invariant_decoder_logits.argtypes = [*decoder_args, ptr, i64, ptr, packed, ptr, i32]
+    library.invariant_decoder_logits.argtypes = [*decoder_args, ptr, i64, ptr, packed, ptr, i64, ptr, i32]
     for name in (
         "invariant_packed_matmul",
         "invariant_attention",

@@ -1,5 +1,6 @@
-"""One batch of the loop: forward, mask, sample, accept tokens (verified drafts, forced tokens), and who finished
-(``FinishPolicy`` decides).
+"""One batch of the loop: mask, forward, sample, accept tokens (verified drafts, forced tokens), and who finished
+(``FinishPolicy`` decides). The masks are filled before the forward, which takes them: the model runner may leave
+uncomputed the logits they disallow (on the exact runner, the lm_head's panels a sparse row never reads).
 
 The executor runs batches on the model runner: the scheduler admits requests into KV memory (the runner's ``kv``)
 and asks the executor to run prefill and decode batches of them; nothing calls back up. A decode forward takes each
@@ -87,7 +88,7 @@ class BatchExecutor:
         logit_rows = [computing.index(lead) for lead in leaders]
         kv = self.model_runner.kv
 
-        def forward() -> torch.Tensor:
+        def forward(_: torch.Tensor | None) -> torch.Tensor:  # a prompt's one logits row: the mask is not worth it
             logits = self.model_runner.prefill(seqs, [batch[i].prompt_ids for i in computing])
             for lead in sharing:  # in the order their sharing was checked
                 kv.share_prefix(_kv(batch[lead]), len(batch[lead].prompt_ids))
@@ -129,7 +130,7 @@ class BatchExecutor:
         seqs = [_kv(req) for req in batch]
         token_lists = [tokens + d.token_ids for tokens, d in zip(pending, drafts, strict=True)]
         num_logits = [len(d.token_ids) + 1 for d in drafts]
-        self._run(batch, drafts, lambda: self.model_runner.forward(seqs, token_lists, num_logits))
+        self._run(batch, drafts, lambda mask: self.model_runner.forward(seqs, token_lists, num_logits, mask))
 
     def _draft_room(self, req: Req) -> int:
         """Tokens ``req`` may take in one forward (pending and drafts): its ``_room``, and no draft near its budget."""
@@ -142,9 +143,11 @@ class BatchExecutor:
         seq = _kv(req)
         return min(seq.reserved, self.model_runner.max_seq_len - len(seq))
 
-    def _run(self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]) -> None:
+    def _run(
+        self, batch: list[Req], drafts: list[Drafts], forward: Callable[[torch.Tensor | None], torch.Tensor]
+    ) -> None:
         """Forward, sample every row, then walk each request's rows; a failure aborts its request only (on every
-        rank)."""
+        rank). ``forward(mask)``: the batch's logits, given the rows' grammar masks (None: no row is masked)."""
         self.num_batches += 1
         self.stats.num_forwards += 1
         row_tokens, logprobs, failures = self._forward_and_sample(batch, drafts, forward)
@@ -207,15 +210,17 @@ class BatchExecutor:
         return None
 
     def _forward_and_sample(
-        self, batch: list[Req], drafts: list[Drafts], forward: Callable[[], torch.Tensor]
+        self, batch: list[Req], drafts: list[Drafts], forward: Callable[[torch.Tensor | None], torch.Tensor]
     ) -> tuple[list[int | None], dict[int, torch.Tensor], dict[str, Abort]]:
-        """Every row's token, the log-probabilities of rows whose request asked for them, and failures by rid."""
+        """Every row's token, the log-probabilities of rows whose request asked for them, and failures by rid. The
+        masks are filled before the forward (they follow the tokens accepted so far and the drafts), so that the
+        engine may skip what they disallow."""
         info = self.sampling_info
         try:
             with torch.inference_mode():
-                logits = forward()
                 info.prepare(batch, [d.token_ids for d in drafts])
                 info.update_regex_vocab_mask()
+                logits = forward(info.vocab_mask)
                 info.apply_logits_bias(logits)
                 greedy = [req.sampling_params.temperature == 0 for req in batch]
                 request_rows = info.request_rows()

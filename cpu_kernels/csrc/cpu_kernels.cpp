@@ -11,6 +11,7 @@
 //   norm_activation.h RMSNorm, SiLU, GELU-tanh, softcap  decoder_layer.h  a layer's two blocks, every layer
 //   mask_logits.h     the grammar's mask                 sampling_noise.h the sampler's draws and race
 //   block_rows.h      rows of Q8_0 blocks as float32 (an embedding lookup)
+//   masked_logits.h   the lm_head over the panels a grammar's mask allows
 //
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
 // depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
@@ -129,13 +130,15 @@ void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t 
 }
 
 // invariant_decoder, then logits [num_logits, the lm_head's columns] of the output rows logit_rows: each row's RMSNorm
-// by final_norm times the lm_head (a decode step's last kernels in the same call).
+// by final_norm times the lm_head (a decode step's last kernels in the same call); masks (null: none) the rows' grammar
+// masks, int32 words ldm apart: a row that allows few panels gets those, the others -inf (masked_logits.h).
 void invariant_decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num_layers,
                               const BatchRef* batch, float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes,
                               const int64_t* logit_rows, int64_t num_logits, const float* final_norm,
-                              const PackedRef* lm_head, float* logits, int32_t threads) {
+                              const PackedRef* lm_head, const int32_t* masks, int64_t ldm, float* logits,
+                              int32_t threads) {
   decoder_logits(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, logit_rows, num_logits,
-                 final_norm, lm_head, logits, threads);
+                 final_norm, lm_head, masks, ldm, logits, threads);
 }
 
 // out[n, K] = rows ids[n] of a Q8_0 matrix (float16 scales [rows, K / 32], int8 quants [rows, K]) as float32

@@ -25,6 +25,7 @@
 #include "buffer.h"
 #include "kv_element.h"
 #include "norm_activation.h"
+#include "masked_logits.h"
 #include "packed_matmul.h"
 #include "thread_pool.h"
 
@@ -173,18 +174,20 @@ void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers
 }
 
 // `decoder`, then the logits of the output rows `logit_rows` [num_logits]: each row's RMSNorm by `final_norm`, times
-// the lm_head, into logits [num_logits, the lm_head's columns]. The same kernels as composing them from Python.
+// the lm_head, into logits [num_logits, the lm_head's columns]. The same kernels as composing them from Python. Where
+// `masks` is not null, row i's grammar mask (int32 words masks + i * ldm) lets the lm_head skip the panels it
+// disallows (masked_logits.h).
 void decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                     float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, const int64_t* logit_rows,
-                    int64_t num_logits, const float* final_norm, const PackedRef* lm_head, float* logits,
-                    int32_t threads) {
+                    int64_t num_logits, const float* final_norm, const PackedRef* lm_head, const int32_t* masks,
+                    int64_t ldm, float* logits, int32_t threads) {
   decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
   const int64_t width = shape->hidden;
   Buffer<float> selected(num_logits * width), normed(num_logits * width);
   for (int64_t i = 0; i < num_logits; ++i)
     memcpy(selected.data() + i * width, hidden + logit_rows[i] * width, width * sizeof(float));
   rms_norm(selected.data(), num_logits, width, width, final_norm, shape->eps, normed.data(), width, threads);
-  matmul_ref(normed.data(), num_logits, *lm_head, logits, threads);
+  masked_logits(*lm_head, normed.data(), num_logits, masks, ldm, logits, threads);
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from cpu_kernels import library, ops, packed_weights
-from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Head, Rope
+from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Head, Rope, mask_covers
 from cpu_kernels.packed_weights import MatmulWeight, PackedWeight, WeightStack
 from scheduler.model import architecture
 from scheduler.model.gguf_blocks import AS_Q8_0, BlockQuantized, as_q8_0, stack_blocks
@@ -249,25 +249,33 @@ class LlamaModel:
         return [part for w in (self.lm_head, *layers) for part in (w.parts if isinstance(w, WeightStack) else (w,))]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: TokenKVPool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pool: TokenKVPool, vocab_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.
 
         Row ``j`` holds the next-token logits after packed token ``batch.logit_indices[j]``. The kernels run on
         ``library.kernel_threads()`` threads; the small torch ops between them on one (a torch op's thread team
-        waits for all its threads, and on a busy machine one of them is often descheduled).
+        waits for all its threads, and on a busy machine one of them is often descheduled). ``vocab_mask``: the
+        rows' grammar masks, which the caller applies to the logits afterwards; on one rank the lm_head skips what
+        they disallow where that is most of it (``Decoder.run_logits``), on several it is not read.
         """
         threads = library.kernel_threads()
         with one_torch_thread():
-            return self._forward(batch, pool, threads)
+            return self._forward(batch, pool, threads, vocab_mask)
 
-    def _forward(self, batch: ForwardBatch, pool: TokenKVPool, threads: int) -> torch.Tensor:
+    def _forward(
+        self, batch: ForwardBatch, pool: TokenKVPool, threads: int, vocab_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         hidden = self._embed(batch.input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         hidden = hidden.contiguous()
         tokens = DecoderBatch(batch.positions, batch.new_rows, batch.key_rows, batch.key_starts, batch.num_keys)
         if self.tp.size == 1:
-            logits = self.decoder.run_logits(hidden, tokens, pool.k, pool.v, batch.logit_indices, self.head, threads)
+            if vocab_mask is not None and not mask_covers(vocab_mask, self.head.lm_head.out_features):
+                vocab_mask = None  # not host words over the lm_head's vocabulary: every column computed
+            logits = self.decoder.run_logits(
+                hidden, tokens, pool.k, pool.v, batch.logit_indices, self.head, threads, vocab_mask
+            )
         else:  # the ranks sum each block's output before the residual add
             for i in range(self.num_layers):
                 attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads)

@@ -165,7 +165,9 @@ class LlamaCppModelRunner(BaseModelRunner):
         starts: Sequence[int],
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int],
+        vocab_mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        """llama.cpp computes every logit (``vocab_mask`` is not read)."""
         entries = [
             (token, start + j, self.kv.seq_ids[seq], j >= len(tokens) - count)
             for seq, start, tokens, count in zip(seqs, starts, token_lists, num_logits, strict=True)

@@ -100,9 +100,10 @@ class ModelRunner(BaseModelRunner):
         starts: Sequence[int],
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int],
+        vocab_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch = ForwardBatch.build([seq.row_tensor() for seq in seqs], starts, token_lists, num_logits)
-        return self.model.forward(batch, self.kv.pool)
+        return self.model.forward(batch, self.kv.pool, vocab_mask)
 
 
 def kv_cache_dtype(setting: str, has_block_weights: bool) -> torch.dtype:

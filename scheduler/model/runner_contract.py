@@ -79,9 +79,13 @@ class BaseModelRunner(ABC):
         seqs: Sequence[KVSequence],
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int] | None = None,
+        vocab_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append each sequence's tokens in one forward: logits after the last ``num_logits[i]`` tokens of sequence
-        ``i`` (default: its last one), packed in order. Everything is validated before the pool is touched."""
+        ``i`` (default: its last one), packed in order. Everything is validated before the pool is touched.
+        ``vocab_mask``: the logits rows' grammar masks (int32 bit words, a row each), where the caller masks the
+        logits by them afterwards: an engine may then leave what they disallow uncomputed (-inf); the allowed
+        logits are the same either way."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         if len({id(seq) for seq in seqs}) != len(seqs):
@@ -105,7 +109,7 @@ class BaseModelRunner(ABC):
         starts = [len(seq) for seq in seqs]
         for seq, tokens in zip(seqs, token_lists, strict=True):
             self.kv.append(seq, list(tokens))
-        return self._run(seqs, starts, token_lists, num_logits)
+        return self._run(seqs, starts, token_lists, num_logits, vocab_mask)
 
     @abstractmethod
     def _run(
@@ -114,6 +118,8 @@ class BaseModelRunner(ABC):
         starts: Sequence[int],
         token_lists: Sequence[Sequence[int]],
         num_logits: Sequence[int],
+        vocab_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """The engine's forward over tokens already appended to ``kv`` (sequence ``i``'s new tokens sit at positions
-        ``starts[i]`` on): the logits after the last ``num_logits[i]`` new tokens of each sequence, packed in order."""
+        ``starts[i]`` on): the logits after the last ``num_logits[i]`` new tokens of each sequence, packed in order
+        (``vocab_mask``: ``forward``'s)."""

@@ -4,6 +4,7 @@ shared by every test."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import xgrammar
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,6 +40,7 @@ from scheduler.prompt_encoder import PromptEncoder
 from scheduler.server_args import ModelArgs, ServerArgs
 from sglang_constrained.tokenizer.loading import conversion_cache_dir, embedded_model_path
 from tests.helpers import LLAMA3_ROPE_PARAMETERS, assert_rows_invariant
+from triton_ops import apply_token_bitmask_inplace
 
 pytestmark = pytest.mark.prepared_ahead("float32 weights")
 NUM_STEPS = 16
@@ -387,6 +390,49 @@ def test_a_tokens_logits_do_not_depend_on_its_batch(runner: ModelRunner, prompts
         row = runner.decode(batch, [tokens[j], *[11] * len(batch[1:])])[0]
         assert torch.equal(row, logits[j + 1])
     for seq in seqs:
+        runner.kv.release(seq)
+
+
+@pytest.mark.model
+def test_a_grammar_s_masks_let_the_lm_head_skip_what_they_disallow_and_choose_the_same_tokens(
+    blocks_runner: ModelRunner, encoder: PromptEncoder
+) -> None:
+    """A JSON schema's greedy answer decoded twice from one prompt, on the embedded file's blocks: once handing each
+    step's grammar mask to the forward (the lm_head skips the panels it disallows, most of them in the answer's
+    structure), once not. Every allowed logit is the same bits, so the same tokens are chosen, and the answer is
+    valid."""
+    runner = blocks_runner
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    schema["required"] = ["name", "age"]
+    info = xgrammar.TokenizerInfo.from_huggingface(runner.tokenizer, vocab_size=runner.vocab_size)
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    matcher = xgrammar.GrammarMatcher(grammar)
+    prompt = encoder.encode(text="A person as JSON:")
+    masked_seq, full_seq = admitted(runner, prompt), admitted(runner, prompt)
+    mask = xgrammar.allocate_token_bitmask(1, runner.vocab_size)
+    pending: list[int] = []
+    sparse_steps = 0
+    while not matcher.is_terminated() and len(pending) < 40:
+        matcher.fill_next_token_bitmask(mask)
+        row = torch.zeros(1, runner.vocab_size)
+        apply_token_bitmask_inplace(row, mask)
+        allowed = ~torch.isneginf(row[0])
+        if pending:
+            masked = runner.forward([masked_seq], [pending[-1:]], vocab_mask=mask)[0]
+            full = runner.forward([full_seq], [pending[-1:]])[0]
+        else:
+            masked = runner.prefill([masked_seq], [prompt])[0]
+            full = runner.prefill([full_seq], [prompt])[0]
+        assert torch.equal(masked[allowed], full[allowed])
+        sparse_steps += bool(torch.isneginf(masked).any())
+        token = int(torch.where(allowed, full, -torch.inf).argmax())
+        assert token == int(torch.where(allowed, masked, -torch.inf).argmax())
+        assert matcher.accept_token(token)
+        pending.append(token)
+    assert matcher.is_terminated() and sparse_steps > len(pending) // 4
+    answer = json.loads(runner.tokenizer.decode(pending, skip_special_tokens=True))
+    assert isinstance(answer["name"], str) and isinstance(answer["age"], int)
+    for seq in (masked_seq, full_seq):
         runner.kv.release(seq)
 
 

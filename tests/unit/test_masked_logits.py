@@ -1,0 +1,91 @@
+"""The lm_head over a grammar mask's panels (``Decoder.run_logits`` with ``vocab_mask``): the allowed tokens' logits
+are the full product's bit for bit, in every weight format, and what a row skips is -inf."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_kernels import library
+from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Head, Rope
+from scheduler.server_args import ModelArgs
+from tests.unit.invariant_cases import FORMATS, fitted_width, random_weight
+from triton_ops.bitmask_format import allocate_bitmask
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, TOKENS = 256, 4, 2, 64, 512, 7
+VOCAB = 16 * 70 + 9
+"""70 whole panels of 16 tokens and a last one of 9."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    library.load(ModelArgs().kernel_build_path)
+
+
+def _decoder() -> Decoder:
+    weight = lambda rows, columns, seed: random_weight("q8_0", rows, columns, seed)[0]  # noqa: E731
+    angles = torch.arange(TOKENS)[:, None] * torch.rand(HEAD_DIM, generator=torch.Generator().manual_seed(9))
+    layer = DecoderLayer(
+        input_norm=torch.ones(HIDDEN), post_norm=torch.ones(HIDDEN),
+        qkv=weight((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, 1), o_proj=weight(HIDDEN, HEADS * HEAD_DIM, 2),
+        gate_up=weight(2 * INTER, HIDDEN, 3), down=weight(HIDDEN, INTER, 4),
+        rope=Rope(torch.cos(angles).contiguous(), torch.sin(angles).contiguous()),
+    )  # fmt: skip
+    return Decoder([layer], HEADS, KV_HEADS, HEAD_DIM, 1e-5)
+
+
+def _allow(mask: torch.Tensor, row: int, tokens: list[int]) -> None:
+    """Set ``tokens``' bits in int32 mask row ``row`` (bit 31 is the sign bit)."""
+    for token in tokens:
+        bit = token % 32
+        mask[row, token // 32] |= -(2**31) if bit == 31 else 1 << bit
+
+
+def _logits(decoder: Decoder, head: Head, mask: torch.Tensor | None) -> torch.Tensor:
+    batch = DecoderBatch(
+        torch.arange(TOKENS), torch.arange(TOKENS), torch.arange(TOKENS), torch.zeros(TOKENS, dtype=torch.int64),
+        torch.arange(1, TOKENS + 1),
+    )  # fmt: skip
+    hidden = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10))
+    k_pool, v_pool = torch.zeros(2, 1, TOKENS, KV_HEADS, HEAD_DIM)
+    return decoder.run_logits(hidden, batch, k_pool, v_pool, torch.arange(TOKENS), head, 2, mask)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_masked_row_s_allowed_logits_are_the_full_product_s_bits(fmt: str) -> None:
+    """Rows allowing a few tokens (in the first, a middle and the partial last panel; a run; none at all), a quarter
+    of the panels less one and exactly a quarter, and every token: allowed logits equal the unmasked call's, the
+    rows computed in full are equal throughout, and a sparse row is -inf outside the panels of its allowed tokens."""
+    lm_head, _ = random_weight(fmt, VOCAB, fitted_width(fmt, HIDDEN), seed=5)
+    if lm_head.in_features != HIDDEN:
+        pytest.skip(f"{fmt} needs whole super-blocks of in_features")
+    decoder, head = _decoder(), Head(torch.ones(HIDDEN), lm_head)
+    mask = allocate_bitmask(TOKENS, VOCAB, "cpu").zero_()
+    quarter = -(-VOCAB // 16 // 4)  # the fewest panels a row computed in full allows
+    _allow(mask, 0, [0, 17, 600, VOCAB - 1])
+    _allow(mask, 1, list(range(300, 340)))
+    _allow(mask, 3, [16 * p for p in range(quarter - 1)] + [5])
+    _allow(mask, 4, [16 * p + 3 for p in range(quarter)])
+    _allow(mask, 5, list(range(VOCAB)))
+    _allow(mask, 6, list(range(0, VOCAB, 5)))
+    full, masked = _logits(decoder, head, None), _logits(decoder, head, mask)
+    bits = torch.tensor([1 << i for i in range(31)] + [-(2**31)], dtype=torch.int64)
+    allowed = ((mask.to(torch.int64)[:, :, None] & bits) != 0).reshape(TOKENS, -1)[:, :VOCAB]
+    assert torch.equal(masked[allowed], full[allowed])
+    for row in (4, 5, 6):  # a quarter of the panels or more: the full product
+        assert torch.equal(masked[row], full[row])
+    for row in (0, 1, 2, 3):
+        panels = allowed[row].nonzero().flatten() // 16
+        computed = torch.zeros(VOCAB, dtype=torch.bool)
+        for panel in panels.tolist():
+            computed[16 * panel : 16 * panel + 16] = True
+        assert torch.equal(masked[row][computed], full[row][computed])
+        assert bool(torch.isneginf(masked[row][~computed]).all())
+    assert bool(torch.isneginf(masked[2]).all())
+
+
+def test_a_mask_too_narrow_for_the_vocabulary_is_refused() -> None:
+    lm_head, _ = random_weight("q8_0", VOCAB, HIDDEN, seed=5)
+    narrow = allocate_bitmask(TOKENS, VOCAB - 64, "cpu")
+    with pytest.raises(ValueError, match="vocabulary mask"):
+        _logits(_decoder(), Head(torch.ones(HIDDEN), lm_head), narrow)
