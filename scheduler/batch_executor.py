@@ -88,7 +88,7 @@ class BatchExecutor:
         logit_rows = [computing.index(lead) for lead in leaders]
         kv = self.model_runner.kv
 
-        def forward(_: torch.Tensor | None) -> torch.Tensor:  # a prompt's one logits row: the mask is not worth it
+        def forward(_: torch.Tensor | None) -> torch.Tensor:  # the lm_head is a sliver of a prompt's forward: unmasked
             logits = self.model_runner.prefill(seqs, [batch[i].prompt_ids for i in computing])
             for lead in sharing:  # in the order their sharing was checked
                 kv.share_prefix(_kv(batch[lead]), len(batch[lead].prompt_ids))

@@ -6,7 +6,7 @@ first), and the allowed logits of both must be the same bits. Prints per kind th
 allowed under a quarter of the panels, and the masked over the full forwards' time. Densities: decode steps of 1
 and 8 rows whose masks allow a given share of the panels (random panels), over steps without a mask.
 
-    python -m scripts.bench_masked_logits [--answers 6] [--rounds 40]
+    python -m scripts.bench_masked_logits [--answers 6] [--rounds 40] [--model-path <a GGUF file>]
 """
 
 from __future__ import annotations
@@ -110,9 +110,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--answers", type=int, default=6, help="greedy answers per constraint kind")
     parser.add_argument("--rounds", type=int, default=40, help="decode steps per density")
+    parser.add_argument("--model-path", default=None, help="a GGUF file or model folder (default: the embedded model)")
     args = parser.parse_args()
     print(describe_cpu())
-    runner = ModelRunner(ModelArgs(max_running_requests=8))
+    model = {"model_path": args.model_path} if args.model_path is not None else {}
+    runner = ModelRunner(ModelArgs(max_running_requests=8, **model))
     encoder = PromptEncoder(runner.tokenizer, runner.vocab_size, runner.max_seq_len)
     info = xgrammar.TokenizerInfo.from_huggingface(
         runner.tokenizer, vocab_size=runner.vocab_size, stop_token_ids=runner.eos_token_ids
