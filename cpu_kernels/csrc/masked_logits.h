@@ -89,7 +89,9 @@ static void panels_matmul(const PackedRef& w, const float* x, const std::vector<
 static void masked_logits(const PackedRef& w, const float* x, int64_t M, const int32_t* masks, int64_t ldm,
                           float* logits, int threads) {
   const int64_t K = w.in_features, N = w.out_features, num_panels = (N + kLanes - 1) / kLanes;
-  const auto few = [&](const std::vector<int64_t>& panels) { return static_cast<int64_t>(panels.size()) * 4 < num_panels; };
+  const auto few = [&](const std::vector<int64_t>& panels) {
+    return static_cast<int64_t>(panels.size()) * 4 < num_panels;
+  };
   std::vector<int64_t> full_rows;
   std::vector<std::vector<int64_t>> sparse(M);
   for (int64_t i = 0; i < M; ++i) {
