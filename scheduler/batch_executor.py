@@ -81,15 +81,17 @@ class BatchExecutor:
     def prefill(self, batch: list[Req]) -> None:
         """Run the prompts of newly scheduled requests and sample each one's first token. A request repeating the
         prompt of one before it in ``batch`` (``n`` samples) runs no forward of its own where the prefix cache lets it
-        take that request's prompt KV and first logits: every sample then starts from the same bits."""
+        take that request's prompt KV and first logits: every sample then starts from the same bits (those logits are
+        computed for the union of the sharing requests' masks)."""
         leaders, sharing = self._prompt_leaders(batch)
         computing = sorted(set(leaders))
         seqs = [_kv(batch[i]) for i in computing]
         logit_rows = [computing.index(lead) for lead in leaders]
         kv = self.model_runner.kv
 
-        def forward(_: torch.Tensor | None) -> torch.Tensor:  # the lm_head is a sliver of a prompt's forward: unmasked
-            logits = self.model_runner.prefill(seqs, [batch[i].prompt_ids for i in computing])
+        def forward(mask: torch.Tensor | None) -> torch.Tensor:
+            prompts = [batch[i].prompt_ids for i in computing]
+            logits = self.model_runner.prefill(seqs, prompts, _union_of_rows(mask, logit_rows, len(computing)))
             for lead in sharing:  # in the order their sharing was checked
                 kv.share_prefix(_kv(batch[lead]), len(batch[lead].prompt_ids))
             for req, lead in zip(batch, leaders, strict=True):
@@ -291,6 +293,17 @@ def _token_logprob(token: int, logprobs: torch.Tensor | None, num_top: int) -> T
         values, ids = logprobs.topk(min(num_top, logprobs.shape[0]))
         top = [(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != float("-inf")]
     return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def _union_of_rows(mask: torch.Tensor | None, owners: list[int], count: int) -> torch.Tensor | None:
+    """``count`` mask rows, row ``r`` allowing what any row ``i`` of ``mask`` with ``owners[i] == r`` allows: the
+    logits a shared prompt computes serve each request sharing it. None without a mask."""
+    if mask is None:
+        return None
+    union = torch.zeros(count, mask.shape[1], dtype=mask.dtype, device=mask.device)
+    for row, owner in enumerate(owners):
+        union[owner] |= mask[row]
+    return union
 
 
 def _kv(req: Req) -> KVSequence:

@@ -49,14 +49,18 @@ class BaseModelRunner(ABC):
     lookup_max_batch: int = LOOKUP_MAX_BATCH
     lookup_row_tile: int | None = None
 
-    def prefill(self, seqs: list[KVSequence], prompts: list[list[int]]) -> torch.Tensor:
-        """Run each prompt past its cached prefix; logits ``[len(seqs), vocab_size]`` after each prompt."""
+    def prefill(
+        self, seqs: list[KVSequence], prompts: list[list[int]], vocab_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run each prompt past its cached prefix; logits ``[len(seqs), vocab_size]`` after each prompt
+        (``vocab_mask``: ``forward``'s, a row per prompt)."""
         if len(seqs) != len(prompts):
             raise ValueError(f"prefill got {len(seqs)} sequences but {len(prompts)} prompts")
         for seq, prompt in zip(seqs, prompts, strict=True):
             if seq.token_ids != list(prompt[: len(seq)]) or len(seq) >= len(prompt):
                 raise ValueError("prefill needs a sequence that holds a strict prefix of its prompt")
-        return self.forward(seqs, [prompt[len(seq) :] for seq, prompt in zip(seqs, prompts, strict=True)])
+        tails = [prompt[len(seq) :] for seq, prompt in zip(seqs, prompts, strict=True)]
+        return self.forward(seqs, tails, vocab_mask=vocab_mask)
 
     def decode(self, seqs: list[KVSequence], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each running sequence in one forward; logits ``[len(seqs), vocab_size]``."""

@@ -398,9 +398,9 @@ def test_a_grammar_s_masks_let_the_lm_head_skip_what_they_disallow_and_choose_th
     blocks_runner: ModelRunner, encoder: PromptEncoder
 ) -> None:
     """A JSON schema's greedy answer decoded twice from one prompt, on the embedded file's blocks: once handing each
-    step's grammar mask to the forward (the lm_head skips the panels it disallows, most of them in the answer's
-    structure), once not. Every allowed logit is the same bits, so the same tokens are chosen, and the answer is
-    valid."""
+    step's grammar mask to the prefill and the forwards (the lm_head skips the panels it disallows, most of them in
+    the answer's structure), once not. Every allowed logit is the same bits, so the same tokens are chosen, and the
+    answer is valid."""
     runner = blocks_runner
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
     schema["required"] = ["name", "age"]
@@ -421,7 +421,7 @@ def test_a_grammar_s_masks_let_the_lm_head_skip_what_they_disallow_and_choose_th
             masked = runner.forward([masked_seq], [pending[-1:]], vocab_mask=mask)[0]
             full = runner.forward([full_seq], [pending[-1:]])[0]
         else:
-            masked = runner.prefill([masked_seq], [prompt])[0]
+            masked = runner.prefill([masked_seq], [prompt], mask)[0]
             full = runner.prefill([full_seq], [prompt])[0]
         assert torch.equal(masked[allowed], full[allowed])
         sparse_steps += bool(torch.isneginf(masked).any())

@@ -132,6 +132,24 @@ def test_forty_concurrent_requests_mixing_free_and_constrained(
             assert_obeys(output, "json_schema", grammar_backend, smollm2_tokenizer)
 
 
+def test_requests_sharing_a_prompt_under_other_constraints_answer_as_alone(one_rank_server: SchedulerProcess) -> None:
+    """One new prompt asked under a regex, a choice and a JSON schema at once, greedily (their grammars compiled
+    before, on another prompt, so that they start together): the batch computes the prompt's logits once, for the
+    union of the requests' masks, and each answer is the one it gives alone afterwards."""
+    params = {"temperature": 0.0, "max_new_tokens": 48}
+    constraints = [{"regex": PHONE_REGEX}, {"choice": COLORS}, {"json_schema": json.dumps(PERSON_SCHEMA)}]
+    asks = [
+        {"messages": [{"role": "user", "content": content}], "sampling_params": {**c, **params}}
+        for content in ("Warm up.", "Answer in the format asked.")
+        for c in constraints
+    ]
+    with one_rank_server.client() as client:
+        client.generate_batch([make_request(**ask) for ask in asks[:3]])
+        together = [output.token_ids for output in client.generate_batch([make_request(**ask) for ask in asks[3:]])]
+        alone = [client.generate(**ask).token_ids for ask in asks[3:]]
+    assert together == alone
+
+
 def test_invalid_schema_fails_alone_while_others_succeed(one_rank_server: SchedulerProcess) -> None:
     bad = {"text": "hi", "sampling_params": {"json_schema": "INVALID"}}
     requests = [
