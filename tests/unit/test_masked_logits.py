@@ -10,7 +10,7 @@ from cpu_kernels import library
 from cpu_kernels.decoder import Decoder, DecoderBatch, DecoderLayer, Head, Rope
 from scheduler.server_args import ModelArgs
 from tests.unit.invariant_cases import FORMATS, random_weight
-from triton_ops.bitmask_format import allocate_bitmask
+from triton_ops.bitmask_format import allocate_bitmask, bitmask_from_token_ids, unpack_bitmask
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, TOKENS = 256, 4, 2, 64, 512, 7
 VOCAB = 16 * 70 + 9
@@ -34,13 +34,6 @@ def _decoder() -> Decoder:
     return Decoder([layer], HEADS, KV_HEADS, HEAD_DIM, 1e-5)
 
 
-def _allow(mask: torch.Tensor, row: int, tokens: list[int]) -> None:
-    """Set ``tokens``' bits in int32 mask row ``row`` (bit 31 is the sign bit)."""
-    for token in tokens:
-        bit = token % 32
-        mask[row, token // 32] |= -(2**31) if bit == 31 else 1 << bit
-
-
 def _logits(decoder: Decoder, head: Head, mask: torch.Tensor | None) -> torch.Tensor:
     batch = DecoderBatch(
         torch.arange(TOKENS), torch.arange(TOKENS), torch.arange(TOKENS), torch.zeros(TOKENS, dtype=torch.int64),
@@ -58,17 +51,19 @@ def test_a_masked_row_s_allowed_logits_are_the_full_product_s_bits(fmt: str) -> 
     rows computed in full are equal throughout, and a sparse row is -inf outside the panels of its allowed tokens."""
     lm_head, _ = random_weight(fmt, VOCAB, HIDDEN, seed=5)  # HIDDEN: whole k-quant super-blocks
     decoder, head = _decoder(), Head(torch.ones(HIDDEN), lm_head)
-    mask = allocate_bitmask(TOKENS, VOCAB, "cpu").zero_()
     quarter = -(-VOCAB // 16 // 4)  # the fewest panels a row computed in full allows
-    _allow(mask, 0, [0, 17, 600, VOCAB - 1])
-    _allow(mask, 1, list(range(300, 340)))
-    _allow(mask, 3, [16 * p for p in range(quarter - 1)] + [5])
-    _allow(mask, 4, [16 * p + 3 for p in range(quarter)])
-    _allow(mask, 5, list(range(VOCAB)))
-    _allow(mask, 6, list(range(0, VOCAB, 5)))
+    rows = [
+        [0, 17, 600, VOCAB - 1],
+        list(range(300, 340)),
+        [],
+        [16 * p for p in range(quarter - 1)] + [5],
+        [16 * p + 3 for p in range(quarter)],
+        list(range(VOCAB)),
+        list(range(0, VOCAB, 5)),
+    ]
+    mask = torch.stack([bitmask_from_token_ids(tokens, VOCAB) for tokens in rows])
     full, masked = _logits(decoder, head, None), _logits(decoder, head, mask)
-    bits = torch.tensor([1 << i for i in range(31)] + [-(2**31)], dtype=torch.int64)
-    allowed = ((mask.to(torch.int64)[:, :, None] & bits) != 0).reshape(TOKENS, -1)[:, :VOCAB]
+    allowed = unpack_bitmask(mask, VOCAB)
     assert torch.equal(masked[allowed], full[allowed])
     for row in (4, 5, 6):  # a quarter of the panels or more: the full product
         assert torch.equal(masked[row], full[row])
