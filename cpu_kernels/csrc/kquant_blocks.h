@@ -357,27 +357,34 @@ static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t
 
 static constexpr bool is_kquant_format(int32_t format) { return format >= kQ4_0 && format <= kQ6_K; }
 
+// f(Int<F>()) for F the format above that `format` names.
+template <class Fn>
+static void with_kquant_format(int32_t format, const Fn& f) {
+  switch (format) {
+    case kQ4_0:
+      return f(Int<kQ4_0>());
+    case kQ5_0:
+      return f(Int<kQ5_0>());
+    case kQ5_1:
+      return f(Int<kQ5_1>());
+    case kQ4_K:
+      return f(Int<kQ4_K>());
+    case kQ5_K:
+      return f(Int<kQ5_K>());
+    default:
+      return f(Int<kQ6_K>());
+  }
+}
+
 // y[M, N] = x[M, K] @ W.T for the formats above: x quantised as for Q8_0, then the tiles.
 static void kquant_matmul(int32_t format, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
                           int64_t N, float* y, int64_t ldy, int threads) {
   QuantizedRows quantized;
   quantize_rows(x, M, K, ldx, threads, &quantized);
   const Buffer<int32_t> halves = half_block_sums(quantized, M, threads);
-  const int32_t* h = halves.data();
-  switch (format) {
-    case kQ4_0:
-      return kquant_shapes<kQ4_0>(quantized, h, M, packed, N, y, ldy, threads);
-    case kQ5_0:
-      return kquant_shapes<kQ5_0>(quantized, h, M, packed, N, y, ldy, threads);
-    case kQ5_1:
-      return kquant_shapes<kQ5_1>(quantized, h, M, packed, N, y, ldy, threads);
-    case kQ4_K:
-      return kquant_shapes<kQ4_K>(quantized, h, M, packed, N, y, ldy, threads);
-    case kQ5_K:
-      return kquant_shapes<kQ5_K>(quantized, h, M, packed, N, y, ldy, threads);
-    default:
-      return kquant_shapes<kQ6_K>(quantized, h, M, packed, N, y, ldy, threads);
-  }
+  with_kquant_format(format, [&](auto f) {
+    kquant_shapes<decltype(f)::value>(quantized, halves.data(), M, packed, N, y, ldy, threads);
+  });
 }
 
 }  // namespace

@@ -43,7 +43,6 @@ static void panels_matmul(const PackedRef& w, const float* x, const std::vector<
   if (format == kQ8_0 || format == kQ4_1 || is_kquant_format(format)) {
     QuantizedRows quantized;
     quantize_rows(x, 1, K, K, 1, &quantized);
-    const Buffer<int32_t> halves = half_block_sums(quantized, 1, 1);
     // one(g, y at the panel's first column, columns): the panel's one-row tile, for panels of pbytes each
     const auto each = [&](int64_t pbytes, const auto& one) {
       parallel_for(count, kPanelsPerClaim, threads, [&](int64_t first, int64_t last) {
@@ -57,22 +56,15 @@ static void panels_matmul(const PackedRef& w, const float* x, const std::vector<
         int8_rows<F, 1, 1>(1, 1, quantized, 0, g, g, at, kLanes, cols);
       });
     };
-    const auto kquant = [&](auto f) {
+    if (format == kQ8_0) return int8(Int<kQ8_0>());
+    if (format == kQ4_1) return int8(Int<kQ4_1>());
+    const Buffer<int32_t> halves = half_block_sums(quantized, 1, 1);
+    return with_kquant_format(format, [&](auto f) {
       constexpr int32_t F = decltype(f)::value;
       each(kquant_panel_bytes(F, K), [&](const PanelGroup& g, float* at, int cols) {
         kquant_rows<F, 1, 1>(1, 1, quantized, halves.data(), 0, g, g, at, kLanes, cols);
       });
-    };
-    switch (format) {
-      case kQ8_0: return int8(Int<kQ8_0>());
-      case kQ4_1: return int8(Int<kQ4_1>());
-      case kQ4_0: return kquant(Int<kQ4_0>());
-      case kQ5_0: return kquant(Int<kQ5_0>());
-      case kQ5_1: return kquant(Int<kQ5_1>());
-      case kQ4_K: return kquant(Int<kQ4_K>());
-      case kQ5_K: return kquant(Int<kQ5_K>());
-      default: return kquant(Int<kQ6_K>());
-    }
+    });
   }
   const int64_t pbytes = panel_bytes(format, K);
   parallel_for(count, kPanelsPerClaim, threads, [&](int64_t first, int64_t last) {
