@@ -84,16 +84,14 @@ static void masked_logits(const PackedRef& w, const float* x, int64_t M, const i
   const auto few = [&](const std::vector<int64_t>& panels) {
     return static_cast<int64_t>(panels.size()) * 4 < num_panels;
   };
+  if (masks == nullptr || w.next != nullptr) return stacked_matmul(&w, x, M, K, logits, N, threads);
   std::vector<int64_t> full_rows;
   std::vector<std::vector<int64_t>> sparse(M);
   for (int64_t i = 0; i < M; ++i) {
-    if (masks != nullptr && w.next == nullptr) {
-      const int32_t* words = masks + i * ldm;
-      for (int64_t p = 0; p < num_panels && few(sparse[i]); ++p)
-        if (panel_allowed(words, p)) sparse[i].push_back(p);
-      if (few(sparse[i])) continue;
-    }
-    full_rows.push_back(i);
+    const int32_t* words = masks + i * ldm;
+    for (int64_t p = 0; p < num_panels && few(sparse[i]); ++p)
+      if (panel_allowed(words, p)) sparse[i].push_back(p);
+    if (!few(sparse[i])) full_rows.push_back(i);
   }
   const int64_t F = static_cast<int64_t>(full_rows.size());
   if (F == M) return stacked_matmul(&w, x, M, K, logits, N, threads);
@@ -103,11 +101,8 @@ static void masked_logits(const PackedRef& w, const float* x, int64_t M, const i
     stacked_matmul(&w, gathered.data(), F, K, out.data(), N, threads);
     for (int64_t j = 0; j < F; ++j) memcpy(logits + full_rows[j] * N, out.data() + j * N, N * sizeof(float));
   }
-  for (int64_t i = 0, j = 0; i < M; ++i) {
-    if (j < F && full_rows[j] == i) {
-      ++j;
-      continue;
-    }
+  for (int64_t i = 0; i < M; ++i) {
+    if (!few(sparse[i])) continue;  // computed in full above
     float* row = logits + i * N;
     std::fill(row, row + N, -std::numeric_limits<float>::infinity());
     panels_matmul(w, x + i * K, sparse[i], row, threads);
