@@ -12,7 +12,7 @@ from scheduler.server_args import ModelArgs
 from tests.unit.invariant_cases import FORMATS, random_weight
 from triton_ops.bitmask_format import allocate_bitmask, bitmask_from_token_ids, unpack_bitmask
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, TOKENS = 256, 4, 2, 64, 512, 7
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, TOKENS = 256, 4, 2, 64, 512, 21
 VOCAB = 16 * 70 + 9
 """70 whole panels of 16 tokens and a last one of 9."""
 
@@ -46,9 +46,10 @@ def _logits(decoder: Decoder, head: Head, mask: torch.Tensor | None) -> torch.Te
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_masked_row_s_allowed_logits_are_the_full_product_s_bits(fmt: str) -> None:
-    """Rows allowing a few tokens (in the first, a middle and the partial last panel; a run; none at all), a quarter
-    of the panels less one and exactly a quarter, and every token: allowed logits equal the unmasked call's, the
-    rows computed in full are equal throughout, and a sparse row is -inf outside the panels of its allowed tokens."""
+    """21 rows, three of each: allowing a few tokens (in the first, a middle and the partial last panel; a run; none
+    at all), a quarter of the panels less one and exactly a quarter, and every token: allowed logits equal the
+    unmasked call's, the rows computed in full are equal throughout, and a sparse row is -inf outside the panels of
+    its allowed tokens."""
     lm_head, _ = random_weight(fmt, VOCAB, HIDDEN, seed=5)  # HIDDEN: whole k-quant super-blocks
     decoder, head = _decoder(), Head(torch.ones(HIDDEN), lm_head)
     quarter = -(-VOCAB // 16 // 4)  # the fewest panels a row computed in full allows
@@ -61,20 +62,21 @@ def test_a_masked_row_s_allowed_logits_are_the_full_product_s_bits(fmt: str) -> 
         list(range(VOCAB)),
         list(range(0, VOCAB, 5)),
     ]
-    mask = torch.stack([bitmask_from_token_ids(tokens, VOCAB) for tokens in rows])
+    kinds = [i % len(rows) for i in range(TOKENS)]  # three of each: 21 rows, past the matmuls' 16-row sizes
+    mask = torch.stack([bitmask_from_token_ids(rows[kind], VOCAB) for kind in kinds])
     full, masked = _logits(decoder, head, None), _logits(decoder, head, mask)
     allowed = unpack_bitmask(mask, VOCAB)
     assert torch.equal(masked[allowed], full[allowed])
-    for row in (4, 5, 6):  # a quarter of the panels or more: the full product
+    for row in (i for i, kind in enumerate(kinds) if kind >= 4):  # a quarter of the panels or more: in full
         assert torch.equal(masked[row], full[row])
-    for row in (0, 1, 2, 3):
+    for row in (i for i, kind in enumerate(kinds) if kind < 4):
         panels = allowed[row].nonzero().flatten() // 16
         computed = torch.zeros(VOCAB, dtype=torch.bool)
         for panel in panels.tolist():
             computed[16 * panel : 16 * panel + 16] = True
         assert torch.equal(masked[row][computed], full[row][computed])
         assert bool(torch.isneginf(masked[row][~computed]).all())
-    assert bool(torch.isneginf(masked[2]).all())
+    assert all(bool(torch.isneginf(masked[row]).all()) for row, kind in enumerate(kinds) if kind == 2)
 
 
 def test_a_mask_too_narrow_for_the_vocabulary_is_refused() -> None:
