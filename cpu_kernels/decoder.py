@@ -245,5 +245,5 @@ class Decoder:
         check_rows(hidden, self.shape.hidden, "the decoder")
         if not hidden.is_contiguous() or batch.positions.shape[0] != hidden.shape[0]:
             raise ValueError("the decoder takes contiguous hidden states, one row per token of the batch")
-        if self.max_positions is not None and int(batch.positions.max()) >= self.max_positions:
-            raise ValueError(f"positions reach {int(batch.positions.max())}, past the {self.max_positions} RoPE rows")
+        if self.max_positions is not None and (reach := int(batch.positions.numpy().max())) >= self.max_positions:
+            raise ValueError(f"positions reach {reach}, past the {self.max_positions} RoPE rows")
