@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from scheduler.io_struct import SamplingParams
 from scheduler.ngram_cache import NgramCache
 from scheduler.request import Req
-from scheduler.speculative import NO_DRAFTS, DraftProposer, prompt_lookup
+from scheduler.speculative import NGRAM_MAX, NGRAM_MIN_CONTEXT, NO_DRAFTS, DraftProposer, prompt_lookup
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.constraint_spec import make_grammar_key
 from sglang_constrained.testing.conformance import compile_grammar
@@ -162,6 +164,23 @@ def test_prompt_lookup_finds_the_latest_longest_match() -> None:
     assert prompt_lookup([5, 1, 9, 9, 9, 9, 9, 9, 2, 1], 2) == (1, [9, 9])
     assert prompt_lookup(list(range(20)), 3) == (0, [])  # no earlier occurrence of any suffix
     assert prompt_lookup([1, 2, 3], 3) == (0, [])  # too little context
+
+
+def _latest_longest_match(context: list[int], max_tokens: int) -> tuple[int, list[int]]:
+    """prompt_lookup's definition, window by window."""
+    if max_tokens <= 0 or len(context) < NGRAM_MIN_CONTEXT:
+        return 0, []
+    for n in range(NGRAM_MAX, 0, -1):
+        starts = [i for i in range(len(context) - n) if context[i : i + n] == context[-n:]]
+        if starts:
+            return n, context[starts[-1] + n : starts[-1] + n + max_tokens]
+    return 0, []
+
+
+@given(st.lists(st.integers(0, 5), max_size=60), st.integers(0, 10))
+def test_prompt_lookup_is_the_latest_longest_earlier_match(context: list[int], max_tokens: int) -> None:
+    # a small alphabet: suffixes recur, at every length up to NGRAM_MAX and past it
+    assert prompt_lookup(context, max_tokens) == _latest_longest_match(context, max_tokens)
 
 
 def test_nothing_is_forced_while_a_reasoner_thinks(
