@@ -298,8 +298,8 @@ def prompt_lookup(context: list[int], max_tokens: int) -> tuple[int, list[int]]:
     and the tokens that followed its latest earlier occurrence, at most ``max_tokens``; ``(0, [])`` when none did.
 
     In NumPy, one suffix token at a time over the positions where the shorter suffix ended: after a forward has
-    streamed the weights through the caches, each torch op here cost 10-30 µs, and the torch version's ~30 of them
-    were about a millisecond of a constrained decode step (AMD EPYC)."""
+    streamed the weights through the caches each torch op cost 10-30 µs, and the torch version's ~30 a call were
+    ~0.2 ms of a constrained decode step (AMD EPYC: docs/benchmarks.md)."""
     if max_tokens <= 0 or len(context) < NGRAM_MIN_CONTEXT:
         return 0, []
     data = numpy.asarray(context)
