@@ -32,7 +32,6 @@ class KVSequence:
     reserved: int = 0
     node: TreeNode | None = None
     _row_array: numpy.ndarray = field(default_factory=lambda: numpy.empty(0, dtype=numpy.int64), repr=False)
-    _row_buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long), repr=False)
     _num_copied: int = field(default=0, repr=False)
 
     def __len__(self) -> int:
@@ -40,17 +39,18 @@ class KVSequence:
 
     def row_tensor(self) -> torch.Tensor:
         """``rows`` as int64, kept between forwards: a decode step copies its new row, not the whole table (a
-        1,600-row table took ~0.1 ms to build from the list every step, 32 of them ~2.6 ms). The rows are copied
-        by NumPy into the tensor's memory: a torch copy of one row cost tens of µs after a step (``ForwardBatch``)."""
+        1,600-row table took ~0.1 ms to build from the list every step, 32 of them ~2.6 ms). The rows are kept
+        and copied by NumPy, the tensor sharing their memory: a torch copy of one row cost tens of µs after a step
+        (``ForwardBatch``)."""
         num_rows = len(self.rows)
         if num_rows > self._row_array.shape[0]:
             grown = numpy.empty(max(num_rows, 2 * self._row_array.shape[0], 64), dtype=numpy.int64)
             grown[: self._num_copied] = self._row_array[: self._num_copied]
-            self._row_array, self._row_buffer = grown, torch.from_numpy(grown)
+            self._row_array = grown
         if self._num_copied < num_rows:
             self._row_array[self._num_copied : num_rows] = self.rows[self._num_copied :]
             self._num_copied = num_rows
-        return self._row_buffer[:num_rows]
+        return torch.from_numpy(self._row_array[:num_rows])
 
     def rows_changed_from(self, index: int) -> None:
         """Rows from ``index`` on were dropped or replaced: ``row_tensor`` copies them again."""

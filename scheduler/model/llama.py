@@ -94,16 +94,23 @@ class ForwardBatch:
         # 0.38 -> 0.24 ms of a ~6 ms step on a Q4_K_M file; AMD EPYC)
         flat = numpy.array(list(itertools.chain.from_iterable(columns)), dtype=numpy.int64)
         ends = itertools.accumulate(len(column) for column in columns)
-        arrays = [flat[end - len(column) : end] for end, column in zip(ends, columns, strict=True)]
+        ids, positions, logit_indices, key_starts, num_keys = (
+            flat[end - len(column) : end] for end, column in zip(ends, columns, strict=True)
+        )
         # a sequence's kept row tensor as it is, several joined once in C (a long list's conversion every step
         # cost ~0.1 ms at 1,600 rows); a new token's row is its sequence's at its position
-        if len(rows) == 1:
+        if not rows:
+            key_rows = torch.empty(0, dtype=torch.long)
+        elif len(rows) == 1:
             key_rows = torch.as_tensor(rows[0], dtype=torch.long)
         else:
-            key_rows = torch.cat([torch.as_tensor(seq_rows, dtype=torch.long) for seq_rows in [*rows, []]])
-        arrays.append(key_rows.numpy()[arrays[3] + arrays[1]])
-        input_ids, positions, logit_indices, key_starts, num_keys, new_rows = map(torch.from_numpy, arrays)
-        return cls(input_ids, positions, new_rows, logit_indices, key_rows, key_starts, num_keys, offsets, list(starts))
+            key_rows = torch.cat([torch.as_tensor(seq_rows, dtype=torch.long) for seq_rows in rows])
+        new_rows = key_rows.numpy()[key_starts + positions]
+        wrap = torch.from_numpy
+        return cls(
+            wrap(ids), wrap(positions), wrap(new_rows), wrap(logit_indices), key_rows, wrap(key_starts), wrap(num_keys),
+            offsets, list(starts),
+        )  # fmt: skip
 
 
 class LlamaModel:
