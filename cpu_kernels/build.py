@@ -43,14 +43,13 @@ def _compiler() -> str:
 
 TARGETS = {
     "native": (),
-    "avx512": ("-mno-avx512vnni", "-mno-avxvnni", "-mno-gfni"),
+    "avx512": ("-mno-avx512vnni", "-mno-avxvnni"),
     "avx2-vnni": ("-mno-avx512f",),
-    "avx2": ("-mno-avx512f", "-mno-avxvnni", "-mno-gfni"),
+    "avx2": ("-mno-avx512f", "-mno-avxvnni"),
     "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c"),
 }
 """Builds: the CPU at hand, or a narrower instruction set (to show that every build computes the same bits): AVX-512
-and AVX2 without their 8-bit dot products (VNNI) or GFNI (kquant_blocks.h's bit joins: Intel's AVX-512 CPUs before Ice
-Lake and AMD's CPUs before Zen 4 have no GFNI), and AVX2 with AVX-VNNI's (and GFNI, where the CPU has it)."""
+and AVX2 without their 8-bit dot products (VNNI), and AVX2 with AVX-VNNI's."""
 TARGET_NEEDS = {"avx512": "avx512bw", "avx2-vnni": "avx_vnni", "avx2": "avx2"}
 """The CPU flag (as /proc/cpuinfo names it) each narrower build needs to run; the scalar build runs anywhere."""
 
@@ -63,7 +62,7 @@ def runs_here(target: str) -> bool:
 
 def narrows_here(target: str) -> bool:
     """Whether the ``target`` build runs on this CPU and differs from the native one: it turns off an instruction set
-    this CPU has. On an AVX2 CPU without VNNI or GFNI (AMD EPYC Zen 3) the ``avx2`` build is the native one, compiled
+    this CPU has. On an AVX2 CPU without VNNI (AMD EPYC Zen 3) the ``avx2`` build is the native one, compiled
     again to the same code (~55 s of compiler there)."""
     turned_off = (flag.removeprefix("-mno-") for flag in TARGETS[target] if flag.startswith("-mno-"))
     return runs_here(target) and any(_CPUINFO_NAMES.get(name, name) in cpu_flags() for name in turned_off)

@@ -18,12 +18,12 @@
 //     acc = fma(d * d_x, c, acc)
 // so, as for the other formats, a row's bits do not depend on the batch, the tiles, the threads or the build.
 //
-// Packed layout per panel of 16 columns (Python's pack_q4_0 ... pack_q6_k). A 32-block's quants, as the Q4_1 panel:
-// 4 vectors of 16 lanes of 4 bytes, byte j of lane l in vector i holding k = 4i + j in its low nibble and
-// k = 16 + 4i + j in its high nibble (combination c = 2i for the low, 2i + 1 for the high nibble); then the bits
-// above the nibble, per byte position of those vectors:
-// - 5-bit quants: one plane of 64 bytes, bit c of byte p = bit 4 of the quant at byte p of combination c;
-// - 6-bit quants: two planes, bits 2(c % 4) and 2(c % 4) + 1 of plane c / 4's byte p = bits 4 and 5 of that quant.
+// Packed layout per panel of 16 columns (Python's pack_q4_0 ... pack_q6_k). A 32-block's quants come in 8
+// combinations of 64 bytes, 16 lanes of 4: combination c = 2i + h, byte j of lane l holds the quant of column l at
+// k = 16h + 4i + j. The 4-bit formats store them as the Q4_1 panel: 4 vectors, vector i holding combination 2i in
+// its low nibbles and 2i + 1 in its high nibbles. The 5- and 6-bit formats store `bits` vectors r[0..bits) that
+// join_wide reads (and Python's _wide_quant_vectors writes): combination j < bits in the low bits of r[j]'s bytes,
+// the others as xors of r's 16-bit words shifted, from the bits above.
 // Then per block:       Q4_0 float16 d[16] (288 bytes); Q5_0 d[16] (352); Q5_1 d[16], m[16] (384);
 //                       Q4_K uint8 sc[16], m[16] (288); Q5_K sc[16], m[16] (352); Q6_K int8 sc_0[16], sc_1[16] (416).
 // A k-quant super-block is a head, Q4_K and Q5_K float16 d[16], dmin[16], Q6_K d[16], then its 8 blocks. Panels are
@@ -45,16 +45,18 @@
 
 namespace {
 
-// ---- the bits above the nibble, and 16 small integers as floats ----------------------------------------------
+// ---- 16-bit shifts, bytes xor'ed and masked, and 16 small integers as floats ----------------------------------
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// h shifted left (right for a negative shift) per 16-bit word: bits cross bytes only where bmerge's mask clears them
-static inline B64 bshift(B64 h, int shift) {
-  return {shift >= 0 ? _mm512_slli_epi16(h.r, shift) : _mm512_srli_epi16(h.r, -shift)};
+// h's 16-bit words shifted right: bits move from each word's high byte into its low byte
+static inline B64 bsrl16(B64 h, int shift) { return {_mm512_srli_epi16(h.r, shift)}; }
+static inline B64 bxor(B64 a, B64 b) { return {_mm512_xor_si512(a.r, b.r)}; }
+// (a ^ b) & mask per byte, one vpternlogd
+static inline B64 bxor_and(B64 a, B64 b, uint8_t mask) {
+  return {_mm512_ternarylogic_epi32(a.r, b.r, _mm512_set1_epi8(static_cast<char>(mask)), 0x28)};
 }
-// a | (b & mask) per byte, one vpternlogd
-static inline B64 bmerge(B64 a, B64 b, uint8_t mask) {
-  return {_mm512_ternarylogic_epi32(a.r, b.r, _mm512_set1_epi8(static_cast<char>(mask)), 0xF8)};
+static inline B64 band(B64 a, uint8_t mask) {
+  return {_mm512_and_si512(a.r, _mm512_set1_epi8(static_cast<char>(mask)))};
 }
 static inline V16 vfrom_u8(const uint8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
@@ -63,14 +65,13 @@ static inline V16 vfrom_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-static inline B64 bshift(B64 h, int shift) {
-  if (shift >= 0) return {_mm256_slli_epi16(h.lo, shift), _mm256_slli_epi16(h.hi, shift)};
-  return {_mm256_srli_epi16(h.lo, -shift), _mm256_srli_epi16(h.hi, -shift)};
-}
-static inline B64 bmerge(B64 a, B64 b, uint8_t mask) {
+static inline B64 bsrl16(B64 h, int shift) { return {_mm256_srli_epi16(h.lo, shift), _mm256_srli_epi16(h.hi, shift)}; }
+static inline B64 bxor(B64 a, B64 b) { return {_mm256_xor_si256(a.lo, b.lo), _mm256_xor_si256(a.hi, b.hi)}; }
+static inline B64 band(B64 a, uint8_t mask) {
   const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
-  return {_mm256_or_si256(a.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(a.hi, _mm256_and_si256(b.hi, m))};
+  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
 }
+static inline B64 bxor_and(B64 a, B64 b, uint8_t mask) { return band(bxor(a, b), mask); }
 static inline V16 vfrom_u8(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
@@ -80,17 +81,24 @@ static inline V16 vfrom_i8(const int8_t* p) {
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
 }
 #else
-static inline B64 bshift(B64 h, int shift) {  // per byte: the bits bmerge keeps are those of the 16-bit shifts
-  for (auto& v : h.b) {
-    const unsigned u = static_cast<uint8_t>(v);
-    v = static_cast<int8_t>(shift >= 0 ? u << shift : u >> -shift);
+static inline B64 bsrl16(B64 h, int shift) {  // little-endian words of bytes 2w, 2w + 1, as the vector builds'
+  for (int w = 0; w < 2 * kLanes; ++w) {
+    const unsigned word = (static_cast<unsigned>(static_cast<uint8_t>(h.b[2 * w + 1])) << 8 |
+                           static_cast<uint8_t>(h.b[2 * w])) >> shift;
+    h.b[2 * w] = static_cast<int8_t>(word & 0xFF);
+    h.b[2 * w + 1] = static_cast<int8_t>(word >> 8);
   }
   return h;
 }
-static inline B64 bmerge(B64 a, B64 b, uint8_t mask) {
-  for (int i = 0; i < 4 * kLanes; ++i) a.b[i] = static_cast<int8_t>(a.b[i] | (b.b[i] & mask));
+static inline B64 bxor(B64 a, B64 b) {
+  for (int i = 0; i < 4 * kLanes; ++i) a.b[i] = static_cast<int8_t>(a.b[i] ^ b.b[i]);
   return a;
 }
+static inline B64 band(B64 a, uint8_t mask) {
+  for (auto& v : a.b) v = static_cast<int8_t>(v & mask);
+  return a;
+}
+static inline B64 bxor_and(B64 a, B64 b, uint8_t mask) { return band(bxor(a, b), mask); }
 static inline V16 vfrom_u8(const uint8_t* p) {
   V16 out;
   for (int l = 0; l < kLanes; ++l) out.v[l] = static_cast<float>(p[l]);
@@ -103,37 +111,23 @@ static inline V16 vfrom_i8(const int8_t* p) {
 }
 #endif
 
-// The quants of combination c: the nibble in bits 0-3 of n (its bits above ignored) joined with their bits above the
-// nibble from `plane` (the 5-bit formats' one plane, Q6_K's two).
-#if defined(__GFNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+// The 5- or 6-bit quants of combination c from a block's vectors r[0..BITS) at `vectors` (Python's
+// _wide_quant_vectors solves for their bits; its _WIDE_QUANT_READS lists the xors below). The 8 combinations take
+// 19 (18) vector operations (AVX2, each on both halves), where nibbles and planes of the bits above them took 36:
+// SmolLM2's Q5_0 matmuls (one row) were bound by those operations on AVX2 (docs/benchmarks.md).
 template <int BITS>
-static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
-  // vgf2p8affineqb: bit i of each byte = parity of (byte 7 - i of the matrix) & the byte, so byte 3 (2) of the
-  // matrix picks the bit that lands in bit 4 (5), and every other bit comes out clear: one instruction where a shift
-  // needed a mask (and a run-time count: Q5_0, 576 x 1024 in L2 on one thread, 6.3 -> 5.5 µs; AMD EPYC)
-  const int low = BITS == 5 ? c : 2 * (c % 4);
-  const uint64_t matrix = (uint64_t{1} << low << 24) | (BITS == 6 ? uint64_t{2} << low << 16 : 0);
-  const __m512i high = _mm512_gf2p8affine_epi64_epi8(plane[BITS == 5 ? 0 : c / 4].r, _mm512_set1_epi64(matrix), 0);
-  return {_mm512_ternarylogic_epi32(n.r, high, _mm512_set1_epi8(15), 0xEC)};  // (n & 15) | high
+static inline B64 join_wide(const uint8_t* vectors, int c) {
+  constexpr uint8_t mask = (1 << BITS) - 1;
+  const auto r = [vectors](int j) { return bload(vectors + j * 64); };
+  if (c < BITS) return band(r(c), mask);
+  if constexpr (BITS == 5) {
+    if (c == 5) return bxor_and(bsrl16(r(0), 5), bsrl16(r(1), 2), mask);
+    if (c == 6) return bxor_and(bsrl16(r(2), 5), bsrl16(r(3), 2), mask);
+    return bxor_and(bxor(bsrl16(r(4), 5), bsrl16(r(3), 4)), bsrl16(r(1), 3), mask);
+  }
+  const int first = c == 6 ? 0 : 3;
+  return bxor_and(bxor(bsrl16(r(first), 6), bsrl16(r(first + 1), 4)), bsrl16(r(first + 2), 2), mask);
 }
-#elif defined(__GFNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-template <int BITS>
-static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
-  const int low = BITS == 5 ? c : 2 * (c % 4);
-  const __m256i matrix = _mm256_set1_epi64x(
-      static_cast<long long>((uint64_t{1} << low << 24) | (BITS == 6 ? uint64_t{2} << low << 16 : 0)));
-  const B64& h = plane[BITS == 5 ? 0 : c / 4];
-  const __m256i m = _mm256_set1_epi8(15);
-  return {_mm256_or_si256(_mm256_and_si256(n.lo, m), _mm256_gf2p8affine_epi64_epi8(h.lo, matrix, 0)),
-          _mm256_or_si256(_mm256_and_si256(n.hi, m), _mm256_gf2p8affine_epi64_epi8(h.hi, matrix, 0))};
-}
-#else
-template <int BITS>
-static inline B64 bjoin(B64 n, const B64 (&plane)[2], int c) {
-  if constexpr (BITS == 5) return bmerge(blow(n), bshift(plane[0], 4 - c), 0x10);
-  return bmerge(blow(n), bshift(plane[c / 4], 4 - 2 * (c % 4)), 0x30);
-}
-#endif
 
 // ---- the formats' shapes -----------------------------------------------------------------------------------------
 
@@ -144,11 +138,11 @@ static constexpr int quant_bits(int32_t format) {
 static constexpr int32_t quant_offset(int32_t format) {
   return format == kQ4_0 ? 8 : format == kQ5_0 ? 16 : format == kQ6_K ? 32 : 0;
 }
-static constexpr int64_t kQuantBytes = 4 * 64;  // a block's nibbles
+static constexpr int64_t kQuantBytes = 4 * 64;  // a block's first 4 vectors (the 4-bit formats' all)
 static constexpr int64_t kquant_block_bytes(int32_t format) {
-  const int64_t planes = (quant_bits(format) - 4) * 64;
-  if (is_k_format(format)) return kQuantBytes + planes + 2 * kLanes;  // sc and m, or Q6_K's sc_0 and sc_1
-  return kQuantBytes + planes + (format == kQ5_1 ? 2 : 1) * kLanes * 2;
+  const int64_t wide = (quant_bits(format) - 4) * 64;  // the 5- and 6-bit formats' further vectors
+  if (is_k_format(format)) return kQuantBytes + wide + 2 * kLanes;  // sc and m, or Q6_K's sc_0 and sc_1
+  return kQuantBytes + wide + (format == kQ5_1 ? 2 : 1) * kLanes * 2;
 }
 static constexpr int64_t kquant_head_bytes(int32_t format) {
   return format == kQ6_K ? kLanes * 2 : is_k_format(format) ? 2 * kLanes * 2 : 0;
@@ -180,17 +174,17 @@ static Buffer<int32_t> half_block_sums(const QuantizedRows& x, int64_t M, int th
 // A one-row tile's cache hints (int8_blocks.h's, for these formats): its own panels' block kOneRowAhead blocks on,
 // about 11 KB of a group ahead, asked for a quarter at a time among the quants' loads rather than all at the block's
 // start.
-// SmolLM2's gate_up (576 x 3072) in Q5_0 from memory on 2 threads, median of 600 (AMD EPYC, with bjoin's
-// vgf2p8affineqb, which alone gave 15.2 -> 14.9 µs): spread 13.8 at 3 blocks as before, 13.0 at 4, 13.1 at 6 (5
-// slower in a step's 121 matmuls); all at the block's start 14.9; hints per load, or a far one into L2, 17 µs.
+// SmolLM2's gate_up (576 x 3072) in Q5_0 from memory on 2 threads, median of 600 (AMD EPYC, Q5_0 then in nibbles
+// and a plane of fifth bits): spread 13.8 at 3 blocks as before, 13.0 at 4, 13.1 at 6 (5 slower in a step's 121
+// matmuls); all at the block's start 14.9; hints per load, or a far one into L2, 17 µs.
 // docs/benchmarks.md: in a decode step the L3 then keeps less of the lm_head, and the step is no faster.
 template <int32_t F>
 constexpr int64_t kOneRowAhead = std::max(kRowAhead, 11264 / (kGroupPanels * kquant_block_bytes(F)));
 
 // The tile's four quarters of a block unrolled on builds without AVX-512: GCC kept the 5- and 6-bit formats'
-// quarters a loop, bjoin's shift counts in registers behind branches. AMD EPYC Zen 3 (AVX2), SmolLM2's Q5_0 matmuls on
-// 2 threads, the two builds alternating in one process: one row 1.49-1.52x the rate, 4 to 512 rows 0.97-1.01x. The
-// AVX-512 builds were not measured with it and keep their loop.
+// quarters a loop, their joins' shift counts in registers behind branches. AMD EPYC Zen 3 (AVX2), SmolLM2's Q5_0
+// matmuls on 2 threads (in nibbles and a plane then), the two builds alternating in one process: one row 1.49-1.52x
+// the rate, 4 to 512 rows 0.97-1.01x. The AVX-512 builds were not measured with it and keep their loop.
 #if !defined(__AVX512F__)
 #define KQUANT_UNROLL_QUARTERS _Pragma("GCC unroll 4")
 #else
@@ -230,10 +224,6 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
     I16 s[MR][NP], t[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < NP; ++p) s[r][p] = t[r][p] = izero();
-    B64 plane[NP][2];
-    if constexpr (bits > 4)
-      for (int p = 0; p < NP; ++p)
-        for (int h = 0; h < bits - 4; ++h) plane[p][h] = bload(panel_block[p] + kQuantBytes + h * 64);
     // each i adds 2 products to s (Q6_K: 1 to s and 1 to t); widened every `widen` of i
     constexpr int widen = kWordDots<bits> / (two_sums ? 1 : 2);
     static_assert(widen >= 1 && 4 % widen == 0, "whole widenings per block");
@@ -251,11 +241,11 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
           _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
       }
       for (int p = 0; p < NP; ++p) {
-        const B64 packed = bload(panel_block[p] + i * 64);
         if constexpr (bits > 4) {
-          lo[p] = bjoin<bits>(packed, plane[p], 2 * i);
-          hi[p] = bjoin<bits>(bshift(packed, -4), plane[p], 2 * i + 1);
+          lo[p] = join_wide<bits>(panel_block[p], 2 * i);
+          hi[p] = join_wide<bits>(panel_block[p], 2 * i + 1);
         } else {
+          const B64 packed = bload(panel_block[p] + i * 64);
           lo[p] = blow(packed);
           hi[p] = bhigh(packed);
         }
