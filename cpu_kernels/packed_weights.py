@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 LANES = 16
@@ -242,19 +243,17 @@ def _wide_quant_vectors(q: torch.Tensor, bits: int) -> torch.Tensor:
     move bits across the bytes of a word, so each combination's bits are solved in turn: every bit it reads is
     already set, apart from its pivots, which are set to give its value. (That order exists: no combination reads
     the pivots of one after it.)"""
-    mask = (1 << bits) - 1
-    words = q.to(torch.int32)
-    words = words[..., 0::2] | words[..., 1::2] << 8  # [..., 8, 32] little-endian 16-bit words
-    vectors = [words[..., j, :].clone() for j in range(bits)]
+    mask = np.uint16(((1 << bits) - 1) * 0x0101)
+    words = q.contiguous().numpy().view("<u2")  # [..., 8, 32]: the 16-bit words of bytes 2w, 2w + 1
+    vectors = words[..., :bits, :].copy()
     for combination, terms in _WIDE_QUANT_READS[bits]:
-        read = torch.zeros_like(words[..., 0, :])
+        read = np.zeros_like(words[..., 0, :])
         for register, _, shift in terms:
-            read ^= vectors[register] >> shift
-        missing = (words[..., combination, :] ^ read) & (mask | mask << 8)
+            read ^= vectors[..., register, :] >> shift
+        missing = (words[..., combination, :] ^ read) & mask
         for register, pivots, shift in terms:
-            vectors[register] |= (missing & pivots) << shift
-    out = torch.stack(vectors, dim=-2)
-    return torch.stack([out & 0xFF, out >> 8], dim=-1).flatten(-2).to(torch.uint8)
+            vectors[..., register, :] |= (missing & pivots) << shift
+    return torch.from_numpy(vectors.view(np.uint8))
 
 
 def _block_bytes(quants: torch.Tensor, bits: int, per_block: list[torch.Tensor]) -> torch.Tensor:
