@@ -16,12 +16,14 @@ HTTP frontend reads it.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jsonschema
+import jsonschema_rs
 
 from sglang_constrained.errors import GrammarSpecError
 
@@ -297,10 +299,19 @@ def escape_regex_literal(text: str) -> str:
 
 
 def check_schema_is_valid(schema: Any) -> None:
-    """Refuse a schema that breaks the JSON Schema meta-schema, naming the keyword and where it is."""
+    """Refuse a schema that breaks the JSON Schema meta-schema, naming the keyword and where it is.
+
+    The meta-schema of the draft its ``$schema`` names (2020-12 without one, or with one jsonschema does not know;
+    a ``$schema`` that is not a string is checked by 2020-12's, which refuses it). jsonschema-rs checks first: it
+    takes ~0.3 us a subschema where jsonschema takes ~0.4 ms (2020-12's ``$dynamicRef``s: a 20,000-property schema
+    took 7-10 s of the compile thread); jsonschema decides only a schema jsonschema-rs refuses, and names its error.
+    """
     if not isinstance(schema, dict | bool):
         raise GrammarSpecError(f"a JSON schema must be an object or a boolean, not {_json_type_name(schema)}")
-    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator_class = _meta_schema_validator_class(schema)
+    fast_check = _fast_meta_schema_check(validator_class)
+    if fast_check is not None and fast_check.is_valid(schema):
+        return
     error = jsonschema.exceptions.best_match(validator_class(validator_class.META_SCHEMA).iter_errors(schema))
     if error is not None:
         where = _json_pointer(error.path)
@@ -308,6 +319,21 @@ def check_schema_is_valid(schema: Any) -> None:
             f"invalid JSON schema at {where}: the value of {error.path[-1] if error.path else 'the schema'!r} "
             f"fails the meta-schema's {error.validator!r} rule"
         )
+
+
+def _meta_schema_validator_class(schema: dict[str, Any] | bool) -> Any:
+    if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
+        return jsonschema.Draft202012Validator
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+@functools.cache
+def _fast_meta_schema_check(validator_class: Any) -> Any:
+    """jsonschema-rs's validator of ``validator_class``'s meta-schema, or None for a draft it does not know (3)."""
+    try:
+        return jsonschema_rs.validator_for(validator_class.META_SCHEMA)
+    except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError):
+        return None
 
 
 def nesting_depth(value: Any) -> int:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
+import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_constrained.constraint_spec import (
     GrammarSpecError,
+    check_schema_is_valid,
     choices_to_regex,
     escape_regex_literal,
     lower_constraint,
@@ -81,6 +84,75 @@ def test_meta_schema_error_does_not_echo_the_schema() -> None:
         lower_constraint(make_grammar_key("json", schema), 100_000, _no_feature_check)
     assert "/properties/a/type" in str(error.value)
     assert "secret" not in str(error.value) and len(str(error.value)) < 200
+
+
+DRAFTS = {
+    None: jsonschema.Draft202012Validator,
+    "http://json-schema.org/draft-04/schema#": jsonschema.Draft4Validator,
+    "http://json-schema.org/draft-07/schema#": jsonschema.Draft7Validator,
+    "https://json-schema.org/draft/2019-09/schema": jsonschema.Draft201909Validator,
+}
+KEYWORD_VALUES = st.deferred(
+    lambda: st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-3, max_value=2**70),
+        st.floats(min_value=-2, max_value=4, allow_nan=False),
+        st.sampled_from(["string", "strin", "integer", "object", "array", "null", "#/$defs/a", "^a+$", "uri"]),
+        st.lists(st.one_of(st.sampled_from(["a", "b", "string", "number"]), SCHEMAS), max_size=3),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), SCHEMAS, max_size=3),
+        SCHEMAS,
+    )
+)
+SCHEMAS = st.deferred(
+    lambda: st.one_of(
+        st.booleans(),
+        st.dictionaries(
+            st.sampled_from(
+                ["type", "properties", "required", "items", "prefixItems", "additionalProperties", "minLength",
+                 "maxItems", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$defs", "definitions", "$ref",
+                 "pattern", "format", "minimum", "exclusiveMinimum", "multipleOf", "dependentRequired",
+                 "dependencies", "uniqueItems", "$id", "id", "title", "unevaluatedProperties", "contains"]
+            ),
+            KEYWORD_VALUES,
+            max_size=4,
+        ),
+    )
+)  # fmt: skip
+
+
+@given(SCHEMAS, st.sampled_from(sorted(DRAFTS, key=str)))
+def test_a_schema_is_refused_exactly_when_jsonschema_finds_it_breaks_the_meta_schema(
+    schema: object, draft: str | None
+) -> None:
+    """The check takes jsonschema-rs's word for a valid schema (fast on large ones); it must never pass one that
+    jsonschema, whose messages name the error, would refuse."""
+    validator_class = DRAFTS[None]
+    if isinstance(schema, dict) and draft is not None:
+        schema = {"$schema": draft, **schema}
+        validator_class = DRAFTS[draft]
+    refused_by_jsonschema = not validator_class(validator_class.META_SCHEMA).is_valid(schema)
+    try:
+        check_schema_is_valid(schema)
+    except GrammarSpecError:
+        assert refused_by_jsonschema
+    else:
+        assert not refused_by_jsonschema
+
+
+def test_a_schema_with_many_properties_is_checked_at_once() -> None:
+    """A 20,000-property schema, which xgrammar would take minutes over, is refused (or compiled by llguidance)
+    without first spending seconds on the meta-schema (jsonschema alone took 7-10 s)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
+    started = time.thread_time()
+    check_schema_is_valid(schema)
+    assert time.thread_time() - started < 1.0
+
+
+@pytest.mark.parametrize("value", [5, None, ["http://json-schema.org/draft-07/schema#"]])
+def test_a_schema_keyword_that_is_not_a_string_is_refused_by_name(value: object) -> None:
+    with pytest.raises(GrammarSpecError, match=re.escape("invalid JSON schema at /$schema")):
+        lower_constraint(make_grammar_key("json", {"$schema": value, "type": "string"}), 1000, _no_feature_check)
 
 
 def test_backend_feature_check_runs_on_the_parsed_schema() -> None:
