@@ -83,6 +83,7 @@ INVALID_SCHEMAS: list[tuple[Any, str]] = [
     ({"properties": 5}, "invalid JSON schema at /properties"),
     ({"required": "a"}, "invalid JSON schema at /required"),
     ({"minLength": -1}, "invalid JSON schema at /minLength"),
+    ({"$schema": 5, "type": "string"}, "invalid JSON schema at /$schema"),
     ({"$ref": "#/definitions/missing"}, "Cannot find field definitions"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
     ({"type": "string", "pattern": "("}, "cannot read the pattern"),
