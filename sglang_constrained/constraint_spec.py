@@ -32,6 +32,7 @@ GrammarKey = tuple[str, str]
 __all__ = [
     "CONSTRAINT_KINDS",
     "CONSTRAINT_KIND_TABLE",
+    "MAX_OBJECTS_FOR_BEST_ERROR",
     "MAX_SPEC_DEPTH",
     "ConstraintKind",
     "GrammarKey",
@@ -47,6 +48,10 @@ __all__ = [
     "make_grammar_key",
     "nesting_depth",
 ]
+
+MAX_OBJECTS_FOR_BEST_ERROR = 2_000
+"""Objects in an invalid JSON schema up to which jsonschema picks the error its message names (~0.4 ms an object:
+a 20,000-property schema with one bad type took ~8 s, the spec-size limit's 1 MB ~16 s, of a compile thread)."""
 
 MAX_SPEC_DEPTH = 100
 """Deepest nesting of objects and arrays a JSON spec may have; every backend compiles 100 levels, and the schema
@@ -304,21 +309,30 @@ def check_schema_is_valid(schema: Any) -> None:
     The meta-schema of the draft its ``$schema`` names (2020-12 without one, or with one jsonschema does not know;
     a ``$schema`` that is not a string is checked by 2020-12's, which refuses it). jsonschema-rs checks first: it
     takes ~0.3 us a subschema where jsonschema takes ~0.4 ms (2020-12's ``$dynamicRef``s: a 20,000-property schema
-    took 7-10 s of the compile thread); jsonschema decides only a schema jsonschema-rs refuses, and names its error.
+    took 7-10 s of the compile thread); jsonschema decides only a schema jsonschema-rs refuses, and names its most
+    relevant error (``best_match``), but for a schema of over ``MAX_OBJECTS_FOR_BEST_ERROR`` objects, whose error
+    is jsonschema-rs's first.
     """
     if not isinstance(schema, dict | bool):
         raise GrammarSpecError(f"a JSON schema must be an object or a boolean, not {_json_type_name(schema)}")
     validator_class = _meta_schema_validator_class(schema)
     fast_check = _fast_meta_schema_check(validator_class)
-    if fast_check is not None and fast_check.is_valid(schema):
-        return
+    if fast_check is not None:
+        if fast_check.is_valid(schema):
+            return
+        if _count_objects(schema) > MAX_OBJECTS_FOR_BEST_ERROR:
+            first = next(iter(fast_check.iter_errors(schema)))
+            raise GrammarSpecError(_meta_schema_error(list(first.instance_path), str(first.schema_path[-1])))
     error = jsonschema.exceptions.best_match(validator_class(validator_class.META_SCHEMA).iter_errors(schema))
     if error is not None:
-        where = _json_pointer(error.path)
-        raise GrammarSpecError(
-            f"invalid JSON schema at {where}: the value of {error.path[-1] if error.path else 'the schema'!r} "
-            f"fails the meta-schema's {error.validator!r} rule"
-        )
+        raise GrammarSpecError(_meta_schema_error(list(error.path), error.validator))
+
+
+def _meta_schema_error(path: list[Any], keyword: str) -> str:
+    return (
+        f"invalid JSON schema at {_json_pointer(path)}: the value of {path[-1] if path else 'the schema'!r} fails "
+        f"the meta-schema's {keyword!r} rule"
+    )
 
 
 def _meta_schema_validator_class(schema: dict[str, Any] | bool) -> Any:
@@ -329,11 +343,25 @@ def _meta_schema_validator_class(schema: dict[str, Any] | bool) -> Any:
 
 @functools.cache
 def _fast_meta_schema_check(validator_class: Any) -> Any:
-    """jsonschema-rs's validator of ``validator_class``'s meta-schema, or None for a draft it does not know (3)."""
+    """jsonschema-rs's validator of ``validator_class``'s meta-schema, or None for a draft it does not know (3).
+    Formats are not asserted, as jsonschema does not: asserted, a draft-07 ``$id`` of ``^a+$`` was refused."""
     try:
-        return jsonschema_rs.validator_for(validator_class.META_SCHEMA)
+        return jsonschema_rs.validator_for(validator_class.META_SCHEMA, validate_formats=False, offline=True)
     except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError):
         return None
+
+
+def _count_objects(value: Any) -> int:
+    """How many JSON objects ``value`` holds, itself included; iterative, for any depth."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += 1
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 def nesting_depth(value: Any) -> int:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import re
 import time
+from unittest import mock
 
 import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sglang_constrained import constraint_spec
 from sglang_constrained.constraint_spec import (
+    MAX_OBJECTS_FOR_BEST_ERROR,
     GrammarSpecError,
     check_schema_is_valid,
     choices_to_regex,
@@ -121,31 +124,40 @@ SCHEMAS = st.deferred(
 )  # fmt: skip
 
 
-@given(SCHEMAS, st.sampled_from(sorted(DRAFTS, key=str)))
+@given(SCHEMAS, st.sampled_from(sorted(DRAFTS, key=str)), st.booleans())
 def test_a_schema_is_refused_exactly_when_jsonschema_finds_it_breaks_the_meta_schema(
-    schema: object, draft: str | None
+    schema: object, draft: str | None, large: bool
 ) -> None:
-    """The check takes jsonschema-rs's word for a valid schema (fast on large ones); it must never pass one that
-    jsonschema, whose messages name the error, would refuse."""
+    """The check takes jsonschema-rs's word for a valid schema, and for an invalid one of many objects (``large``:
+    as if the schema were over the size where jsonschema-rs names the error); it must refuse exactly what jsonschema
+    refuses (jsonschema-rs checking formats refused a draft-07 ``$id`` jsonschema takes)."""
     validator_class = DRAFTS[None]
     if isinstance(schema, dict) and draft is not None:
         schema = {"$schema": draft, **schema}
         validator_class = DRAFTS[draft]
     refused_by_jsonschema = not validator_class(validator_class.META_SCHEMA).is_valid(schema)
-    try:
-        check_schema_is_valid(schema)
-    except GrammarSpecError:
-        assert refused_by_jsonschema
-    else:
-        assert not refused_by_jsonschema
+    with mock.patch.object(constraint_spec, "MAX_OBJECTS_FOR_BEST_ERROR", 0 if large else MAX_OBJECTS_FOR_BEST_ERROR):
+        try:
+            check_schema_is_valid(schema)
+        except GrammarSpecError as error:
+            assert refused_by_jsonschema
+            assert str(error).startswith("invalid JSON schema at /")
+        else:
+            assert not refused_by_jsonschema
 
 
 def test_a_schema_with_many_properties_is_checked_at_once() -> None:
     """A 20,000-property schema, which xgrammar would take minutes over, is refused (or compiled by llguidance)
-    without first spending seconds on the meta-schema (jsonschema alone took 7-10 s)."""
+    without first spending seconds on the meta-schema (jsonschema alone took 7-10 s), and so is one with a bad type
+    (jsonschema's choice of the error to name took ~8 s)."""
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
     started = time.thread_time()
     check_schema_is_valid(schema)
+    assert time.thread_time() - started < 1.0
+    schema["properties"]["p19999"] = {"type": "strin"}
+    started = time.thread_time()
+    with pytest.raises(GrammarSpecError, match=r"^invalid JSON schema at /properties/p19999/type: .* 'anyOf' rule$"):
+        check_schema_is_valid(schema)
     assert time.thread_time() - started < 1.0
 
 
