@@ -26,7 +26,7 @@ import numpy
 
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.cache.vocabulary import TokenizerVocabulary
-from sglang_constrained.endings.exact import ExactEndingSearch, cpu_seconds
+from sglang_constrained.endings.exact import ExactEndingSearch, collector_paused, cpu_seconds
 from sglang_constrained.errors import TokenRejectedError
 from triton_ops.bitmask_format import BITS_PER_WORD, allocate_bitmask
 
@@ -136,7 +136,14 @@ class EndingSearch:
         with ``first_moves``, the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them; the exact
         search before them gets half as long). A full
         search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
-        budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change."""
+        budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change.
+        The garbage collector waits meanwhile (``collector_paused``), so that the deadline counts the search only."""
+        with collector_paused():
+            return self._find(grammar, max_steps, ascii_only, max_seconds, first_moves)
+
+    def _find(
+        self, grammar: BaseGrammarObject, max_steps: int, ascii_only: bool, max_seconds: float, first_moves: bool
+    ) -> list[int] | None:
         if grammar.is_terminated():
             return []
         if not ascii_only and grammar.state_key() is not None:
