@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -351,28 +351,24 @@ def _fast_meta_schema_check(validator_class: Any) -> Any:
         return None
 
 
-def _count_objects(value: Any) -> int:
-    """How many JSON objects ``value`` holds, itself included; iterative, for any depth."""
-    count, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            count += 1
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return count
-
-
-def nesting_depth(value: Any) -> int:
-    """How many objects and arrays deep ``value`` nests (0 for a scalar); iterative, for any depth."""
-    depth, stack = 0, [(value, 1)]
+def _containers(value: Any) -> Iterator[tuple[dict[str, Any] | list[Any], int]]:
+    """Every object and array in ``value``, itself included, with how deep it is (1 for ``value``); iterative, for
+    any depth."""
+    stack = [(value, 1)]
     while stack:
         item, level = stack.pop()
         if isinstance(item, dict | list):
-            depth = max(depth, level)
+            yield item, level
             stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return depth
+
+
+def _count_objects(value: Any) -> int:
+    return sum(isinstance(item, dict) for item, _ in _containers(value))
+
+
+def nesting_depth(value: Any) -> int:
+    """How many objects and arrays deep ``value`` nests (0 for a scalar)."""
+    return max((level for _, level in _containers(value)), default=0)
 
 
 def _check_depth(kind: str, spec: Any) -> None:
