@@ -77,6 +77,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.invariant_mask_logits.argtypes = [ptr, i32, ctypes.c_uint32, i64, i64, ptr, i64, i64, ptr, i64, i32]
     library.invariant_exponentials.argtypes = [ptr, i64, i64, ptr, i32]
     library.invariant_gumbel_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
+    library.invariant_shm_all_gather.argtypes = [ptr, i32, i32, i64, i64, ptr, i64, ptr, ptr]
+    library.invariant_shm_all_gather.restype = i32
     shape, layer, batch = ctypes.POINTER(ModelShape), ctypes.POINTER(LayerRef), ctypes.POINTER(BatchRef)
     packed = ctypes.POINTER(PackedRef)
     library.invariant_packed_matmul.argtypes = [packed, ptr, i64, i64, ptr, i64, i32]

@@ -84,7 +84,7 @@ def tensor_parallel_group(context: DistributedContext | None, tp_size: int) -> T
     if context is None or context.world_size != tp_size:
         raise ValueError(f"--tp-size {tp_size} needs {tp_size} ranks")
     group = dist.new_group(ranks=list(range(tp_size)), backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallelGroup(context.rank, tp_size, group)
+    return TensorParallelGroup.joined(context.rank, tp_size, group)
 
 
 def destroy_distributed(context: DistributedContext | None) -> None:

@@ -12,6 +12,7 @@
 //   mask_logits.h     the grammar's mask                 sampling_noise.h the sampler's draws and race
 //   block_rows.h      rows of Q8_0 blocks as float32 (an embedding lookup)
 //   masked_logits.h   the lm_head over the panels a grammar's mask allows
+//   shm_gather.h      all-gathers between tensor-parallel ranks of one machine through a shared mapping
 //
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
 // depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
@@ -43,6 +44,7 @@
 #include "norm_activation.h"
 #include "packed_matmul.h"
 #include "sampling_noise.h"
+#include "shm_gather.h"
 
 extern "C" {
 
@@ -166,6 +168,13 @@ void invariant_exponentials(const uint64_t* keys, int64_t rows, int64_t vocab, f
 void invariant_gumbel_race(const float* logits, int64_t ld, int64_t rows, int64_t vocab, const float* temperatures,
                            const uint64_t* keys, int64_t* tokens, int32_t threads) {
   gumbel_race_rows(logits, ld, rows, vocab, temperatures, keys, tokens, threads);
+}
+
+// out[size * bytes]: every rank's src in rank order, through a mapping shared by the ranks of one machine
+// (shm_gather.h); 0, or 1 + a rank whose process is gone.
+int32_t invariant_shm_all_gather(void* region, int32_t rank, int32_t size, int64_t slot_bytes, int64_t sequence,
+                                 const void* src, int64_t bytes, void* out, const int32_t* pids) {
+  return shm_gather::all_gather(region, rank, size, slot_bytes, sequence, src, bytes, out, pids);
 }
 
 }  // extern "C"

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from scheduler.model.shm_gather import SharedMemoryGather
+
 Span = tuple[int, int]
 """``[start, stop)`` of one dimension."""
 
@@ -119,12 +121,21 @@ class TensorParallelGroup:
     scheduler runs the same batches on every rank, so every rank runs the same forwards.
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None) -> None:
+    def __init__(
+        self, rank: int = 0, size: int = 1, group: Any = None, shared: SharedMemoryGather | None = None
+    ) -> None:
         if size > 1 and group is None:
             raise ValueError("a tensor-parallel group of several ranks needs a process group")
         self.rank = rank
         self.size = size
         self.group = group
+        self.shared = shared
+
+    @classmethod
+    def joined(cls, rank: int, size: int, group: Any) -> TensorParallelGroup:
+        """The group of ``group``'s ranks, gathering through a shared mapping where they all run on this machine
+        (``SharedMemoryGather``), else over ``group``. Collective: every rank calls it."""
+        return cls(rank, size, group, SharedMemoryGather.open(rank, size, group))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (same shape on each), added in rank order.
@@ -134,8 +145,7 @@ class TensorParallelGroup:
         """
         if self.size == 1:
             return x
-        pieces = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(pieces, x.contiguous(), group=self.group)
+        pieces = self._all_gather(x)
         total = pieces[0]
         for piece in pieces[1:]:
             total += piece
@@ -147,6 +157,14 @@ class TensorParallelGroup:
             return x
         padded = max(widths)
         local = x if x.shape[1] == padded else torch.cat([x, x.new_zeros(x.shape[0], padded - x.shape[1])], dim=1)
-        pieces = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        pieces = self._all_gather(local)
         return torch.cat([piece[:, :width] for piece, width in zip(pieces, widths, strict=True)], dim=1)
+
+    def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` in rank order: through the shared mapping where it has one and ``x`` fits a slot."""
+        gathered = self.shared.all_gather(x) if self.shared is not None else None
+        if gathered is not None:
+            return list(gathered.unbind(0))
+        pieces = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(pieces, x.contiguous(), group=self.group)
+        return pieces

@@ -93,7 +93,7 @@ def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
     library.load(ModelArgs().kernel_build_path)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        model = load_shard(folder, rank, size, TensorParallelGroup(rank, size, dist.group.WORLD))
+        model = load_shard(folder, rank, size, TensorParallelGroup.joined(rank, size, dist.group.WORLD))
         logits = run_batches(model)
         torch.save({"logits": logits, "bytes": model.num_weight_bytes, "kv_heads": model.num_kv_heads}, out / f"{rank}")
     finally:
