@@ -58,6 +58,8 @@ def serve(server_args: ServerArgs) -> int:
     # whose OpenMP team would otherwise spin after each op on the very cores the next forward needs.
     library.set_kernel_threads(torch.get_num_threads())
     torch.set_num_threads(1)
+    if dist is not None:
+        dist.share_memory()
     logger.info("model kernels on %d threads, torch's own ops on 1", library.kernel_threads())
 
     def request_stop(signum: int, _: FrameType | None) -> None:

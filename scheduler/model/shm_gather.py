@@ -54,10 +54,12 @@ class SharedMemoryGather:
         self._sequence = 0
 
     @classmethod
-    def open(cls, rank: int, size: int, group: Any, slot_bytes: int = SLOT_BYTES) -> SharedMemoryGather | None:
-        """The group's mapping, or None where its ranks are not all on this machine or it cannot be made (gloo
-        then). Collective: every rank of ``group`` calls it. Rank 0 creates the file and removes its name once every
-        rank has mapped it, so that nothing is left behind however the ranks end."""
+    def open(
+        cls, rank: int, size: int, group: Any, slot_bytes: int = SLOT_BYTES, ready: bool = True
+    ) -> SharedMemoryGather | None:
+        """The group's mapping, or None where its ranks are not all on this machine, it cannot be made, or a rank
+        is not ``ready`` (gloo then). Collective: every rank of ``group`` calls it. Rank 0 creates the file and
+        removes its name once every rank has mapped it, so that nothing is left behind however the ranks end."""
         identities: list[Any] = [None] * size
         dist.all_gather_object(identities, machine_identity(), group=group)
         if len(set(identities)) != 1:
@@ -68,7 +70,7 @@ class SharedMemoryGather:
         dist.broadcast_object_list(path, src=0, group=group)
         mapping = _map(path[0], num_bytes)
         mapped: list[Any] = [None] * size
-        dist.all_gather_object(mapped, (mapping is not None, os.getpid()), group=group)
+        dist.all_gather_object(mapped, (mapping is not None and ready, os.getpid()), group=group)
         if rank == 0 and path[0] is not None:
             os.unlink(path[0])
         if mapping is None or not all(ok for ok, _ in mapped):

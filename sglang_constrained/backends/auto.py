@@ -29,6 +29,7 @@ as it came: ``build_exportable``), so that the disk cache keeps under ``auto`` w
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -178,6 +179,14 @@ class AutoGrammarBackend(GrammarBackend):
                 future.cancel()
         passed_over.sort(key=lambda refusal: order.index(refusal[0]))  # the message must not depend on timing
         return None, None, passed_over
+
+    def choose_in_order(self) -> None:
+        """Never start the next backend beside a slow one: the first backend of the order that compiles a constraint
+        wins it, however long it takes within the deadline. Ranks in lockstep each compile every constraint; by
+        timing, two of them could choose two engines for one request, whose grammars then disagree on a token one
+        of them allowed (seen: rank 1 took llguidance for a schema while xgrammar compiled 1.0 s on it and rank 0
+        took xgrammar). Refusals and compile errors do not depend on timing, so the ranks choose alike."""
+        self.handover_s = math.inf
 
     def _in_preferred_order(self, key: GrammarKey) -> list[tuple[str, GrammarPipeline]]:
         """The backends of the order, those that take ``key`` as written first (``takes_as_written``)."""

@@ -38,6 +38,7 @@ from sglang_constrained.backends.reasoner import (
 )
 from sglang_constrained.backends.xgrammar.grammar import XGrammarGrammar
 from sglang_constrained.base_grammar_backend import (
+    BaseGrammarObject,
     InvalidGrammarObject,
     create_grammar_backend,
     register_grammar_backend,
@@ -238,6 +239,37 @@ def test_a_registered_backend_takes_part_in_the_order(clean_registry: None, smol
     assert schema.grammar_stats is not None and schema.grammar_stats.chosen_backend == "xgrammar"
     assert schema.grammar_stats.fallback_reasons == (("no-json", "the no-json backend refuses JSON schemas"),)
     backend.shutdown()
+
+
+class SlowRegexBackend(GuidanceBackend):
+    """llguidance, compiling each regex a second late: a first choice that ``auto`` hands over."""
+
+    name = "slow-regex"
+
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        time.sleep(1.0)
+        return super().dispatch_regex(key_string)
+
+
+def test_choosing_in_order_waits_for_the_first_choice_however_slow(
+    clean_registry: None, smollm2_tokenizer: TokenizerSetup
+) -> None:
+    """What ranks in lockstep, each compiling on its own, get (the scheduler calls ``choose_in_order`` there): a
+    choice that does not depend on how long a compile took on that rank."""
+    register_grammar_backend("slow-regex", SlowRegexBackend)
+    chosen = []
+    for in_order in (False, True):
+        backend = build_auto(
+            smollm2_tokenizer, grammar_backend_order=("slow-regex", "xgrammar"), grammar_compile_slow_after=0.1
+        )
+        assert isinstance(backend.backend, AutoGrammarBackend)
+        if in_order:
+            backend.backend.choose_in_order()
+        grammar = compile_valid(backend, "regex", "[0-9]{3}")
+        assert grammar.grammar_stats is not None
+        chosen.append(grammar.grammar_stats.chosen_backend)
+        backend.shutdown()
+    assert chosen == ["xgrammar", "slow-regex"]
 
 
 @pytest.mark.parametrize(

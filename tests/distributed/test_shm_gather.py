@@ -1,6 +1,7 @@
-"""Tensor-parallel gathers through a shared mapping (``scheduler.model.shm_gather``) over real gloo ranks
-(torch.multiprocessing): the same bytes as gloo's gathers, sum for sum, in a long run of calls of every size around a
-slot's; the fallback to gloo past a slot; and a clear error, not a hang, when a peer's process ends.
+"""Gathers through a shared mapping (``scheduler.model.shm_gather``) over real gloo ranks (torch.multiprocessing):
+the tensor-parallel sums the same as gloo's, bit for bit, in a long run of calls of every size around a slot's; the
+turn's objects (``DistributedContext``) as they were sent, a long one over gloo; and a clear error, not a hang, when
+a peer's process ends.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cpu_kernels import library
+from scheduler.distributed import DistributedContext
+from scheduler.model.shm_gather import SLOT_BYTES as DEFAULT_SLOT_BYTES
 from scheduler.model.shm_gather import SharedMemoryGather
 from scheduler.model.tensor_parallel import TensorParallelGroup
 from scheduler.server_args import ModelArgs
@@ -27,6 +30,8 @@ SLOT_BYTES = 4096
 ROW_WIDTHS = (1, 7, 256, 1024, 1025, 3000)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CALLS = 150
+LARGER_THAN_A_SLOT = DEFAULT_SLOT_BYTES + 1
+"""A pickled object this long goes over gloo (every rank alike, as the longest decides)."""
 
 
 def call_input(call: int, rank: int) -> torch.Tensor:
@@ -69,6 +74,15 @@ def run_rank(rank: int, size: int, port: int, out: Path) -> None:
     result: dict[str, object] = {"three": compare(rank, size, dist.group.WORLD)}
     if rank < 2:
         result["two"] = compare(rank, 2, pair)
+    context = DistributedContext(rank, size, dist.group.WORLD)
+    context.share_memory()
+    result["objects"] = (
+        context.shared is not None,
+        context.all_gather({"rank": rank, "blob": bytes(range(rank + 1)) * 1000}),
+        context.all_gather(b"x" * (LARGER_THAN_A_SLOT if rank == 1 else 3)),
+        context.broadcast_from_leader("from rank 0" if rank == 0 else None),
+        context.broadcast_tokens([5, None, 7] if rank == 0 else [0, 0, 0]),
+    )
     shared = SharedMemoryGather.open(rank, size, dist.group.WORLD)
     assert shared is not None
     if rank == size - 1:
@@ -94,5 +108,10 @@ def test_gathers_through_the_mapping_give_gloos_bytes_and_a_lost_peer_an_error(t
         for ranks in ("three", "two"):
             assert result[ranks]["differing"] == 0, (ranks, result)
             assert 0 < result[ranks]["through_mapping"] < CALLS, "both paths ran"
+        shared, gathered, large, leaders, tokens = result["objects"]
+        assert shared
+        assert gathered == [{"rank": r, "blob": bytes(range(r + 1)) * 1000} for r in range(size)]
+        assert large == [b"x" * 3, b"x" * LARGER_THAN_A_SLOT, b"x" * 3]
+        assert leaders == "from rank 0" and tokens == [5, None, 7]
         assert result["peer_gone"].startswith(f"tensor-parallel rank {size - 1} is gone"), result
         assert result["seconds"] < 5
