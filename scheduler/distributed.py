@@ -98,15 +98,13 @@ class DistributedContext:
 
     def _shared_gather(self, x: torch.Tensor) -> torch.Tensor | None:
         assert self.shared is not None
-        try:
-            return self.shared.all_gather(x)
-        except RuntimeError as e:  # a peer's process is gone
-            raise RankFailureError(f"rank {self.rank}: a peer rank stopped answering ({e})") from e
+        gathered: torch.Tensor | None = self._collective(self.shared.all_gather, x)
+        return gathered
 
-    def _collective(self, op: Any, *args: Any, **kwargs: Any) -> None:
+    def _collective(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            op(*args, **kwargs)
-        except RuntimeError as e:  # gloo reports a vanished peer as a RuntimeError
+            return op(*args, **kwargs)
+        except RuntimeError as e:  # gloo, and the shared mapping, report a vanished peer as a RuntimeError
             raise RankFailureError(f"rank {self.rank}: a peer rank stopped answering ({e})") from e
 
 

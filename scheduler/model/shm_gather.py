@@ -1,5 +1,6 @@
-"""All-gathers between the tensor-parallel ranks of one machine through a mapping they share
-(``cpu_kernels/csrc/shm_gather.h``), instead of gloo over loopback.
+"""All-gathers between the ranks of one machine through a mapping they share (``cpu_kernels/csrc/shm_gather.h``),
+instead of gloo over loopback: a tensor-parallel group's (``TensorParallelGroup.joined``) and the scheduler's turn
+collectives (``DistributedContext.share_memory``).
 
 A tensor-parallel forward gathers twice a layer. Over gloo each gather wakes the peer through a socket, ~1 ms on a
 busy 2-core machine: two ranks decoded ~11x slower per token than one (docs/benchmarks.md). Through the mapping a
@@ -63,7 +64,7 @@ class SharedMemoryGather:
         identities: list[Any] = [None] * size
         dist.all_gather_object(identities, machine_identity(), group=group)
         if len(set(identities)) != 1:
-            logger.info("tensor-parallel ranks on %d machines: their gathers go over gloo", len(set(identities)))
+            logger.info("ranks on %d machines: their gathers go over gloo", len(set(identities)))
             return None
         num_bytes = size * LINE_BYTES + 2 * size * slot_bytes
         path: list[str | None] = [_create_zeroed(num_bytes) if rank == 0 else None]
@@ -74,7 +75,7 @@ class SharedMemoryGather:
         if rank == 0 and path[0] is not None:
             os.unlink(path[0])
         if mapping is None or not all(ok for ok, _ in mapped):
-            logger.info("no shared mapping for the tensor-parallel ranks: their gathers go over gloo")
+            logger.info("no shared mapping for the ranks: their gathers go over gloo")
             return None
         return cls(rank, size, mapping, [pid for _, pid in mapped], slot_bytes)
 
@@ -99,14 +100,14 @@ class SharedMemoryGather:
             self._pid_array,
         )
         if gone:
-            raise RuntimeError(f"tensor-parallel rank {gone - 1} is gone (process {self._pids[gone - 1]} ended)")
+            raise RuntimeError(f"rank {gone - 1} is gone (process {self._pids[gone - 1]} ended)")
         return out
 
 
 def _create_zeroed(num_bytes: int) -> str | None:
     """A new file of ``num_bytes`` zeros in shared memory (a sequence number of 0 is "nothing published")."""
     try:
-        fd, path = tempfile.mkstemp(prefix="sglang-constrained-tp-", dir=SHARED_MEMORY_DIR)
+        fd, path = tempfile.mkstemp(prefix="sglang-constrained-ranks-", dir=SHARED_MEMORY_DIR)
     except OSError as e:
         logger.info("cannot create a file in %s (%s)", SHARED_MEMORY_DIR, e)
         return None
