@@ -2,7 +2,7 @@
 weights: small random-weight models, so no model download and seconds per case.
 
 Each rank reads only its shard from a safetensors folder, as the server does, and runs a prefill (a long prompt and a
-short one) and a decode step with several logit rows per sequence.
+short one) and a decode step with several logit rows per sequence. One rank group per group size runs every family.
 """
 
 from __future__ import annotations
@@ -86,54 +86,78 @@ def run_batches(model: LlamaModel) -> torch.Tensor:
     return torch.cat([prefill_logits, model.forward(decode, pool)])
 
 
-def run_rank(rank: int, size: int, folder: Path, port: int, out: Path) -> None:
-    """One rank of the group (a torch.multiprocessing child): its logits and what it holds, saved to ``out``."""
+def run_rank(rank: int, size: int, folders: list[Path], port: int) -> None:
+    """One rank of the group (a torch.multiprocessing child): for each folder, the logits of its shard and what the
+    shard holds, saved in the folder as ``rank-<rank>``."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     torch.set_num_threads(1)
     library.load(ModelArgs().kernel_build_path)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        model = load_shard(folder, rank, size, TensorParallelGroup.joined(rank, size, dist.group.WORLD))
-        logits = run_batches(model)
-        torch.save({"logits": logits, "bytes": model.num_weight_bytes, "kv_heads": model.num_kv_heads}, out / f"{rank}")
+        tp = TensorParallelGroup.joined(rank, size, dist.group.WORLD)
+        for folder in folders:
+            model = load_shard(folder, rank, size, tp)
+            logits = run_batches(model)
+            saved = {"logits": logits, "bytes": model.num_weight_bytes, "kv_heads": model.num_kv_heads}
+            torch.save(saved, folder / f"rank-{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("name", "size"),
-    [
-        ("llama-tied", 2),
-        ("qwen2-biases", 2),
-        ("qwen3-head-norms", 2),
-        ("llama-tied", 3),
-        ("phi3-fused", 2),
-        ("gemma3-block-norms", 2),
-    ],
-)
-def test_sharded_ranks_give_one_ranks_logits_within_rounding(name: str, size: int, tmp_path: Path) -> None:
-    """Phi-3's fused projections are split into each rank's rows; Gemma 3's norms of a block's output apply to the
-    ranks' sum."""
+CASES = [
+    ("llama-tied", 2),
+    ("qwen2-biases", 2),
+    ("qwen3-head-norms", 2),
+    ("llama-tied", 3),
+    ("phi3-fused", 2),
+    ("gemma3-block-norms", 2),
+]
+
+
+def write_checkpoint(name: str, folder: Path) -> None:
     config = CONFIGS[name]()
     if config.model_type in WRITTEN_BY_TRANSFORMERS:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         random_norms(model, torch.Generator().manual_seed(1))
-        model.save_pretrained(tmp_path)
+        model.save_pretrained(folder)
     else:
-        write_random_model(config, tmp_path)
+        write_random_model(config, folder)
+
+
+@pytest.fixture(scope="module")
+def sharded_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
+    """Each case's checkpoint folder, holding what every rank of its group saved. One rank group per group size
+    runs every family of that size: starting a group (forked ranks, gloo, the shared mapping) costs more than a
+    case's forwards."""
+    folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in CASES}
+    for (name, _), folder in folders.items():
+        write_checkpoint(name, folder)
+    for size in sorted({size for _, size in CASES}):
+        of_size = [folder for (_, case_size), folder in folders.items() if case_size == size]
+        # Forked from the fork server, which has torch imported already (compile processes come from it too); a
+        # spawned rank would import torch afresh: about 3.5 s of CPU more per rank.
+        mp.start_processes(run_rank, args=(size, of_size, free_port()), nprocs=size, start_method="forkserver")
+    return folders
+
+
+@pytest.mark.parametrize(("name", "size"), CASES)
+def test_sharded_ranks_give_one_ranks_logits_within_rounding(
+    name: str, size: int, sharded_cases: dict[tuple[str, int], Path]
+) -> None:
+    """Phi-3's fused projections are split into each rank's rows; Gemma 3's norms of a block's output apply to the
+    ranks' sum."""
+    folder = sharded_cases[name, size]
+    config = CONFIGS[name]()
     library.load(ModelArgs().kernel_build_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs
     try:
-        single = load_shard(tmp_path, 0, 1, TensorParallelGroup())
+        single = load_shard(folder, 0, 1, TensorParallelGroup())
         expected = run_batches(single)
     finally:
         torch.set_num_threads(threads)
-    # Forked from the fork server, which has torch imported already (compile processes come from it too); a spawned
-    # rank would import torch afresh: about 3.5 s of CPU more per rank.
-    mp.start_processes(run_rank, args=(size, tmp_path, free_port(), tmp_path), nprocs=size, start_method="forkserver")
-    ranks = [torch.load(tmp_path / f"{rank}") for rank in range(size)]
+    ranks = [torch.load(folder / f"rank-{rank}") for rank in range(size)]
 
     assert expected.shape == (12, config.vocab_size)
     for rank in ranks[1:]:
