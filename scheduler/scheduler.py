@@ -94,7 +94,8 @@ class Scheduler:
         grammar_backend = self.reasoning.wrap_backend(own_backend)
         self.transport = choose_turn_transport(dist, grammar_backend, server_args)
         auto = own_backend.backend if own_backend is not None else None
-        if isinstance(self.transport, LockstepRanks) and isinstance(auto, AutoGrammarBackend):
+        compiles_per_rank = isinstance(self.transport, LockstepRanks) and self.transport.shared_grammars is None
+        if compiles_per_rank and isinstance(auto, AutoGrammarBackend):
             auto.choose_in_order()  # each rank compiles on its own: no choice by timing
         budget = self._budget_steering(model_runner, grammar_backend is not None)
         self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync, budget)
@@ -396,4 +397,4 @@ def choose_turn_transport(
         return OneRank()
     if server_args.parallel.dp_size > 1:
         return DataParallelReplica(dist, grammar_backend, server_args.grammar, server_args.serving.poll_interval_s)
-    return LockstepRanks(dist)
+    return LockstepRanks(dist, grammar_backend, server_args.grammar)

@@ -10,10 +10,16 @@ import logging
 import time
 from abc import ABC, abstractmethod
 
+import msgspec
+
 from scheduler.distributed import DistributedContext
 from scheduler.io_struct import Pong, ReplicaStatus, ServerMessage
 from scheduler.ipc import SchedulerIPC
 from scheduler.rank_sync import RankSync
+from scheduler.server_args import GrammarArgs
+from scheduler.shared_grammars import GrammarStore, SharedGrammars
+from sglang_constrained.backends.pipeline import GrammarPipeline
+from sglang_constrained.constraint_spec import GrammarKey
 
 logger = logging.getLogger(__name__)
 
@@ -75,19 +81,49 @@ class OneRank(TurnTransport):
 
 class LockstepRanks(TurnTransport):
     """Ranks that each run every request (tensor-parallel shards, or whole models kept in step): rank 0's messages
-    on every rank, in its order, through one collective per turn; rank 0 sends."""
+    on every rank, in its order, through one collective per turn; rank 0 sends. Rank 0 compiles the grammars of
+    every rank and publishes them in that collective (``scheduler.shared_grammars``), unless the backend cannot
+    export its grammars: then each rank compiles its own, and ``RankSync`` agrees their verdicts."""
 
-    def __init__(self, dist: DistributedContext) -> None:
+    def __init__(
+        self, dist: DistributedContext, grammar_backend: GrammarPipeline | None, grammar_args: GrammarArgs
+    ) -> None:
         super().__init__()
         self.dist = dist
         self.rank = dist.rank
         self.rank_sync = RankSync(dist)
+        self.shared_grammars: SharedGrammars | None = None
+        self.store: GrammarStore | None = None
+        if grammar_backend is not None and grammar_backend.can_share_grammars:
+            self.store = GrammarStore(grammar_backend, grammar_args) if dist.is_leader else None
+            self.shared_grammars = SharedGrammars(grammar_backend, self.store.ask if self.store else _rank_0_asks)
 
     def exchange(
         self, ipc: SchedulerIPC | None, wait_s: float | None, status: ReplicaStatus, is_stopping: bool
     ) -> tuple[Messages, bool]:
         messages = ipc.receive(wait_s) if ipc is not None else []
+        published = self.store.take_published() if self.store is not None else []
         started = time.perf_counter()
-        gathered = self.dist.all_gather((messages, is_stopping))
+        gathered = self.dist.all_gather((messages, published, is_stopping))
         self._synced(started)
-        return gathered[0][0], any(stopping for _, stopping in gathered)
+        if self.shared_grammars is not None:
+            self.shared_grammars.receive(gathered[0][1])
+        return gathered[0][0], any(stopping for _, _, stopping in gathered)
+
+    def group_pong(self, pong: Pong, status: ReplicaStatus) -> Pong:
+        """Rank 0's ``pong``, with its shared compiles' metrics."""
+        if self.store is None:
+            return pong
+        return msgspec.structs.replace(pong, metrics_text=pong.metrics_text + self.store.render_metrics())
+
+    def shutdown(self, ipc: SchedulerIPC | None, message: str) -> None:
+        """Also cancel the waits for rank 0's grammars and its compiles."""
+        super().shutdown(ipc, message)
+        if self.shared_grammars is not None:
+            self.shared_grammars.cancel()
+        if self.store is not None:
+            self.store.shutdown()
+
+
+def _rank_0_asks(key: GrammarKey) -> None:
+    """A lockstep rank's miss: rank 0 misses the same key in the same turn and asks its store."""

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from scheduler.client import AsyncSchedulerClient
-from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.server_args import EMBEDDED_MODEL_NAME
+from scheduler.shared_grammars import GrammarStore, SharedGrammar
 from scheduler.testing.process import SchedulerProcess, free_port
 from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
@@ -115,7 +115,7 @@ def compile_valid(backend: GrammarPipeline, kind: str, spec: Any) -> BaseGrammar
 
 
 def wait_published(store: GrammarStore, timeout_s: float = 120) -> list[SharedGrammar]:
-    """What rank 0's store (``--dp-size``) publishes next, waiting for it."""
+    """What rank 0's store (``--dp-size``, ``--tp-size``) publishes next, waiting for it."""
     deadline = time.monotonic() + timeout_s
     while not (published := store.take_published()):
         assert time.monotonic() < deadline, "the store published nothing"

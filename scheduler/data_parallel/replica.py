@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from scheduler.data_parallel.replica_router import ReplicaRouter
-from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammar, SharedGrammars
 from scheduler.distributed import DistributedContext
 from scheduler.io_struct import Pong, ReplicaStatus
 from scheduler.ipc import SchedulerIPC
 from scheduler.server_args import GrammarArgs
+from scheduler.shared_grammars import GrammarStore, SharedGrammar, SharedGrammars
 from scheduler.turn_transport import Messages, Outbox, TurnTransport
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import GrammarKey

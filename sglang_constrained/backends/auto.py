@@ -182,7 +182,8 @@ class AutoGrammarBackend(GrammarBackend):
 
     def choose_in_order(self) -> None:
         """Never start the next backend beside a slow one: the first backend of the order that compiles a constraint
-        wins it, however long it takes within the deadline. Ranks in lockstep each compile every constraint; by
+        wins it, however long it takes within the deadline. For ranks in lockstep that each compile every
+        constraint (a backend of the order cannot export its grammars, so rank 0 cannot compile for them): by
         timing, two of them could choose two engines for one request, whose grammars then disagree on a token one
         of them allowed (seen: rank 1 took llguidance for a schema while xgrammar compiled 1.0 s on it and rank 0
         took xgrammar). Refusals and compile errors do not depend on timing, so the ranks choose alike."""

@@ -9,7 +9,7 @@ Compiled grammars are cached unwrapped, so requests with and without reasoning s
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
@@ -283,8 +283,10 @@ class ReasonerGrammarBackend(GrammarPipeline):
         self.think_end_id = think_end_id
         self.think_start_id = think_start_id
 
-    def compile_or_load(self, key: GrammarKey, control: CompileControl | None = None) -> BaseGrammarObject:
-        return self.grammar_backend.compile_or_load(key, control)
+    def compile_or_load_exportable(
+        self, key: GrammarKey, control: CompileControl | None = None
+    ) -> tuple[BaseGrammarObject, Callable[[], GrammarExport]]:
+        return self.grammar_backend.compile_or_load_exportable(key, control)
 
     def use_disk_cache(self, disk_cache: CompiledGrammarStore) -> None:
         """The inner pipeline's: the disk cache holds unwrapped grammars, as the memory cache does."""

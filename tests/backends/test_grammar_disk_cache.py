@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.data_parallel.shared_grammars import GrammarStore
 from scheduler.server_args import GrammarArgs
+from scheduler.shared_grammars import GrammarStore
 from sglang_constrained.backends.auto import AutoGrammarBackend
 from sglang_constrained.backends.base import (
     BaseGrammarObject,

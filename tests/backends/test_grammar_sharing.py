@@ -1,6 +1,7 @@
-"""Grammars compiled once and shared (``--dp-size``): every built-in backend's export imports into another backend
-instance as a grammar that allows exactly what the compiled one allows; rank 0's store compiles each key once and
-a replica's backend, which compiles nothing itself, gets valid grammars and compile errors from it and caches both.
+"""Grammars compiled once and shared (``--dp-size``, ``--tp-size``): every built-in backend's export imports into
+another backend instance as a grammar that allows exactly what the compiled one allows; rank 0's store compiles each
+key once and a replica's backend, which compiles nothing itself, gets valid grammars and compile errors from it and
+caches both; ranks in lockstep take each grammar in the same turn.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler.data_parallel.shared_grammars import GrammarStore, SharedGrammars
 from scheduler.server_args import ServerArgs
+from scheduler.shared_grammars import GrammarStore, SharedGrammars
 from sglang_constrained.backends.base import InvalidGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
@@ -104,3 +105,37 @@ def test_the_store_compiles_once_and_a_replica_caches_what_it_publishes(
         store.shutdown()
         compiling.shutdown()
         replica.shutdown()
+
+
+def test_ranks_in_lockstep_take_rank_0s_grammar_in_the_same_turn_and_compile_nothing(
+    smollm2_tokenizer: TokenizerSetup, server_args: ServerArgs
+) -> None:
+    """``--tp-size``: rank 0's miss asks its store at once, the other rank's asks nothing (rank 0 missed the same key);
+    one publication settles and caches the grammar on both, so their caches stay alike and both hold the grammar
+    rank 0's backend chose."""
+    leader = new_backend("llguidance", smollm2_tokenizer, server_args)
+    follower = new_backend("llguidance", smollm2_tokenizer, server_args)
+    store = GrammarStore(leader, server_args.grammar)
+    ranks = [SharedGrammars(leader, store.ask), SharedGrammars(follower, lambda key: None)]
+    try:
+        key = make_grammar_key("json", json.dumps({**PERSON_SCHEMA, "title": "lockstep"}))
+        waiting = [rank.backend.get_cached_or_future_value(key)[0] for rank in ranks]
+        assert all(isinstance(future, Future) for future in waiting)
+        assert [rank.take_asks() for rank in ranks] == [[], []], "rank 0 asked its store at once"
+        published = wait_published(store)
+        assert not any(future.done() for future in waiting), "nothing is settled before the turn's exchange"
+        for rank in ranks:
+            rank.receive(published)
+        grammars = [future.result(timeout=0) for future in waiting]
+        for grammar in grammars:
+            assert accepts_text(grammar, smollm2_tokenizer, INSTANCE)
+        assert grammars[0].grammar_stats == grammars[1].grammar_stats
+        assert all(rank.backend.get_cached_or_future_value(key)[1] for rank in ranks)
+        assert store.service.num_compilations == 1
+        assert leader.compile_service.num_compilations == follower.compile_service.num_compilations == 0
+    finally:
+        for rank in ranks:
+            rank.cancel()
+        store.shutdown()
+        leader.shutdown()
+        follower.shutdown()

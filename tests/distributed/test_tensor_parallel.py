@@ -168,7 +168,12 @@ def test_greedy_outputs_of_two_tp_ranks_are_one_ranks_and_obey_their_constraints
     assert all(gap < NEAR_TIE for _, _, gap in diverged), (
         f"(rid, first differing token, tp=1 top-2 gap): {diverged}; tp=1's outputs, then tp=2's: {parted}"
     )
-    assert "ranks ran different batches" not in tp2.log()
+    log = tp2.log()
+    assert "ranks ran different batches" not in log
+    compiles = re.findall(r"\[rank (\d)\] \S+: compiling a (\S+) constraint for every rank", log)
+    assert len(compiles) == len(CONSTRAINTS) and {rank for rank, _ in compiles} == {"0"}, (
+        "rank 0 compiles each constraint once for both ranks (auto's choice is its own), the rerun's are cache hits"
+    )
 
 
 def test_log_probabilities_of_two_tp_ranks_are_one_ranks_within_int8_activation_noise(

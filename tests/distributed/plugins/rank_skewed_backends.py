@@ -1,8 +1,10 @@
 """Grammar backends that behave differently on rank 1, for the multi-rank tests.
 
 Both are the real xgrammar backend with one twist on rank 1: ``slow-on-rank-1`` compiles JSON schemas 3 s later,
-``fail-on-rank-1`` refuses JSON schemas titled ``refused-on-rank-1``. Importing this module registers the
-second one (the ``--import-module`` path); the first is installed through the entry-point group.
+``fail-on-rank-1`` refuses JSON schemas titled ``refused-on-rank-1``. Neither shares its grammars, so that each rank
+compiles its own (as a registered backend that cannot export does) and the ranks' verdicts are agreed, the path
+these tests are about; rank 0 compiles for every rank otherwise. Importing this module registers the second one (the
+``--import-module`` path); the first is installed through the entry-point group.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class SlowOnRank1Backend(XGrammarGrammarBackend):
+class CompiledOnEachRank(XGrammarGrammarBackend):
+    @property
+    def can_share_grammars(self) -> bool:
+        return False
+
+
+class SlowOnRank1Backend(CompiledOnEachRank):
     name = "slow-on-rank-1"
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
@@ -37,7 +45,7 @@ class SlowOnRank1Backend(XGrammarGrammarBackend):
         return super().dispatch_json(key_string)
 
 
-class FailOnRank1Backend(XGrammarGrammarBackend):
+class FailOnRank1Backend(CompiledOnEachRank):
     name = "fail-on-rank-1"
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:

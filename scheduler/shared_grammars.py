@@ -1,20 +1,24 @@
-"""Grammars compiled once for every data-parallel replica (``--dp-size``).
+"""Grammars compiled once, on rank 0, for every rank: data-parallel replicas (``--dp-size``) and ranks in lockstep
+(``--tp-size``, ``scheduler.turn_transport.LockstepRanks``).
 
 Rank 0's ``GrammarStore`` compiles each constraint key on a compile service of its own (slots, deadline, in-flight
-dedup, a bounded cache of exports) as soon as a request for it is routed, whichever replica gets the request, and
-publishes each result in the next turn's exchange: the export (the backend's serialised compiled grammar, or its
-compile error), or a timeout or engine failure (not cached: the next request compiles anew). Each replica's
-``SharedGrammars`` takes its backend's misses (``compile_elsewhere``: the replica's cache, dedup and deadline stay)
-and settles them from the publications, and caches every published grammar as it arrives, so that a grammar
-compiled for one replica is a cache hit on the others and a compile error is one everywhere. A replica that misses
-a key no compile is running for (its cache evicted it) asks for it, and the store answers from its cache.
-With a grammar disk cache, the store's compiles read it first and write to it (``compile_or_load``), so a
-restarted server's rank 0 loads what an earlier start compiled.
+dedup, a bounded cache of exports) as soon as a request needs it (data-parallel: when it is routed, whichever
+replica gets it; lockstep: when rank 0 misses it), and publishes each result in the next turn's exchange: the
+export (the backend's serialised compiled grammar, or its compile error), or a timeout or engine failure (not
+cached: the next request compiles anew). Each rank's ``SharedGrammars`` takes its backend's misses
+(``compile_elsewhere``: the rank's cache, dedup and deadline stay) and settles them from the publications, and
+caches every published grammar as it arrives, so that a grammar compiled for one replica is a cache hit on the
+others and a compile error is one everywhere. A replica that misses a key no compile is running for (its cache
+evicted it) asks for it, and the store answers from its cache. Ranks in lockstep receive each publication in the
+same turn, so their caches stay alike and every rank holds the very grammar rank 0 chose (``auto``'s choice,
+which a slow compile's hand-over makes by timing, is rank 0's alone). With a grammar disk cache, the store's
+compiles read it first and write to it (``compile_or_load``), so a restarted server's rank 0 loads what an earlier
+start compiled.
 
 What is shared is each backend's ``export_grammar``: xgrammar's ``CompiledGrammar.serialize_json``, outlines-core's
-index binary, llguidance's validated grammar text (it has no compiled form: each replica builds its matcher from
-the text, quickly). A backend that cannot export (a registered one without ``can_share_grammars``) compiles on
-every replica, as with one rank.
+index binary, llguidance's validated grammar text (it has no compiled form: each rank builds its matcher from the
+text, quickly). A backend that cannot export (a registered one without ``can_share_grammars``) compiles on every
+rank, as with one rank.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter as CountOf
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -50,7 +55,7 @@ class SharedGrammar:
 
 
 class GrammarStore:
-    """Rank 0's compiles for every replica; ``take_published`` hands over what finished since the last call.
+    """Rank 0's compiles for every rank; ``take_published`` hands over what finished since the last call.
 
     ``prefetch``/``ask`` may be called on the loop thread; compiles finish on the compile service's threads.
     """
@@ -76,7 +81,7 @@ class GrammarStore:
         self.metrics = CollectorRegistry()
         self._num_compiles = Counter(
             "sglang:grammar_shared_compiles",
-            "Grammars rank 0 compiled for every data-parallel replica, by constraint kind",
+            "Grammars rank 0 compiled for every rank (data-parallel replicas, ranks in lockstep), by constraint kind",
             ["constraint"],
             registry=self.metrics,
         )
@@ -132,8 +137,8 @@ class GrammarStore:
         self._num_compiles.labels(key[0]).inc()
         if num_compiles == 1:
             self._num_constraints.labels(key[0]).inc()
-        logger.info("compiling a %s constraint for every replica (compile %d of it)", key[0], num_compiles)
-        return self.backend.export_grammar(self.backend.compile_or_load(key, control))
+        logger.info("compiling a %s constraint for every rank (compile %d of it)", key[0], num_compiles)
+        return self.backend.compile_or_load_exportable(key, control)[1]()
 
     def _compiled(self, key: GrammarKey, done: Future[GrammarExport]) -> None:
         with self._lock:
@@ -154,19 +159,22 @@ class GrammarStore:
 
 
 class SharedGrammars:
-    """One replica's side: its backend compiles nothing, it takes the store's publications.
+    """One rank's side: its backend compiles nothing, it takes the store's publications.
 
+    ``ask``: what a miss does besides waiting (rank 0 in lockstep asks its store at once; ranks in lockstep with
+    rank 0 ask nothing, rank 0 missing the same key in the same turn); None: keep it for ``take_asks``.
     Runs on the loop thread only (the backend asks ``_fetch`` from the loop's grammar manager).
     """
 
-    def __init__(self, backend: GrammarPipeline) -> None:
+    def __init__(self, backend: GrammarPipeline, ask: Callable[[GrammarKey], None] | None = None) -> None:
         self.backend = backend
+        self._ask = ask or self._asks_for_rank_0
         self._waiting: dict[GrammarKey, Future[BaseGrammarObject]] = {}
         self._asks: list[GrammarKey] = []
         backend.compile_elsewhere(self._fetch)
 
     def take_asks(self) -> list[GrammarKey]:
-        """Keys this replica started waiting for since the last call (the store publishes each)."""
+        """Keys this rank started waiting for since the last call (the store publishes each)."""
         asks, self._asks = self._asks, []
         return asks
 
@@ -197,5 +205,8 @@ class SharedGrammars:
     def _fetch(self, key: GrammarKey) -> Future[BaseGrammarObject]:
         waiter: Future[BaseGrammarObject] = Future()
         self._waiting[key] = waiter
-        self._asks.append(key)
+        self._ask(key)
         return waiter
+
+    def _asks_for_rank_0(self, key: GrammarKey) -> None:
+        self._asks.append(key)
