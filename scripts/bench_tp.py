@@ -10,6 +10,10 @@ from a request's first streamed token to its last over the tokens in between (de
 requests). Memory per rank: resident set (RSS) once both served, and the bytes of weights each rank's model runner
 holds (logged at start). Also prints how many greedy outputs of tp=2 differ from tp=1's. torchrun gives each rank
 one thread; the single rank uses the machine's cores, so both runs use the same cores.
+
+Then new JSON schemas, each sent once to each server (alternating which goes first; the grammar disk cache is off):
+the time to a request's first token, which is mostly its compile under ``auto``. Three are MaskBench schemas that
+xgrammar compiles in 2-3 s at SmolLM2's vocabulary (``auto`` hands them to llguidance after 1 s), three small objects.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
+from cpu_kernels.cpu_info import describe_cpu
 from scheduler.client import SchedulerClient
 from scheduler.testing.process import SchedulerProcess
+from sglang_constrained.testing.maskbench import load_case
 
 PROMPTS = (
     "Tell me a fun fact about octopuses.",
@@ -27,8 +35,39 @@ PROMPTS = (
     "Write a short poem about the sea.",
     "What is your phone number?",
 )
-SERVER_FLAGS = ("--speculative-algorithm", "none", "--disable-radix-cache", "--max-seq-len", "512")
+SERVER_FLAGS = (
+    "--speculative-algorithm", "none", "--disable-radix-cache", "--max-seq-len", "512", "--disable-grammar-disk-cache",
+)  # fmt: skip
 MIB = 2**20
+MASKBENCH = Path(__file__).parents[1] / "tests" / "data" / "maskbench"
+SLOW_SCHEMA_CASES = ("Github_trivial---o9933", "Github_trivial---o9912", "Github_trivial---o9790")
+"""Among ``tests/backends/test_conformance.py``'s costly cases: xgrammar takes 2-3 s on each at SmolLM2's vocabulary."""
+
+
+def new_schemas() -> list[tuple[str, dict[str, Any]]]:
+    """``(name, schema)``: the slow MaskBench cases, then three small closed objects (told apart by their titles)."""
+    schemas = [(name, load_case(next(MASKBENCH.glob(f"*/{name}.json"))).schema) for name in SLOW_SCHEMA_CASES]
+    person = {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}
+    for i in range(3):
+        small = {"title": f"small {i}", "type": "object", "properties": person, "required": ["name", "age"]}
+        schemas.append((f"small object {i}", {**small, "additionalProperties": False}))
+    return schemas
+
+
+def first_token_seconds(client: SchedulerClient, schema: dict[str, Any]) -> float:
+    """Seconds from sending a greedy request for ``schema`` to its first token (its output read to the end)."""
+    start = time.perf_counter()
+    first = None
+    chunks = client.generate_stream(
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        sampling_params={"json_schema": schema, "temperature": 0, "max_new_tokens": 128},
+    )
+    for chunk in chunks:
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("a schema's request gave no token")
+    return first
 
 
 def timed_request(client: SchedulerClient, prompt: str, max_new_tokens: int) -> tuple[list[int], float]:
@@ -69,12 +108,18 @@ def run_tp_benchmark(num_requests: int = 4, max_new_tokens: int = 48, rounds: in
                         outputs[tp].append(tokens)
         rss = {tp: server.rank_rss() for tp, server in servers.items()}
         weights = {tp: server.rank_weight_bytes() for tp, server in servers.items()}
+        first_tokens: dict[str, dict[int, float]] = {}
+        for i, (name, schema) in enumerate(new_schemas()):
+            for tp in (1, 2) if i % 2 == 0 else (2, 1):
+                with servers[tp].client() as client:
+                    first_tokens.setdefault(name, {})[tp] = first_token_seconds(client, schema)
     finally:
         for server in servers.values():
             server.stop()
             server.log_path.unlink(missing_ok=True)
     ms = {tp: 1e3 * statistics.median(values) for tp, values in latencies.items()}
-    lines = [
+    lines = [f"CPU: {describe_cpu()}"]
+    lines += [
         f"tp={tp}: {ms[tp]:.1f} ms per output token (median of {len(latencies[tp])} requests x {max_new_tokens} "
         f"tokens, greedy, concurrency 1)"
         for tp in (1, 2)
@@ -88,6 +133,8 @@ def run_tp_benchmark(num_requests: int = 4, max_new_tokens: int = 48, rounds: in
             )
     same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
     lines.append(f"greedy outputs tp=2 vs tp=1: {same}/{len(prompts)} identical token for token")
+    for name, by_tp in first_tokens.items():
+        lines.append(f"new schema {name}: first token tp=1 {by_tp[1]:.2f} s, tp=2 {by_tp[2]:.2f} s")
     return lines
 
 
