@@ -174,6 +174,8 @@ def test_greedy_outputs_of_two_tp_ranks_are_one_ranks_and_obey_their_constraints
     assert len(compiles) == len(CONSTRAINTS) and {rank for rank, _ in compiles} == {"0"}, (
         "rank 0 compiles each constraint once for both ranks (auto's choice is its own), the rerun's are cache hits"
     )
+    counted = re.findall(r"^sglang:grammar_shared_compiles_total\{[^}]*\} (\S+)$", tp2.status().metrics_text, re.M)
+    assert sum(float(count) for count in counted) == len(CONSTRAINTS), "the group's metrics count rank 0's compiles"
 
 
 def test_log_probabilities_of_two_tp_ranks_are_one_ranks_within_int8_activation_noise(
