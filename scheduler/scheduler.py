@@ -42,7 +42,6 @@ from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import ServerArgs
 from scheduler.speculative import NGRAM_MAX, DraftProposer, resolve_algorithm
 from scheduler.turn_transport import LockstepRanks, Messages, OneRank, Outbox, TurnTransport
-from sglang_constrained.backends.auto import AutoGrammarBackend
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
 from sglang_constrained.cache.disk import open_grammar_disk_cache
@@ -82,21 +81,18 @@ class Scheduler:
         self.admission = PrefillAdmission(self.kv, server_args.model.max_running_requests, self.max_seq_len)
         grammar_args, speculation = server_args.grammar, server_args.speculation
         self.reasoning = ReasoningGate(grammar_args, self.tokenizer)
-        own_backend = create_grammar_backend(
-            grammar_args,
-            self.tokenizer,
-            model_runner.vocab_size,
-            model_runner.eos_token_ids,
-            disk_cache=open_grammar_disk_cache(
-                grammar_args.grammar_disk_cache_path, grammar_args.grammar_disk_cache_max_bytes
-            ),
+        grammar_backend = self.reasoning.wrap_backend(
+            create_grammar_backend(
+                grammar_args,
+                self.tokenizer,
+                model_runner.vocab_size,
+                model_runner.eos_token_ids,
+                disk_cache=open_grammar_disk_cache(
+                    grammar_args.grammar_disk_cache_path, grammar_args.grammar_disk_cache_max_bytes
+                ),
+            )
         )
-        grammar_backend = self.reasoning.wrap_backend(own_backend)
         self.transport = choose_turn_transport(dist, grammar_backend, server_args)
-        auto = own_backend.backend if own_backend is not None else None
-        compiles_per_rank = isinstance(self.transport, LockstepRanks) and self.transport.shared_grammars is None
-        if compiles_per_rank and isinstance(auto, AutoGrammarBackend):
-            auto.choose_in_order()  # each rank compiles on its own: no choice by timing
         budget = self._budget_steering(model_runner, grammar_backend is not None)
         self.grammar_manager = GrammarManager(grammar_backend, self.transport.rank_sync, budget)
         ngram_cache = None

@@ -18,6 +18,7 @@ from scheduler.ipc import SchedulerIPC
 from scheduler.rank_sync import RankSync
 from scheduler.server_args import GrammarArgs
 from scheduler.shared_grammars import GrammarStore, SharedGrammars
+from sglang_constrained.backends.auto import AutoGrammarBackend
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import GrammarKey
 
@@ -83,7 +84,8 @@ class LockstepRanks(TurnTransport):
     """Ranks that each run every request (tensor-parallel shards, or whole models kept in step): rank 0's messages
     on every rank, in its order, through one collective per turn; rank 0 sends. Rank 0 compiles the grammars of
     every rank and publishes them in that collective (``scheduler.shared_grammars``), unless the backend cannot
-    export its grammars: then each rank compiles its own, and ``RankSync`` agrees their verdicts."""
+    export its grammars: then each rank compiles its own, ``RankSync`` agrees their verdicts, and ``auto`` chooses
+    in order (``AutoGrammarBackend.choose_in_order``: no choice by one rank's timing)."""
 
     def __init__(
         self, dist: DistributedContext, grammar_backend: GrammarPipeline | None, grammar_args: GrammarArgs
@@ -97,6 +99,8 @@ class LockstepRanks(TurnTransport):
         if grammar_backend is not None and grammar_backend.can_share_grammars:
             self.store = GrammarStore(grammar_backend, grammar_args) if dist.is_leader else None
             self.shared_grammars = SharedGrammars(grammar_backend, self.store.ask if self.store else _rank_0_asks)
+        elif grammar_backend is not None and isinstance(grammar_backend.backend, AutoGrammarBackend):
+            grammar_backend.backend.choose_in_order()
 
     def exchange(
         self, ipc: SchedulerIPC | None, wait_s: float | None, status: ReplicaStatus, is_stopping: bool

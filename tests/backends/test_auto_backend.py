@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 import torch
 
+from scheduler.distributed import DistributedContext
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.sampling_batch_info import SamplingBatchInfo
 from scheduler.server_args import GrammarArgs, parse_server_args
+from scheduler.turn_transport import LockstepRanks
 from scripts.calibrate_xgrammar_export import ebnf_alternatives
 from sglang_constrained.backends.auto import MAX_REFUSED_BY_ALL_CHARS, STILL_COMPILING, AutoGrammarBackend
 from sglang_constrained.backends.llguidance.backend import GuidanceBackend
@@ -251,25 +253,38 @@ class SlowRegexBackend(GuidanceBackend):
         return super().dispatch_regex(key_string)
 
 
+class UnsharedSlowRegexBackend(SlowRegexBackend):
+    """``slow-regex`` that cannot export its grammars: ranks in lockstep each compile their own with it."""
+
+    name = "unshared-slow-regex"
+
+    @property
+    def can_share_grammars(self) -> bool:
+        return False
+
+
 def test_choosing_in_order_waits_for_the_first_choice_however_slow(
     clean_registry: None, smollm2_tokenizer: TokenizerSetup
 ) -> None:
-    """What ranks in lockstep, each compiling on its own, get (the scheduler calls ``choose_in_order`` there): a
-    choice that does not depend on how long a compile took on that rank."""
+    """Ranks in lockstep (``LockstepRanks``, built as rank 0 of two): where every backend of the order exports, rank 0
+    compiles for them and its ``auto`` keeps the hand-over; where one cannot, each rank compiles its own and ``auto``
+    chooses in order, a choice that does not depend on how long a compile took on that rank."""
     register_grammar_backend("slow-regex", SlowRegexBackend)
+    register_grammar_backend("unshared-slow-regex", UnsharedSlowRegexBackend)
     chosen = []
-    for in_order in (False, True):
+    for first in ("slow-regex", "unshared-slow-regex"):
         backend = build_auto(
-            smollm2_tokenizer, grammar_backend_order=("slow-regex", "xgrammar"), grammar_compile_slow_after=0.1
+            smollm2_tokenizer, grammar_backend_order=(first, "xgrammar"), grammar_compile_slow_after=0.1
         )
         assert isinstance(backend.backend, AutoGrammarBackend)
-        if in_order:
-            backend.backend.choose_in_order()
-        grammar = compile_valid(backend, "regex", "[0-9]{3}")
+        transport = LockstepRanks(DistributedContext(rank=0, world_size=2, group=None), backend, GrammarArgs())
+        assert (transport.shared_grammars is not None) == (first == "slow-regex")
+        grammar = backend.compile_or_load(make_grammar_key("regex", "[0-9]{3}"))  # what rank 0's store compiles
         assert grammar.grammar_stats is not None
         chosen.append(grammar.grammar_stats.chosen_backend)
+        transport.shutdown(None, "the test is over")
         backend.shutdown()
-    assert chosen == ["xgrammar", "slow-regex"]
+    assert chosen == ["xgrammar", "unshared-slow-regex"]
 
 
 @pytest.mark.parametrize(
