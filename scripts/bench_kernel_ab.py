@@ -84,10 +84,11 @@ def admitted(runner: ModelRunner, tokens: list[int], max_new_tokens: int) -> KVS
 
 
 def matmul_rates(builds: dict[str, ctypes.CDLL], formats: list[str], rows: list[int], reps: int) -> None:
-    from tests.unit.invariant_cases import random_weight
+    from tests.unit.invariant_cases import fitted_width, random_weight
 
     for fmt in formats:
-        weights = [(random_weight(fmt, n, k)[0], torch.randn(max(rows), k)) for k, n in SHAPES]
+        shapes = [(fitted_width(fmt, k), n) for k, n in SHAPES]
+        weights = [(random_weight(fmt, n, k)[0], torch.randn(max(rows), k)) for k, n in shapes]
         for m in rows:
             digests = {}
             for name, lib in builds.items():
@@ -95,7 +96,7 @@ def matmul_rates(builds: dict[str, ctypes.CDLL], formats: list[str], rows: list[
                 outputs = run_matmuls(weights, m)
                 digests[name] = hashlib.sha256(b"".join(y.numpy().tobytes() for y in outputs)).hexdigest()
             times = alternate(builds, partial(run_matmuls, weights, m), reps)
-            operations = sum(2 * m * k * n for k, n in SHAPES)
+            operations = sum(2 * m * k * n for k, n in shapes)
             best = {name: operations / min(t) / 1e9 for name, t in times.items()}
             median = {name: operations / statistics.median(t) / 1e9 for name, t in times.items()}
             print(

@@ -51,10 +51,9 @@ extern "C" {
 int32_t invariant_row_tile() { return kMR; }
 
 // Rows one tile of a matmul over a weight of `format` multiplies together (a dense format's kMR, a block format's
-// kInt8MR or kKquantMR): rows past a multiple of it take another tile's pass, which the block formats pay in compute.
+// kInt8MR): rows past a multiple of it take another tile's pass, which the block formats pay in compute.
 int32_t invariant_weight_row_tile(int32_t format) {
-  if (format == kQ8_0 || format == kQ4_1) return kInt8MR;
-  return is_kquant_format(format) ? kKquantMR : kMR;
+  return format == kQ8_0 || format == kQ4_1 || is_kquant_format(format) ? kInt8MR : kMR;
 }
 
 int32_t invariant_group_panels() { return static_cast<int32_t>(kGroupPanels); }

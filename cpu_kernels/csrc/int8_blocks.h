@@ -220,8 +220,8 @@ constexpr int kWordDots = 32767 / (2 * ((1 << bits) - 1) * 128);
 // additions of a block, computes its products first and spills them (AVX2: the 4-row Q4_1 tile stored 116 ymm a
 // block to the stack; kept, none). Integer sums: the same values in any order. AMD EPYC Zen 3, SmolLM2's Q4_1
 // matmuls on 2 threads, the two builds alternating in one process: 4 rows 1.16-1.26x the rate, 32 rows 1.47-1.66x,
-// 512 rows 1.37x, one row 1.01-1.05x. The Q8_0 tile (36 spilled) and the k-quant tiles measured up to 16% slower
-// kept, and keep GCC's order.
+// 512 rows 1.37x, one row 1.01-1.05x. The k-quant tiles of several rows keep theirs too (kInt8MR's note); their
+// one-row tiles, and the Q8_0 tile (36 spilled), measured up to 16% slower kept, and keep GCC's order.
 template <class Sums>
 static inline void keep_in_registers(Sums& sums) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -562,19 +562,19 @@ static void int8_rows(int rows, int panels_here, const QuantizedRows& x, int64_t
   int8_tile<F, MR, NP>(x, row, g, next, y, ldy, cols);
 }
 
-// Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm); the
-// k-quant formats' tiles (kquant_blocks.h) take kKquantMR rows. On an AMD EPYC (AVX512-VNNI), SmolLM2's four
+// Tile shapes: MR x NP integer sums and as many float accumulators beside the weights (32 zmm or 16 ymm), for every
+// block format (the k-quant formats' tiles in kquant_blocks.h too). On an AMD EPYC (AVX512-VNNI), SmolLM2's four
 // matmuls at 512 rows: 4 x 2 1.14-1.21 TOP/s, 3 x 3 1.06-1.11, 2 x 4 ~1.0, 4 x 3 and 8 x 1 ~0.92-0.94, 6 x 2
 // 0.82-0.89 (the larger tiles spill). AVX2 on AMD EPYC Zen 3, the same matmuls on 2 threads, the best of 4
 // interleaved runs (GOP/s, 2 / 3 / 4 rows a tile): Q4_1 at 8 rows 183 / 180 / 204, at 512 218 / 237 / 245; Q8_0 at
-// 8 rows 138 / 150 / 167, at 512 194 / 184 / 176; Q5_0 (a k-quant tile, whose nibbles and high bits take more
-// registers) at 8 rows 146 / 140 / 96, at 512 202 / 131 / 144.
+// 8 rows 138 / 150 / 167, at 512 194 / 184 / 176. The k-quant tiles took 2 rows on AVX2 while GCC spilled their
+// word sums (Q5_0 at 8 rows 146 / 140 / 96, at 512 202 / 131 / 144); with the sums kept in registers
+// (keep_in_registers) 4 rows against 2, in one process (scripts/bench_kernel_ab.py): 4 to 512 rows 1.1-1.45x the
+// rate for Q4_0, Q4_K, Q5_0, Q5_1 and Q5_K, Q6_K 1.0-1.1x.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kInt8MR = 4, kInt8NP = 2, kKquantMR = 4;
-#elif defined(__AVX2__)
-constexpr int kInt8MR = 4, kInt8NP = 1, kKquantMR = 2;
+constexpr int kInt8MR = 4, kInt8NP = 2;
 #else
-constexpr int kInt8MR = 4, kInt8NP = 1, kKquantMR = 4;
+constexpr int kInt8MR = 4, kInt8NP = 1;
 #endif
 
 template <int32_t F, int MR, int NP>
@@ -667,15 +667,15 @@ using Int = std::integral_constant<int, V>;
 // The block formats' tile shape for M rows and N columns: groups(Int<MR>(), Int<NP>()). One row (a decode step)
 // takes a whole group of panels a tile where the registers hold them: a tile's sums are its only independent
 // dot-product chains, and the threads' spans of panels balance whatever the tile's width (for_each_row_span).
-// Two rows of Q8_0 and Q4_1 stream instead (int8_streamed_rows); the k-quant formats' take the 2 x 4 tile. MR: the
-// format's rows a tile past those (kInt8MR, kKquantMR).
-template <int MR, class Groups>
+// Two rows of Q8_0 and Q4_1 stream instead (int8_streamed_rows); the k-quant formats' take the 2 x 4 tile. Past
+// those, kInt8MR rows a tile.
+template <class Groups>
 static void with_block_tile(int64_t M, int64_t N, int threads, const Groups& groups) {
   if constexpr (kInt8NP > 1) {
     if (M == 1) return groups(Int<1>(), Int<static_cast<int>(kGroupPanels)>());
     if (M == 2) return groups(Int<2>(), Int<4>());
   }
-  groups(Int<MR>(), Int<kInt8NP>());
+  groups(Int<kInt8MR>(), Int<kInt8NP>());
 }
 
 // One row where a build keeps one panel a group (kGroupPanels 1: AVX2, scalar): tiles of up to kSpreadPanels panels
@@ -708,7 +708,7 @@ static void int8_matmul(int32_t format, const float* x, int64_t M, int64_t K, in
                             [&](int here, const PanelGroup& g, float* at, int cols) {
                               int8_rows<F, 1, kSpreadPanels>(1, here, quantized, 0, g, g, at, ldy, cols);
                             });
-    with_block_tile<kInt8MR>(M, N, threads, [&](auto mr, auto np) {
+    with_block_tile(M, N, threads, [&](auto mr, auto np) {
       int8_groups<decltype(f)::value, decltype(mr)::value, decltype(np)::value>(quantized, M, packed, N, y, ldy,
                                                                                 threads);
     });

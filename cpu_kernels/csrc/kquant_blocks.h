@@ -256,8 +256,10 @@ static void kquant_tile(const QuantizedRows& x, const int32_t* halves, int64_t r
           if constexpr (two_sums) {
             ws[r][p] = wdot(ws[r][p], lo[p], x_lo);
             wt[r][p] = wdot(wt[r][p], hi[p], x_hi);
+            if constexpr (MR > 1) keep_in_registers(ws[r][p]), keep_in_registers(wt[r][p]);
           } else {
             ws[r][p] = wdot(wdot(ws[r][p], lo[p], x_lo), hi[p], x_hi);
+            if constexpr (MR > 1) keep_in_registers(ws[r][p]);
           }
         }
       }
@@ -330,7 +332,7 @@ static void kquant_groups(const QuantizedRows& x, const int32_t* halves, int64_t
                         });
 }
 
-// int8_matmul's tile shapes (with_block_tile), kKquantMR rows a tile.
+// int8_matmul's tile shapes (with_block_tile).
 template <int32_t F>
 static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t M, const uint8_t* packed, int64_t N,
                           float* y, int64_t ldy, int threads) {
@@ -340,7 +342,7 @@ static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t
                           [&](int here, const PanelGroup& g, float* at, int cols) {
                             kquant_rows<F, 1, kSpreadPanels>(1, here, x, halves, 0, g, g, at, ldy, cols);
                           });
-  with_block_tile<kKquantMR>(M, N, threads, [&](auto mr, auto np) {
+  with_block_tile(M, N, threads, [&](auto mr, auto np) {
     kquant_groups<F, decltype(mr)::value, decltype(np)::value>(x, halves, M, packed, N, y, ldy, threads);
   });
 }
