@@ -9,7 +9,8 @@ decode step moved from 3.0 to 4.9 ms within ten minutes on AMD EPYC Zen 3); call
 the same. Both builds run on this checkout's packed weights and Python wrappers, so the other checkout's C entry
 points must take the same arguments (compare builds of the kernels, not of the wrappers).
 
-It prints, per block format and row count, each build's best and median rate on SmolLM2's four matmul shapes and
+It prints, per block format and row count, each build's best and median rate on SmolLM2's four matmul shapes (for
+the k-quants, whose super-blocks are 256 wide, their widths rounded up to whole super-blocks: 576 to 768) and
 whether the outputs are the same bits; then the model runner's forwards on ``--model-path`` (default: the embedded
 model): a 1,550-token prefill, decode steps at B = 1, 8, 32 after 100-token prompts, one at B = 1 after 1,550
 tokens, and extends of 4 and 8 tokens (best and median ms, this build over the other's).

@@ -220,8 +220,9 @@ constexpr int kWordDots = 32767 / (2 * ((1 << bits) - 1) * 128);
 // additions of a block, computes its products first and spills them (AVX2: the 4-row Q4_1 tile stored 116 ymm a
 // block to the stack; kept, none). Integer sums: the same values in any order. AMD EPYC Zen 3, SmolLM2's Q4_1
 // matmuls on 2 threads, the two builds alternating in one process: 4 rows 1.16-1.26x the rate, 32 rows 1.47-1.66x,
-// 512 rows 1.37x, one row 1.01-1.05x. The k-quant tiles of several rows keep theirs too (kInt8MR's note); their
-// one-row tiles, and the Q8_0 tile (36 spilled), measured up to 16% slower kept, and keep GCC's order.
+// 512 rows 1.37x, one row 1.01-1.05x. The k-quant tiles of several rows keep theirs too (kInt8MR's note). The Q8_0
+// tile (36 spilled) measured up to 16% slower kept, as the k-quant tiles did at 2 rows; it and the k-quant one-row
+// tiles keep GCC's order.
 template <class Sums>
 static inline void keep_in_registers(Sums& sums) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
