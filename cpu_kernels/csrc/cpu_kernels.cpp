@@ -53,7 +53,7 @@ int32_t invariant_row_tile() { return kMR; }
 // Rows one tile of a matmul over a weight of `format` multiplies together (a dense format's kMR, a block format's
 // kInt8MR): rows past a multiple of it take another tile's pass, which the block formats pay in compute.
 int32_t invariant_weight_row_tile(int32_t format) {
-  return format == kQ8_0 || format == kQ4_1 || is_kquant_format(format) ? kInt8MR : kMR;
+  return is_block_format(format) ? kInt8MR : kMR;
 }
 
 int32_t invariant_group_panels() { return static_cast<int32_t>(kGroupPanels); }

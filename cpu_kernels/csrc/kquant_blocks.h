@@ -348,6 +348,10 @@ static void kquant_shapes(const QuantizedRows& x, const int32_t* halves, int64_t
 }
 
 static constexpr bool is_kquant_format(int32_t format) { return format >= kQ4_0 && format <= kQ6_K; }
+// Every block format (Q8_0, Q4_1 and the ones above): integer dot products with rows quantised per 32-block.
+static constexpr bool is_block_format(int32_t format) {
+  return format == kQ8_0 || format == kQ4_1 || is_kquant_format(format);
+}
 
 // f(Int<F>()) for F the format above that `format` names.
 template <class Fn>

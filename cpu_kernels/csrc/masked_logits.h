@@ -40,7 +40,7 @@ static void panels_matmul(const PackedRef& w, const float* x, const std::vector<
   const int64_t K = w.in_features, N = w.out_features, num_panels = (N + kLanes - 1) / kLanes;
   const int64_t count = static_cast<int64_t>(panels.size());
   const auto columns = [&](int64_t p) { return static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes)); };
-  if (format == kQ8_0 || format == kQ4_1 || is_kquant_format(format)) {
+  if (is_block_format(format)) {
     QuantizedRows quantized;
     quantize_rows(x, 1, K, K, 1, &quantized);
     // one(g, y at the panel's first column, columns): the panel's one-row tile, for panels of pbytes each
