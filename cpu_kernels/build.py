@@ -68,8 +68,8 @@ def runs_here(target: str) -> bool:
 
 def narrows_here(target: str) -> bool:
     """Whether the ``target`` build runs on this CPU and differs from the native one: it turns off an instruction set
-    this CPU has. On an AVX2 CPU without VNNI (AMD EPYC Zen 3) the ``avx2`` build is the native one, compiled
-    again to the same code (~55 s of compiler there)."""
+    this CPU has. On an AVX2 CPU without VNNI (AMD EPYC Zen 3) the ``avx2`` build turns off nothing: it would be the
+    native build's instruction set compiled again."""
     turned_off = (flag.removeprefix("-mno-") for flag in TARGETS[target] if flag.startswith("-mno-"))
     return runs_here(target) and any(_CPUINFO_NAMES.get(name, name) in cpu_flags() for name in turned_off)
 
