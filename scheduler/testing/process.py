@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import random
@@ -38,12 +39,20 @@ _given_ports: set[int] = set()
 _given_ports_lock = threading.Lock()
 
 
+@functools.cache
+def loopback_http() -> httpx.Client:
+    """One HTTP client for the polls of local servers. ``httpx.get`` builds a client, and its TLS context (~20 ms of
+    CPU), at every call: the polls of servers and routers while they start took ~7 s of the test suite's process.
+    No connection is kept: a server polled may be a new one on the same port."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float) -> None:
     """Until ``GET {url}/health`` answers 200; fails at once, with the tail of ``log()``, if ``process`` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            if loopback_http().get(f"{url}/health", timeout=5).status_code == 200:
                 return
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with code {process.returncode} at start-up:\n{log()[-3000:]}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from scheduler.testing.process import REPO_ROOT, free_port
+from scheduler.testing.process import REPO_ROOT, free_port, loopback_http
 
 REPLICA_START = re.compile(r"replica (\d+) \(pid (\d+)\) starting on (\S+)")
 """The launcher's line for each start of a replica (``scheduler.replicas``)."""
@@ -69,7 +69,7 @@ class RouterProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the router exited with code {self.process.returncode}:\n{self.log()[-3000:]}")
             try:
-                body = httpx.get(f"{self.url}/readiness", timeout=5).json()
+                body = loopback_http().get(f"{self.url}/readiness", timeout=5).json()
                 if body.get("healthy_workers") == len(self.worker_urls):
                     return
             except (httpx.TransportError, ValueError):
@@ -130,7 +130,7 @@ class ReplicaSet:
     def num_healthy(self) -> int | None:
         """The workers the router counts healthy now (its ``/readiness``); None while it does not answer."""
         try:
-            return int(httpx.get(f"{self.url}/readiness", timeout=5).json().get("healthy_workers", 0))
+            return int(loopback_http().get(f"{self.url}/readiness", timeout=5).json().get("healthy_workers", 0))
         except (httpx.TransportError, ValueError):
             return None
 
@@ -199,7 +199,7 @@ class ReplicaSet:
 def is_healthy(server_url: str) -> bool:
     """Whether a server answers ``/health`` with 200 now."""
     try:
-        return httpx.get(f"{server_url}/health", timeout=5).status_code == 200
+        return loopback_http().get(f"{server_url}/health", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -211,7 +211,7 @@ def num_generations(server_url: str) -> float:
 
 def server_metric(server_url: str, name: str) -> float:
     """The sum of a server's ``name`` samples over their labels (its ``/metrics``)."""
-    metrics = httpx.get(f"{server_url}/metrics", timeout=30).text
+    metrics = loopback_http().get(f"{server_url}/metrics", timeout=30).text
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith((f"{name}{{", f"{name} "))
     )

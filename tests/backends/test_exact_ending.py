@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -22,8 +23,8 @@ from hypothesis import strategies as st
 
 from sglang_constrained.backends.base import InvalidGrammarObject
 from sglang_constrained.backends.outlines.backend import OutlinesGrammar
-from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
-from sglang_constrained.endings.exact import MAX_SEARCH_STEPS, ExactEndingSearch
+from sglang_constrained.cache.vocabulary import TokenizerVocabulary, tokenizer_vocabulary
+from sglang_constrained.endings.exact import MAX_SEARCH_STEPS, ExactEndingSearch, piece_trie
 from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.backends.conftest import BackendBuilder
@@ -126,6 +127,19 @@ def test_a_garbage_collection_does_not_cut_a_search_short(
             gc.callbacks.remove(costly_collection)
         gc.set_threshold(*thresholds)
     assert ending is not None and len(ending) == 5, smollm2_tokenizer.tokenizer.decode(ending or [])
+
+
+def test_searches_over_one_vocabulary_share_its_trie_and_free_it_with_it() -> None:
+    """Every scheduler on a tokenizer (its vocabulary object) builds the trie of pieces once, not at each one's first
+    request (~0.3 s of the loop at 49k tokens, ~1.9 s at 248k); a vocabulary dropped takes its trie with it."""
+    vocabulary = TokenizerVocabulary((b"a", b"b", b"ab", b""), 4, 4, (3,), frozenset({3}), "")
+    first, second = ExactEndingSearch(vocabulary), ExactEndingSearch(vocabulary)
+    assert first.is_walkable and second.is_walkable
+    trie = weakref.ref(piece_trie(vocabulary))
+    assert piece_trie(vocabulary) is trie()
+    del first, second, vocabulary
+    gc.collect()
+    assert trie() is None
 
 
 def ending_length(text: str, language: set[str], backend_name: str, search: EndingSearch) -> int:

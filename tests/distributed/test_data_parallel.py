@@ -6,23 +6,20 @@ A replica is a whole model and the forward is batch-invariant, so every request'
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
 from scheduler.client import make_request
 from scheduler.io_struct import GenerateOutput, GenerateReq, Pong
-from scheduler.testing.process import SchedulerProcess
+from scheduler.testing.process import SchedulerProcess, loopback_http, wait_until_healthy
 from tests.helpers import (
     ANSWER_TAG,
     FEW_SHOT_JSON,
@@ -199,13 +196,7 @@ def test_an_abort_reaches_the_replica_holding_the_request(replicas: SchedulerPro
 
 def test_the_http_frontend_serves_through_the_replicas(replicas: SchedulerProcess, http_port: int) -> None:
     url = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 120
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "the HTTP frontend is not healthy"
-        time.sleep(0.5)
+    wait_until_healthy(url, replicas.process, replicas.log, timeout_s=120)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     completions = [
         client.chat.completions.create(
@@ -215,7 +206,7 @@ def test_the_http_frontend_serves_through_the_replicas(replicas: SchedulerProces
     ]
     for completion in completions:
         is_yes_no_json(str(completion.choices[0].message.content))
-    assert "sglang:grammar_shared_compiles_total" in httpx.get(f"{url}/metrics", timeout=30).text
+    assert "sglang:grammar_shared_compiles_total" in loopback_http().get(f"{url}/metrics", timeout=30).text
 
 
 @pytest.mark.parametrize(
