@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import numpy
 import regex
 import torch
 
@@ -37,6 +39,8 @@ NON_ASCII_WEIGHT = 5.0
 BYTE_FALLBACK_WEIGHT = 40.0
 CLOSING_BYTES = frozenset(b'"}]')
 SAMPLE_BLOCK = 1024
+SPARSE_FRACTION = 16
+"""A step whose mask allows at most one token in this many draws among the allowed ids alone (``_choose_among``)."""
 EXACT_FLOAT64_INTEGERS = 2**53
 WALK_THREADS = 2
 WALK_SEED_STRIDE = 1_000_003
@@ -169,6 +173,10 @@ def _choose(
         allowed_stops = stops[allowed[stops]]
         if len(allowed_stops):
             return int(allowed_stops[0])
+    as_numpy = allowed.numpy()  # numpy counts and finds a vector's True entries 4-18x faster than torch (248k)
+    if numpy.count_nonzero(as_numpy) <= len(as_numpy) // SPARSE_FRACTION:
+        return _choose_among(numpy.flatnonzero(as_numpy), traits, closing, generator)
+    if closing:
         closers = allowed & traits.closing
         if bool(closers.any()):
             return _sample(closers.double(), generator)
@@ -176,6 +184,29 @@ def _choose(
         return _sample((allowed & (traits.lengths == shortest)).double(), generator)
     # as bytes: torch multiplies float64 by uint8 about twice as fast as by bool (measured at 248k tokens)
     return _sample(traits.explore_weights * allowed.view(torch.uint8), generator)
+
+
+def _choose_among(ids: numpy.ndarray, traits: TokenTraits, closing: bool, generator: torch.Generator) -> int:
+    """``_choose`` over the allowed ``ids`` (ascending) alone, past its stop tokens, in numpy: the token the
+    vocabulary-wide vectors draw (``_sample_among``), without their passes over every token (at 248k tokens, a few
+    allowed: a closing step 2.2 ms -> ~0.2)."""
+    if closing:
+        candidates = ids[traits.closing.numpy()[ids]]  # the closers, else the shortest
+        if len(candidates) == 0:
+            lengths = traits.lengths.numpy()[ids]
+            candidates = ids[lengths == lengths.min()]
+        return _sample_among(candidates, numpy.ones(len(candidates)), generator)
+    return _sample_among(ids, traits.explore_weights.numpy()[ids], generator)
+
+
+def _sample_among(ids: numpy.ndarray, weights: numpy.ndarray, generator: torch.Generator) -> int:
+    """What ``_sample`` draws from a vector of ``weights`` (float64) at ``ids`` (ascending) and zero elsewhere, with the
+    same one draw of ``generator`` and the same float64 operations: a zero weight moves no partial sum, so the first
+    partial sum past the target is at the same id in both."""
+    cdf = weights.cumsum()
+    total = float(cdf[-1])
+    target = min(float(torch.rand(1, generator=generator, dtype=torch.float64)) * total, math.nextafter(total, 0.0))
+    return int(ids[numpy.searchsorted(cdf, target, side="right")])
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:

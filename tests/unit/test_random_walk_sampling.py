@@ -6,11 +6,14 @@ written against. Whole-number weights make every partial sum exact, so the order
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_constrained.testing.random_walk import SAMPLE_BLOCK, _sample
+from sglang_constrained.testing import random_walk
+from sglang_constrained.testing.random_walk import SAMPLE_BLOCK, TokenTraits, _sample
 
 
 def one_cumsum_draw(weights: torch.Tensor, generator: torch.Generator) -> int:
@@ -43,3 +46,44 @@ def test_a_sparse_vocabulary_sized_vector_draws_alike_and_only_allowed_ids() -> 
     drawn = draws(weights, 11, _sample)
     assert drawn == draws(weights, 11, one_cumsum_draw)
     assert all(weights[index] > 0 for index in drawn)
+
+
+def synthetic_traits(vocab_size: int, generator: torch.Generator) -> TokenTraits:
+    """Exploring weights as the walks' (whole numbers up to 4,000,000), one token in 50 closing, lengths 1 to 8."""
+    empty = torch.zeros(1, dtype=torch.int32)
+    return TokenTraits(
+        decoded=(),
+        explore_weights=torch.randint(1, 4_000_000, (vocab_size,), generator=generator).double(),
+        closing=torch.rand(vocab_size, generator=generator) < 0.02,
+        lengths=torch.randint(1, 9, (vocab_size,), generator=generator),
+        forbidden_words=empty,
+        vocab_words=empty,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    density=st.sampled_from([1e-4, 1e-3, 0.01, 0.05]),
+    closing=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_sparse_step_chooses_the_token_the_vocabulary_wide_vectors_choose(
+    density: float, closing: bool, seed: int
+) -> None:
+    """A step whose mask allows few tokens draws among them alone; the token is the one the dense path (forced here
+    by a sparseness no mask reaches) draws from the same generator, exploring or closing, with or without closers."""
+    generator = torch.Generator().manual_seed(seed)
+    traits = synthetic_traits(20_000, generator)
+    allowed = torch.rand(20_000, generator=generator) < density
+    allowed[int(torch.randint(0, 20_000, (1,), generator=generator))] = True
+    stops = torch.tensor([0])
+    allowed[0] = False
+
+    def chosen(sparse_fraction: int) -> list[int]:
+        draws = torch.Generator().manual_seed(seed)
+        with patch.object(random_walk, "SPARSE_FRACTION", sparse_fraction):
+            return [random_walk._choose(allowed, traits, stops, closing, draws) for _ in range(10)]
+
+    sparse = chosen(random_walk.SPARSE_FRACTION)
+    assert sparse == chosen(10**9)
+    assert all(allowed[token] for token in sparse)
