@@ -204,9 +204,13 @@ def _sample_among(ids: numpy.ndarray, weights: numpy.ndarray, generator: torch.G
     same one draw of ``generator`` and the same float64 operations: a zero weight moves no partial sum, so the first
     partial sum past the target is at the same id in both."""
     cdf = weights.cumsum()
-    total = float(cdf[-1])
-    target = min(float(torch.rand(1, generator=generator, dtype=torch.float64)) * total, math.nextafter(total, 0.0))
-    return int(ids[numpy.searchsorted(cdf, target, side="right")])
+    return int(ids[numpy.searchsorted(cdf, _target(float(cdf[-1]), generator), side="right")])
+
+
+def _target(total: float, generator: torch.Generator) -> float:
+    """The inverse CDF's target for partial sums up to ``total``: one float64 draw of ``generator`` times ``total``,
+    kept below ``total`` (a draw that rounds up to it would pass every partial sum)."""
+    return min(float(torch.rand(1, generator=generator, dtype=torch.float64)) * total, math.nextafter(total, 0.0))
 
 
 def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
@@ -223,8 +227,7 @@ def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
         ]
     )
     running = block_totals.cumsum(0)
-    total = running[-1:]
-    target = torch.minimum(torch.rand(1, generator=generator, dtype=torch.float64) * total, total.nextafter(total * 0))
+    target = _target(float(running[-1]), generator)
     block = int(torch.searchsorted(running, target, right=True))
     start = block * SAMPLE_BLOCK
     inside = weights[start : start + SAMPLE_BLOCK].cumsum(0) + (running[block - 1] if block else 0.0)
