@@ -138,12 +138,15 @@ def test_a_joined_compile_still_fails_at_the_last_requester_s_deadline() -> None
 def test_a_queued_compile_joined_later_may_start_later() -> None:
     """With every slot busy, a queued compile asked for again waits for a slot until the later request's deadline."""
     compiler = Compiler(closed={"busy1", "busy2", "queued"})
-    service = make_service(compiler, timeout_s=0.6)
+    service = make_service(compiler, timeout_s=2.0)
     service.get("busy1"), service.get("busy2")
+    first_asked = time.monotonic()
     service.get("queued")
-    time.sleep(0.4)
+    time.sleep(1.0)
     again = service.get("queued")[0]
-    time.sleep(0.4)
+    # A slot frees past the first request's deadline, ~0.8 s before the later one's: times counted from the clock,
+    # not from the sleeps, which a busy machine stretches (a 0.4 s sleep has taken 0.8 s in a suite run).
+    time.sleep(max(0.0, first_asked + 2.2 - time.monotonic()))
     compiler.open("busy1")
     compiler.open("queued")
     assert result(again).key == "queued"
