@@ -19,8 +19,6 @@ SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
 """llama.cpp's ``n_no_rope_layer_step`` for SmolLM3, set in its source rather than read from the file."""
 ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 """Phi-3's longrope factors (one per rotated pair) as llama.cpp's converter stores them: config, not weights."""
-TRANSFORMERS_UNREAD = ("smollm3",)
-"""Architectures whose GGUF files transformers reads neither config nor weights of."""
 
 
 def gguf_architecture(reader: Any) -> str | None:

@@ -165,7 +165,7 @@ def test_a_gguf_file_computes_what_transformers_computes(
     make_config: Any, weight_dtype: str, tokenizer: Any, tmp_path: Path, server_args: ServerArgs
 ) -> None:
     """Both conversions: the tensors kept as the file stores them (``auto``), and de-quantised to a float32 folder
-    (by transformers for Phi-3 and Gemma 3, by our reader for SmolLM3, which transformers does not read)."""
+    (by our reader, each tensor through ``gguf.quants``)."""
     reference = reference_model(make_config)
     write_gguf(reference, tokenizer, tmp_path / "tiny.gguf")
     runner = tiny_runner(server_args, tmp_path / "tiny.gguf", tmp_path / "cache", weight_dtype)

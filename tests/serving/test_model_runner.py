@@ -146,11 +146,11 @@ def test_block_weights_plan_forwards_by_what_their_rows_cost(
 
 
 @pytest.mark.model
-def test_gguf_blocks_are_the_weights_transformers_computes_with(
+def test_gguf_blocks_are_the_weights_the_reference_de_quantisation_gives(
     server_args: ServerArgs, runner: ModelRunner, blocks_runner: ModelRunner
 ) -> None:
-    """The blocks the default runner multiplies stand for exactly the float32 weights transformers de-quantises
-    (both runners have written their conversions of the GGUF file)."""
+    """The blocks the default runner multiplies stand for exactly the float32 weights ``gguf.quants.dequantize``
+    gives, which transformers' GGUF loader calls too (both runners have written their conversions of the file)."""
     folders = {
         kind: conversion_cache_dir(embedded_model_path(), server_args.model.cache_path, kind)
         for kind in (BLOCKS_KIND, "weights")
@@ -553,7 +553,7 @@ def test_unsupported_models_are_refused(config: Any, message: str) -> None:
 def test_a_gguf_file_of_an_unsupported_architecture_is_refused_before_its_conversion(
     tmp_path: Path, weight_dtype: str
 ) -> None:
-    """Both conversions (the blocks kept, or de-quantised by transformers) name the architecture, and leave nothing in
+    """Both conversions (the blocks kept, or de-quantised) name the architecture, and leave nothing in
     the cache."""
     path = tmp_path / "tiny-gpt2.gguf"
     writer = gguf.GGUFWriter(path, "gpt2")
