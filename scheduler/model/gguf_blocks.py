@@ -165,10 +165,11 @@ def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
     return mapping
 
 
-def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
+def read_gguf_weights(reader: Any, keep_blocks: bool = True) -> dict[str, torch.Tensor | BlockQuantized]:
     """Every tensor a ``gguf.GGUFReader`` reads, under its Hugging Face name: the block formats (``FORMATS``) as
     blocks, F16 and BF16 as float16 and bfloat16 tensors (packed as they are: the same bits as float32, half the
-    bytes), the rest de-quantised to float32. Llama's (and SmolLM3's) q and k rows are put back in Hugging Face's order
+    bytes), the rest de-quantised to float32; without ``keep_blocks``, every tensor de-quantised to float32 by
+    ``gguf.quants.dequantize`` itself (the reference the blocks are checked against). Llama's (and SmolLM3's) q and k rows are put back in Hugging Face's order
     (llama.cpp's converter interleaves the two halves of each head's rotary pairs); Gemma's norms back from ``1 + w``
     to ``w``."""
     from gguf import GGMLQuantizationType
@@ -186,11 +187,11 @@ def read_gguf_weights(reader: Any) -> dict[str, torch.Tensor | BlockQuantized]:
         if tensor.name not in hf_names:
             raise ValueError(f"the GGUF file holds a tensor {tensor.name!r} this model runner does not know")
         raw = np.asarray(tensor.data)
-        blocks = read_blocks(raw, tensor.tensor_type)
+        blocks = read_blocks(raw, tensor.tensor_type) if keep_blocks else None
         value: torch.Tensor | BlockQuantized
         if blocks is not None:
             value = blocks
-        elif tensor.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        elif keep_blocks and tensor.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             value = _sixteen_bits(raw, tensor.tensor_type == GGMLQuantizationType.BF16)
         else:
             value = torch.from_numpy(np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32))

@@ -4,7 +4,7 @@ Sources: ``ModelArgs.model_path`` is ``None`` (the embedded SmolLM2-135M-Instruc
 file, or a local Hugging Face model folder. A GGUF file is converted once (tens of seconds on 2 cores) into a Hugging
 Face folder (``config.json``, ``generation_config.json``, ``model.safetensors``) under ``ModelArgs.cache_path``,
 so later starts read it in about a second: with ``--weight-dtype auto`` its quantised blocks as they are
-(``scheduler.model.gguf_blocks``), otherwise de-quantised to float32 (``gguf.quants``, as transformers does).
+(``scheduler.model.gguf_blocks``), otherwise de-quantised to float32 by ``gguf.quants``, as transformers does.
 """
 
 from __future__ import annotations
@@ -198,9 +198,10 @@ def _check_gguf_architecture(name: Any, gguf_file: Path) -> None:
 
 def _dequantise(gguf_file: Path, staging: Path) -> None:
     """Convert ``gguf_file`` into a float32 Hugging Face folder at ``staging``: the tensors ``--weight-dtype auto``
-    reads, each de-quantised by ``gguf.quants`` as transformers' GGUF loader does, to the same bits (the embedded
-    file's 272 tensors compared), with its config read once instead of twice and no name table built per tensor:
-    8.8 s against transformers' 23.6 s on AMD EPYC Zen 3."""
+    reads, each de-quantised by ``gguf.quants.dequantize`` as transformers' GGUF loader does, to the same bits (the
+    embedded file's 272 tensors compared), with the file's config read once instead of twice and no name table
+    built per tensor: a first float32 start of the embedded model took 39 s through transformers, 28 s so
+    (docs/benchmarks.md)."""
     _write_blocks(gguf_file, staging, dequantise=True)
 
 
@@ -211,14 +212,12 @@ def _write_blocks(gguf_file: Path, staging: Path, dequantise: bool) -> None:
 
     reader = GGUFReader(gguf_file)
     _check_gguf_architecture(gguf_architecture(reader), gguf_file)
-    logger.info("first start: reading the blocks of %s (cached afterwards)", gguf_file.name)
+    what = "de-quantising" if dequantise else "reading the blocks of"
+    logger.info("first start: %s %s (cached afterwards)", what, gguf_file.name)
     config = read_gguf_config(gguf_file, reader)
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in read_gguf_weights(reader).items():
-        if isinstance(value, BlockQuantized):
-            tensors |= {name: value.dequantize()} if dequantise else value.tensors(name)
-        else:
-            tensors[name] = value.float().contiguous() if dequantise else value.contiguous()
+    for name, value in read_gguf_weights(reader, keep_blocks=not dequantise).items():
+        tensors |= value.tensors(name) if isinstance(value, BlockQuantized) else {name: value.contiguous()}
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(staging)
     GenerationConfig.from_model_config(config).save_pretrained(staging)
