@@ -169,10 +169,7 @@ def _converted_folder(gguf_file: Path, cache_dir: Path, keep_blocks: bool) -> tu
         started = time.perf_counter()
         staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
         try:
-            if keep_blocks:
-                _write_blocks(gguf_file, staging, dequantise=False)
-            else:
-                _dequantise(gguf_file, staging)
+            _write_converted(gguf_file, staging, keep_blocks)
             write_resolved_config(staging)
             staging.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the folder it sits in
             (staging / "model.safetensors").chmod(0o644)
@@ -196,27 +193,23 @@ def _check_gguf_architecture(name: Any, gguf_file: Path) -> None:
         )
 
 
-def _dequantise(gguf_file: Path, staging: Path) -> None:
-    """Convert ``gguf_file`` into a float32 Hugging Face folder at ``staging``: the tensors ``--weight-dtype auto``
-    reads, each de-quantised by ``gguf.quants.dequantize`` as transformers' GGUF loader does, to the same bits (the
-    embedded file's 272 tensors compared), with the file's config read once instead of twice and no name table
-    built per tensor: a first float32 start of the embedded model took 39 s through transformers, 28 s so
-    (docs/benchmarks.md)."""
-    _write_blocks(gguf_file, staging, dequantise=True)
-
-
-def _write_blocks(gguf_file: Path, staging: Path, dequantise: bool) -> None:
+def _write_converted(gguf_file: Path, staging: Path, keep_blocks: bool) -> None:
     """``gguf_file``'s tensors under Hugging Face names, blocks kept as blocks (or de-quantised to float32), and its
-    config, at ``staging``."""
+    config, at ``staging``.
+
+    De-quantised, each tensor goes through ``gguf.quants.dequantize``, as in transformers' GGUF loader, to the same
+    bits (the embedded file's 272 tensors compared), with the file's config read once instead of twice and no name
+    table built per tensor: a first float32 start of the embedded model took 39 s through transformers, 28 s so
+    (docs/benchmarks.md)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_file)
     _check_gguf_architecture(gguf_architecture(reader), gguf_file)
-    what = "de-quantising" if dequantise else "reading the blocks of"
+    what = "reading the blocks of" if keep_blocks else "de-quantising"
     logger.info("first start: %s %s (cached afterwards)", what, gguf_file.name)
     config = read_gguf_config(gguf_file, reader)
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in read_gguf_weights(reader, keep_blocks=not dequantise).items():
+    for name, value in read_gguf_weights(reader, keep_blocks).items():
         tensors |= value.tensors(name) if isinstance(value, BlockQuantized) else {name: value.contiguous()}
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(staging)
