@@ -47,17 +47,17 @@ static inline int64_t panel_bytes(int32_t format, int64_t K) {
 }
 
 // A tile's accumulators into y: row r's panel p to columns p * panel_columns.. (16p.. where its panels lie side by
-// side), `cols` columns in all: every panel whole but perhaps the last.
+// side), `cols` columns in all: every panel whole but perhaps the last. A whole panel is one vector store (a copy
+// through a buffer called libc's memmove for each of a tile's vectors: ~4% of a 1,550-token prefill's samples on an
+// Intel Xeon).
 template <int MR, int NP>
 static inline void store_tile(const V16 (&acc)[MR][NP], float* y, int64_t ldy, int cols,
                               int64_t panel_columns = kLanes) {
-  alignas(64) float out[kLanes];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) {
       const int n = std::min(kLanes, cols - p * kLanes);
       if (n <= 0) break;
-      vstore(out, acc[r][p]);
-      memcpy(y + r * ldy + p * panel_columns, out, n * sizeof(float));
+      vstore_at(y + r * ldy + p * panel_columns, 0, n, acc[r][p]);
     }
 }
 

@@ -42,6 +42,7 @@ struct I16 {
   __m512i r;
 };
 static inline I16 izero() { return {_mm512_setzero_si512()}; }
+static inline I16 iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 static inline B64 bload(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline B64 bbroadcast4(const int8_t* p) {
   int32_t v;
@@ -49,7 +50,15 @@ static inline B64 bbroadcast4(const int8_t* p) {
   return {_mm512_set1_epi32(v)};
 }
 static inline B64 blow(B64 b) { return {_mm512_and_si512(b.r, _mm512_set1_epi8(15))}; }
+#if defined(__GFNI__)
+// Each byte shifted right by 4 as one affine map over GF(2) (result bit i = byte bit i + 4): one instruction on the
+// vector ports where the shift and mask are two, for every 64 bytes of 4-bit quants a tile reads.
+static inline B64 bhigh(B64 b) {
+  return {_mm512_gf2p8affine_epi64_epi8(b.r, _mm512_set1_epi64(0x1020408000000000), 0)};
+}
+#else
 static inline B64 bhigh(B64 b) { return {_mm512_and_si512(_mm512_srli_epi16(b.r, 4), _mm512_set1_epi8(15))}; }
+#endif
 static inline V16 vfrom_i32(I16 a) { return {_mm512_cvtepi32_ps(a.r)}; }
 static inline I16 isub_scalar(I16 a, int32_t b) { return {_mm512_sub_epi32(a.r, _mm512_set1_epi32(b))}; }
 #if defined(__AVX512VNNI__)
@@ -89,6 +98,7 @@ struct I16 {
   __m256i lo, hi;
 };
 static inline I16 izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline I16 iset1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
 static inline B64 bload(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
@@ -158,6 +168,11 @@ struct I16 {
   int32_t v[kLanes];
 };
 static inline I16 izero() { return {}; }
+static inline I16 iset1(int32_t v) {
+  I16 out;
+  for (auto& lane : out.v) lane = v;
+  return out;
+}
 static inline B64 bload(const uint8_t* p) {
   B64 out;
   memcpy(out.b, p, sizeof out.b);
@@ -248,19 +263,28 @@ static inline void vstore_i8(int8_t* p, V16 a) {
 
 // ---- the activations, quantised ----------------------------------------------------------------------------------
 
-// Rows of x quantised per 32-block: q [M][K], and per row and block d_x, d_x * sum(q) and kSignedBias * sum(q).
+// Rows of x quantised per 32-block: q [M][K], and per row and block d_x, d_x * sum(q) and -kSignedBias * sum(q),
+// where a Q8_0 block's integer sums start: vpdpbusd adds kSignedBias to each signed weight, and starting the sums at
+// minus its products takes it back without an instruction of its own per sum (the same integers).
 struct QuantizedRows {
   Buffer<int8_t> q;
   Buffer<float> scale, scaled_sum;
-  Buffer<int32_t> bias;
+  Buffer<int32_t> signed_start;
   int64_t K = 0, nblocks = 0;
 };
+
+// Where block `at`'s integer sums of one row start (at = row * nblocks + block).
+template <int32_t F>
+static inline I16 block_sums_start(const QuantizedRows& x, int64_t at) {
+  if constexpr (F == kQ8_0 && kSignedBias != 0) return iset1(x.signed_start[at]);
+  return izero();
+}
 
 // 16 consecutive blocks of a row as quantize_row quantises each: the 16 blocks' trees side by side (tree_max16,
 // tree_sum16: the same pairings) and their divisions as one vector's, each lane the same IEEE operation. A block's
 // scalar steps (its maximum and sum trees, two divisions) were most of its time, alone (AMD EPYC: 6 -> 3.7 ns a
 // block); an 8-row matmul quantises its rows on one thread while the others wait.
-static void quantize_16_blocks(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* bias) {
+static void quantize_16_blocks(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* signed_start) {
   V16 parts[kLanes];
   for (int j = 0; j < kLanes; ++j) {
     const V16 x0 = vload(x + j * kBlock), x1 = vload(x + j * kBlock + kLanes);
@@ -283,13 +307,14 @@ static void quantize_16_blocks(const float* x, int8_t* q, float* scale, float* s
   vstore(scale, d);
   vstore(scaled_sum, vmul(d, sum));
   vstore(sums, sum);
-  for (int j = 0; j < kLanes; ++j) bias[j] = kSignedBias * static_cast<int32_t>(sums[j]);
+  for (int j = 0; j < kLanes; ++j) signed_start[j] = -kSignedBias * static_cast<int32_t>(sums[j]);
 }
 
-static void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* scale, float* scaled_sum, int32_t* bias) {
+static void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* scale, float* scaled_sum,
+                         int32_t* signed_start) {
   int64_t b = 0;
   for (; b + kLanes <= nblocks; b += kLanes)
-    quantize_16_blocks(x + b * kBlock, q + b * kBlock, scale + b, scaled_sum + b, bias + b);
+    quantize_16_blocks(x + b * kBlock, q + b * kBlock, scale + b, scaled_sum + b, signed_start + b);
   for (; b < nblocks; ++b) {
     const V16 x0 = vload(x + b * kBlock), x1 = vload(x + b * kBlock + kLanes);
     const V16 magnitudes = vmax(vmax(x0, vsub(vzero(), x0)), vmax(x1, vsub(vzero(), x1)));
@@ -301,7 +326,7 @@ static void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* scal
     const float sum = tree_sum(vadd(q0, q1));  // integers below 2^24: exact
     scale[b] = amax / 127.0f;
     scaled_sum[b] = scale[b] * sum;
-    bias[b] = kSignedBias * static_cast<int32_t>(sum);
+    signed_start[b] = -kSignedBias * static_cast<int32_t>(sum);
   }
 }
 
@@ -320,7 +345,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
   out->q.resize(M * K);
   out->scale.resize(M * nblocks);
   out->scaled_sum.resize(M * nblocks);
-  out->bias.resize(M * nblocks);
+  out->signed_start.resize(M * nblocks);
   const int64_t units = M * nblocks, share = (units + threads - 1) / threads;
   parallel_for(units, std::max(kBlocksPerClaim, M <= kInt8RowBlock ? share : share / 4), threads,
                [&](int64_t first, int64_t last) {
@@ -329,7 +354,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int
                    const int64_t m = u / nblocks, b = u % nblocks;
                    const int64_t n = ldx == K ? last - u : std::min(last - u, nblocks - b);
                    quantize_row(x + m * ldx + b * kBlock, n, out->q.data() + m * K + b * kBlock,
-                                out->scale.data() + u, out->scaled_sum.data() + u, out->bias.data() + u);
+                                out->scale.data() + u, out->scaled_sum.data() + u, out->signed_start.data() + u);
                    u += n;
                  }
                });
@@ -433,7 +458,7 @@ static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP],
   const int64_t K = x.K, nblocks = x.nblocks;
   I16 s[MR][NP];
   for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) s[r][p] = izero();
+    for (int p = 0; p < NP; ++p) s[r][p] = block_sums_start<F>(x, (row + r) * nblocks + b);
   const int8_t* xq = x.q.data() + row * K + b * kBlock;
   if constexpr (F == kQ8_0) {
     for (int i = 0; i < 8; ++i) {
@@ -469,8 +494,7 @@ static inline __attribute__((always_inline)) void int8_block(V16 (&acc)[MR][NP],
     const V16 d = vfrom_f16(scales);
     for (int r = 0; r < MR; ++r) {
       const int64_t at = (row + r) * nblocks + b;
-      const I16 sum = F == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
-      acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
+      acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(s[r][p]), acc[r][p]);
     }
     if constexpr (F == kQ4_1) {
       const V16 mins = vfrom_f16(scales + kLanes);
@@ -491,7 +515,7 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
   for (int64_t b = 0; b < nblocks; ++b) {
     I16 s[MR][NP];
     for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < NP; ++p) s[r][p] = izero();
+      for (int p = 0; p < NP; ++p) s[r][p] = block_sums_start<F>(x, (row + r) * nblocks + b);
     const int8_t* xq = x.q.data() + row * K + b * kBlock;
     const uint8_t* block = group_block(g, b, 0, block_bytes, 1);
     const uint8_t* panel_block[NP];
@@ -537,8 +561,7 @@ static void int8_tile(const QuantizedRows& x, int64_t row, const PanelGroup& g, 
       const V16 d = vfrom_f16(scales);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (row + r) * nblocks + b;
-        const I16 sum = F == kQ8_0 && kSignedBias != 0 ? isub_scalar(s[r][p], x.bias[at]) : s[r][p];
-        acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(sum), acc[r][p]);
+        acc[r][p] = vfma(vmul(d, vset1(x.scale[at])), vfrom_i32(s[r][p]), acc[r][p]);
       }
       if constexpr (F == kQ4_1) {
         const V16 mins = vfrom_f16(scales + kLanes);
