@@ -74,18 +74,39 @@ def _load_model_tokenizer(model_path: Path, cache_dir: Path) -> Any:
     with conversion_lock(target):
         if (target / "tokenizer.json").exists():  # another process converted it while this one waited
             return _load_converted_tokenizer(target)
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-        except ValueError:  # transformers reads no config of the file's architecture (SmolLM3): its tokenizer alone
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        tokenizer = _convert_gguf_tokenizer(model_path)
         named = gguf_named_chat_templates(model_path)
         if named:
             default = {"default": tokenizer.chat_template} if tokenizer.chat_template is not None else {}
             tokenizer.chat_template = default | named
         save_tokenizer_atomically(tokenizer, target)
         return tokenizer
+
+
+def _convert_gguf_tokenizer(gguf_file: Path) -> Any:
+    """The tokenizer of a GGUF file in the class ``AutoTokenizer`` gives it, without the model config ``AutoTokenizer``
+    reads from the file first only to name that class: for the families transformers' GGUF config reader has no
+    fast path for (all of ours), ``gguf.GGUFReader``'s parse of every vocabulary and merge string, most of a first
+    conversion of the embedded model's tokenizer (docs/benchmarks.md). The file's architecture names the class as
+    the config's model type would (ours are spelled the same, but Gemma 3's, ``gemma3`` for ``gemma3_text``, which
+    maps to the same class); a model type with no tokenizer of its own (Llama, SmolLM3) takes the generic class, as
+    ``AutoTokenizer`` does. An architecture transformers does not know by that name goes through ``AutoTokenizer``."""
+    from transformers import AutoTokenizer
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    metadata, _ = read_gguf_metadata(str(gguf_file))
+    architecture = metadata["general.architecture"]
+    folder, name = gguf_file.parent, gguf_file.name
+    if TOKENIZER_MAPPING_NAMES.get(architecture) is not None:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, tokenizer_type=architecture)
+    if architecture in CONFIG_MAPPING_NAMES:
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError:  # transformers reads no config of the file's architecture: its tokenizer alone
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
 
 
 def gguf_named_chat_templates(gguf_file: Path) -> dict[str, str]:

@@ -16,12 +16,22 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Phi3Config, SmolLM3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PreTrainedTokenizerFast,
+    SmolLM3Config,
+)
 
 from cpu_kernels import library
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
-from tests.tiny_models import random_norms, tiny_tokenizer, write_gguf
+from sglang_constrained.tokenizer.loading import load_tokenizer
+from tests.tiny_models import TOKENIZER_TEXT, random_norms, tiny_tokenizer, write_gguf
 
 VOCAB = 300
 TINY: dict[str, Any] = dict(
@@ -171,3 +181,24 @@ def test_a_gguf_file_computes_what_transformers_computes(
     runner = tiny_runner(server_args, tmp_path / "tiny.gguf", tmp_path / "cache", weight_dtype)
     assert runner.tokenizer.encode("fib(n)") == tokenizer.encode("fib(n)")
     check_against(reference, runner)
+
+
+@pytest.mark.parametrize("make_config", [*FAMILIES.values(), lambda: LlamaConfig(**TINY)], ids=[*FAMILIES, "llama"])
+def test_a_gguf_files_tokenizer_is_the_one_autotokenizer_converts(
+    make_config: Any, tokenizer: Any, tmp_path: Path
+) -> None:
+    """Converted without the model config ``AutoTokenizer`` reads from the file first (only to choose the class; a
+    parse of every vocabulary string): the same class (Gemma's own), the same tokenizer, as ``AutoTokenizer`` gives,
+    or the generic one where transformers reads no config of the family (SmolLM3)."""
+    write_gguf(
+        reference_model(make_config), tokenizer, tmp_path / "tiny.gguf", chat_template="{{ messages[0].content }}"
+    )
+    ours = load_tokenizer(tmp_path / "tiny.gguf", tmp_path / "cache")
+    try:
+        theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    except ValueError:
+        theirs = PreTrainedTokenizerFast.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    assert type(ours) is type(theirs)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == theirs.special_tokens_map and ours.chat_template == theirs.chat_template
+    assert ours.encode(TOKENIZER_TEXT) == theirs.encode(TOKENIZER_TEXT)
