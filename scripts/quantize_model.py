@@ -105,9 +105,9 @@ def quantize(source: Path, target: Path, file_type: str, threads: int) -> None:
 
 def tensor_types(path: Path) -> str:
     """The file's tensor types, counted, e.g. ``Q5_0 x166, F32 x61``."""
-    from gguf import GGUFReader
+    from scheduler.model.gguf_file import read_gguf_file
 
-    counts = collections.Counter(tensor.tensor_type.name for tensor in GGUFReader(path).tensors)
+    counts = collections.Counter(tensor.tensor_type.name for tensor in read_gguf_file(path).tensors)
     return ", ".join(f"{name} x{count}" for name, count in counts.most_common())
 
 

@@ -10,12 +10,12 @@ quantisations) are read as float32.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 import torch
 
 from scheduler.model.gguf_config import ROPE_FACTOR_TENSORS
+from scheduler.model.gguf_file import GgufFile
 
 FORMATS = ("q8_0", "q4_1", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 OFFSETS = {"q4_0": 8, "q5_0": 16, "q6_k": 32}
@@ -165,23 +165,24 @@ def _hf_names(architecture: str, num_layers: int) -> dict[str, str]:
     return mapping
 
 
-def read_gguf_weights(reader: Any, keep_blocks: bool = True) -> dict[str, torch.Tensor | BlockQuantized]:
-    """Every tensor a ``gguf.GGUFReader`` reads, under its Hugging Face name: the block formats (``FORMATS``) as
-    blocks, F16 and BF16 as float16 and bfloat16 tensors (packed as they are: the same bits as float32, half the
-    bytes), the rest de-quantised to float32; without ``keep_blocks``, every tensor de-quantised to float32 by
+def read_gguf_weights(contents: GgufFile, keep_blocks: bool = True) -> dict[str, torch.Tensor | BlockQuantized]:
+    """Every tensor of a GGUF file (``contents``, as ``read_gguf_file`` read it), under its Hugging Face name: the
+    block formats (``FORMATS``) as blocks, F16 and BF16 as float16 and bfloat16 tensors (packed as they are: the same
+    bits as float32, half the bytes), the rest de-quantised to float32; without ``keep_blocks``, every tensor
+    de-quantised to float32 by
     ``gguf.quants.dequantize`` itself (the reference the blocks are checked against). Llama's (and SmolLM3's) q and k
     rows are put back in Hugging Face's order (llama.cpp's converter interleaves the two halves of each head's rotary
     pairs); Gemma's norms back from ``1 + w`` to ``w``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    num_layers = int(reader.fields[f"{architecture}.block_count"].parts[-1][0])
-    hf_names = _hf_names(architecture, num_layers)
-    heads = int(reader.fields[f"{architecture}.attention.head_count"].parts[-1][0])
-    kv_heads = int(reader.fields[f"{architecture}.attention.head_count_kv"].parts[-1][0])
+    metadata = contents.metadata
+    architecture = metadata["general.architecture"]
+    hf_names = _hf_names(architecture, int(metadata[f"{architecture}.block_count"]))
+    heads = int(metadata[f"{architecture}.attention.head_count"])
+    kv_heads = int(metadata[f"{architecture}.attention.head_count_kv"])
     weights: dict[str, torch.Tensor | BlockQuantized] = {}
-    for tensor in reader.tensors:
+    for tensor in contents.tensors:
         if tensor.name in ROPE_FACTOR_TENSORS.values():  # part of the config (``gguf_config``)
             continue
         if tensor.name not in hf_names:

@@ -15,65 +15,64 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from scheduler.model.gguf_file import GgufFile
+
 SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
 """llama.cpp's ``n_no_rope_layer_step`` for SmolLM3, set in its source rather than read from the file."""
 ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 """Phi-3's longrope factors (one per rotated pair) as llama.cpp's converter stores them: config, not weights."""
 
 
-def gguf_architecture(reader: Any) -> str | None:
-    """The ``general.architecture`` of a ``gguf.GGUFReader``'s file."""
-    field = reader.get_field("general.architecture")
-    return None if field is None else str(field.contents())
-
-
-def read_gguf_config(gguf_file: Path, reader: Any) -> PretrainedConfig:
-    """The model config of ``gguf_file`` (its ``gguf.GGUFReader`` is ``reader``), without a quantization config."""
-    architecture = gguf_architecture(reader)
+def read_gguf_config(gguf_file: Path, contents: GgufFile) -> PretrainedConfig:
+    """The model config of ``gguf_file`` (``contents`` as ``read_gguf_file`` read it), without a quantization
+    config."""
+    architecture = contents.metadata.get("general.architecture")
     if architecture == "smollm3":
-        return _smollm3_config(reader)
+        return _smollm3_config(contents)
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     if architecture == "phi3":
-        restore_phi3_fields(config, reader)
+        restore_phi3_fields(config, contents)
     return config
 
 
-def restore_phi3_fields(config: PretrainedConfig, reader: Any) -> None:
+def restore_phi3_fields(config: PretrainedConfig, contents: GgufFile) -> None:
     """Put the sliding window, the partial RoPE and longrope of a Phi-3 file back into ``config`` (see module doc)."""
-    window = _value(reader, "phi3.attention.sliding_window")
+    metadata = contents.metadata
+    window = metadata.get("phi3.attention.sliding_window")
     if window:
         config.sliding_window = int(window)
-    rope_dim = _value(reader, "phi3.rope.dimension_count")
+    rope_dim = metadata.get("phi3.rope.dimension_count")
     head_dim = config.hidden_size // config.num_attention_heads
     if rope_dim is not None and int(rope_dim) != head_dim:
         config.rope_parameters["partial_rotary_factor"] = int(rope_dim) / head_dim
-    factors = {tensor.name: tensor for tensor in reader.tensors if tensor.name in ROPE_FACTOR_TENSORS.values()}
+    factors = {tensor.name: tensor for tensor in contents.tensors if tensor.name in ROPE_FACTOR_TENSORS.values()}
     if factors:
         if len(factors) != len(ROPE_FACTOR_TENSORS):
             raise ValueError(f"a Phi-3 GGUF file with longrope needs both {sorted(ROPE_FACTOR_TENSORS.values())}")
-        original = int(_value(reader, "phi3.rope.scaling.original_context_length"))
+        original = int(metadata["phi3.rope.scaling.original_context_length"])
         config.original_max_position_embeddings = original
         config.rope_parameters |= {
             "rope_type": "longrope",
             "original_max_position_embeddings": original,
             **{key: [float(f) for f in factors[name].data] for key, name in ROPE_FACTOR_TENSORS.items()},
         }
-        attention_factor = _value(reader, "phi3.rope.scaling.attn_factor")
+        attention_factor = metadata.get("phi3.rope.scaling.attn_factor")
         if attention_factor is not None:
             config.rope_parameters["attention_factor"] = float(attention_factor)
 
 
-def _smollm3_config(reader: Any) -> PretrainedConfig:
+def _smollm3_config(contents: GgufFile) -> PretrainedConfig:
     from transformers import SmolLM3Config
 
+    metadata = contents.metadata
+
     def key(name: str, default: Any = None) -> Any:
-        value = _value(reader, f"smollm3.{name}")
-        return default if value is None else value
+        return metadata.get(f"smollm3.{name}", default)
 
     if key("rope.scaling.type", "none") != "none":
         raise ValueError(f"unsupported RoPE scaling {key('rope.scaling.type')!r} in a SmolLM3 GGUF file")
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = {tensor.name: tensor for tensor in contents.tensors}
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     return SmolLM3Config(
         vocab_size=int(key("vocab_size", tensors["token_embd.weight"].data.shape[0])),
@@ -87,12 +86,7 @@ def _smollm3_config(reader: Any) -> PretrainedConfig:
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
         no_rope_layer_interval=SMOLLM3_NO_ROPE_LAYER_INTERVAL,
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_value(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_value(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
     )
-
-
-def _value(reader: Any, name: str) -> Any:
-    field = reader.get_field(name)
-    return None if field is None else field.contents()

@@ -28,7 +28,8 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from scheduler.model import architecture
 from scheduler.model.architecture import SUPPORTED_MODEL_TYPES
 from scheduler.model.gguf_blocks import BlockQuantized, from_parts, read_gguf_weights, split_part_name
-from scheduler.model.gguf_config import gguf_architecture, read_gguf_config
+from scheduler.model.gguf_config import read_gguf_config
+from scheduler.model.gguf_file import read_gguf_file
 from scheduler.model.tensor_parallel import ShardPlan
 from scheduler.server_args import ModelArgs
 from sglang_constrained.tokenizer.loading import (
@@ -201,15 +202,13 @@ def _write_converted(gguf_file: Path, staging: Path, keep_blocks: bool) -> None:
     bits (the embedded file's 272 tensors compared), with the file's config read once instead of twice and no name
     table built per tensor: a first float32 start of the embedded model took 39 s through transformers, 28 s so
     (docs/benchmarks.md)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_file)
-    _check_gguf_architecture(gguf_architecture(reader), gguf_file)
+    contents = read_gguf_file(gguf_file)
+    _check_gguf_architecture(contents.metadata.get("general.architecture"), gguf_file)
     what = "reading the blocks of" if keep_blocks else "de-quantising"
     logger.info("first start: %s %s (cached afterwards)", what, gguf_file.name)
-    config = read_gguf_config(gguf_file, reader)
+    config = read_gguf_config(gguf_file, contents)
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in read_gguf_weights(reader, keep_blocks).items():
+    for name, value in read_gguf_weights(contents, keep_blocks).items():
         tensors |= value.tensors(name) if isinstance(value, BlockQuantized) else {name: value.contiguous()}
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(staging)

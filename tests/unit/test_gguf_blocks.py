@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGML_QUANT_SIZES, GGUFValueType
 from gguf.quants import dequantize, quantize
 
 from cpu_kernels import library, ops, packed_weights
@@ -26,6 +26,7 @@ from scheduler.model.gguf_blocks import (
     split_part_name,
     stack_blocks,
 )
+from scheduler.model.gguf_file import read_gguf_file
 from scheduler.model.llama import pack_blocks, pack_weight
 from scheduler.server_args import ModelArgs
 from tests.unit.invariant_cases import activations_as_multiplied
@@ -202,6 +203,22 @@ def test_the_decoder_multiplies_a_stack_part_by_part_into_its_columns() -> None:
         assert torch.equal(whole, parts)
 
 
+def assert_read_as_gguf_reads_it(path: Path) -> None:
+    """``read_gguf_file`` gives what ``gguf.GGUFReader`` gives: every tensor's type, dtype, shape and bytes, and
+    every metadata value (a string array as its length)."""
+    ours, theirs = read_gguf_file(path), GGUFReader(path)
+    assert [tensor.name for tensor in ours.tensors] == [tensor.name for tensor in theirs.tensors]
+    for mine, reference_tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == reference_tensor.tensor_type, mine.name
+        assert (mine.data.dtype, mine.data.shape) == (reference_tensor.data.dtype, reference_tensor.data.shape)
+        assert mine.data.tobytes() == reference_tensor.data.tobytes(), mine.name
+    fields = {key: field for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert ours.metadata.keys() == fields.keys()
+    for key, field in fields.items():
+        strings = field.types[0] == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING
+        assert ours.metadata[key] == (len(field.contents()) if strings else field.contents()), key
+
+
 def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
     """Tensors of each block format in a GGUF file come back under their Hugging Face names as the same blocks."""
     path = tmp_path / "tiny.gguf"
@@ -209,6 +226,10 @@ def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
     writer.add_block_count(1)
     writer.add_head_count(2)
     writer.add_head_count_kv(1)
+    writer.add_token_list(["a", "b", "\u00e9t\u00e9"])  # a string array, which the reader steps over
+    writer.add_array("test.ints", [3, 1, 2])
+    writer.add_float32("test.eps", 1e-5)
+    writer.add_bool("test.flag", True)
     stored = {
         "token_embd.weight": ("q8_0", 64),
         "blk.0.attn_output.weight": ("q5_0", 256),
@@ -231,7 +252,8 @@ def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    weights = read_gguf_weights(GGUFReader(path))
+    assert_read_as_gguf_reads_it(path)
+    weights = read_gguf_weights(read_gguf_file(path))
     hf_names = {
         "token_embd.weight": "model.embed_tokens.weight",
         "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
