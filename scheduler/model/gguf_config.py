@@ -11,7 +11,7 @@ SmolLM3's, which transformers does not read at all.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transformers import AutoConfig, PretrainedConfig
 
@@ -29,11 +29,39 @@ def read_gguf_config(gguf_file: Path, contents: GgufFile) -> PretrainedConfig:
     architecture = contents.metadata.get("general.architecture")
     if architecture == "smollm3":
         return _smollm3_config(contents)
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    config = _mapped_config(contents)
     if architecture == "phi3":
         restore_phi3_fields(config, contents)
     return config
+
+
+def _mapped_config(contents: GgufFile) -> PretrainedConfig:
+    """The config transformers' GGUF reader (``load_gguf_checkpoint``, behind ``AutoConfig``'s ``gguf_file``) maps
+    these keys to, by its own tables, for the families served here. It reads them through ``gguf.GGUFReader``, whose
+    parse of the vocabulary was ~3.5 s of the embedded model's first start (docs/benchmarks.md): the same mapping
+    on ``read_gguf_file``'s values gives the same config (``test_a_gguf_files_config_is_the_one_transformers_reads``).
+    Of its cases by architecture, ours meet two: Llama's named exactly "mistral" is Mistral's, Gemma 3's text model
+    is ``gemma3_text``."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    metadata = contents.metadata
+    architecture = metadata["general.architecture"]
+    model_type = "mistral" if architecture == "llama" and metadata.get("general.name") == "mistral" else architecture
+    config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
+    config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
+    for key, value in metadata.items():
+        prefix, _, name = key.replace(architecture, model_type).partition(".")
+        renamed = cast(dict[str, Any], GGUF_CONFIG_MAPPING.get(prefix, {})).get(name)
+        if renamed is None or renamed == -1:
+            continue
+        if isinstance(value, list) and len(value) == 1:  # as transformers' reader: a one-element array is its element
+            value = value[0]
+        config[renamed] = value.replace(architecture, model_type) if isinstance(value, str) else value
+    if config["model_type"] == "gemma3":
+        config["model_type"] = "gemma3_text"
+    if "vocab_size" not in config and isinstance(metadata.get("tokenizer.ggml.tokens"), int):
+        config["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # the vocabulary's length (``read_gguf_file``)
+    return AutoConfig.for_model(**config)
 
 
 def restore_phi3_fields(config: PretrainedConfig, contents: GgufFile) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma3TextConfig,
@@ -28,6 +29,8 @@ from transformers import (
 )
 
 from cpu_kernels import library
+from scheduler.model.gguf_config import read_gguf_config, restore_phi3_fields
+from scheduler.model.gguf_file import read_gguf_file
 from scheduler.model.runner import ModelRunner
 from scheduler.server_args import ServerArgs
 from sglang_constrained.tokenizer.loading import load_tokenizer
@@ -202,3 +205,26 @@ def test_a_gguf_files_tokenizer_is_the_one_autotokenizer_converts(
     assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
     assert ours.special_tokens_map == theirs.special_tokens_map and ours.chat_template == theirs.chat_template
     assert ours.encode(TOKENIZER_TEXT) == theirs.encode(TOKENIZER_TEXT)
+
+
+TRANSFORMERS_READS = {name: make for name, make in FAMILIES.items() if not name.startswith("smollm3")}
+"""The families whose GGUF config transformers reads (SmolLM3's is read from its keys by ``gguf_config``)."""
+
+
+@pytest.mark.parametrize(
+    "make_config", [*TRANSFORMERS_READS.values(), lambda: LlamaConfig(**TINY)], ids=[*TRANSFORMERS_READS, "llama"]
+)
+def test_a_gguf_files_config_is_the_one_transformers_reads(make_config: Any, tokenizer: Any, tmp_path: Path) -> None:
+    """Mapped by transformers' own tables from ``read_gguf_file``'s values, without ``gguf.GGUFReader``'s parse of
+    the vocabulary: the config ``AutoConfig`` reads from the file (with Phi-3's fields put back), but for the folder
+    it names."""
+    write_gguf(reference_model(make_config), tokenizer, tmp_path / "tiny.gguf")
+    contents = read_gguf_file(tmp_path / "tiny.gguf")
+    theirs = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    if theirs.model_type == "phi3":
+        restore_phi3_fields(theirs, contents)
+    ignored = ("quantization_config", "_name_or_path")
+    expected = {key: value for key, value in theirs.to_dict().items() if key not in ignored}
+    ours = read_gguf_config(tmp_path / "tiny.gguf", contents)
+    assert type(ours) is type(theirs)
+    assert {key: value for key, value in ours.to_dict().items() if key not in ignored} == expected
