@@ -1,6 +1,8 @@
-"""Start-up of ``python -m scheduler.launch`` with a warm cache, side by side with another checkout.
+"""Start-up of ``python -m scheduler.launch`` with a warm cache (or a new machine's first), side by side with another
+checkout.
 
-    python scripts/bench_startup.py [--rounds 3] [--compare ../other-checkout] [--ranks 2] [-- extra launcher flags]
+    python scripts/bench_startup.py [--rounds 3] [--compare ../other-checkout] [--ranks 2] [--first-start]
+                                    [-- extra launcher flags]
 
 Each round starts the scheduler of this checkout (and of ``--compare``'s, alternating which goes first), one at a
 time (with ``--ranks 2``, under torchrun), and measures:
@@ -15,6 +17,9 @@ time (with ``--ranks 2``, under torchrun), and measures:
 
 Phases come from the log's timestamps: the loader's, the model runner's and the scheduler's ready line. The machine
 may be shared: the load average and CPU pressure are printed beside the figures; compare the ratios.
+
+``--first-start``: each start in a cache of its own (``SGLANG_CONSTRAINED_CACHE_DIR``) holding only this machine's
+kernel builds, as after the README's set-up: the tokenizer's and the model's conversions are timed with the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import argparse
 import datetime
 import os
 import re
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,7 @@ from pathlib import Path
 import psutil
 
 from cpu_kernels.cpu_info import describe_cpu
+from scheduler.server_args import ModelArgs
 from scheduler.testing.process import REPO_ROOT, SchedulerProcess
 from sglang_constrained.testing.benchmarking import cpu_pressure
 
@@ -93,9 +101,18 @@ def log_phases(log: str, started: float) -> dict[str, float]:
     return phases
 
 
-def start_once(root: Path, flags: tuple[str, ...], ranks: int) -> StartUp:
+def start_once(root: Path, flags: tuple[str, ...], ranks: int, first_start: bool) -> StartUp:
+    if not first_start:
+        return _start_once(root, flags, ranks, {})
+    with tempfile.TemporaryDirectory() as cache:
+        kernels = ModelArgs().kernel_build_path
+        shutil.copytree(kernels, Path(cache) / kernels.name, symlinks=True)
+        return _start_once(root, flags, ranks, {"SGLANG_CONSTRAINED_CACHE_DIR": cache})
+
+
+def _start_once(root: Path, flags: tuple[str, ...], ranks: int, env: dict[str, str]) -> StartUp:
     started_wall, started = time.time(), time.perf_counter()
-    server = SchedulerProcess(*SERVER_FLAGS, *flags, ranks=ranks, root=root)
+    server = SchedulerProcess(*SERVER_FLAGS, *flags, ranks=ranks, root=root, env=env)
     try:
         server.wait_until_ready()
         ready_s = time.perf_counter() - started
@@ -139,18 +156,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare", type=Path, help="another checkout (the baseline), started alternately")
     parser.add_argument("--ranks", type=int, default=1, help="ranks under torchrun (1: the launcher alone)")
+    parser.add_argument("--first-start", action="store_true", help="each start in a new cache (kernels built)")
     parser.add_argument("flags", nargs="*", help="extra launcher flags (after --)")
     args = parser.parse_args(argv)
     roots = {"this": REPO_ROOT} | ({"baseline": args.compare.resolve()} if args.compare else {})
     print(
         f"CPU: {describe_cpu()}, {os.cpu_count()} cores; {args.ranks} rank(s), flags {list(args.flags)}; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"{'first starts' if args.first_start else 'warm cache'}; load average {os.getloadavg()[0]:.1f}"
     )
     runs: dict[str, list[StartUp]] = {name: [] for name in roots}
     for round_index in range(args.rounds):
         order = list(roots) if round_index % 2 == 0 else list(reversed(roots))
         for name in order:
-            run = start_once(roots[name], tuple(args.flags), args.ranks)
+            run = start_once(roots[name], tuple(args.flags), args.ranks, args.first_start)
             runs[name].append(run)
             print(
                 f"round {round_index + 1} {name}: ready {run.ready_s:.1f} s (CPU {run.cpu_at_ready_s:.1f} s), first "
