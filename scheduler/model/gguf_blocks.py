@@ -169,10 +169,9 @@ def read_gguf_weights(contents: GgufFile, keep_blocks: bool = True) -> dict[str,
     """Every tensor of a GGUF file (``contents``, as ``read_gguf_file`` read it), under its Hugging Face name: the
     block formats (``FORMATS``) as blocks, F16 and BF16 as float16 and bfloat16 tensors (packed as they are: the same
     bits as float32, half the bytes), the rest de-quantised to float32; without ``keep_blocks``, every tensor
-    de-quantised to float32 by
-    ``gguf.quants.dequantize`` itself (the reference the blocks are checked against). Llama's (and SmolLM3's) q and k
-    rows are put back in Hugging Face's order (llama.cpp's converter interleaves the two halves of each head's rotary
-    pairs); Gemma's norms back from ``1 + w`` to ``w``."""
+    de-quantised to float32 by ``gguf.quants.dequantize`` itself (the reference the blocks are checked against).
+    Llama's (and SmolLM3's) q and k rows are put back in Hugging Face's order (llama.cpp's converter interleaves the
+    two halves of each head's rotary pairs); Gemma's norms back from ``1 + w`` to ``w``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

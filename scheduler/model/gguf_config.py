@@ -47,7 +47,9 @@ def _mapped_config(contents: GgufFile) -> PretrainedConfig:
     metadata = contents.metadata
     architecture = metadata["general.architecture"]
     model_type = "mistral" if architecture == "llama" and metadata.get("general.name") == "mistral" else architecture
-    config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
+    config: dict[str, Any] = dict(
+        GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
+    )
     config["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in contents.tensors)
     for key, value in metadata.items():
         prefix, _, name = key.replace(architecture, model_type).partition(".")

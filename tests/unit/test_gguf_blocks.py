@@ -220,7 +220,8 @@ def assert_read_as_gguf_reads_it(path: Path) -> None:
 
 
 def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
-    """Tensors of each block format in a GGUF file come back under their Hugging Face names as the same blocks."""
+    """Tensors of each block format in a GGUF file, read as ``gguf.GGUFReader`` reads them (with a float32 norm and
+    metadata of each kind beside them), come back under their Hugging Face names as the same blocks."""
     path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(path, "llama")
     writer.add_block_count(1)
@@ -248,6 +249,7 @@ def test_a_gguf_files_block_tensors_are_read_as_blocks(tmp_path: Path) -> None:
     writer.add_tensor("blk.0.attn_q.weight", floats["blk.0.attn_q.weight"].numpy())
     bf16_bytes = floats["blk.0.attn_k.weight"].view(torch.uint8).numpy()
     writer.add_tensor("blk.0.attn_k.weight", bf16_bytes, raw_dtype=GGMLQuantizationType.BF16)
+    writer.add_tensor("blk.0.attn_norm.weight", np.linspace(0.5, 1.5, 256, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
