@@ -74,8 +74,12 @@ def _load_model_tokenizer(model_path: Path, cache_dir: Path) -> Any:
     with conversion_lock(target):
         if (target / "tokenizer.json").exists():  # another process converted it while this one waited
             return _load_converted_tokenizer(target)
-        tokenizer = _convert_gguf_tokenizer(model_path)
-        named = gguf_named_chat_templates(model_path)
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+
+        # transformers' own metadata reader skips the vocabulary's arrays (``gguf.GGUFReader`` reads them all)
+        metadata, _ = read_gguf_metadata(str(model_path), ("tokenizer.chat_templates",))
+        tokenizer = _convert_gguf_tokenizer(model_path, metadata["general.architecture"])
+        named = gguf_named_chat_templates(metadata)
         if named:
             default = {"default": tokenizer.chat_template} if tokenizer.chat_template is not None else {}
             tokenizer.chat_template = default | named
@@ -83,21 +87,19 @@ def _load_model_tokenizer(model_path: Path, cache_dir: Path) -> Any:
         return tokenizer
 
 
-def _convert_gguf_tokenizer(gguf_file: Path) -> Any:
-    """The tokenizer of a GGUF file in the class ``AutoTokenizer`` gives it, without the model config ``AutoTokenizer``
-    reads from the file first only to name that class: for the families transformers' GGUF config reader has no
-    fast path for (all of ours), ``gguf.GGUFReader``'s parse of every vocabulary and merge string, most of a first
-    conversion of the embedded model's tokenizer (docs/benchmarks.md). The file's architecture names the class as
-    the config's model type would (ours are spelled the same, but Gemma 3's, ``gemma3`` for ``gemma3_text``, which
-    maps to the same class); a model type with no tokenizer of its own (Llama, SmolLM3) takes the generic class, as
-    ``AutoTokenizer`` does. An architecture transformers does not know by that name goes through ``AutoTokenizer``."""
+def _convert_gguf_tokenizer(gguf_file: Path, architecture: str) -> Any:
+    """The tokenizer of a GGUF file of ``architecture`` in the class ``AutoTokenizer`` gives it, without the model
+    config ``AutoTokenizer`` reads from the file first only to name that class: for the families transformers' GGUF
+    config reader has no fast path for (all of ours), ``gguf.GGUFReader``'s parse of every vocabulary and merge
+    string, most of a first conversion of the embedded model's tokenizer (docs/benchmarks.md). The architecture
+    names the class as the config's model type would (ours are spelled the same, but Gemma 3's, ``gemma3`` for
+    ``gemma3_text``, which maps to the same class); a model type with no tokenizer of its own (Llama, SmolLM3) takes
+    the generic class, as ``AutoTokenizer`` does. An architecture transformers does not know by that name goes
+    through ``AutoTokenizer``."""
     from transformers import AutoTokenizer
-    from transformers.integrations.gguf.reader import read_gguf_metadata
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    metadata, _ = read_gguf_metadata(str(gguf_file))
-    architecture = metadata["general.architecture"]
     folder, name = gguf_file.parent, gguf_file.name
     if TOKENIZER_MAPPING_NAMES.get(architecture) is not None:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name, tokenizer_type=architecture)
@@ -109,14 +111,10 @@ def _convert_gguf_tokenizer(gguf_file: Path) -> Any:
         return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
 
 
-def gguf_named_chat_templates(gguf_file: Path) -> dict[str, str]:
+def gguf_named_chat_templates(metadata: dict[str, Any]) -> dict[str, str]:
     """A GGUF file's chat templates beside its default, by name (llama.cpp's ``tokenizer.chat_template.<name>``,
     listed in ``tokenizer.chat_templates``: a ``tool_use`` one, as Hermes-style models ship), which transformers'
-    reader drops. Read by transformers' own GGUF metadata reader, which skips the vocabulary's arrays
-    (``gguf.GGUFReader`` reads them all)."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    metadata, _ = read_gguf_metadata(str(gguf_file), ("tokenizer.chat_templates",))
+    reader drops; ``metadata`` as transformers' ``read_gguf_metadata`` reads it, with that list's strings."""
     names = metadata.get("tokenizer.chat_templates", [])
     return {
         name: metadata[f"tokenizer.chat_template.{name}"]
