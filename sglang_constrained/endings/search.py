@@ -118,7 +118,7 @@ class EndingSearch:
         self._stop_words = [(t // BITS_PER_WORD, t % BITS_PER_WORD) for t in self.stop_token_ids]
         self._scratch = allocate_bitmask(1, vocabulary.model_vocab_size, "cpu")
         self._scratch_words = self._scratch[0].numpy()  # a view: the grammars write through the tensor
-        self._vocabulary = vocabulary
+        self.vocabulary = vocabulary
         self._exact: ExactEndingSearch | None = None
         self._spelled: dict[bytes, Callable[[int], list[int] | None]] = {}
 
@@ -250,7 +250,7 @@ class EndingSearch:
     def _exact_search(self) -> ExactEndingSearch:
         """The exact search, its trie of pieces built the first time a grammar exposes its state."""
         if self._exact is None:
-            self._exact = ExactEndingSearch(self._vocabulary)
+            self._exact = ExactEndingSearch(self.vocabulary)
         return self._exact
 
     def piece(self, token: int) -> bytes:
@@ -364,7 +364,7 @@ class EndingSearch:
                         finally:
                             grammar.rollback(1)
                         loop_token, loop_run = None, 0
-                        if moves == node.moves:
+                        if moves == node.moves and len(moves) > 1:  # a forced byte twice ("22") is no loop
                             if has_loop:
                                 continue
                             has_loop, loop_token, loop_run = True, token, node.loop_run + 1

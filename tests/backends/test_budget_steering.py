@@ -184,6 +184,34 @@ def test_shortest_output_is_found_through_the_grammar(
     assert search.finishes(grammar, ending)
 
 
+DOUBLED = {
+    "type": "object",
+    "properties": {
+        "name_9b6b22": {"type": "string"},
+        "age_9b6b22": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city_9b6b22": {"type": "string"},
+        "hobbies_9b6b22": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
+    "required": ["name_9b6b22", "age_9b6b22", "city_9b6b22", "hobbies_9b6b22"],
+    "additionalProperties": False,
+}
+"""Property names with a byte twice in a row after open strings: the search once took the second ``2`` of ``9b6b22``
+(one byte allowed before it and after it) for a loop and ranked it behind the strings' escapes (``\\"\\"...``),
+which filled its beam; it found no ending, and the request was cut at its budget unsteered. (outlines refuses
+``minimum``.)"""
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_a_forced_byte_twice_is_no_loop_to_the_search(
+    backend_name: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    grammar = compile_grammar(build_backend(backend_name, smollm2_tokenizer), "json", DOUBLED)
+    ending = search.find(grammar)
+    assert ending is not None and ending[-1] in smollm2_tokenizer.eos_token_ids
+    text = smollm2_tokenizer.tokenizer.decode(ending[:-1])
+    assert text == '{"name_9b6b22":"","age_9b6b22":0,"city_9b6b22":"","hobbies_9b6b22":[]}'
+
+
 def test_auto_backend_grammars_end_valid_within_their_budget(
     smollm2_tokenizer: TokenizerSetup, search: EndingSearch
 ) -> None:
