@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy
 import torch
@@ -48,6 +49,7 @@ import torch
 from scheduler.ending_plan import EndingPlan
 from scheduler.io_struct import AbortCause
 from scheduler.request import Abort, Req
+from scheduler.start_endings import MAX_CACHED_STARTS, StartEndings
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.backends.reasoner import ReasonerGrammarObject
 from sglang_constrained.constraint_spec import GrammarKey
@@ -73,8 +75,6 @@ whose masks are slow (~1 ms): everywhere else their steps (``MAX_CHECK_STEPS``) 
 Bounded at 5 and 20 ms before, what they found depended on the machine, and with it which tokens were allowed: on AMD
 EPYC Zen 3 greedy JSON answers of 20 tokens under a budget of 32 were steered from their fifth token on (``"Bo"``
 became ``"Bo1234567890"``) where Zen 5 left them alone, and speculation changed outputs."""
-MAX_CACHED_STARTS = 1024
-"""Start endings kept, by constraint key (and as many keys' known endings)."""
 MAX_GROWTH = 64
 """Most tokens a replayed ending may have beyond the one it replaces (far from the budget any length will do)."""
 MAX_KNOWN_ENDINGS = 8
@@ -89,7 +89,7 @@ class BudgetSteering:
         self.search = search
         self.max_seq_len = max_seq_len
         self.on_steered = on_steered
-        self._start_endings: OrderedDict[GrammarKey, list[int] | None] = OrderedDict()
+        self.start_endings = StartEndings(search.vocabulary)
         self._known_endings: OrderedDict[GrammarKey, list[list[int]]] = OrderedDict()
         self.num_searches = 0
         """Bounded searches run within ``WATCH`` because no plan, suffix or known ending fitted."""
@@ -97,13 +97,19 @@ class BudgetSteering:
         """Plans gone stale within ``WATCH``: nothing fitted and the bounded search found nothing (searched anew,
         unbounded, once the budget is near; ``bench_budget_steering`` counts both)."""
 
+    def after_compile(self, key: GrammarKey, compiling: Future[BaseGrammarObject]) -> Future[BaseGrammarObject]:
+        """``compiling``'s grammar once its start ending is known too (``StartEndings.after_compile``): what a request
+        waits for in the grammar queue, so that ``refusal`` finds the ending searched."""
+        return self.start_endings.after_compile(key, compiling, _answer_grammar)
+
     def refusal(self, req: Req) -> Abort | None:
         """Give ``req`` (whose grammar is ready, at its start) its first plan; why it must be refused if its budget
-        is below the constraint's shortest output."""
+        is below the constraint's shortest output. Waits for the constraint's start ending where it is not known yet
+        (a cached grammar whose ending was dropped; a request admitted through ``after_compile`` finds it)."""
         grammar = req.ready_grammar
         if grammar is None or req.grammar_key is None:
             return None
-        ending = self._start_ending(req.grammar_key, _answer_grammar(grammar))
+        ending = self.start_endings.ending(req.grammar_key, _answer_grammar(grammar)).result()
         if ending is None:
             return None
         req.ending = EndingPlan(list(ending), len(ending))
@@ -405,16 +411,6 @@ class BudgetSteering:
             known.append(ending)
             known.sort(key=len)
             del known[MAX_KNOWN_ENDINGS:]
-
-    def _start_ending(self, key: GrammarKey, grammar: BaseGrammarObject) -> list[int] | None:
-        if key in self._start_endings:
-            self._start_endings.move_to_end(key)
-            return self._start_endings[key]
-        ending = self.search.find(grammar)
-        self._start_endings[key] = ending
-        if len(self._start_endings) > MAX_CACHED_STARTS:
-            self._start_endings.popitem(last=False)
-        return ending
 
 
 def _host_values(row: torch.Tensor) -> tuple[numpy.ndarray, bool]:

@@ -1,9 +1,10 @@
 """Admission of constrained requests: compile off the loop, admit when ready, fail with a clear reason.
 
 Requests whose grammar is a cache hit (or who have none) are admitted at once; the others wait in
-``grammar_queue`` while the backend's compile service compiles (and enforces the compile deadline). Nothing here
-sleeps: the loop asks ``get_ready_grammar_requests`` each turn, and a compile that finishes or times out wakes the
-idle loop through ``wakeup_fd``. On several ranks the verdicts are agreed through ``RankSync``: ready on every
+``grammar_queue`` while the backend's compile service compiles (and enforces the compile deadline), and, with
+budget-aware constraints, while the constraint's shortest output is searched (``BudgetSteering.after_compile``).
+Nothing here sleeps: the loop asks ``get_ready_grammar_requests`` each turn, and a compile that finishes or times out
+wakes the idle loop through ``wakeup_fd``. On several ranks the verdicts are agreed through ``RankSync``: ready on every
 rank, failed on any rank.
 """
 
@@ -132,6 +133,9 @@ class GrammarManager:
         req.grammar_cache_hit = cache_hit
         self.metrics.cache_lookups.labels(req.grammar_key[0], "hit" if cache_hit else "miss").inc()
         if isinstance(value, Future):
+            if self.budget is not None:  # its start ending is searched off the loop too
+                value = self.budget.after_compile(req.grammar_key, value)
+                req.grammar = value
             req.grammar_queued_at = time.monotonic()
             value.add_done_callback(self._wake_up)
             self.grammar_queue.append(req)
@@ -175,6 +179,8 @@ class GrammarManager:
 
     def close(self) -> None:
         """Close the wake-up pipe; compiles that finish afterwards (a killed compile fails late) wake nobody."""
+        if self.budget is not None:
+            self.budget.start_endings.shutdown()
         with self._wakeup_lock:
             if self._wakeup_write < 0:
                 return

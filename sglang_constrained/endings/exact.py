@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 import weakref
 from collections.abc import Hashable, Iterator
@@ -59,19 +60,37 @@ def cpu_seconds() -> float:
     return time.thread_time()
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector held off meanwhile (a search: it allocates little, within its limits). A full
-    collection runs in the thread whose allocation triggers it, and ``cpu_seconds`` counted it: in the test suite's
-    process (~630k objects) one took 0.34-0.49 s of CPU, the exact search's whole half second under load, and the
-    search gave up in one run and not the next."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+class _CollectorPause:
+    """The cyclic garbage collector held off while any thread searches: the scheduler's loop and the thread of its
+    start endings (``scheduler.start_endings``) search at once, and the collector's switch is the process's. It is
+    switched back on when the last search ends, if it was on when the first began."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._searches = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._searches == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._searches += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._searches -= 1
+                if self._searches == 0 and self._was_enabled:
+                    gc.enable()
+
+
+collector_paused = _CollectorPause()
+"""The collector held off meanwhile (a search: it allocates little, within its limits). A full collection runs in
+the thread whose allocation triggers it, and ``cpu_seconds`` counted it: in the test suite's process (~630k objects)
+one took 0.34-0.49 s of CPU, the exact search's whole half second under load, and the search gave up in one run and
+not the next."""
 
 
 @dataclass
