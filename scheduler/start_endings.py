@@ -71,7 +71,12 @@ class StartEndings:
                 relay(done, ready)
                 return
             grammar = done.result()
-            self.ending(key, answer_grammar(grammar)).add_done_callback(lambda _: settle(ready, grammar))
+            try:
+                searching = self.ending(key, answer_grammar(grammar))
+            except Exception as e:  # a callback's error would be logged and the request left waiting
+                settle(ready, error=e)
+                return
+            searching.add_done_callback(lambda _: settle(ready, grammar))
 
         compiling.add_done_callback(compiled)
         return ready

@@ -1,7 +1,8 @@
 """Budget-aware constraints through the real loop on the embedded model: small budgets end in valid outputs that
 finish with "stop" (with speculation and jump-forward on, as by default); a budget below the constraint's shortest
 output is refused with a 400 naming both (through the loop, and over HTTP on the shared server); outputs far from
-their budget are the same token for token with the feature off; the metric counts the requests that were steered.
+their budget are the same token for token with the feature off; the metric counts the requests that were steered; a
+new constraint whose shortest output is still being searched holds up no other request.
 
 The schedulers run in this process over one model runner, as in ``test_speculative``.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -19,9 +22,12 @@ import openai
 import pytest
 
 from scheduler.client import make_request
-from scheduler.io_struct import AbortCause, GenerateOutput
+from scheduler.io_struct import AbortCause, GenerateOutput, encode
 from scheduler.model.runner import ModelRunner
+from scheduler.scheduler import Scheduler
 from scheduler.server_args import ServerArgs
+from scheduler.start_endings import StartEndings
+from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
@@ -111,6 +117,46 @@ def test_outputs_far_from_the_budget_are_unchanged(runner: ModelRunner) -> None:
         steered = tokens_and_reasons(serve(scheduler, reqs))
     assert [reason for _, reason in plain] == ["stop", "stop"]
     assert steered == plain
+
+
+def test_a_constraint_whose_shortest_output_is_being_searched_holds_up_no_other_request(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new constraint's shortest output is searched on a thread of its own (``scheduler.start_endings``), not in
+    the loop: while that search is held, its request waits in the grammar queue and a free request decodes to its
+    end; once released, the constrained request is admitted and ends valid with "stop" within its budget."""
+    release = threading.Event()
+    search = StartEndings._find
+
+    def held_search(self: StartEndings, grammar: BaseGrammarObject) -> list[int] | None:
+        assert release.wait(timeout=120)
+        return search(self, grammar)
+
+    monkeypatch.setattr(StartEndings, "_find", held_search)
+    constrained = request("json_schema", 40)
+    free = make_request(text="Once upon a time", sampling_params={"max_new_tokens": 12, "temperature": 0.0})
+    finished: dict[str, GenerateOutput] = {}
+
+    def step_until_finished(scheduler: Scheduler, rid: str) -> None:
+        deadline = time.monotonic() + 120
+        while rid not in finished:
+            assert time.monotonic() < deadline, f"{rid} did not finish"
+            scheduler.step([])
+            finished.update((m.rid, m) for _, m in scheduler.outbox if isinstance(m, GenerateOutput) and m.finished)
+            scheduler.outbox.clear()
+            time.sleep(0.001)
+
+    with in_process_scheduler(runner) as scheduler:
+        for req in (constrained, free):
+            scheduler.handle_message(b"test", encode(req))
+        step_until_finished(scheduler, free.rid)
+        assert [req.rid for req in scheduler.grammar_manager.grammar_queue] == [constrained.rid]
+        release.set()
+        step_until_finished(scheduler, constrained.rid)
+    assert len(finished[free.rid].token_ids) == 12
+    output = finished[constrained.rid]
+    assert output.finish_reason is not None and output.finish_reason.type == "stop", output.finish_reason
+    assert len(output.token_ids) <= 40 and is_valid("json_schema", output.text), output.text
 
 
 def test_budget_below_the_shortest_output_is_a_400_over_http(client: openai.OpenAI) -> None:
