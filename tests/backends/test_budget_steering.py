@@ -212,6 +212,24 @@ def test_a_forced_byte_twice_is_no_loop_to_the_search(
     assert text == '{"name_9b6b22":"","age_9b6b22":0,"city_9b6b22":"","hobbies_9b6b22":[]}'
 
 
+SLOW_MASKS = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 255}},
+    "required": ["name"],
+}
+"""MaskBench's o26589: xgrammar's mask inside a string of ``maxLength`` 255 takes milliseconds, and the breadth-first
+search once spent the whole time the walk of first moves needed (``FIRST_MOVES_SHARE``)."""
+
+
+def test_where_masks_are_slow_the_walk_of_first_moves_still_finds_an_ending(
+    build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    grammar = compile_grammar(build_backend("xgrammar", smollm2_tokenizer), "json", SLOW_MASKS)
+    ending = search.find(grammar)
+    assert ending is not None and ending[-1] in smollm2_tokenizer.eos_token_ids
+    assert json_judge(SLOW_MASKS)(smollm2_tokenizer.tokenizer.decode(ending[:-1])) is None
+
+
 def test_auto_backend_grammars_end_valid_within_their_budget(
     smollm2_tokenizer: TokenizerSetup, search: EndingSearch
 ) -> None:
