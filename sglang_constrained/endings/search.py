@@ -42,11 +42,12 @@ MAX_SEARCH_SECONDS = 1.0
 thread of ``scheduler.start_endings``): a step's mask costs what the grammar's mask costs, and some grammars' masks are
 slow (xgrammar's string of ``maxLength`` 255, MaskBench's o58909)."""
 FIRST_MOVES_SHARE = 0.25
-"""Share of a full search's time kept for the walk of first moves: the ASCII breadth-first pass stops at the rest.
-Where masks are slow (xgrammar's string of ``maxLength`` 255: ~5 ms a mask) that pass ran out of time, and the walk,
-which needs a few dozen masks, had none left: MaskBench's o26589 (``{"name": ...}``, one such string) got no ending.
-The bounded searches (``ascii_only``) keep their whole time, so that their step bound, the same on every machine,
-stays the one that binds."""
+"""Share of a full search's time the walk of first moves has at least, even where the ASCII breadth-first pass before
+it used all of it: where masks are slow (xgrammar's string of ``maxLength`` 255: ~5 ms a mask) that pass ran out of
+time and the walk, which needs a few dozen masks, had none left: MaskBench's o26589 (``{"name": ...}``, one such
+string) got no ending. Added to the bound, not taken from the pass: whatever the pass finds is what it found before.
+The bounded searches (``ascii_only``) get none, so that their step bound, the same on every machine, stays the one
+that binds."""
 MAX_PIECE_BYTES = 24
 """Longest vocabulary piece used to spell an ending."""
 BEAM_WIDTH = 32
@@ -162,10 +163,10 @@ class EndingSearch:
         if stop is not None:
             return [stop]
         start = _Node((), self._moves(), hash(self._scratch_bytes()))
-        ascii_deadline = deadline - max_seconds * FIRST_MOVES_SHARE if first_moves and not ascii_only else deadline
-        found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps, ascii_deadline)
+        found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps, deadline)
         if found is None and first_moves:
-            found = self._first_moves(grammar, deadline)
+            own_time = 0.0 if ascii_only else max_seconds * FIRST_MOVES_SHARE
+            found = self._first_moves(grammar, max(deadline, cpu_seconds() + own_time))
         if found is None and not ascii_only:
             found = self._breadth_first(grammar, start, range(256), max_steps, deadline)
         if found is None:
