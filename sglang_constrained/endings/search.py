@@ -140,8 +140,8 @@ class EndingSearch:
         """A short ending from ``grammar``'s state: tokens after which it has terminated (the last one a stop token
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
         found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte; between them,
-        with ``first_moves``, the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them; the exact
-        search before them gets half as long). A full
+        with ``first_moves``, the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them, and in a full
+        search a share more for the walk: ``FIRST_MOVES_SHARE``; the exact search before them gets half as long). A full
         search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
         budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change.
         The garbage collector waits meanwhile (``collector_paused``), so that the deadline counts the search only."""
