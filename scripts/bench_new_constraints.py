@@ -32,7 +32,7 @@ import jsonschema
 from cpu_kernels.cpu_info import describe_cpu
 from scheduler.client import AsyncSchedulerClient
 from scheduler.testing.process import free_port
-from scripts.serving_workload import PERSON_SCHEMA
+from scripts.serving_workload import person_schema_named
 
 REPO = Path(__file__).resolve().parents[1]
 STREAM_PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -42,10 +42,7 @@ SCHEMA_PROMPT = [{"role": "user", "content": "Describe a person as JSON with nam
 def new_schema() -> dict[str, Any]:
     """``bench_serving``'s person schema with property names no earlier schema had: a new constraint key, compiled
     anew, whose shortest output xgrammar's exact search does not find within its bound (open strings)."""
-    tag = uuid.uuid4().hex[:6]
-    person: dict[str, Any] = PERSON_SCHEMA["properties"]  # type: ignore[assignment]
-    properties = {f"{name}_{tag}": spec for name, spec in person.items()}
-    return {**PERSON_SCHEMA, "properties": properties, "required": list(properties)}
+    return person_schema_named(uuid.uuid4().hex[:6])
 
 
 async def stream_gaps(client: AsyncSchedulerClient, index: int, tokens: int, first: asyncio.Event) -> list[float]:

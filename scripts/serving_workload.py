@@ -21,7 +21,7 @@ from scheduler.client import AsyncSchedulerClient
 from sglang_constrained.testing import llamacpp_peer
 
 KINDS = ("free", "json", "regex")
-PERSON_SCHEMA = {
+PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string"},
@@ -32,6 +32,7 @@ PERSON_SCHEMA = {
     "required": ["name", "age", "city", "hobbies"],
     "additionalProperties": False,
 }
+
 PERSON_REGEX = (
     r'\{"name": "[A-Z][a-z]{1,12}( [A-Z][a-z]{1,12})?", "age": (0|[1-9][0-9]?), '
     r'"city": "[A-Z][a-z]{1,15}( [A-Z][a-z]{1,15})?", "hobbies": \["[a-z ]{3,20}"(, "[a-z ]{3,20}"){0,3}\]\}'
@@ -58,6 +59,13 @@ requests differ in all three: no request repeats an earlier one, whose answer th
 WARM_UP_INDEX = DISTINCT_PROMPTS - 1
 WARM_UP_TOKENS = 72
 """The warm-up requests' budget: a JSON answer's shortest ending fits in it (a smaller budget is refused up front)."""
+
+
+def person_schema_named(tag: str) -> dict[str, Any]:
+    """``PERSON_SCHEMA`` with ``_<tag>`` after every property name: a new constraint key for each tag, the same
+    shape (``bench_new_constraints``; the ending search's test of a forced byte twice, ``9b6b22``)."""
+    properties = {f"{name}_{tag}": spec for name, spec in PERSON_SCHEMA["properties"].items()}
+    return {**PERSON_SCHEMA, "properties": properties, "required": list(properties)}
 
 
 def prompt_for(index: int) -> str:

@@ -26,6 +26,7 @@ from scheduler.budget_steering import WATCH, BudgetSteering
 from scheduler.io_struct import SamplingParams
 from scheduler.request import Req
 from scheduler.server_args import GrammarArgs
+from scripts.serving_workload import person_schema_named
 from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.backends.registry import create_grammar_backend
@@ -184,17 +185,7 @@ def test_shortest_output_is_found_through_the_grammar(
     assert search.finishes(grammar, ending)
 
 
-DOUBLED = {
-    "type": "object",
-    "properties": {
-        "name_9b6b22": {"type": "string"},
-        "age_9b6b22": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city_9b6b22": {"type": "string"},
-        "hobbies_9b6b22": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-    },
-    "required": ["name_9b6b22", "age_9b6b22", "city_9b6b22", "hobbies_9b6b22"],
-    "additionalProperties": False,
-}
+DOUBLED = person_schema_named("9b6b22")
 """Property names with a byte twice in a row after open strings: the search once took the second ``2`` of ``9b6b22``
 (one byte allowed before it and after it) for a loop and ranked it behind the strings' escapes (``\\"\\"...``),
 which filled its beam; it found no ending, and the request was cut at its budget unsteered. (outlines refuses
