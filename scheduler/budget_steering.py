@@ -102,6 +102,10 @@ class BudgetSteering:
         waits for in the grammar queue, so that ``refusal`` finds the ending searched."""
         return self.start_endings.after_compile(key, compiling, _answer_grammar)
 
+    def shutdown(self) -> None:
+        """Stop searching start endings: searches queued are dropped, the one running ends on its own bound."""
+        self.start_endings.shutdown()
+
     def refusal(self, req: Req) -> Abort | None:
         """Give ``req`` (whose grammar is ready, at its start) its first plan; why it must be refused if its budget
         is below the constraint's shortest output. Waits for the constraint's start ending where it is not known yet

@@ -180,7 +180,7 @@ class GrammarManager:
     def close(self) -> None:
         """Close the wake-up pipe; compiles that finish afterwards (a killed compile fails late) wake nobody."""
         if self.budget is not None:
-            self.budget.start_endings.shutdown()
+            self.budget.shutdown()
         with self._wakeup_lock:
             if self._wakeup_write < 0:
                 return

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from cpu_kernels.cpu_info import describe_cpu
 from scheduler.client import make_request
-from scheduler.io_struct import AbortCause, GenerateOutput, encode
+from scheduler.io_struct import AbortCause, GenerateOutput
 from scheduler.model.runner import ModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import ServerArgs
+from scheduler.testing.in_process import submit, turn_until_finished
 from sglang_constrained.testing.maskbench import iter_case_paths, load_case
 from sglang_constrained.testing.random_walk import json_judge
 
@@ -57,21 +57,8 @@ def run(scheduler: Scheduler, cases: list[tuple[str, Any]], budget: int) -> Coun
         params = {"temperature": 0.0, "max_new_tokens": budget, "json_schema": json.dumps(schema)}
         request = make_request(messages=[{"role": "user", "content": prompt}], sampling_params=params)
         sent[request.rid] = (name, schema)
-        scheduler.handle_message(b"report", encode(request))
-    finished: dict[str, GenerateOutput] = {}
-    deadline = time.monotonic() + MAX_SECONDS
-    while len(finished) < len(sent):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{len(sent) - len(finished)} requests unfinished after {MAX_SECONDS:.0f} s")
-        scheduler.step([])
-        finished.update(
-            (message.rid, message)
-            for _, message in scheduler.outbox
-            if isinstance(message, GenerateOutput) and message.finished
-        )
-        scheduler.outbox.clear()
-        if not scheduler.running and not scheduler.waiting_queue:
-            time.sleep(0.01)  # grammars compiling, endings searched
+        submit(scheduler, [request])
+    finished = turn_until_finished(scheduler, list(sent), MAX_SECONDS)
     counts: Counter[str] = Counter()
     for rid, (name, schema) in sent.items():
         ended = outcome(finished[rid], schema)

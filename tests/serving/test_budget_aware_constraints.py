@@ -13,7 +13,6 @@ import itertools
 import json
 import re
 import threading
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -22,17 +21,17 @@ import openai
 import pytest
 
 from scheduler.client import make_request
-from scheduler.io_struct import AbortCause, GenerateOutput, encode
+from scheduler.io_struct import AbortCause, GenerateOutput
 from scheduler.model.runner import ModelRunner
-from scheduler.scheduler import Scheduler
 from scheduler.server_args import ServerArgs
 from scheduler.start_endings import StartEndings
+from scheduler.testing.in_process import serve, submit, turn_until_finished
 from sglang_constrained.backends.base import BaseGrammarObject
 from sglang_constrained.cache.vocabulary import tokenizer_vocabulary
 from sglang_constrained.endings.search import EndingSearch
 from sglang_constrained.testing.tokenizer_setups import TokenizerSetup
 from tests.helpers import MODEL, QUESTION
-from tests.serving.test_speculative import MODEL_SETTINGS, in_process_scheduler, serve
+from tests.serving.test_speculative import MODEL_SETTINGS, in_process_scheduler
 from tests.serving.test_speculative import PERSON as BOUNDED_PERSON
 
 pytestmark = pytest.mark.model
@@ -135,24 +134,12 @@ def test_a_constraint_whose_shortest_output_is_being_searched_holds_up_no_other_
     monkeypatch.setattr(StartEndings, "_find", held_search)
     constrained = request("json_schema", 40)
     free = make_request(text="Once upon a time", sampling_params={"max_new_tokens": 12, "temperature": 0.0})
-    finished: dict[str, GenerateOutput] = {}
-
-    def step_until_finished(scheduler: Scheduler, rid: str) -> None:
-        deadline = time.monotonic() + 120
-        while rid not in finished:
-            assert time.monotonic() < deadline, f"{rid} did not finish"
-            scheduler.step([])
-            finished.update((m.rid, m) for _, m in scheduler.outbox if isinstance(m, GenerateOutput) and m.finished)
-            scheduler.outbox.clear()
-            time.sleep(0.001)
-
     with in_process_scheduler(runner) as scheduler:
-        for req in (constrained, free):
-            scheduler.handle_message(b"test", encode(req))
-        step_until_finished(scheduler, free.rid)
+        submit(scheduler, [constrained, free])
+        finished = turn_until_finished(scheduler, [free.rid], timeout_s=120)
         assert [req.rid for req in scheduler.grammar_manager.grammar_queue] == [constrained.rid]
         release.set()
-        step_until_finished(scheduler, constrained.rid)
+        finished |= turn_until_finished(scheduler, [constrained.rid], timeout_s=120)
     assert len(finished[free.rid].token_ids) == 12
     output = finished[constrained.rid]
     assert output.finish_reason is not None and output.finish_reason.type == "stop", output.finish_reason

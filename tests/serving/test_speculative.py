@@ -9,20 +9,19 @@ samples of one prompt, requests that begin alike) is checked here too, on the sa
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from scheduler.client import make_request
-from scheduler.io_struct import GenerateOutput, GenerateReq, encode
+from scheduler.io_struct import GenerateOutput, GenerateReq
 from scheduler.model.runner import ModelRunner
 from scheduler.prefill_admission import SHARED_PREFIX_MIN_TOKENS
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import ServerArgs
+from scheduler.testing.in_process import serve
 
 pytestmark = pytest.mark.model
 
@@ -86,29 +85,6 @@ def in_process_scheduler(runner: ModelRunner, **settings: Any) -> Iterator[Sched
         yield scheduler
     finally:
         scheduler.shutdown(None)
-
-
-def serve(scheduler: Scheduler, requests: list[GenerateReq]) -> list[GenerateOutput]:
-    """Send every request at once, wait until their grammars are ready (compiled, their start endings searched) and
-    turn the loop until each has its final output. The first turn admits them all: how many forwards a run takes
-    does not depend on when a compile or a search ended."""
-    for request in requests:
-        scheduler.handle_message(b"test", encode(request))
-    deadline = time.monotonic() + 600
-    while any(
-        isinstance(req.grammar, Future) and not req.grammar.done() for req in scheduler.grammar_manager.grammar_queue
-    ):
-        assert time.monotonic() < deadline, "the grammars were not ready in time"
-        time.sleep(0.01)
-    finished: dict[str, GenerateOutput] = {}
-    while len(finished) < len(requests):
-        assert time.monotonic() < deadline, "the loop stopped answering"
-        scheduler.step([])
-        for _, message in scheduler.outbox:
-            if isinstance(message, GenerateOutput) and message.finished:
-                finished[message.rid] = message
-        scheduler.outbox.clear()
-    return [finished[request.rid] for request in requests]
 
 
 def serve_in_groups(scheduler: Scheduler, requests: list[GenerateReq], size: int) -> list[GenerateOutput]:
