@@ -43,11 +43,15 @@ thread of ``scheduler.start_endings``): a step's mask costs what the grammar's m
 slow (xgrammar's string of ``maxLength`` 255, MaskBench's o58909)."""
 FIRST_MOVES_SHARE = 0.25
 """Share of a full search's time the walk of first moves has at least, even where the ASCII breadth-first pass before
-it used all of it: where masks are slow (xgrammar's string of ``maxLength`` 255: ~5 ms a mask) that pass ran out of
-time and the walk, which needs a few dozen masks, had none left: MaskBench's o26589 (``{"name": ...}``, one such
-string) got no ending. Added to the bound, not taken from the pass: whatever the pass finds is what it found before.
-The bounded searches (``ascii_only``) get none, so that their step bound, the same on every machine, stays the one
-that binds."""
+it used all of it. Added to the bound, not taken from the pass: whatever the pass finds is what it found before. The
+bounded searches (``ascii_only``) get none, so that their step bound, the same on every machine, stays the one that
+binds."""
+FIRST_MOVES_MIN_MASKS = 64
+"""Masks the walk of first moves of a full search may always take, however long they take: where masks are slow
+(xgrammar's string of ``maxLength`` 255: 5-12 ms a mask) its time alone depended on the machine. MaskBench's o26589
+(``{"name": ...}``, one such string) needs 18, o58909 32; on a quiet Intel Xeon 0.17 and 0.20 s of the 0.25 s its share
+gave, and under a second test run beside it the first got no ending. The walks that need more masks (up to 190 on
+xgrammar, 374 on llguidance, of MaskBench's schemas) have fast masks: their share covers them."""
 MAX_PIECE_BYTES = 24
 """Longest vocabulary piece used to spell an ending."""
 BEAM_WIDTH = 32
@@ -141,10 +145,11 @@ class EndingSearch:
         unless the grammar ends by itself), ``[]`` if it has; None when no ending of at most ``MAX_ENDING_BYTES`` is
         found within ``max_steps`` steps (per pass: ASCII bytes, then unless ``ascii_only`` every byte; between them,
         with ``first_moves``, the walk of first moves, ``_first_moves``) and ``max_seconds`` (all of them, and in a full
-        search a share more for the walk: ``FIRST_MOVES_SHARE``; the exact search before them gets half as long). A full
-        search (not ``ascii_only``: the quick checks of the steering's candidates, where any ending within the
-        budget will do) of a grammar that exposes its state gives the exact shortest. The state does not change.
-        The garbage collector waits meanwhile (``collector_paused``), so that the deadline counts the search only."""
+        search a share more for the walk, ``FIRST_MOVES_SHARE``, and at least ``FIRST_MOVES_MIN_MASKS`` of its masks;
+        the exact search before them gets half as long). A full search (not ``ascii_only``: the quick checks of the
+        steering's candidates, where any ending within the budget will do) of a grammar that exposes its state gives
+        the exact shortest. The state does not change. The garbage collector waits meanwhile (``collector_paused``),
+        so that the deadline counts the search only."""
         with collector_paused():
             return self._find(grammar, max_steps, ascii_only, max_seconds, first_moves)
 
@@ -165,8 +170,8 @@ class EndingSearch:
         start = _Node((), self._moves(), hash(self._scratch_bytes()))
         found = self._breadth_first(grammar, start, ASCII_BYTES, max_steps, deadline)
         if found is None and first_moves:
-            own_time = 0.0 if ascii_only else max_seconds * FIRST_MOVES_SHARE
-            found = self._first_moves(grammar, max(deadline, cpu_seconds() + own_time))
+            own_time, min_masks = (0.0, 0) if ascii_only else (max_seconds * FIRST_MOVES_SHARE, FIRST_MOVES_MIN_MASKS)
+            found = self._first_moves(grammar, max(deadline, cpu_seconds() + own_time), min_masks)
         if found is None and not ascii_only:
             found = self._breadth_first(grammar, start, range(256), max_steps, deadline)
         if found is None:
@@ -387,18 +392,21 @@ class EndingSearch:
             level = next_level[:BEAM_WIDTH]
         return None
 
-    def _first_moves(self, grammar: BaseGrammarObject, deadline: float) -> tuple[tuple[int, ...], int | None] | None:
+    def _first_moves(
+        self, grammar: BaseGrammarObject, deadline: float, min_masks: int = 0
+    ) -> tuple[tuple[int, ...], int | None] | None:
         """The token path that takes each state's first move (single-byte ASCII tokens in move order: closing brackets
         first, letters and digits last; or the first token of a state that allows none) to the nearest end; None past
         ``MAX_ENDING_BYTES`` or ``MAX_REPEATS`` of one move from one mask. In a state that allows ``WIDE_STATE_MOVES``
         bytes or more (a string's content) a move that leaves its mask as it was goes nowhere: the first that changes
         it is taken. Not the shortest ending, but found where the breadth-first search runs out of steps (an object of
-        many required fields, many brackets deep)."""
+        many required fields, many brackets deep). Bounded by ``deadline`` once it has taken ``min_masks`` masks."""
         path: list[int] = []
         repeats: dict[tuple[int, int], int] = {}
         grammar.fill_vocab_mask(self._scratch, 0)
+        masks = 1
         try:
-            while len(path) < MAX_ENDING_BYTES and cpu_seconds() <= deadline:
+            while len(path) < MAX_ENDING_BYTES and (masks < min_masks or cpu_seconds() <= deadline):
                 moves = [t for t in self._moves() if t not in self._byte_tokens or t in self._ascii_tokens]
                 fingerprint = hash(self._scratch_bytes())
                 moves = [t for t in moves if repeats.get((fingerprint, t), 0) < MAX_REPEATS]
@@ -412,6 +420,7 @@ class EndingSearch:
                         path.append(token)
                         return tuple(path), None
                     grammar.fill_vocab_mask(self._scratch, 0)
+                    masks += 1
                     if not is_wide or hash(self._scratch_bytes()) != fingerprint:
                         break
                     grammar.rollback(1)
