@@ -38,9 +38,9 @@ MAX_STATES = 20_000
 bounds it first wherever a mask is slow. The four bounds were chosen on MaskBench's schemas searched from their start
 (docs/benchmarks.md): few searches give up, none runs past the deadline."""
 MAX_SEARCH_SECONDS = 1.0
-"""Most CPU time one search spends (``cpu_seconds``: in the scheduler's loop, or from a constraint's start on the
-thread of ``scheduler.start_endings``): a step's mask costs what the grammar's mask costs, and some grammars' masks are
-slow (xgrammar's string of ``maxLength`` 255, MaskBench's o58909)."""
+"""Most CPU time one search in the scheduler's loop spends (``cpu_seconds``; twice this from a constraint's start, on
+the thread of ``scheduler.start_endings``): a step's mask costs what the grammar's mask costs, and some grammars' masks
+are slow (xgrammar's string of ``maxLength`` 255, MaskBench's o58909)."""
 FIRST_MOVES_SHARE = 0.25
 """Share of a full search's time the walk of first moves has at least, even where the ASCII breadth-first pass before
 it used all of it. Added to the bound, not taken from the pass: whatever the pass finds is what it found before. The
