@@ -95,6 +95,17 @@ class _Node:
 CLOSING_BYTES = b"]})>"
 
 
+def _byte_kind(piece: bytes) -> str:
+    """Which bytes a walk's move stands for in a wide state: ``_wide_moves``."""
+    if piece.isspace():
+        return "space"
+    if piece.isdigit():
+        return "digit"
+    if piece.islower():
+        return "lower"
+    return "upper" if piece.isupper() else "other"
+
+
 def _move_order(byte: int) -> tuple[bool, bool, bool, int]:
     """The order a state's single-byte moves are tried in: closing brackets first (states that differ only in depth
     have the same mask, and the first path to a mask stands for the others: the one that closes makes progress), then
@@ -399,19 +410,24 @@ class EndingSearch:
         first, letters and digits last; or the first token of a state that allows none) to the nearest end; None past
         ``MAX_ENDING_BYTES`` or ``MAX_REPEATS`` of one move from one mask. In a state that allows ``WIDE_STATE_MOVES``
         bytes or more (a string's content) a move that leaves its mask as it was goes nowhere: the first that changes
-        it is taken. Not the shortest ending, but found where the breadth-first search runs out of steps (an object of
-        many required fields, many brackets deep). Bounded by ``deadline`` once it has taken ``min_masks`` masks."""
+        it is taken (of ``_wide_moves``); where none does, the first to a state the walk has not met, where the engine
+        keys its states (``state_key``): the colon of ``.+:.+`` keeps the mask of the string before it, and a walk
+        by masks alone never placed it. Not the shortest ending, but found where the breadth-first search runs out of
+        steps (an object of many required fields, many brackets deep). Bounded by ``deadline`` once it has taken
+        ``min_masks`` masks."""
         path: list[int] = []
         repeats: dict[tuple[int, int], int] = {}
         grammar.fill_vocab_mask(self._scratch, 0)
         masks = 1
+        visited = {grammar.state_key()} - {None}
         try:
             while len(path) < MAX_ENDING_BYTES and (masks < min_masks or cpu_seconds() <= deadline):
                 moves = [t for t in self._moves() if t not in self._byte_tokens or t in self._ascii_tokens]
                 fingerprint = hash(self._scratch_bytes())
                 moves = [t for t in moves if repeats.get((fingerprint, t), 0) < MAX_REPEATS]
                 is_wide = len(moves) >= WIDE_STATE_MOVES
-                for token in moves[: MAX_MOVES if is_wide else 1]:
+                onward = None  # in a wide state: the first move to a state not met before that keeps the mask
+                for token in self._wide_moves(moves) if is_wide else moves[:1]:
                     try:
                         grammar.accept_token(token)
                     except TokenRejectedError:
@@ -423,9 +439,18 @@ class EndingSearch:
                     masks += 1
                     if not is_wide or hash(self._scratch_bytes()) != fingerprint:
                         break
+                    if onward is None and visited and grammar.state_key() not in visited:
+                        onward = token
                     grammar.rollback(1)
                 else:
-                    return None
+                    if onward is None:
+                        return None
+                    token = onward
+                    grammar.accept_token(token)
+                    grammar.fill_vocab_mask(self._scratch, 0)
+                    masks += 1
+                if visited:
+                    visited.add(grammar.state_key())
                 repeats[fingerprint, token] = repeats.get((fingerprint, token), 0) + 1
                 path.append(token)
                 stop = self._allowed_stop()
@@ -434,6 +459,19 @@ class EndingSearch:
             return None
         finally:
             grammar.rollback(len(path))
+
+    def _wide_moves(self, moves: list[int]) -> list[int]:
+        """The moves the walk tries in a wide state: the first ``MAX_MOVES``, then the first of each kind of byte they
+        leave out (a lowercase or uppercase letter, a digit, whitespace), which stands for the rest of its kind: a
+        pattern's next part may want only letters (``\\.[a-z]+``) or a space (``\\S+ \\S+``), which come last."""
+        tried = moves[:MAX_MOVES]
+        kinds = {_byte_kind(self._pieces_of[token]) for token in tried}
+        for token in moves[MAX_MOVES:]:
+            kind = _byte_kind(self._pieces_of[token])
+            if kind not in kinds:
+                kinds.add(kind)
+                tried.append(token)
+        return tried
 
     def _allowed_stop(self) -> int | None:
         row = self._scratch_words

@@ -226,6 +226,25 @@ def test_where_masks_are_slow_the_walk_of_first_moves_still_finds_an_ending(
     assert json_judge(SLOW_MASKS)(smollm2_tokenizer.tokenizer.decode(ending[:-1])) is None
 
 
+SEPARATED = {"docker image": "(.+/)?.+:.+", "email": "^.+@.+\\..+$", "two words": "^\\S+ \\S+$"}
+"""Patterns whose separator keeps the string's mask: ``(.+/)?.+:.+`` is MaskBench's o76476."""
+
+
+@pytest.mark.parametrize("pattern", SEPARATED.values(), ids=SEPARATED.keys())
+def test_a_separator_that_keeps_the_strings_mask_is_placed_by_the_search(
+    pattern: str, build_backend: BackendBuilder, smollm2_tokenizer: TokenizerSetup, search: EndingSearch
+) -> None:
+    """Inside ``.+:.+`` the text before the colon and after it allow the same bytes, and a space or a lowercase letter
+    comes after the walk's first ``MAX_MOVES`` moves: these constraints got no ending, and their requests went
+    unsteered (cut at their budget). xgrammar keys its states: the walk of first moves takes a move to a state it has
+    not met, and tries a move of each kind of byte."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    grammar = compile_grammar(build_backend("xgrammar", smollm2_tokenizer), "json", schema)
+    ending = search.find(grammar)
+    assert ending is not None and ending[-1] in smollm2_tokenizer.eos_token_ids
+    assert json_judge(schema)(smollm2_tokenizer.tokenizer.decode(ending[:-1])) is None
+
+
 def test_auto_backend_grammars_end_valid_within_their_budget(
     smollm2_tokenizer: TokenizerSetup, search: EndingSearch
 ) -> None:
