@@ -461,9 +461,14 @@ class EndingSearch:
             grammar.rollback(len(path))
 
     def _wide_moves(self, moves: list[int]) -> list[int]:
-        """The moves the walk tries in a wide state: the first ``MAX_MOVES``, then the first of each kind of byte they
-        leave out (a lowercase or uppercase letter, a digit, whitespace), which stands for the rest of its kind: a
-        pattern's next part may want only letters (``\\.[a-z]+``) or a space (``\\S+ \\S+``), which come last."""
+        """The moves the walk tries in a wide state: the quote first (where it may close a string, closing it is the
+        way out: in ``[^@]+@[^@]+\\.[a-z]+`` a ``)`` before it changed the mask and led the walk back into the string),
+        then the first ``MAX_MOVES``, then the first of each kind of byte they leave out (a lowercase or uppercase
+        letter, a digit, whitespace), which stands for the rest of its kind: a pattern's next part may want only
+        letters (``\\.[a-z]+``) or a space (``\\S+ \\S+``), which come last."""
+        quote = self._byte_token.get(ord('"'))
+        if quote in moves:
+            moves = [quote, *(token for token in moves if token != quote)]
         tried = moves[:MAX_MOVES]
         kinds = {_byte_kind(self._pieces_of[token]) for token in tried}
         for token in moves[MAX_MOVES:]:
