@@ -52,12 +52,13 @@ def outcome(output: GenerateOutput, schema: Any) -> str:
 def run(scheduler: Scheduler, cases: list[tuple[str, Any]], budget: int) -> Counter[str]:
     """Every case's request at once through ``scheduler``'s loop; the count of each outcome."""
     sent: dict[str, tuple[str, Any]] = {}
+    requests = []
     for name, schema in cases:
         prompt = PROMPT.format(schema=json.dumps(schema)[:MAX_PROMPT_SCHEMA_CHARS])
         params = {"temperature": 0.0, "max_new_tokens": budget, "json_schema": json.dumps(schema)}
-        request = make_request(messages=[{"role": "user", "content": prompt}], sampling_params=params)
-        sent[request.rid] = (name, schema)
-        submit(scheduler, [request])
+        requests.append(make_request(messages=[{"role": "user", "content": prompt}], sampling_params=params))
+        sent[requests[-1].rid] = (name, schema)
+    submit(scheduler, requests)
     finished = turn_until_finished(scheduler, list(sent), MAX_SECONDS)
     counts: Counter[str] = Counter()
     for rid, (name, schema) in sent.items():

@@ -58,6 +58,6 @@ def serve(scheduler: Scheduler, requests: list[GenerateReq], timeout_s: float = 
     not depend on when a compile or a search ended."""
     deadline = time.monotonic() + timeout_s
     submit(scheduler, requests)
-    wait_for_grammars(scheduler, timeout_s)
+    wait_for_grammars(scheduler, deadline - time.monotonic())
     finished = turn_until_finished(scheduler, [request.rid for request in requests], deadline - time.monotonic())
     return [finished[request.rid] for request in requests]
