@@ -16,7 +16,7 @@ from scheduler.server_args.environment import cache_path
 from scheduler.testing.process import SchedulerProcess
 from sglang_constrained.backends.registry import GRAMMAR_BACKEND_REGISTRY
 from sglang_constrained.testing.tokenizer_setups import TOKENIZER_SETUPS, TokenizerSetup, load_tokenizer_setup
-from tests.helpers import LAUNCH_AHEAD, launch_scheduler
+from tests.helpers import LAUNCH_AHEAD, PRELOADED_LAUNCHER, launch_scheduler
 from tests.prepare_ahead import PrepareAhead
 
 PREPARE_AHEAD = PrepareAhead()
@@ -81,4 +81,5 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     LAUNCH_AHEAD.stop_all()
+    PRELOADED_LAUNCHER.stop()
     PREPARE_AHEAD.stop_all()

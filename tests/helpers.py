@@ -26,7 +26,8 @@ from transformers import PretrainedConfig
 from scheduler.client import AsyncSchedulerClient
 from scheduler.server_args import EMBEDDED_MODEL_NAME
 from scheduler.shared_grammars import GrammarStore, SharedGrammar
-from scheduler.testing.process import SchedulerProcess, free_port
+from scheduler.testing.preloaded import PreloadedLauncher
+from scheduler.testing.process import REPO_ROOT, SchedulerProcess, free_port
 from sglang_constrained.backends.base import BaseGrammarObject, InvalidGrammarObject
 from sglang_constrained.backends.pipeline import GrammarPipeline
 from sglang_constrained.constraint_spec import make_grammar_key
@@ -205,13 +206,24 @@ def is_color(text: str) -> None:
     assert text in COLORS, text
 
 
+PRELOADED_LAUNCHER = PreloadedLauncher(REPO_ROOT)
+"""The session's one-rank schedulers are forked from it, their imports done (``scheduler.testing.preloaded``)."""
+
+
 class HttpServer(SchedulerProcess):
     """The launcher with ``--port`` (the package's test launcher, plus the HTTP side)."""
 
     def __init__(self, *flags: str, idle_priority: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__("--port", str(self.port), *HTTP_SERVER_FLAGS, *flags, idle_priority=idle_priority)
+        super().__init__(
+            "--port",
+            str(self.port),
+            *HTTP_SERVER_FLAGS,
+            *flags,
+            idle_priority=idle_priority,
+            launcher=PRELOADED_LAUNCHER,
+        )
         # One client for the tests' requests: httpx.post makes a client, and its TLS context (20 ms of CPU), each.
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
@@ -260,7 +272,12 @@ def start_launch(launch: Launch, idle_priority: bool = False) -> SchedulerProces
         return HttpServer(*flags, idle_priority=idle_priority)
     test_flags = TEST_SERVER_LIMITS if launch.warm_grammars else TEST_SERVER_FLAGS
     return SchedulerProcess(
-        *test_flags, *flags, ranks=launch.ranks, extra_paths=launch.extra_paths, idle_priority=idle_priority
+        *test_flags,
+        *flags,
+        ranks=launch.ranks,
+        extra_paths=launch.extra_paths,
+        idle_priority=idle_priority,
+        launcher=PRELOADED_LAUNCHER,
     )
 
 

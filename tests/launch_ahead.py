@@ -1,5 +1,6 @@
-"""Servers started ahead of the tests that use them: a start-up (imports, the model's load: ~5 s of one core, ~8 s
-for a rank group under torchrun) then runs beside the tests before it instead of in front of its own.
+"""Servers started ahead of the tests that use them: a start-up (the model's load and the server's set-up: ~2.5 s of
+one core for a one-rank scheduler forked with its imports done, ``tests.helpers.PRELOADED_LAUNCHER``; ~8 s for a rank
+group under torchrun, whose ranks import their own) then runs beside the tests before it instead of in front of its own.
 
 A test, or a module for its module-scoped server, names what it launches with ``@pytest.mark.launches(...)`` (the flags
 after the test flags, ``ranks``, ``extra_paths``, ``http=True`` for ``HttpServer``, ``warm_grammars=True`` for a

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -26,6 +27,9 @@ import psutil
 from scheduler.client import SchedulerClient
 from scheduler.io_struct import Pong
 from scheduler.session_priority import autogroup_nice, set_autogroup_nice
+
+if TYPE_CHECKING:
+    from scheduler.testing.preloaded import ForkedScheduler, PreloadedLauncher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +51,9 @@ def loopback_http() -> httpx.Client:
     return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
-def wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float) -> None:
+def wait_until_healthy(
+    url: str, process: subprocess.Popen[bytes] | ForkedScheduler, log: Callable[[], str], timeout_s: float
+) -> None:
     """Until ``GET {url}/health`` answers 200; fails at once, with the tail of ``log()``, if ``process`` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -152,12 +158,23 @@ def can_leave_idle_priority() -> bool:
     return True
 
 
+def launch_environment(
+    root: Path = REPO_ROOT, extra_paths: tuple[Path, ...] = (), env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a launch from ``root``: this process's, ``env`` added, ``extra_paths`` and ``root`` first
+    on PYTHONPATH."""
+    python_path = [*map(str, extra_paths), str(root), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(python_path)}
+
+
 class SchedulerProcess:
     """``python -m scheduler.launch`` on a free loopback port, its output in a log file.
 
     With ``ranks > 1`` it runs under ``torch.distributed.run`` (torchrun). ``extra_paths`` go on PYTHONPATH
     (for ``--import-module`` and entry-point plugins); ``env`` adds to the environment (``OMP_NUM_THREADS``, say);
-    ``root``: the checkout whose code runs (this one by default; a benchmark may compare another).
+    ``root``: the checkout whose code runs (this one by default; a benchmark may compare another). ``launcher``: a
+    one-rank launch it can make as the command would is forked from it, with its imports done
+    (``scheduler.testing.preloaded``).
     """
 
     def __init__(
@@ -168,20 +185,25 @@ class SchedulerProcess:
         env: Mapping[str, str] | None = None,
         root: Path = REPO_ROOT,
         idle_priority: bool = False,
+        launcher: PreloadedLauncher | None = None,
     ) -> None:
         self.zmq_port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.zmq_port}"
         self.ranks = ranks
         with tempfile.NamedTemporaryFile(prefix="scheduler-", suffix=".log", delete=False) as log_file:
             self.log_path = Path(log_file.name)
-        launcher = [sys.executable, "-m", "scheduler.launch"]
+        program = [sys.executable, "-m", "scheduler.launch"]
         if ranks > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-            launcher += ["--master-port", str(free_port()), "-m", "scheduler.launch"]
-        command = [*launcher, "--zmq-port", str(self.zmq_port), *flags]
+            program = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+            program += ["--master-port", str(free_port()), "-m", "scheduler.launch"]
+        arguments = ["--zmq-port", str(self.zmq_port), *flags]
+        command = [*program, *arguments]
         self.command = tuple(command)
-        python_path = [*map(str, extra_paths), str(root), os.environ.get("PYTHONPATH", "")]
-        environment = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(python_path)}
+        environment = launch_environment(root, extra_paths, env)
+        self.process: subprocess.Popen[bytes] | ForkedScheduler
+        if launcher is not None and ranks == 1 and launcher.accepts(environment, root):
+            self.process = launcher.launch(arguments, environment, self.log_path, idle_priority)
+            return
         started = [*IDLE_PRIORITY, *command] if idle_priority else command
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(started, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=environment)
