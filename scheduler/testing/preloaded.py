@@ -114,8 +114,7 @@ class PreloadedLauncher:
         self._process: subprocess.Popen[bytes] | None = None
         self._address = ""
         self._idle_priority = False
-        with tempfile.NamedTemporaryFile(prefix="preloaded-launch-", suffix=".log", delete=False) as log:
-            self.log_path = Path(log.name)
+        self._log_path: Path | None = None
 
     def accepts(self, environment: Mapping[str, str], cwd: Path) -> bool:
         """Whether a launch with this environment and working directory runs here as its command would."""
@@ -127,7 +126,7 @@ class PreloadedLauncher:
     ) -> ForkedScheduler:
         """Fork ``python -m scheduler.launch *argv`` with ``environment`` (one it ``accepts``), its output appended to
         ``log_path``."""
-        address = self._started()
+        address, log = self._started()
         if not idle_priority and self._idle_priority:
             self._leave_idle_priority()
         connection = socket.socket(socket.AF_UNIX)
@@ -140,26 +139,28 @@ class PreloadedLauncher:
             "idle": idle_priority,
         }
         connection.sendall(json.dumps(request).encode() + b"\n")
-        return ForkedScheduler(connection, [sys.executable, "-m", "scheduler.launch", *argv], self.log_path)
+        return ForkedScheduler(connection, [sys.executable, "-m", "scheduler.launch", *argv], log)
 
     def stop(self) -> None:
         """Close its standard input (it exits); the schedulers it forked are their owners' to stop."""
         with self._lock:
             if self._process is None:
                 return
-            assert self._process.stdin is not None
+            assert self._process.stdin is not None and self._log_path is not None
             self._process.stdin.close()
             self._process.wait()
             self._process = None
             os.unlink(self._address)
             os.rmdir(os.path.dirname(self._address))
-        self.log_path.unlink(missing_ok=True)
+            self._log_path.unlink(missing_ok=True)
 
-    def _started(self) -> str:
+    def _started(self) -> tuple[str, Path]:
+        """Its socket's address and its log, started first if it is not running."""
         with self._lock:
             if self._process is None or self._process.poll() is not None:
                 self._start()
-            return self._address
+            assert self._log_path is not None
+            return self._address, self._log_path
 
     def _start(self) -> None:
         self._environment = launch_environment(self.root)
@@ -169,7 +170,8 @@ class PreloadedLauncher:
             listener.bind(self._address)
             listener.listen()
             command = [sys.executable, "-m", "scheduler.preloaded_launch", str(listener.fileno())]
-            with open(self.log_path, "ab") as log:
+            with tempfile.NamedTemporaryFile(prefix="preloaded-launch-", suffix=".log", delete=False) as log:
+                self._log_path = Path(log.name)
                 self._process = subprocess.Popen(
                     [*IDLE_PRIORITY, *command] if self._idle_priority else command,
                     cwd=self.root,
