@@ -70,9 +70,6 @@ class ForkedScheduler:
         if self.poll() is None:
             os.kill(self.pid, signal_number)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
