@@ -183,7 +183,9 @@ class Decoder:
     ) -> torch.Tensor:
         """``run``, then the logits ``[len(logit_rows), head's vocabulary]`` of the output rows ``logit_rows`` (int64):
         each row's RMSNorm by the head's norm times its lm_head, in the same call (a decode step's Python between
-        the kernels was a share of it). ``vocab_mask``: the rows' grammar masks (int32 bit words, one row per logits
+        the kernels was a share of it). Where fewer rows than tokens give logits (a prefill), the last layer
+        computes those rows alone after writing every token's K and V: the same logits, and ``hidden``'s other rows
+        are left at that layer's input. ``vocab_mask``: the rows' grammar masks (int32 bit words, one row per logits
         row, at least the vocabulary's bits), which the rows must be masked by afterwards: a row that allows fewer
         than a quarter of the lm_head's 16-token panels gets only those panels' logits (the same bits), -inf
         elsewhere."""

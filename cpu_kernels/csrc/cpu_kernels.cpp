@@ -131,8 +131,9 @@ void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t 
 }
 
 // invariant_decoder, then logits [num_logits, the lm_head's columns] of the output rows logit_rows: each row's RMSNorm
-// by final_norm times the lm_head (a decode step's last kernels in the same call); masks (null: none) the rows' grammar
-// masks, int32 words ldm apart: a row that allows few panels gets those, the others -inf (masked_logits.h).
+// by final_norm times the lm_head (a decode step's last kernels in the same call); with fewer output rows than tokens
+// the last layer runs for those rows alone, and hidden's other rows stay its input; masks (null: none) the rows'
+// grammar masks, int32 words ldm apart: a row that allows few panels gets those, the others -inf (masked_logits.h).
 void invariant_decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num_layers,
                               const BatchRef* batch, float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes,
                               const int64_t* logit_rows, int64_t num_logits, const float* final_norm,

@@ -98,11 +98,13 @@ void add_block(const ModelShape* shape, const float* norm, int64_t T, float* hid
   });
 }
 
-void attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
-                               const float* hidden, void* k_layer, void* v_layer, float* out, int32_t threads) {
+// The attention block's first half, for every token: RMSNorm, q/k/v, Qwen2's biases, the per-head q/k norms and RoPE;
+// each token's K and V written to the pool and its q into q [T, heads x head_dim].
+void project_qkv(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
+                 void* k_layer, void* v_layer, float* q, int32_t threads) {
   const int64_t T = batch->tokens, D = shape->head_dim, H = shape->heads, Hkv = shape->kv_heads;
   const int64_t q_size = H * D, kv_size = Hkv * D, width = q_size + 2 * kv_size;
-  Buffer<float> x(T * shape->hidden), qkv(T * width), q(T * q_size), attended(T * q_size);
+  Buffer<float> x(T * shape->hidden), qkv(T * width);
   rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
@@ -120,7 +122,7 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
         const int64_t at = batch->positions[t] * layer->rope_dim;
         rotate(row, H + Hkv, D, layer->rope_dim, layer->cos + at, layer->sin + at);
       }
-      memcpy(q.data() + t * q_size, row, q_size * sizeof(float));
+      memcpy(q + t * q_size, row, q_size * sizeof(float));
       with_kv_element(shape->kv_dtype, [&](auto kv) {
         using KV = decltype(kv);
         KV::store(static_cast<typename KV::T*>(k_layer) + batch->new_rows[t] * kv_size, row + q_size, kv_size);
@@ -129,8 +131,14 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
       });
     }
   });
-  const int64_t* key_starts = batch->key_starts;
-  const int64_t* num_keys = batch->num_keys;
+}
+
+// The attention block's second half for T query tokens: token t's q (row t of q) over the pool rows
+// key_rows[key_starts[t] .. + num_keys[t]], then o_proj into out [T, hidden].
+void attend_and_project(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* q,
+                        const int64_t* key_rows, const int64_t* key_starts, const int64_t* num_keys,
+                        const void* k_layer, const void* v_layer, float* out, int32_t threads) {
+  Buffer<float> attended(T * shape->heads * shape->head_dim);
   std::vector<int64_t> window_starts, window_keys;
   if (layer->window > 0) {  // a token's last `window` keys: its rows from key_starts + skipped on
     window_starts.resize(T), window_keys.resize(T);
@@ -140,9 +148,17 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
     }
     key_starts = window_starts.data(), num_keys = window_keys.data();
   }
-  attention(q.data(), T, H, D, k_layer, v_layer, shape->kv_dtype, Hkv, batch->key_rows, key_starts, num_keys,
-            shape->scale, attended.data(), threads);
+  attention(q, T, shape->heads, shape->head_dim, k_layer, v_layer, shape->kv_dtype, shape->kv_heads, key_rows,
+            key_starts, num_keys, shape->scale, attended.data(), threads);
   matmul_ref(attended.data(), T, layer->o_proj, out, threads);
+}
+
+void attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
+                               const float* hidden, void* k_layer, void* v_layer, float* out, int32_t threads) {
+  Buffer<float> q(batch->tokens * shape->heads * shape->head_dim);
+  project_qkv(shape, layer, batch, hidden, k_layer, v_layer, q.data(), threads);
+  attend_and_project(shape, layer, batch->tokens, q.data(), batch->key_rows, batch->key_starts, batch->num_keys,
+                     k_layer, v_layer, out, threads);
 }
 
 void mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
@@ -173,19 +189,50 @@ void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers
   }
 }
 
+// One layer for the output rows `rows` [count] alone: every token's K and V are written (later tokens attend to
+// them), but only the output rows go on through attention, o_proj and the MLP, into out [count, hidden] (from hidden's
+// rows). Each kernel computes a row alone, so these are the bits the whole layer gives those rows: a prefill's last
+// layer costs its q/k/v step and one token's rest, as llama.cpp computes it.
+void output_rows_layer(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
+                       void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* out, int32_t threads) {
+  const int64_t width = shape->hidden, q_size = shape->heads * shape->head_dim;
+  Buffer<float> q(batch->tokens * q_size), selected_q(count * q_size), block(count * width);
+  project_qkv(shape, layer, batch, hidden, k_layer, v_layer, q.data(), threads);
+  std::vector<int64_t> key_starts(count), num_keys(count);
+  for (int64_t i = 0; i < count; ++i) {
+    memcpy(selected_q.data() + i * q_size, q.data() + rows[i] * q_size, q_size * sizeof(float));
+    memcpy(out + i * width, hidden + rows[i] * width, width * sizeof(float));
+    key_starts[i] = batch->key_starts[rows[i]], num_keys[i] = batch->num_keys[rows[i]];
+  }
+  attend_and_project(shape, layer, count, selected_q.data(), batch->key_rows, key_starts.data(), num_keys.data(),
+                     k_layer, v_layer, block.data(), threads);
+  add_block(shape, layer->attention_out_norm, count, out, block.data(), threads);
+  mlp_block(shape, layer, count, out, block.data(), threads);
+  add_block(shape, layer->mlp_out_norm, count, out, block.data(), threads);
+}
+
 // `decoder`, then the logits of the output rows `logit_rows` [num_logits]: each row's RMSNorm by `final_norm`, times
 // the lm_head, into logits [num_logits, the lm_head's columns]. The same kernels as composing them from Python. Where
-// `masks` is not null, row i's grammar mask (int32 words masks + i * ldm) lets the lm_head skip the panels it
-// disallows (masked_logits.h).
+// fewer rows than tokens give logits (a prefill: one a sequence), the last layer runs for those rows alone
+// (output_rows_layer), and `hidden` keeps the other rows' input to it. Where `masks` is not null, row i's grammar
+// mask (int32 words masks + i * ldm) lets the lm_head skip the panels it disallows (masked_logits.h).
 void decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                     float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, const int64_t* logit_rows,
                     int64_t num_logits, const float* final_norm, const PackedRef* lm_head, const int32_t* masks,
                     int64_t ldm, float* logits, int32_t threads) {
-  decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
   const int64_t width = shape->hidden;
   Buffer<float> selected(num_logits * width), normed(num_logits * width);
-  for (int64_t i = 0; i < num_logits; ++i)
-    memcpy(selected.data() + i * width, hidden + logit_rows[i] * width, width * sizeof(float));
+  if (num_layers > 0 && num_logits < batch->tokens) {
+    const int64_t last = num_layers - 1;
+    decoder(shape, layers, last, batch, hidden, k_pool, v_pool, layer_bytes, threads);
+    output_rows_layer(shape, &layers[last], batch, hidden, static_cast<char*>(k_pool) + last * layer_bytes,
+                      static_cast<char*>(v_pool) + last * layer_bytes, logit_rows, num_logits, selected.data(),
+                      threads);
+  } else {
+    decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
+    for (int64_t i = 0; i < num_logits; ++i)
+      memcpy(selected.data() + i * width, hidden + logit_rows[i] * width, width * sizeof(float));
+  }
   rms_norm(selected.data(), num_logits, width, width, final_norm, shape->eps, normed.data(), width, threads);
   masked_logits(*lm_head, normed.data(), num_logits, masks, ldm, logits, threads);
 }
