@@ -214,14 +214,21 @@ class Decoder:
         k_layer: torch.Tensor,
         v_layer: torch.Tensor,
         threads: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Layer ``index``'s attention block over ``hidden``: o_proj's output ``[T, hidden]``, before the residual."""
+        """Layer ``index``'s attention block over ``hidden``: o_proj's output ``[T, hidden]``, before the residual;
+        with ``rows`` (int64) ``[len(rows), hidden]`` for those tokens alone, every token's K and V still written
+        (the same bits as those rows of the whole block)."""
         self._check(hidden, batch)
         self.shape.kv_dtype = kv_dtype_code(k_layer, v_layer)
-        out = torch.empty_like(hidden)
+        if rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()):
+            raise ValueError("the attention block's rows are a contiguous int64 tensor")
+        count = hidden.shape[0] if rows is None else rows.shape[0]
+        out = torch.empty(count, hidden.shape[1], dtype=hidden.dtype)
         loaded().invariant_attention_block(
             ctypes.byref(self.shape), ctypes.byref(self.refs[index]), ctypes.byref(self._batch(batch)),
-            hidden.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), threads,
+            hidden.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), None if rows is None else rows.data_ptr(),
+            count, out.data_ptr(), threads,
         )  # fmt: skip
         return out
 

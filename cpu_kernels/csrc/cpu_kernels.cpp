@@ -111,10 +111,11 @@ void invariant_softcap(float* x, int64_t T, int64_t N, int64_t ldx, float cap, i
 }
 
 // One layer's attention block (o_proj's output into out, before the residual add), writing the batch's K and V into
-// the layer's pools.
+// the layer's pools: out [T, hidden], or where rows is not null [count, hidden] for the tokens rows[0 .. count) alone.
 void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
-                               const float* hidden, void* k_layer, void* v_layer, float* out, int32_t threads) {
-  attention_block(shape, layer, batch, hidden, k_layer, v_layer, out, threads);
+                               const float* hidden, void* k_layer, void* v_layer, const int64_t* rows, int64_t count,
+                               float* out, int32_t threads) {
+  attention_block(shape, layer, batch, hidden, k_layer, v_layer, rows, count, out, threads);
 }
 
 // One layer's MLP block (down's output into out, before the residual add).

@@ -153,11 +153,24 @@ void attend_and_project(const ModelShape* shape, const LayerRef* layer, int64_t 
   matmul_ref(attended.data(), T, layer->o_proj, out, threads);
 }
 
-void attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch,
-                               const float* hidden, void* k_layer, void* v_layer, float* out, int32_t threads) {
-  Buffer<float> q(batch->tokens * shape->heads * shape->head_dim);
+// The attention block over every token, or where `rows` is not null over the `count` tokens rows[0 .. count) alone
+// (every token's K and V still written: later tokens attend to them): o_proj's output [T or count, hidden] into out.
+// Each kernel computes a row alone, so a token's output is the same bits either way.
+void attention_block(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
+                     void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* out, int32_t threads) {
+  const int64_t q_size = shape->heads * shape->head_dim;
+  Buffer<float> q(batch->tokens * q_size);
   project_qkv(shape, layer, batch, hidden, k_layer, v_layer, q.data(), threads);
-  attend_and_project(shape, layer, batch->tokens, q.data(), batch->key_rows, batch->key_starts, batch->num_keys,
+  if (rows == nullptr)
+    return attend_and_project(shape, layer, batch->tokens, q.data(), batch->key_rows, batch->key_starts,
+                              batch->num_keys, k_layer, v_layer, out, threads);
+  Buffer<float> selected(count * q_size);
+  std::vector<int64_t> key_starts(count), num_keys(count);
+  for (int64_t i = 0; i < count; ++i) {
+    memcpy(selected.data() + i * q_size, q.data() + rows[i] * q_size, q_size * sizeof(float));
+    key_starts[i] = batch->key_starts[rows[i]], num_keys[i] = batch->num_keys[rows[i]];
+  }
+  attend_and_project(shape, layer, count, selected.data(), batch->key_rows, key_starts.data(), num_keys.data(),
                      k_layer, v_layer, out, threads);
 }
 
@@ -182,30 +195,22 @@ void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers
   Buffer<float> block(batch->tokens * shape->hidden);
   for (int32_t i = 0; i < num_layers; ++i) {
     attention_block(shape, &layers[i], batch, hidden, static_cast<char*>(k_pool) + i * layer_bytes,
-                    static_cast<char*>(v_pool) + i * layer_bytes, block.data(), threads);
+                    static_cast<char*>(v_pool) + i * layer_bytes, nullptr, batch->tokens, block.data(), threads);
     add_block(shape, layers[i].attention_out_norm, batch->tokens, hidden, block.data(), threads);
     mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
     add_block(shape, layers[i].mlp_out_norm, batch->tokens, hidden, block.data(), threads);
   }
 }
 
-// One layer for the output rows `rows` [count] alone: every token's K and V are written (later tokens attend to
-// them), but only the output rows go on through attention, o_proj and the MLP, into out [count, hidden] (from hidden's
-// rows). Each kernel computes a row alone, so these are the bits the whole layer gives those rows: a prefill's last
-// layer costs its q/k/v step and one token's rest, as llama.cpp computes it.
+// One layer for the output rows `rows` [count] alone, into out [count, hidden] (from hidden's rows): their
+// attention block (attention_block's rows) and MLP block, every token's K and V written. A prefill's last layer then
+// costs its q/k/v step and one token's rest, as llama.cpp computes it.
 void output_rows_layer(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
                        void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* out, int32_t threads) {
-  const int64_t width = shape->hidden, q_size = shape->heads * shape->head_dim;
-  Buffer<float> q(batch->tokens * q_size), selected_q(count * q_size), block(count * width);
-  project_qkv(shape, layer, batch, hidden, k_layer, v_layer, q.data(), threads);
-  std::vector<int64_t> key_starts(count), num_keys(count);
-  for (int64_t i = 0; i < count; ++i) {
-    memcpy(selected_q.data() + i * q_size, q.data() + rows[i] * q_size, q_size * sizeof(float));
-    memcpy(out + i * width, hidden + rows[i] * width, width * sizeof(float));
-    key_starts[i] = batch->key_starts[rows[i]], num_keys[i] = batch->num_keys[rows[i]];
-  }
-  attend_and_project(shape, layer, count, selected_q.data(), batch->key_rows, key_starts.data(), num_keys.data(),
-                     k_layer, v_layer, block.data(), threads);
+  const int64_t width = shape->hidden;
+  Buffer<float> block(count * width);
+  for (int64_t i = 0; i < count; ++i) memcpy(out + i * width, hidden + rows[i] * width, width * sizeof(float));
+  attention_block(shape, layer, batch, hidden, k_layer, v_layer, rows, count, block.data(), threads);
   add_block(shape, layer->attention_out_norm, count, out, block.data(), threads);
   mlp_block(shape, layer, count, out, block.data(), threads);
   add_block(shape, layer->mlp_out_norm, count, out, block.data(), threads);

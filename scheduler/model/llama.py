@@ -288,13 +288,20 @@ class LlamaModel:
                 hidden, tokens, pool.k, pool.v, batch.logit_indices, self.head, threads, vocab_mask
             )
         else:  # the ranks sum each block's output before the residual add
+            # with fewer logit rows than tokens (a prefill), the last layer's blocks run for those rows alone, as
+            # Decoder.run_logits runs them on one rank
+            output_rows = batch.logit_indices if batch.logit_indices.shape[0] < hidden.shape[0] else None
             for i in range(self.num_layers):
-                attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads)
+                rows = output_rows if i == self.num_layers - 1 else None
+                attention = self.decoder.attention_block(i, hidden, tokens, pool.k[i], pool.v[i], threads, rows)
+                if rows is not None:
+                    hidden = hidden[rows]
                 self.decoder.add_block(i, hidden, self.tp.all_reduce(attention), True, threads)
                 self.decoder.add_block(
                     i, hidden, self.tp.all_reduce(self.decoder.mlp_block(i, hidden, threads)), False, threads
                 )
-            selected = ops.rms_norm(hidden[batch.logit_indices], self.norm, self.eps, threads)
+            selected = hidden if output_rows is not None else hidden[batch.logit_indices]
+            selected = ops.rms_norm(selected, self.norm, self.eps, threads)
             logits = self.tp.gather_columns(ops.matmul(selected, self.lm_head, threads), self.shard.vocab_widths)
         if self.architecture.final_softcap is not None:
             ops.softcap(logits, self.architecture.final_softcap, threads)

@@ -71,19 +71,26 @@ def load_shard(folder: Path, rank: int, size: int, tp: TensorParallelGroup) -> L
     return LlamaModel(config, weights, MAX_POSITIONS, shard=shard, tp=tp)
 
 
-def run_batches(model: LlamaModel) -> torch.Tensor:
-    """A prefill of a 40-token prompt and a 5-token one, then two new tokens for each;
-    the logits after several tokens of each forward, stacked."""
+PROMPTS = [[(7 * j + 3) % 101 for j in range(40)], [100, 0, 50, 51, 99]]
+
+
+def run_batches(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill of a 40-token prompt and a 5-token one, then two new tokens for each: the logits after several
+    tokens of each forward, stacked. Then the same prefill asking every token's logits (its last layer run for every
+    token, not for the 8 rows asked alone): those 8 rows of it."""
     pool = TokenKVPool(model.num_layers, 64, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    prompts = [[(7 * j + 3) % 101 for j in range(40)], [100, 0, 50, 51, 99]]
-    rows = [pool.allocate(len(prompt)) for prompt in prompts]
-    prefill = ForwardBatch.build(rows, [0, 0], prompts, num_logits=[3, 5])
+    rows = [pool.allocate(len(prompt)) for prompt in PROMPTS]
+    prefill = ForwardBatch.build(rows, [0, 0], PROMPTS, num_logits=[3, 5])
     prefill_logits = model.forward(prefill, pool)
     new_tokens = [[1, 2], [60, 49]]
     for seq_rows, tokens in zip(rows, new_tokens, strict=True):
         seq_rows += pool.allocate(len(tokens))
     decode = ForwardBatch.build(rows, [40, 5], new_tokens, num_logits=[2, 2])
-    return torch.cat([prefill_logits, model.forward(decode, pool)])
+    logits = torch.cat([prefill_logits, model.forward(decode, pool)])
+    pool = TokenKVPool(model.num_layers, 64, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    rows = [pool.allocate(len(prompt)) for prompt in PROMPTS]
+    every_row = model.forward(ForwardBatch.build(rows, [0, 0], PROMPTS, num_logits=[40, 5]), pool)
+    return logits, every_row[37:45]
 
 
 def run_rank(rank: int, size: int, folders: list[Path], port: int) -> None:
@@ -97,8 +104,9 @@ def run_rank(rank: int, size: int, folders: list[Path], port: int) -> None:
         tp = TensorParallelGroup.joined(rank, size, dist.group.WORLD)
         for folder in folders:
             model = load_shard(folder, rank, size, tp)
-            logits = run_batches(model)
-            saved = {"logits": logits, "bytes": model.num_weight_bytes, "kv_heads": model.num_kv_heads}
+            logits, every_row = run_batches(model)
+            saved = {"logits": logits, "every_row": every_row, "bytes": model.num_weight_bytes,
+                     "kv_heads": model.num_kv_heads}  # fmt: skip
             torch.save(saved, folder / f"rank-{rank}")
     finally:
         dist.destroy_process_group()
@@ -146,7 +154,8 @@ def test_sharded_ranks_give_one_ranks_logits_within_rounding(
     name: str, size: int, sharded_cases: dict[tuple[str, int], Path]
 ) -> None:
     """Phi-3's fused projections are split into each rank's rows; Gemma 3's norms of a block's output apply to the
-    ranks' sum."""
+    ranks' sum. A prefill's logits asked of a few rows (its last layer run for those rows alone) are the bits of the
+    same rows of a prefill asking every row's, on the ranks and on one."""
     folder = sharded_cases[name, size]
     config = CONFIGS[name]()
     library.load(ModelArgs().kernel_build_path)
@@ -154,10 +163,13 @@ def test_sharded_ranks_give_one_ranks_logits_within_rounding(
     torch.set_num_threads(1)  # as each rank runs
     try:
         single = load_shard(folder, 0, 1, TensorParallelGroup())
-        expected = run_batches(single)
+        expected, every_row = run_batches(single)
     finally:
         torch.set_num_threads(threads)
     ranks = [torch.load(folder / f"rank-{rank}") for rank in range(size)]
+
+    assert torch.equal(expected[:8], every_row)
+    assert all(torch.equal(rank["logits"][:8], rank["every_row"]) for rank in ranks)
 
     assert expected.shape == (12, config.vocab_size)
     for rank in ranks[1:]:
