@@ -188,32 +188,36 @@ void mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const 
   matmul_ref(mlp.data(), T, layer->down, out, threads);
 }
 
+// One layer, its blocks' outputs added to residual [count, hidden]: for every token (rows null; residual is hidden,
+// in place) or for the tokens rows[0 .. count) alone (residual holds their rows of hidden), every token's K and V
+// written either way. `block` holds count x hidden floats.
+void decoder_layer(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
+                   void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* residual, float* block,
+                   int32_t threads) {
+  attention_block(shape, layer, batch, hidden, k_layer, v_layer, rows, count, block, threads);
+  add_block(shape, layer->attention_out_norm, count, residual, block, threads);
+  mlp_block(shape, layer, count, residual, block, threads);
+  add_block(shape, layer->mlp_out_norm, count, residual, block, threads);
+}
+
 // Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place); a layer's pools are
 // layer_bytes apart.
 void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                        float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads) {
   Buffer<float> block(batch->tokens * shape->hidden);
-  for (int32_t i = 0; i < num_layers; ++i) {
-    attention_block(shape, &layers[i], batch, hidden, static_cast<char*>(k_pool) + i * layer_bytes,
-                    static_cast<char*>(v_pool) + i * layer_bytes, nullptr, batch->tokens, block.data(), threads);
-    add_block(shape, layers[i].attention_out_norm, batch->tokens, hidden, block.data(), threads);
-    mlp_block(shape, &layers[i], batch->tokens, hidden, block.data(), threads);
-    add_block(shape, layers[i].mlp_out_norm, batch->tokens, hidden, block.data(), threads);
-  }
+  for (int32_t i = 0; i < num_layers; ++i)
+    decoder_layer(shape, &layers[i], batch, hidden, static_cast<char*>(k_pool) + i * layer_bytes,
+                  static_cast<char*>(v_pool) + i * layer_bytes, nullptr, batch->tokens, hidden, block.data(), threads);
 }
 
-// One layer for the output rows `rows` [count] alone, into out [count, hidden] (from hidden's rows): their
-// attention block (attention_block's rows) and MLP block, every token's K and V written. A prefill's last layer then
-// costs its q/k/v step and one token's rest, as llama.cpp computes it.
+// One layer for the output rows `rows` [count] alone, into out [count, hidden] (from hidden's rows), every token's K
+// and V written. A prefill's last layer then costs its q/k/v step and one token's rest, as llama.cpp computes it.
 void output_rows_layer(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
                        void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* out, int32_t threads) {
   const int64_t width = shape->hidden;
   Buffer<float> block(count * width);
   for (int64_t i = 0; i < count; ++i) memcpy(out + i * width, hidden + rows[i] * width, width * sizeof(float));
-  attention_block(shape, layer, batch, hidden, k_layer, v_layer, rows, count, block.data(), threads);
-  add_block(shape, layer->attention_out_norm, count, out, block.data(), threads);
-  mlp_block(shape, layer, count, out, block.data(), threads);
-  add_block(shape, layer->mlp_out_norm, count, out, block.data(), threads);
+  decoder_layer(shape, layer, batch, hidden, k_layer, v_layer, rows, count, out, block.data(), threads);
 }
 
 // `decoder`, then the logits of the output rows `logit_rows` [num_logits]: each row's RMSNorm by `final_norm`, times
