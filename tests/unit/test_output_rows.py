@@ -76,24 +76,26 @@ def _forward(
 def test_the_output_rows_alone_get_the_whole_last_layers_logits_and_every_token_its_kv(
     fmt: str, kv_dtype: torch.dtype
 ) -> None:
-    """Three layers (RoPE with per-head norms and a sliding window of 8, then without RoPE, then plain): the logits of
-    each sequence's last token, of a few tokens of one run, and of all but one token, asked alone, equal the same rows
-    of the forward that asks every row's, bit for bit; the K/V pools after both are equal."""
-    layers = [
+    """Three layers (RoPE with per-head norms, block-output norms and a sliding window of 8; without RoPE; plain),
+    each of them last in turn (the layer run for the output rows alone): the logits of each sequence's last token, of
+    a few tokens of one run, and of all but one token, asked alone, equal the same rows of the forward that asks every
+    row's, bit for bit; the K/V pools after both are equal."""
+    kinds = [
         _layer(fmt, 10, window=8, per_head_norms=True, rope=True),
         _layer(fmt, 20, window=None, per_head_norms=False, rope=False),
         _layer(fmt, 30, window=None, per_head_norms=False, rope=True),
     ]
-    decoder = Decoder(layers, HEADS, KV_HEADS, HEAD_DIM, 1e-5)
     head = Head(torch.ones(HIDDEN), random_weight(fmt, VOCAB, HIDDEN, seed=40)[0])
     batch = _batch()
     tokens = batch.positions.shape[0]
     pool_rows = sum(before + new for before, new in SEQUENCES)
-    pools = torch.randn(2, len(layers), pool_rows, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(8))
+    pools = torch.randn(2, len(kinds), pool_rows, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(8))
     pools = pools.to(kv_dtype)
-    every_row, every_pool = _forward(decoder, head, batch, pools, list(range(tokens)))
     last_rows = (torch.cumsum(torch.tensor([new for _, new in SEQUENCES]), 0) - 1).tolist()
-    for rows in (last_rows, [0, 7, 11, 19], [r for r in range(tokens) if r != 3]):
-        logits, pool = _forward(decoder, head, batch, pools, rows)
-        assert torch.equal(logits, every_row[torch.tensor(rows)]), rows
-        assert torch.equal(pool, every_pool), rows
+    for last in range(len(kinds)):
+        decoder = Decoder(kinds[last + 1 :] + kinds[: last + 1], HEADS, KV_HEADS, HEAD_DIM, 1e-5)
+        every_row, every_pool = _forward(decoder, head, batch, pools, list(range(tokens)))
+        for rows in (last_rows, [0, 7, 11, 19], [r for r in range(tokens) if r != 3]):
+            logits, pool = _forward(decoder, head, batch, pools, rows)
+            assert torch.equal(logits, every_row[torch.tensor(rows)]), (last, rows)
+            assert torch.equal(pool, every_pool), (last, rows)
