@@ -31,7 +31,7 @@ from scheduler.model.runner import ModelRunner
 from scheduler.model.runner_contract import BaseModelRunner
 from scheduler.scheduler import Scheduler
 from scheduler.server_args import WORLD_SIZE, ServerArgs, ServingArgs
-from scheduler.startup_heap import freeze_startup_heap
+from scheduler.startup_heap import freeze_startup_heap, return_freed_memory
 
 if TYPE_CHECKING:
     from scheduler.http.server import HttpFrontend
@@ -78,7 +78,11 @@ def serve(server_args: ServerArgs) -> int:
 
     if http_frontend is not None:
         http_frontend.on_unexpected_exit(frontend_died)
-    logger.info("%d objects of the start left out of garbage collections", freeze_startup_heap())
+    logger.info(
+        "%d objects of the start left out of garbage collections, %.0f MiB it freed returned to the system",
+        freeze_startup_heap(),
+        return_freed_memory() / 2**20,
+    )
     exit_code = 0
     try:
         scheduler.serve(ipc)
