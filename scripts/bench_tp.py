@@ -7,8 +7,9 @@ Starts one scheduler on one rank and one under ``torchrun --nproc-per-node 2 ...
 together. Each round sends every prompt to both, one request at a time (concurrency 1, greedy, ``ignore_eos`` so
 every output has ``--max-new-tokens`` tokens), alternating which server goes first. Per-token latency is the time
 from a request's first streamed token to its last over the tokens in between (decode only; the median over
-requests). Memory per rank: resident set (RSS) once both served, and the bytes of weights each rank's model runner
-holds (logged at start). Also prints how many greedy outputs of tp=2 differ from tp=1's. torchrun gives each rank
+requests). Memory per rank: resident anonymous memory (``rank_anonymous_memory``: the heap, where the weights live,
+without the files' pages) once both served, and the bytes of weights each rank's model runner holds (logged at
+start). Also prints how many greedy outputs of tp=2 differ from tp=1's. torchrun gives each rank
 one thread; the single rank uses the machine's cores, so both runs use the same cores.
 
 Then new JSON schemas, each sent once to each server (alternating which goes first; the grammar disk cache is off):
@@ -106,7 +107,7 @@ def run_tp_benchmark(num_requests: int = 4, max_new_tokens: int = 48, rounds: in
                     latencies[tp].append(seconds)
                     if round_index == 0:
                         outputs[tp].append(tokens)
-        rss = {tp: server.rank_rss() for tp, server in servers.items()}
+        anonymous = {tp: server.rank_anonymous_memory() for tp, server in servers.items()}
         weights = {tp: server.rank_weight_bytes() for tp, server in servers.items()}
         first_tokens: dict[str, dict[int, float]] = {}
         for i, (name, schema) in enumerate(new_schemas()):
@@ -126,10 +127,11 @@ def run_tp_benchmark(num_requests: int = 4, max_new_tokens: int = 48, rounds: in
     ]
     lines.append(f"tp=2 / tp=1 per-token latency: {ms[2] / ms[1]:.2f}x")
     for tp in (1, 2):
-        for rank, (resident, held) in enumerate(zip(rss[tp], weights[tp], strict=True)):
+        for rank, (resident, held) in enumerate(zip(anonymous[tp], weights[tp], strict=True)):
             lines.append(
-                f"tp={tp} rank {rank}: RSS {resident / MIB:.0f} MiB, weights {held / MIB:.1f} MiB "
-                f"({held / weights[1][0]:.2f} of tp=1's), RSS {resident / rss[1][0]:.2f} of tp=1's"
+                f"tp={tp} rank {rank}: anonymous resident memory {resident / MIB:.0f} MiB, weights {held / MIB:.1f} "
+                f"MiB ({held / weights[1][0]:.2f} of tp=1's), anonymous memory {resident / anonymous[1][0]:.2f} of "
+                "tp=1's"
             )
     same = sum(a == b for a, b in zip(outputs[1], outputs[2], strict=True))
     lines.append(f"greedy outputs tp=2 vs tp=1: {same}/{len(prompts)} identical token for token")

@@ -269,9 +269,13 @@ class SchedulerProcess:
             raise RuntimeError(f"no torchrun worker with RANK in {missing} among {sorted(workers.values())}")
         return [workers[str(rank)] for rank in range(self.ranks)]
 
-    def rank_rss(self) -> list[int]:
-        """Each rank's resident memory in bytes, in rank order (its own process, not its compile processes)."""
-        return [psutil.Process(pid).memory_info().rss for pid in self.rank_pids()]
+    def rank_anonymous_memory(self) -> list[int]:
+        """Each rank's resident anonymous memory in bytes (its heap and private mappings, where the weights live),
+        in rank order: its own process, not its compile processes. Its files' resident pages (libraries, ~50-120 MiB
+        and more in a rank that loaded torch.distributed) are left out: the system drops and reads them back as
+        memory runs short, so they differ between processes started at different times."""
+        memory = [psutil.Process(pid).memory_info() for pid in self.rank_pids()]
+        return [info.rss - info.shared for info in memory]
 
     def rank_weight_bytes(self) -> list[int]:
         """The bytes of model weights each rank holds, in rank order, as its model runner logged them."""

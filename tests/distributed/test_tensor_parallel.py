@@ -206,14 +206,18 @@ def test_log_probabilities_of_two_tp_ranks_are_one_ranks_within_int8_activation_
 
 def test_each_tp_rank_holds_about_half_of_the_weights(tp2: SchedulerProcess, tp1: SchedulerProcess) -> None:
     """Rank 0 holds 2 of the 3 KV groups (SmolLM2 splits unevenly), half the MLP and half the vocabulary; the norms
-    are replicated (2 per layer and the final one, 576 float32 each)."""
+    are replicated (2 per layer and the final one, 576 float32 each). Each rank's process holds less memory than
+    one rank by about the weights it does not hold (measured 1.1x those bytes; a rank that held all the weights
+    would save ~0.1x of them): anonymous memory, where the weights live, since the files' pages resident in each
+    process (the ranks map torch.distributed's libraries, and the system drops such pages of an idle process
+    as it needs them) moved the whole resident sets' difference by more than the weights."""
     (whole,), shards = tp1.rank_weight_bytes(), tp2.rank_weight_bytes()
     replicated_norms = (2 * 30 + 1) * 576 * 4
     assert sum(shards) == whole + replicated_norms
     assert shards[0] > shards[1] and max(shards) < 0.54 * whole
-    (rss_one,), rss_two = tp1.rank_rss(), tp2.rank_rss()
-    saved = [rss_one - rss for rss in rss_two]
-    assert all(s > 0.3 * (whole - shard) for s, shard in zip(saved, shards, strict=True)), (rss_one, rss_two)
+    (one,), ranks = tp1.rank_anonymous_memory(), tp2.rank_anonymous_memory()
+    saved = [one - rank for rank in ranks]
+    assert all(s > 0.6 * (whole - shard) for s, shard in zip(saved, shards, strict=True)), (one, ranks, shards)
 
 
 WARM_GRAMMARS = {"outlines"}
