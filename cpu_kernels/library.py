@@ -82,6 +82,8 @@ def _declare(library: ctypes.CDLL) -> None:
     shape, layer, batch = ctypes.POINTER(ModelShape), ctypes.POINTER(LayerRef), ctypes.POINTER(BatchRef)
     packed = ctypes.POINTER(PackedRef)
     library.invariant_packed_matmul.argtypes = [packed, ptr, i64, i64, ptr, i64, i32]
+    library.invariant_packed_rows.argtypes = [packed, ptr, i64, ptr, i32]
+    library.invariant_packed_rows.restype = i32
     library.invariant_attention_block.argtypes = [shape, layer, batch, ptr, ptr, ptr, ptr, i64, ptr, i32]
     library.invariant_mlp_block.argtypes = [shape, layer, i64, ptr, ptr, i32]
     decoder_args: list[Any] = [shape, layer, i32, batch, ptr, ptr, ptr, i64]

@@ -11,7 +11,7 @@ import enum
 import torch
 
 from cpu_kernels.library import kernel_threads, loaded
-from cpu_kernels.packed_weights import MatmulWeight
+from cpu_kernels.packed_weights import ROW_FORMATS, MatmulWeight, PackedWeight
 from cpu_kernels.structs import packed_ref
 
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -174,6 +174,22 @@ def q8_0_rows(
     )  # fmt: skip
     if not found:
         raise IndexError(f"an id is not one of the {rows} rows")
+    return out
+
+
+def packed_rows(weight: PackedWeight, ids: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int64) of a packed weight as float32 ``[len(ids), in_features]``, the values its matmuls
+    multiply by: a tied model's embedding lookup from its head's panels, which then hold the matrix alone. Formats:
+    ``ROW_FORMATS``. Raises IndexError for an id that is not a row."""
+    if weight.format not in ROW_FORMATS:
+        raise ValueError(f"rows of {weight.format.name} panels are not read; they are of {sorted(ROW_FORMATS)}")
+    if not ids.is_contiguous() or ids.dtype != torch.int64:
+        raise ValueError("packed rows take contiguous int64 ids")
+    out = torch.empty(ids.shape[0], weight.in_features, dtype=torch.float32)
+    if not loaded().invariant_packed_rows(
+        ctypes.byref(packed_ref(weight)), ids.data_ptr(), ids.shape[0], out.data_ptr(), threads or kernel_threads()
+    ):
+        raise IndexError(f"an id is not one of the {weight.out_features} rows")
     return out
 
 

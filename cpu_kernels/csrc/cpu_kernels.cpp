@@ -43,6 +43,7 @@
 #include "mask_logits.h"
 #include "norm_activation.h"
 #include "packed_matmul.h"
+#include "packed_rows.h"
 #include "sampling_noise.h"
 #include "shm_gather.h"
 
@@ -149,6 +150,12 @@ void invariant_decoder_logits(const ModelShape* shape, const LayerRef* layers, i
 int32_t invariant_q8_0_rows(const uint16_t* scales, const int8_t* quants, int64_t rows, int64_t K, const int64_t* ids,
                             int64_t n, float* out, int32_t threads) {
   return q8_0_rows(scales, quants, rows, K, ids, n, out, threads);
+}
+
+// out[n, K] = rows ids[n] of a packed weight (one part: F32, BF16, F16 or Q8_0) as float32, the values its matmuls
+// multiply by (packed_rows.h); 0 (out untouched) if an id is not one of its rows or the weight not of those formats.
+int32_t invariant_packed_rows(const PackedRef* w, const int64_t* ids, int64_t n, float* out, int32_t threads) {
+  return packed_rows(*w, ids, n, out, threads);
 }
 
 // Masks rows of logits [*, vocab] (float32, or a 16-bit float: element_bytes 4 or 2) in place by int32 words

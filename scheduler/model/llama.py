@@ -123,7 +123,9 @@ class LlamaModel:
     Activations, norms, attention, the KV pool and the logits are float32. The matmul weights (decoder layers and
     lm_head, nearly all the bytes a decode step streams) are packed as they come: GGUF blocks as blocks (Q8_0,
     Q4_1: about 0.6 bytes a weight), float tensors in ``matmul_dtype`` (float32 or bfloat16); decode is bound by
-    memory bandwidth, so fewer bytes make it faster. A block-quantised embedding is looked up from its blocks.
+    memory bandwidth, so fewer bytes make it faster. A block-quantised embedding is looked up from its blocks; a
+    tied one (the lm_head's weights) from the lm_head's panels where the kernels read their rows (float, Q8_0), so
+    that the matrix is held once.
     The kernels (``cpu_kernels.library.load``) must be loaded first.
     """
 
@@ -165,14 +167,20 @@ class LlamaModel:
         def packed(*names: str, dtype: torch.dtype = matmul_dtype) -> MatmulWeight:
             return pack_weight([stored(name) for name in names], dtype)
 
-        embed = stored("model.embed_tokens.weight")
-        self.embed = embed if isinstance(embed, BlockQuantized) else weight("model.embed_tokens.weight")
-        if self.embed.shape[0] != self.shard.vocab[1] - self.shard.vocab[0]:
-            raise ValueError(f"the embedding has {self.embed.shape[0]} rows, not those of the shard {self.shard}")
         self.norm = norm("model.norm.weight")
         lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         # float32 logits from float32 weights: bfloat16's rounding would tie logits that float32 keeps apart
         self.lm_head = packed(lm_head, dtype=torch.float32)
+        # A tied embedding is looked up from the head's panels where the kernels read their rows: held once.
+        from_head = isinstance(self.lm_head, PackedWeight) and self.lm_head.format in packed_weights.ROW_FORMATS
+        self.embed: torch.Tensor | BlockQuantized | None = None
+        embed_rows = self.lm_head.out_features
+        if not (config.tie_word_embeddings and from_head):
+            embed = stored("model.embed_tokens.weight")
+            self.embed = embed if isinstance(embed, BlockQuantized) else weight("model.embed_tokens.weight")
+            embed_rows = self.embed.shape[0]
+        if embed_rows != self.shard.vocab[1] - self.shard.vocab[0]:
+            raise ValueError(f"the embedding has {embed_rows} rows, not those of the shard {self.shard}")
         ropes = {
             key: Rope(*_rope_tables(config, self.head_dim, max_positions, None if key == "default" else key))
             for key in {plan.rope for plan in arch.layers if plan.rope is not None}
@@ -227,7 +235,10 @@ class LlamaModel:
             for t in (layer.qkv_bias, layer.q_norm, layer.k_norm, layer.attention_out_norm, layer.mlp_out_norm)
         ]
         tensors += [t for t in optional if t is not None]
-        tensors += list(embed.parts.values()) if isinstance(embed, BlockQuantized) else [embed]
+        if isinstance(embed, BlockQuantized):
+            tensors += list(embed.parts.values())
+        elif embed is not None:  # None: looked up from the head's panels, counted with the matmul weights
+            tensors.append(embed)
         matmuls = sum(w.num_weight_bytes for w in self._packed_weights())
         return matmuls + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -318,6 +329,9 @@ class LlamaModel:
         return self.tp.all_reduce(hidden.masked_fill_(~is_local[:, None], 0.0))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            assert isinstance(self.lm_head, PackedWeight)
+            return ops.packed_rows(self.lm_head, ids)
         if isinstance(self.embed, BlockQuantized):
             if self.embed.format == "q8_0":  # llama.cpp's token embeddings: one kernel call, the same bits
                 return ops.q8_0_rows(self.embed.scales, self.embed.quants, ids)
