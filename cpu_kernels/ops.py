@@ -11,7 +11,7 @@ import enum
 import torch
 
 from cpu_kernels.library import kernel_threads, loaded
-from cpu_kernels.packed_weights import ROW_FORMATS, MatmulWeight, PackedWeight
+from cpu_kernels.packed_weights import MatmulWeight, PackedWeight
 from cpu_kernels.structs import packed_ref
 
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -178,11 +178,9 @@ def q8_0_rows(
 
 
 def packed_rows(weight: PackedWeight, ids: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """Rows ``ids`` (int64) of a packed weight as float32 ``[len(ids), in_features]``, the values its matmuls
-    multiply by: a tied model's embedding lookup from its head's panels, which then hold the matrix alone. Formats:
-    ``ROW_FORMATS``. Raises IndexError for an id that is not a row."""
-    if weight.format not in ROW_FORMATS:
-        raise ValueError(f"rows of {weight.format.name} panels are not read; they are of {sorted(ROW_FORMATS)}")
+    """Rows ``ids`` (int64) of a packed weight (one format, not a stack) as float32 ``[len(ids), in_features]``,
+    its weights as gguf's de-quantisation gives them: a tied model's embedding lookup from its head's panels, which
+    then hold the matrix alone. Raises IndexError for an id that is not a row."""
     if not ids.is_contiguous() or ids.dtype != torch.int64:
         raise ValueError("packed rows take contiguous int64 ids")
     out = torch.empty(ids.shape[0], weight.in_features, dtype=torch.float32)

@@ -57,10 +57,6 @@ BYTES_PER_BLOCK = {
 super-block of 256 shared by 8 blocks)."""
 
 
-ROW_FORMATS = frozenset({WeightFormat.F32, WeightFormat.BF16, WeightFormat.F16, WeightFormat.Q8_0})
-"""The formats whose rows ``cpu_kernels.ops.packed_rows`` reads from the panels (``csrc/packed_rows.h``)."""
-
-
 @dataclass(frozen=True)
 class PackedWeight:
     """A ``[out_features, in_features]`` weight in panels of 16 output columns (layout: the C++ source)."""

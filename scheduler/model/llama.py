@@ -123,9 +123,8 @@ class LlamaModel:
     Activations, norms, attention, the KV pool and the logits are float32. The matmul weights (decoder layers and
     lm_head, nearly all the bytes a decode step streams) are packed as they come: GGUF blocks as blocks (Q8_0,
     Q4_1: about 0.6 bytes a weight), float tensors in ``matmul_dtype`` (float32 or bfloat16); decode is bound by
-    memory bandwidth, so fewer bytes make it faster. A block-quantised embedding is looked up from its blocks; a
-    tied one (the lm_head's weights) from the lm_head's panels where the kernels read their rows (float, Q8_0), so
-    that the matrix is held once.
+    memory bandwidth, so fewer bytes make it faster. A tied embedding (the lm_head's weights) is looked up from the
+    lm_head's panels, so that the matrix is held once; another block-quantised one from its blocks.
     The kernels (``cpu_kernels.library.load``) must be loaded first.
     """
 
@@ -171,11 +170,10 @@ class LlamaModel:
         lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         # float32 logits from float32 weights: bfloat16's rounding would tie logits that float32 keeps apart
         self.lm_head = packed(lm_head, dtype=torch.float32)
-        # A tied embedding is looked up from the head's panels where the kernels read their rows: held once.
-        from_head = isinstance(self.lm_head, PackedWeight) and self.lm_head.format in packed_weights.ROW_FORMATS
+        # A tied embedding is looked up from the head's panels (ops.packed_rows): held once.
         self.embed: torch.Tensor | BlockQuantized | None = None
         embed_rows = self.lm_head.out_features
-        if not (config.tie_word_embeddings and from_head):
+        if not (config.tie_word_embeddings and isinstance(self.lm_head, PackedWeight)):
             embed = stored("model.embed_tokens.weight")
             self.embed = embed if isinstance(embed, BlockQuantized) else weight("model.embed_tokens.weight")
             embed_rows = self.embed.shape[0]

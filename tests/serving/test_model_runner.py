@@ -146,6 +146,18 @@ def test_block_weights_plan_forwards_by_what_their_rows_cost(
 
 
 @pytest.mark.model
+def test_the_tied_embedding_is_held_once(
+    runner: ModelRunner, blocks_runner: ModelRunner, compact_runner: ModelRunner
+) -> None:
+    """SmolLM2's embedding is its lm_head's matrix: every runner looks its rows up from the lm_head's panels rather
+    than keeping it again (its Q8_0 blocks were a quarter of the weights), so the file's own blocks take less than
+    the file. That the rows are the same bits is ``test_packed_rows_are_ggufs_weights``'s; the logits here are
+    checked against transformers below."""
+    assert all(r.model.embed is None for r in (runner, blocks_runner, compact_runner))
+    assert blocks_runner.model.num_weight_bytes < embedded_model_path().stat().st_size
+
+
+@pytest.mark.model
 def test_gguf_blocks_are_the_weights_the_reference_de_quantisation_gives(
     server_args: ServerArgs, runner: ModelRunner, blocks_runner: ModelRunner
 ) -> None:

@@ -262,9 +262,7 @@ from pathlib import Path
 from cpu_kernels import library, ops, packed_weights
 from triton_ops.bitmask_cpu import mask_logits
 from triton_ops.sampling_noise import exponentials_cpu, gumbel_race_cpu
-from tests.unit.invariant_cases import (
-    ATTENTION_SHAPES, DENSE_FORMATS, FORMATS, attention_case, random_weight, run_attention,
-)
+from tests.unit.invariant_cases import ATTENTION_SHAPES, FORMATS, attention_case, random_weight, run_attention
 library.load(Path(sys.argv[1]), sys.argv[2])
 x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5))
 outs = [ops.matmul(x, random_weight(fmt, 40, 256)[0]) for fmt in FORMATS]
@@ -303,8 +301,7 @@ embed_scales = (torch.randn(50, 8, generator=torch.Generator().manual_seed(10)) 
 embed_quants = torch.randint(-128, 128, (50, 256), dtype=torch.int8, generator=torch.Generator().manual_seed(11))
 outs.append(ops.q8_0_rows(embed_scales, embed_quants, torch.tensor([3, 0, 49])))
 # a tied embedding's rows from the head's panels (groups of 8 panels on AVX-512, of 1 elsewhere)
-for fmt in ("q8_0", *DENSE_FORMATS):
-    outs.append(ops.packed_rows(random_weight(fmt, 300, 256)[0], torch.tensor([3, 0, 299, 130])))
+outs += [ops.packed_rows(random_weight(fmt, 300, 256)[0], torch.tensor([3, 0, 299, 130])) for fmt in FORMATS]
 outs.append(ops.silu_mul(x * 10))
 outs.append(ops.gelu_tanh_mul(x * 10))
 outs.append(ops.softcap(x[:, :250] * 40, 30.0))
