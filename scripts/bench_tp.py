@@ -9,8 +9,8 @@ every output has ``--max-new-tokens`` tokens), alternating which server goes fir
 from a request's first streamed token to its last over the tokens in between (decode only; the median over
 requests). Memory per rank: resident anonymous memory (``rank_anonymous_memory``: the heap, where the weights live,
 without the files' pages) once both served, and the bytes of weights each rank's model runner holds (logged at
-start). Also prints how many greedy outputs of tp=2 differ from tp=1's. torchrun gives each rank
-one thread; the single rank uses the machine's cores, so both runs use the same cores.
+start). Also prints how many greedy outputs of tp=2 differ from tp=1's. torchrun gives each rank one thread; the
+single rank uses the machine's cores, so both runs use the same cores.
 
 Then new JSON schemas, each sent once to each server (alternating which goes first; the grammar disk cache is off):
 the time to a request's first token, which is mostly its compile under ``auto``. Three are MaskBench schemas that

@@ -152,8 +152,8 @@ int32_t invariant_q8_0_rows(const uint16_t* scales, const int8_t* quants, int64_
   return q8_0_rows(scales, quants, rows, K, ids, n, out, threads);
 }
 
-// out[n, K] = rows ids[n] of a packed weight (one part: F32, BF16, F16 or Q8_0) as float32, the values its matmuls
-// multiply by (packed_rows.h); 0 (out untouched) if an id is not one of its rows or the weight not of those formats.
+// out[n, K] = rows ids[n] of a packed weight (one part, any format) as float32, as gguf's de-quantisation gives them
+// (packed_rows.h); 0 (out untouched) if an id is not one of its rows or the weight is a stack.
 int32_t invariant_packed_rows(const PackedRef* w, const int64_t* ids, int64_t n, float* out, int32_t threads) {
   return packed_rows(*w, ids, n, out, threads);
 }
