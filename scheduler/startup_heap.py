@@ -9,9 +9,9 @@ of every collection (they are still freed when their last reference goes); what 
 before.
 
 Loading the model reads and converts every tensor before packing it; those copies are freed once the model runner
-is built, but glibc's allocator keeps freed memory below a live allocation as its own, so a started scheduler on
-the embedded model stayed ~130 MiB above what it holds (its anonymous memory grew 272 MiB for 121 MiB of weights).
-``return_freed_memory`` hands those pages back (``malloc_trim``).
+is built, but glibc's allocator keeps freed memory below a live allocation as its own: a model runner of the
+embedded model grew its process's anonymous memory by 272 MiB for 121 MiB of weights, by 140 MiB once trimmed.
+``return_freed_memory`` hands such pages back (``malloc_trim``): 86-89 MiB of a started scheduler's.
 """
 
 from __future__ import annotations
