@@ -271,9 +271,9 @@ class SchedulerProcess:
 
     def rank_anonymous_memory(self) -> list[int]:
         """Each rank's resident anonymous memory in bytes (its heap and private mappings, where the weights live),
-        in rank order: its own process, not its compile processes. Its files' resident pages (libraries, ~50-120 MiB
-        and more in a rank that loaded torch.distributed) are left out: the system drops and reads them back as
-        memory runs short, so they differ between processes started at different times."""
+        in rank order: its own process, not its compile processes. Its files' resident pages (its libraries' code,
+        50-125 MiB) are left out: they count once the process touches them, so a process forked from one that had
+        imported its libraries counts fewer than a new one, and they come and go with the machine's memory."""
         memory = [psutil.Process(pid).memory_info() for pid in self.rank_pids()]
         return [info.rss - info.shared for info in memory]
 

@@ -208,9 +208,9 @@ def test_each_tp_rank_holds_about_half_of_the_weights(tp2: SchedulerProcess, tp1
     """Rank 0 holds 2 of the 3 KV groups (SmolLM2 splits unevenly), half the MLP and half the vocabulary; the norms
     are replicated (2 per layer and the final one, 576 float32 each). Each rank's process holds less memory than
     one rank by about the weights it does not hold (measured 1.1x those bytes; a rank that held all the weights
-    would save ~0.1x of them): anonymous memory, where the weights live, since the files' pages resident in each
-    process (the ranks map torch.distributed's libraries, and the system drops such pages of an idle process
-    as it needs them) moved the whole resident sets' difference by more than the weights."""
+    would save ~0.1x of them): anonymous memory, where the weights live. The files' resident pages moved the whole
+    resident sets' difference by more than the weights: the ranks are new processes (libtorch's code alone 51 MiB
+    more resident in rank 0), the one rank a fork of a process that had imported them."""
     (whole,), shards = tp1.rank_weight_bytes(), tp2.rank_weight_bytes()
     replicated_norms = (2 * 30 + 1) * 576 * 4
     assert sum(shards) == whole + replicated_norms
