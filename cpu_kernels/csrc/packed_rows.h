@@ -57,9 +57,7 @@ static void q8_0_panel_row(const uint8_t* packed, int64_t pbytes, int64_t num_pa
   const PanelGroup group = panel_group(packed, pbytes, num_panels, panel);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* block = group_block(group, b, 0, int8_block_bytes(kQ8_0), 1);
-    uint16_t scale[kLanes];
-    std::fill(scale, scale + kLanes, reinterpret_cast<const uint16_t*>(block + kQuadBytes)[lane]);
-    const V16 d = vfrom_f16(scale);
+    const V16 d = vset1(half_value(reinterpret_cast<const uint16_t*>(block + kQuadBytes)[lane]));
     int8_t quants[kBlock];
     for (int quad = 0; quad < kQuads; ++quad)
       std::copy_n(reinterpret_cast<const int8_t*>(block) + quad * kLanes * 4 + lane * 4, 4, quants + quad * 4);
@@ -79,6 +77,7 @@ static void block_panel_row(const uint8_t* packed, int64_t pbytes, int64_t num_p
   constexpr int64_t block_bytes = F == kQ4_1 ? int8_block_bytes(kQ4_1) : kquant_block_bytes(F);
   constexpr int64_t head_bytes = kquant_head_bytes(F), per_super = kquant_blocks_per_super(F);
   constexpr int32_t offset = quant_offset(F);
+  constexpr bool has_min = F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K;  // w = S q + M; the others S q
   const PanelGroup group = panel_group(packed, pbytes, num_panels, panel);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* block = group_block(group, b, head_bytes, block_bytes, per_super);
@@ -100,25 +99,19 @@ static void block_panel_row(const uint8_t* packed, int64_t pbytes, int64_t num_p
     const uint8_t* values = block + bits * 4 * kLanes;  // the block's per-lane values after its quant vectors
     const auto half_at = [&](const uint8_t* p) { return half_value(reinterpret_cast<const uint16_t*>(p)[lane]); };
     float scale[2], min = 0.0f;
-    bool has_min = true;
     if constexpr (is_k_format(F)) {
       const uint8_t* head = group_head(group, b, head_bytes, block_bytes, per_super);
       const float d = half_at(head);
       if constexpr (F == kQ6_K) {
         const int8_t* sc = reinterpret_cast<const int8_t*>(values);
         scale[0] = d * static_cast<float>(sc[lane]), scale[1] = d * static_cast<float>(sc[kLanes + lane]);
-        has_min = false;
       } else {
         scale[0] = scale[1] = d * static_cast<float>(values[lane]);
         min = -(half_at(head + 2 * kLanes) * static_cast<float>(values[kLanes + lane]));
       }
     } else {
       scale[0] = scale[1] = half_at(values);
-      if constexpr (F == kQ4_1 || F == kQ5_1) {
-        min = half_at(values + 2 * kLanes);
-      } else {
-        has_min = false;
-      }
+      if constexpr (has_min) min = half_at(values + 2 * kLanes);
     }
     for (int k = 0; k < kBlock; k += kLanes) {
       const V16 w = vmul(vset1(scale[k / kLanes]), vfrom_i8(q + k));
