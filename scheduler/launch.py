@@ -19,6 +19,7 @@ import scheduler.lean_imports  # noqa: F401  (first: before anything imports jso
 from scheduler.replicas import serve_replicas
 from scheduler.server_args import WORLD_SIZE, parse_server_args
 from scheduler.session_priority import keep_launch_priority
+from scheduler.startup_heap import imports_kept_out_of_collections
 from sglang_constrained.backends.xgrammar.fork_server import start_xgrammar_fork_server
 from sglang_constrained.compile.forked_fork_server import can_fork_fork_server
 
@@ -35,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     forks_its_fork_server = uses_xgrammar and can_fork_fork_server()
     if uses_xgrammar and not forks_its_fork_server:
         start_xgrammar_fork_server()  # a new interpreter, whose imports run beside the next line's
-    from scheduler.serve import serve
+    with imports_kept_out_of_collections():
+        from scheduler.serve import serve
 
     if forks_its_fork_server:
         start_xgrammar_fork_server()  # this process, forked with its imports done

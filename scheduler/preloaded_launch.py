@@ -28,6 +28,7 @@ import traceback
 from typing import Any
 
 import scheduler.launch as launcher
+from scheduler.startup_heap import imports_kept_out_of_collections
 
 PRELOADED = ("scheduler.serve", "scheduler.http.server")
 """Imported after the launcher's own module, as the command does: what its ``main`` imports once it has read its
@@ -109,7 +110,8 @@ def _become_launch(request: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    for name in PRELOADED:
-        importlib.import_module(name)
+    with imports_kept_out_of_collections():  # frozen before the forks, which then never walk them
+        for name in PRELOADED:
+            importlib.import_module(name)
     with socket.socket(fileno=int(sys.argv[1])) as listening:
         serve_launches(listening)

@@ -23,8 +23,8 @@ from fastapi import FastAPI
 
 import scheduler.lean_imports  # noqa: F401  (first: before anything imports jsonschema)
 from scheduler.client import SchedulerGoneError
-from scheduler.http.app import create_app
 from scheduler.server_args import ServerArgs, add_server_args, server_args_from
+from scheduler.startup_heap import imports_kept_out_of_collections
 
 logger = logging.getLogger("scheduler.http")
 
@@ -148,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    with imports_kept_out_of_collections():  # the app's: transformers, the tokenizer, the tool parsers
+        from scheduler.http.app import create_app
     asyncio.run(_serve(create_app(server_args), socket.socket(fileno=args.listen_fd), log_level))
     return 0
 
