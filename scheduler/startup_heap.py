@@ -8,10 +8,10 @@ grow by a quarter, so a long-running server pauses now and then for that long. F
 of every collection (they are still freed when their last reference goes); what serving makes is collected as
 before.
 
-The imports themselves (torch, transformers, the engines: ~360,000 objects) ran seven full collections, each walking
-what the imports before it had made: 0.7-1.2 s of the 4.7-5.8 s of CPU that importing ``scheduler.serve`` and
-loading the embedded model took (2026-12-02, Intel Xeon), paid again by every rank and every frontend a command
-starts. ``imports_kept_out_of_collections`` runs them with the collector off, then collects once and freezes.
+The imports themselves (torch, transformers, the engines: ~360,000 objects) ran full collections too, each walking
+what the imports before it had made: importing ``scheduler.serve`` took 4.7-5.8 s of CPU, 0.7-1.2 s of it in the
+collector (2026-12-02, Intel Xeon), paid again by every rank and every frontend a command starts.
+``imports_kept_out_of_collections`` runs them with the collector off, then collects once and freezes.
 
 Loading the model reads and converts every tensor before packing it; those copies are freed once the model runner
 is built, but glibc's allocator keeps freed memory below a live allocation as its own: a model runner of the

@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    with imports_kept_out_of_collections():  # the app's: transformers, the tokenizer, the tool parsers
+    with imports_kept_out_of_collections():  # the app's imports, transformers among them
         from scheduler.http.app import create_app
     asyncio.run(_serve(create_app(server_args), socket.socket(fileno=args.listen_fd), log_level))
     return 0
