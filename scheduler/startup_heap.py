@@ -40,8 +40,7 @@ def imports_kept_out_of_collections() -> Iterator[None]:
     try:
         yield
     finally:
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
         if was_enabled:
             gc.enable()
 
