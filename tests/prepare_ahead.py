@@ -1,11 +1,10 @@
 """First-time preparations started in the background as the session starts, for the tests that need them later.
 
 On a new machine some tests first wait for work whose result the cache then keeps: the float32 weights
-de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (8-55 s of compiler each;
-only those that differ from the native build, ``build.narrows_here``),
-and the any-JSON index outlines-core builds for ``json_object`` at the model's vocabulary (~7 s), which the grammar
-disk cache keeps for the in-process schedulers of ``test_speculative`` (test servers compile theirs:
-``COLD_GRAMMARS``).
+de-quantised from the GGUF file (~15 s), the kernels built for narrower instruction sets (3-5 s of compiler each at
+``-O0``; only those that differ from the native build, ``build.narrows_here``), and the any-JSON index outlines-core
+builds for ``json_object`` at the model's vocabulary (~7 s), which the grammar disk cache keeps for the in-process
+schedulers of ``test_speculative`` (test servers compile theirs: ``COLD_GRAMMARS``).
 Started at the session's start, at the lowest CPU priority, they take the core that the in-process tests before
 them leave idle, instead of their own tests' time. A test or module names what it needs with
 ``@pytest.mark.prepared_ahead(name, ...)``; only what the session's tests name is started. Each preparation is a
