@@ -1,12 +1,14 @@
 """Two servers on one machine started by HTTP port alone (``--port A``, ``--port B``, as SGLang's router recipe
 writes them): the second finds the scheduler's default zmq port taken and takes a free one, and both serve. Servers
-of their own, not the shared one: the point is two launches with no ``--zmq-port``."""
+of their own, not the shared one: the point is two launches with no ``--zmq-port``. Each is forked from the session's
+preloaded launcher (``scheduler.preloaded_launch``), which runs ``scheduler.launch``'s ``main`` on these flags as the
+command would, its imports done: the two starts come one after the other, and each would otherwise import torch
+first."""
 
 from __future__ import annotations
 
+import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
@@ -14,21 +16,21 @@ from pathlib import Path
 import httpx
 
 from scheduler.server_args import ZMQ_PORT, parse_server_args
-from scheduler.testing.process import REPO_ROOT, free_port, wait_until_healthy
-from tests.helpers import TEST_SERVER_FLAGS
+from scheduler.testing.process import free_port, launch_environment, wait_until_healthy
+from tests.helpers import PRELOADED_LAUNCHER, TEST_SERVER_FLAGS
 
 
 @contextmanager
 def http_server(port: int, log: Path) -> Iterator[str]:
-    command = [sys.executable, "-m", "scheduler.launch", "--port", str(port), *TEST_SERVER_FLAGS]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    arguments = ["--port", str(port), *TEST_SERVER_FLAGS]
+    log.touch()  # the launch appends to it
+    process = PRELOADED_LAUNCHER.launch(arguments, launch_environment(), log, idle_priority=False)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, process, lambda: log.read_text(errors="replace"), 300)
         yield url
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGTERM)
         process.wait(60)
 
 
