@@ -122,7 +122,9 @@ class PreloadedLauncher:
         self, argv: Sequence[str], environment: Mapping[str, str], log_path: Path, idle_priority: bool
     ) -> ForkedScheduler:
         """Fork ``python -m scheduler.launch *argv`` with ``environment`` (one it ``accepts``), its output appended to
-        ``log_path``."""
+        ``log_path`` (created if missing: the child only appends, and a child that cannot open its log dies
+        without a word)."""
+        log_path.touch()
         address, log = self._started()
         if not idle_priority and self._idle_priority:
             self._leave_idle_priority()

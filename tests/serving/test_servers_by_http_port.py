@@ -23,7 +23,6 @@ from tests.helpers import PRELOADED_LAUNCHER, TEST_SERVER_FLAGS
 @contextmanager
 def http_server(port: int, log: Path) -> Iterator[str]:
     arguments = ["--port", str(port), *TEST_SERVER_FLAGS]
-    log.touch()  # the launch appends to it
     process = PRELOADED_LAUNCHER.launch(arguments, launch_environment(), log, idle_priority=False)
     url = f"http://127.0.0.1:{port}"
     try:
