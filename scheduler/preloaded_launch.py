@@ -73,11 +73,21 @@ def _fork_launcher(connection: socket.socket, inherited: list[selectors.BaseSele
         request = json.loads(lines.readline())
     sys.stdout.flush()
     sys.stderr.flush()
+    policy_set, policy_set_here = os.pipe()
     pid = os.fork()
     if pid != 0:
+        os.close(policy_set)
+        try:
+            if request["idle"]:
+                os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        finally:
+            os.close(policy_set_here)
         return pid
     code = 1
     try:
+        os.close(policy_set_here)
+        os.read(policy_set, 1)  # until this process's parent has set its policy (end of file)
+        os.close(policy_set)
         for loop_part in (*inherited, connection):
             loop_part.close()
         _become_launch(request)
@@ -92,10 +102,11 @@ def _fork_launcher(connection: socket.socket, inherited: list[selectors.BaseSele
 
 
 def _become_launch(request: dict[str, Any]) -> None:
-    """This forked child takes what the launch's command would have had."""
-    policy = os.SCHED_IDLE if request["idle"] else os.SCHED_OTHER
-    if os.sched_getscheduler(0) != policy:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+    """This forked child takes what the launch's command would have had. An idle launch's policy was set by its
+    parent before the child's pid was answered: set here, it could come after a client that had the pid had given
+    the launch the normal policy back (``SchedulerProcess.leave_idle_priority``), and stay idle for good."""
+    if not request["idle"] and os.sched_getscheduler(0) != os.SCHED_OTHER:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
     os.dup2(null, 0)
