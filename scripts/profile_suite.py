@@ -8,9 +8,10 @@ are built first, as ``scripts/setup.sh`` does. ``--warm`` keeps this machine's c
 of one commit's tests measured 470.9 s and 472.6 s warm, 491-551 s cold here, 2026-11-26): the budget is for the
 cold run.
 
-Prints the CPU, pytest's summary and slowest tests, and per package its wall time, the machine's busy CPU
-meanwhile (every process's: ``scripts/suite_probe.py``) and the cores that kept busy. The
-per-test figures stay in ``DIR/tests.tsv``, pytest's output in ``DIR/pytest.txt``. The machine may be shared:
+Prints the CPU, pytest's summary and slowest tests, the run's wall time with the machine's busy CPU and the cores
+that kept busy, and per lane (``tests/lanes.py``: a pytest-xdist worker each, side by side) and package its wall
+time and the machine's busy CPU meanwhile (every process's, both lanes': ``scripts/suite_probe.py``). The per-test
+figures stay in ``DIR/tests/<worker>.tsv``, pytest's output in ``DIR/pytest.txt``. The machine may be shared:
 compare runs of two commits one after the other, more than once.
 """
 
@@ -21,8 +22,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
+
+import psutil
 
 from cpu_kernels.cpu_info import describe_cpu
 
@@ -44,11 +48,17 @@ def package_table(rows: list[tuple[str, float, float]]) -> list[str]:
         wall[package] += seconds
         cpu[package] += busy
     totals = [(package, wall[package], cpu[package]) for package in sorted(wall, key=lambda name: -wall[name])]
-    totals.append(("all tests", sum(wall.values()), sum(cpu.values())))
+    totals.append(("all", sum(wall.values()), sum(cpu.values())))
     lines = [f"{'package':<14}{'wall s':>9}{'CPU s':>9}{'cores':>7}"]
     for name, seconds, busy in totals:
         lines.append(f"{name:<14}{seconds:9.1f}{busy:9.1f}{busy / max(seconds, 1e-9):7.2f}")
     return lines
+
+
+def busy_cpu_seconds() -> float:
+    """The machine's CPU seconds outside idle and I/O wait since boot, as ``scripts/suite_probe.py`` counts them."""
+    times = psutil.cpu_times()
+    return times.user + times.nice + times.system + times.irq + times.softirq + times.steal
 
 
 def read_rows(path: Path) -> list[tuple[str, float, float]]:
@@ -67,7 +77,8 @@ def main() -> int:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="suite-profile-"))
     out.mkdir(parents=True, exist_ok=True)
-    environment = {**os.environ, "SUITE_PROBE_OUT": str(out / "tests.tsv")}
+    (out / "tests").mkdir(exist_ok=True)
+    environment = {**os.environ, "SUITE_PROBE_OUT": str(out / "tests")}
     if not args.warm:
         cache = out / "cache"
         cache.mkdir(exist_ok=True)
@@ -76,14 +87,19 @@ def main() -> int:
     print(f"CPU: {describe_cpu()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at the start")
     print(f"cache: {'this machine' if args.warm else 'empty (as CI)'}; figures in {out}")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "scripts.suite_probe", "--durations=25", *args.pytest_args]
+    started, busy = time.monotonic(), busy_cpu_seconds()
     with open(out / "pytest.txt", "w") as log:
         finished = subprocess.run(command, env=environment, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    wall, busy = time.monotonic() - started, busy_cpu_seconds() - busy
     output = (out / "pytest.txt").read_text().splitlines()
     durations = next((i for i, line in enumerate(output) if "slowest" in line and "durations" in line), None)
     if durations is not None:
         print("\n".join(output[durations:-1][:27]))
     print(output[-1] if output else "pytest printed nothing")
-    print("\n".join(package_table(read_rows(out / "tests.tsv"))))
+    print(f"the run: {wall:.1f} s, the machine's busy CPU {busy:.1f} s, {busy / wall:.2f} cores")
+    for lane in sorted((out / "tests").glob("*.tsv")):
+        print(f"lane {lane.stem}:")
+        print("\n".join(package_table(read_rows(lane))))
     return finished.returncode
 
 

@@ -2,8 +2,9 @@
 
 Busy CPU is the whole machine's (psutil's ``cpu_times``, outside idle and I/O wait): the tests' servers, compile
 processes and anything started in the background count, so that a test's ratio of CPU to wall says how many cores
-were busy while it ran. Written as tab-separated lines (node id, wall s, busy CPU s) to the file
-``$SUITE_PROBE_OUT``.
+were busy while it ran (the suite's two lanes run side by side: ``tests/lanes.py``). Written as tab-separated lines
+(node id, wall s, busy CPU s) to ``$SUITE_PROBE_OUT/<worker>.tsv``, a file per pytest-xdist worker (``main.tsv``
+where the tests run in one process).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator
+from pathlib import Path
 from typing import IO
 
 import psutil
@@ -25,9 +27,12 @@ def busy_cpu_seconds() -> float:
     return times.user + times.nice + times.system + times.irq + times.softirq + times.steal
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _opened() -> IO[str]:
     global _out
-    _out = open(os.environ["SUITE_PROBE_OUT"], "w")  # noqa: SIM115 (kept open for the session, closed at its end)
+    if _out is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        _out = open(Path(os.environ["SUITE_PROBE_OUT"]) / f"{worker}.tsv", "w")  # noqa: SIM115 (closed at the end)
+    return _out
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -39,6 +44,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     started, busy = time.monotonic(), busy_cpu_seconds()
     yield
-    assert _out is not None
-    _out.write(f"{item.nodeid}\t{time.monotonic() - started:.3f}\t{busy_cpu_seconds() - busy:.3f}\n")
-    _out.flush()
+    out = _opened()
+    out.write(f"{item.nodeid}\t{time.monotonic() - started:.3f}\t{busy_cpu_seconds() - busy:.3f}\n")
+    out.flush()

@@ -44,16 +44,19 @@ WAIT_SLICE_S = 0.1
 MIB = 2**20
 
 
-def start_fork_server(preload: Sequence[str]) -> None:
+def start_fork_server(preload: Sequence[str], *, fork_this_process: bool = True) -> None:
     """Start the fork server that compile processes fork from (importing ``preload``) now, so that its start does not
-    delay the first compile processes; the ``CompileProcesses`` made later with the same ``preload`` use it.
+    delay the first compile processes; the ``CompileProcesses`` made later with the same ``preload`` use it. So does
+    every later user of multiprocessing's fork server in this process (torch's ``start_processes``, say): the first
+    to start it chooses what its children find imported.
 
-    Where it can (``forked_fork_server``), this process imports ``preload`` and forks itself into the server, which
-    costs no imports of its own; else multiprocessing starts a new interpreter for it, in the background, whose
-    imports overlap what this process does meanwhile. Nothing where processes cannot start."""
+    Where it can (``forked_fork_server``) and ``fork_this_process`` allows, this process imports ``preload`` and forks
+    itself into the server, which costs no imports of its own; else multiprocessing starts a new interpreter for it,
+    in the background, whose imports overlap what this process does meanwhile (and which holds none of this
+    process's memory or open files). Nothing where processes cannot start."""
     if why_processes_cannot_start() is None:
         _fork_server_context(preload)
-        if not fork_fork_server(preload):
+        if not (fork_this_process and fork_fork_server(preload)):
             multiprocessing.forkserver.ensure_running()
 
 
