@@ -91,9 +91,9 @@ def _plan(items: list[pytest.Item]) -> None:
     The fork server is started first so that its children (every compile process, and torch's ranks started by
     ``forkserver``) find xgrammar, torch and transformers imported whichever test starts the first of them. Started by
     a test of ranks (``test_tensor_parallel_forward``), it imported nothing, and each later compile process imported
-    them all again: ~2.5 s of CPU each, 192 s over a run whose second lane ran the distributed tests before the
-    grammar tests (76 processes, AMD EPYC Zen 5). A new interpreter, not a fork of this one: a fork would hold the
-    test process's memory (counted in each compile process's bound) and its open files."""
+    them all again: ~2.5 s of CPU each, 192 s in 76 processes over a run whose foreground lane (``tests/lanes.py``)
+    ran the distributed tests before any compile process (AMD EPYC Zen 5). A new interpreter, not a fork of this
+    one: a fork would hold the test process's memory (counted in each compile process's bound) and its open files."""
     start_fork_server(XGRAMMAR_COMPILE_PRELOAD, fork_this_process=False)
     LAUNCH_AHEAD.plan(items)
     PREPARE_AHEAD.start(items)
