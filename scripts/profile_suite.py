@@ -26,9 +26,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
-
 from cpu_kernels.cpu_info import describe_cpu
+from sglang_constrained.testing.machine_load import busy_cpu_seconds
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_NATIVE_KERNELS = (
@@ -53,12 +52,6 @@ def package_table(rows: list[tuple[str, float, float]]) -> list[str]:
     for name, seconds, busy in totals:
         lines.append(f"{name:<14}{seconds:9.1f}{busy:9.1f}{busy / max(seconds, 1e-9):7.2f}")
     return lines
-
-
-def busy_cpu_seconds() -> float:
-    """The machine's CPU seconds outside idle and I/O wait since boot, as ``scripts/suite_probe.py`` counts them."""
-    times = psutil.cpu_times()
-    return times.user + times.nice + times.system + times.irq + times.softirq + times.steal
 
 
 def read_rows(path: Path) -> list[tuple[str, float, float]]:

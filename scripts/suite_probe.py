@@ -15,16 +15,11 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import IO
 
-import psutil
 import pytest
 
+from sglang_constrained.testing.machine_load import busy_cpu_seconds
+
 _out: IO[str] | None = None
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent outside idle and I/O wait since boot."""
-    times = psutil.cpu_times()
-    return times.user + times.nice + times.system + times.irq + times.softirq + times.steal
 
 
 def _opened() -> IO[str]:

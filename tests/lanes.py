@@ -22,12 +22,14 @@ from pathlib import Path
 from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
 
+from scheduler.session_priority import LOWEST_NICE
+from sglang_constrained.cpu_priority import set_nice
+
 FOREGROUND = "foreground"
 BACKGROUND = "background"
 BACKGROUND_PATHS = ("tests/backends/",)
 """Where the background lane's tests live: in-process, no server, CPU-bound."""
 LANE_WORKERS = {FOREGROUND: "gw0", BACKGROUND: "gw1"}
-LOWEST_NICE = 19
 
 
 def lane_of(nodeid: str) -> str:
@@ -71,4 +73,4 @@ def lower_priority() -> None:
     """Every thread of this process to the lowest nice (Linux keeps one per thread; threads and processes started
     later take their starter's)."""
     for thread in os.listdir("/proc/self/task"):
-        os.setpriority(os.PRIO_PROCESS, int(thread), LOWEST_NICE)
+        set_nice(int(thread), LOWEST_NICE)
