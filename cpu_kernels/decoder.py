@@ -148,6 +148,14 @@ class Decoder:
             )
         )
 
+    def warm(self, tokens: int, head: Head | None, threads: int) -> None:
+        """Before a forward of ``tokens`` new tokens (then ``head``'s lm_head, if given): the kernels' idle thread asks
+        the caches for its first weights while this one prepares it (``csrc/weight_warming.h``). Nothing where many
+        tokens do not stream the weights, or on one thread. It returns at once and changes no result."""
+        loaded().invariant_warm_decoder(
+            self.refs, len(self.layers), None if head is None else ctypes.byref(head.ref), tokens, threads
+        )
+
     def _batch(self, batch: DecoderBatch) -> BatchRef:
         return BatchRef(
             batch.positions.shape[0],

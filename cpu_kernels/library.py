@@ -89,6 +89,10 @@ def _declare(library: ctypes.CDLL) -> None:
     decoder_args: list[Any] = [shape, layer, i32, batch, ptr, ptr, ptr, i64]
     library.invariant_decoder.argtypes = [*decoder_args, i32]
     library.invariant_decoder_logits.argtypes = [*decoder_args, ptr, i64, ptr, packed, ptr, i64, ptr, i32]
+    library.invariant_warm_decoder.argtypes = [layer, i32, packed, i64, i32]
+    library.invariant_warm_bytes.argtypes = []
+    library.invariant_warm_bytes.restype = i64
+    library.invariant_set_warm_bytes.argtypes = [i64]
     for name in (
         "invariant_packed_matmul",
         "invariant_attention",
@@ -100,6 +104,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "invariant_mlp_block",
         "invariant_decoder",
         "invariant_decoder_logits",
+        "invariant_warm_decoder",
+        "invariant_set_warm_bytes",
         "invariant_mask_logits",
         "invariant_exponentials",
         "invariant_gumbel_race",
@@ -117,6 +123,20 @@ def loaded() -> ctypes.CDLL:
     if _library is None:
         raise RuntimeError("cpu_kernels.library.load(build_dir) must be called before the kernels")
     return _library
+
+
+def cache_warm_bytes() -> int:
+    """The most bytes of a forward's next weights the kernels ask the caches for while the memory would idle
+    (``csrc/weight_warming.h``): by default half this machine's last-level cache; 0 where warming is off."""
+    return int(loaded().invariant_warm_bytes())
+
+
+def set_cache_warm_bytes(num_bytes: int) -> None:
+    """Set ``cache_warm_bytes`` for this process (0: warm nothing). Warming asks for bytes ahead and computes
+    nothing, so no output depends on it; benchmarks turn it off to compare."""
+    if num_bytes < 0:
+        raise ValueError(f"a byte count, not {num_bytes}")
+    loaded().invariant_set_warm_bytes(num_bytes)
 
 
 def isa() -> str:

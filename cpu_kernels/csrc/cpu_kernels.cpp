@@ -13,6 +13,7 @@
 //   block_rows.h      rows of Q8_0 blocks as float32 (an embedding lookup)
 //   masked_logits.h   the lm_head over the panels a grammar's mask allows
 //   shm_gather.h      all-gathers between tensor-parallel ranks of one machine through a shared mapping
+//   weight_warming.h  a forward's next weights asked of the caches while the memory would idle
 //
 // Invariance by construction: every output element is computed by one fixed sequence of IEEE operations that
 // depends only on that element's own inputs and the tensor shapes that do not vary with the batch (K, head_dim,
@@ -122,15 +123,26 @@ void invariant_attention_block(const ModelShape* shape, const LayerRef* layer, c
 // One layer's MLP block (down's output into out, before the residual add).
 void invariant_mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
                          int32_t threads) {
-  mlp_block(shape, layer, T, hidden, out, threads);
+  mlp_block(shape, layer, T, hidden, out, threads, nullptr);
 }
 
 // Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place); a layer's pools are
 // layer_bytes apart.
 void invariant_decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
                        float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads) {
-  decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
+  decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads, nullptr);
 }
+
+// Warm the caches with the first weights a forward of `tokens` tokens over these layers (then lm_head, or null)
+// reads, while the host prepares it (weight_warming.h); nothing for many tokens or one thread.
+void invariant_warm_decoder(const LayerRef* layers, int32_t num_layers, const PackedRef* lm_head, int64_t tokens,
+                            int32_t threads) {
+  warm_decoder(layers, num_layers, lm_head, tokens, threads);
+}
+
+// The most bytes a warm of the caches asks for (weight_warming.h): by default half the last-level cache; 0: none.
+int64_t invariant_warm_bytes() { return warm_bytes().load(); }
+void invariant_set_warm_bytes(int64_t bytes) { warm_bytes().store(std::max<int64_t>(bytes, 0)); }
 
 // invariant_decoder, then logits [num_logits, the lm_head's columns] of the output rows logit_rows: each row's RMSNorm
 // by final_norm times the lm_head (a decode step's last kernels in the same call); with fewer output rows than tokens

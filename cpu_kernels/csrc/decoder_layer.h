@@ -28,6 +28,7 @@
 #include "masked_logits.h"
 #include "packed_matmul.h"
 #include "thread_pool.h"
+#include "weight_warming.h"
 
 namespace {
 
@@ -108,6 +109,7 @@ void project_qkv(const ModelShape* shape, const LayerRef* layer, const BatchRef*
   rms_norm(hidden, T, shape->hidden, shape->hidden, layer->input_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->qkv, qkv.data(), threads);
+  warm_weight(&layer->o_proj, T, threads);
   // tokens apart: rows apart; ~0.1 ns a value of a row (RoPE, the K/V stores): split from ~1.5 µs of it
   parallel_for(T, rows_per_claim(T, width, 16384, threads), threads, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
@@ -151,6 +153,7 @@ void attend_and_project(const ModelShape* shape, const LayerRef* layer, int64_t 
   attention(q, T, shape->heads, shape->head_dim, k_layer, v_layer, shape->kv_dtype, shape->kv_heads, key_rows,
             key_starts, num_keys, shape->scale, attended.data(), threads);
   matmul_ref(attended.data(), T, layer->o_proj, out, threads);
+  warm_weight(&layer->gate_up, T, threads);
 }
 
 // The attention block over every token, or where `rows` is not null over the `count` tokens rows[0 .. count) alone
@@ -174,50 +177,67 @@ void attention_block(const ModelShape* shape, const LayerRef* layer, const Batch
                      k_layer, v_layer, out, threads);
 }
 
+// `next`: the weight read after this block (the next layer's q/k/v, the lm_head), warmed meanwhile; or null.
 void mlp_block(const ModelShape* shape, const LayerRef* layer, int64_t T, const float* hidden, float* out,
-                         int32_t threads) {
+               int32_t threads, const PackedRef* next) {
   const int64_t inter = stacked_out_features(layer->gate_up) / 2;
   Buffer<float> x(T * shape->hidden), gate_up(T * 2 * inter), mlp(T * inter);
   rms_norm(hidden, T, shape->hidden, shape->hidden, layer->post_norm, shape->eps, x.data(), shape->hidden,
                      threads);
   matmul_ref(x.data(), T, layer->gate_up, gate_up.data(), threads);
+  warm_weight(&layer->down, T, threads);
   if (shape->activation == kGeluTanh)
     gelu_tanh_mul(gate_up.data(), T, inter, mlp.data(), threads);
   else
     silu_mul(gate_up.data(), T, inter, mlp.data(), threads);
   matmul_ref(mlp.data(), T, layer->down, out, threads);
+  warm_weight(next, T, threads);
 }
 
 // One layer, its blocks' outputs added to residual [count, hidden]: for every token (rows null; residual is hidden,
 // in place) or for the tokens rows[0 .. count) alone (residual holds their rows of hidden), every token's K and V
-// written either way. `block` holds count x hidden floats.
+// written either way. `block` holds count x hidden floats; `next` is mlp_block's.
 void decoder_layer(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
                    void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* residual, float* block,
-                   int32_t threads) {
+                   int32_t threads, const PackedRef* next) {
   attention_block(shape, layer, batch, hidden, k_layer, v_layer, rows, count, block, threads);
   add_block(shape, layer->attention_out_norm, count, residual, block, threads);
-  mlp_block(shape, layer, count, residual, block, threads);
+  mlp_block(shape, layer, count, residual, block, threads, next);
   add_block(shape, layer->mlp_out_norm, count, residual, block, threads);
 }
 
 // Every layer on one rank: hidden [T, hidden] in, the last layer's output out (in place); a layer's pools are
-// layer_bytes apart.
+// layer_bytes apart. `after`: the weight read after the last layer (the lm_head), warmed meanwhile; or null.
 void decoder(const ModelShape* shape, const LayerRef* layers, int32_t num_layers, const BatchRef* batch,
-                       float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads) {
+             float* hidden, void* k_pool, void* v_pool, int64_t layer_bytes, int32_t threads, const PackedRef* after) {
   Buffer<float> block(batch->tokens * shape->hidden);
   for (int32_t i = 0; i < num_layers; ++i)
     decoder_layer(shape, &layers[i], batch, hidden, static_cast<char*>(k_pool) + i * layer_bytes,
-                  static_cast<char*>(v_pool) + i * layer_bytes, nullptr, batch->tokens, hidden, block.data(), threads);
+                  static_cast<char*>(v_pool) + i * layer_bytes, nullptr, batch->tokens, hidden, block.data(), threads,
+                  i + 1 < num_layers ? &layers[i + 1].qkv : after);
+}
+
+// Warm a forward's first weights in the order it reads them (weight_warming.h), for a forward of `tokens` tokens
+// to come: called before the host's work that prepares it.
+void warm_decoder(const LayerRef* layers, int32_t num_layers, const PackedRef* lm_head, int64_t tokens,
+                  int32_t threads) {
+  std::vector<const PackedRef*> weights;
+  for (int32_t i = 0; i < num_layers; ++i)
+    for (const PackedRef* w : {&layers[i].qkv, &layers[i].o_proj, &layers[i].gate_up, &layers[i].down})
+      weights.push_back(w);
+  if (lm_head != nullptr) weights.push_back(lm_head);
+  warm_weights(weights.data(), static_cast<int>(weights.size()), tokens, threads);
 }
 
 // One layer for the output rows `rows` [count] alone, into out [count, hidden] (from hidden's rows), every token's K
 // and V written. A prefill's last layer then costs its q/k/v step and one token's rest, as llama.cpp computes it.
 void output_rows_layer(const ModelShape* shape, const LayerRef* layer, const BatchRef* batch, const float* hidden,
-                       void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* out, int32_t threads) {
+                       void* k_layer, void* v_layer, const int64_t* rows, int64_t count, float* out, int32_t threads,
+                       const PackedRef* after) {
   const int64_t width = shape->hidden;
   Buffer<float> block(count * width);
   for (int64_t i = 0; i < count; ++i) memcpy(out + i * width, hidden + rows[i] * width, width * sizeof(float));
-  decoder_layer(shape, layer, batch, hidden, k_layer, v_layer, rows, count, out, block.data(), threads);
+  decoder_layer(shape, layer, batch, hidden, k_layer, v_layer, rows, count, out, block.data(), threads, after);
 }
 
 // `decoder`, then the logits of the output rows `logit_rows` [num_logits]: each row's RMSNorm by `final_norm`, times
@@ -233,12 +253,12 @@ void decoder_logits(const ModelShape* shape, const LayerRef* layers, int32_t num
   Buffer<float> selected(num_logits * width), normed(num_logits * width);
   if (num_layers > 0 && num_logits < batch->tokens) {
     const int64_t last = num_layers - 1;
-    decoder(shape, layers, last, batch, hidden, k_pool, v_pool, layer_bytes, threads);
+    decoder(shape, layers, last, batch, hidden, k_pool, v_pool, layer_bytes, threads, &layers[last].qkv);
     output_rows_layer(shape, &layers[last], batch, hidden, static_cast<char*>(k_pool) + last * layer_bytes,
                       static_cast<char*>(v_pool) + last * layer_bytes, logit_rows, num_logits, selected.data(),
-                      threads);
+                      threads, lm_head);
   } else {
-    decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads);
+    decoder(shape, layers, num_layers, batch, hidden, k_pool, v_pool, layer_bytes, threads, lm_head);
     for (int64_t i = 0; i < num_logits; ++i)
       memcpy(selected.data() + i * width, hidden + logit_rows[i] * width, width * sizeof(float));
   }

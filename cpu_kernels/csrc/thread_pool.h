@@ -21,6 +21,11 @@ namespace {
 // claimed `grain` at a time through `state_` = generation << 32 | next item, by compare-and-swap, so a claim made
 // for an old generation fails; the caller claims too and then waits only for claimed items to finish. Workers spin
 // a little after a job (the next region of the forward comes within microseconds), then sleep.
+//
+// Between jobs the first worker can warm the caches (`warm`): it asks them for byte ranges it is handed, with
+// prefetches (they cannot fault and write nothing), until the ranges end, a job comes or newer ranges replace them.
+// A decode step's memory is idle while one thread runs its small steps between matmuls (norms, RoPE, residual
+// adds) and while the host prepares the step; the next weights can stream meanwhile (weight_warming.h).
 
 class Pool {
  public:
@@ -34,6 +39,28 @@ class Pool {
       owner = getpid();
     }
     return *pool;
+  }
+
+  static constexpr int kWarmRanges = 64;
+
+  // The first worker, while no job runs, asks the caches for the n (at most kWarmRanges) ranges starts[i] ..
+  // + sizes[i] in groups of `group`, a group's ranges a line of each in turn (a weight's thread spans read
+  // together, so that each thread finds its first lines there); the ranges a later call hands replace these.
+  // Nothing where no worker has started.
+  void warm(const uint8_t* const* starts, const int64_t* sizes, int n, int group) {
+    if (workers_.load(std::memory_order_relaxed) == 0) return;
+    {
+      std::lock_guard<std::mutex> lock(warm_mutex_);
+      warm_count_ = std::min(n, kWarmRanges);
+      std::copy(starts, starts + warm_count_, warm_starts_);
+      std::copy(sizes, sizes + warm_count_, warm_sizes_);
+      warm_group_ = std::max(group, 1);
+      warm_generation_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
   }
 
   void run(int64_t total, int64_t grain, int threads, Fn fn, const void* ctx) {
@@ -92,16 +119,50 @@ class Pool {
     }
   }
 
+  // The ranges `warm` handed last, walked until they end, a job of a generation after `seen` comes or newer
+  // ranges replace them (checked every kWarmCheckBytes of each range). Returns the ranges' warm generation.
+  uint64_t warm_caches(uint64_t seen) {
+    constexpr int64_t kWarmCheckBytes = 2048;
+    const uint8_t* starts[kWarmRanges];
+    int64_t sizes[kWarmRanges];
+    int count, group;
+    uint64_t generation;
+    {
+      std::lock_guard<std::mutex> lock(warm_mutex_);
+      count = warm_count_, group = warm_group_;
+      generation = warm_generation_.load(std::memory_order_relaxed);
+      std::copy(warm_starts_, warm_starts_ + count, starts);
+      std::copy(warm_sizes_, warm_sizes_ + count, sizes);
+    }
+    for (int first = 0; first < count; first += group) {
+      const int last = std::min(count, first + group);
+      const int64_t longest = *std::max_element(sizes + first, sizes + last);
+      for (int64_t at = 0; at < longest; at += 64) {
+        if (at % kWarmCheckBytes == 0 && ((state_.load(std::memory_order_relaxed) >> 32) != seen ||
+                                          warm_generation_.load(std::memory_order_relaxed) != generation))
+          return generation;
+        for (int i = first; i < last; ++i)
+          if (at < sizes[i]) __builtin_prefetch(starts[i] + at, 0, 3);
+      }
+    }
+    return generation;
+  }
+
   void work(int id) {
-    uint64_t seen = 0;
+    uint64_t seen = 0, warmed = 0;
+    const auto warm_waiting = [&] { return id == 0 && warm_generation_.load(std::memory_order_seq_cst) != warmed; };
     for (;;) {
       uint64_t gen = state_.load(std::memory_order_acquire) >> 32;
-      const auto started = std::chrono::steady_clock::now();
+      auto started = std::chrono::steady_clock::now();
       for (int spins = 0; gen == seen; ++spins) {
+        if (warm_waiting()) {
+          warmed = warm_caches(seen);
+          started = std::chrono::steady_clock::now();
+        }
         if ((spins & 255) == 255 && std::chrono::steady_clock::now() - started > std::chrono::microseconds(300)) {
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           std::unique_lock<std::mutex> lock(mutex_);
-          wake_.wait(lock, [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; });
+          wake_.wait(lock, [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen || warm_waiting(); });
           sleepers_.fetch_sub(1, std::memory_order_seq_cst);
         }
         gen = state_.load(std::memory_order_acquire) >> 32;
@@ -118,7 +179,11 @@ class Pool {
   std::atomic<int> workers_{0};
   uint64_t generation_ = 0;
   Job jobs_[2];
-  std::mutex mutex_, run_mutex_;
+  std::atomic<uint64_t> warm_generation_{0};
+  const uint8_t* warm_starts_[kWarmRanges] = {};
+  int64_t warm_sizes_[kWarmRanges] = {};
+  int warm_count_ = 0, warm_group_ = 1;
+  std::mutex mutex_, run_mutex_, warm_mutex_;
   std::condition_variable wake_;
 };
 

@@ -268,6 +268,11 @@ class LlamaModel:
         layers = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         return [part for w in (self.lm_head, *layers) for part in (w.parts if isinstance(w, WeightStack) else (w,))]
 
+    def warm_weights(self, tokens: int) -> None:
+        """Ask the caches for the first weights of a forward of ``tokens`` new tokens to come, on the kernels' idle
+        thread while this one prepares it (``Decoder.warm``)."""
+        self.decoder.warm(tokens, self.head, library.kernel_threads())
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: TokenKVPool, vocab_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Write the batch's K/V into ``pool`` and return float32 logits ``[len(batch.logit_indices), vocab]``.

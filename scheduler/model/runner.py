@@ -94,6 +94,11 @@ class ModelRunner(BaseModelRunner):
             "on" if self.kv.radix is not None else "off",
         )
 
+    def _warm(self, num_tokens: int) -> None:
+        """A decode step's Python leaves the memory idle: its first weights stream meanwhile
+        (``LlamaModel.warm_weights``)."""
+        self.model.warm_weights(num_tokens)
+
     def _run(
         self,
         seqs: Sequence[KVSequence],

@@ -92,6 +92,7 @@ class BaseModelRunner(ABC):
         logits are the same either way."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
+        self._warm(sum(len(tokens) for tokens in token_lists))
         if len({id(seq) for seq in seqs}) != len(seqs):
             raise ValueError("a batch may hold each sequence once")
         for seq, tokens in zip(seqs, token_lists, strict=True):
@@ -114,6 +115,10 @@ class BaseModelRunner(ABC):
         for seq, tokens in zip(seqs, token_lists, strict=True):
             self.kv.append(seq, list(tokens))
         return self._run(seqs, starts, token_lists, num_logits, vocab_mask)
+
+    def _warm(self, num_tokens: int) -> None:
+        """Called by each forward of ``num_tokens`` new tokens before it checks and prepares them: an engine may
+        start reading its weights meanwhile. Nothing by default."""
 
     @abstractmethod
     def _run(
