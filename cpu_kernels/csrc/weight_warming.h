@@ -8,8 +8,8 @@
 //
 // SmolLM2-135M's files (scripts/quantize_model.py) on AMD EPYC Zen 5 (2 cores, 32 MB L3), each decode step after a
 // 268 MB stream flushed the caches, warming off and on taking turns in one process (scripts/bench_weight_warming.py,
-// docs/benchmarks.md): a step at B = 1 1.03-1.08x faster over eight files, B = 2 and 4 1.02-1.09x, B = 8 0.96-1.05x,
-// B = 32 0.95-1.00x (its rows' arithmetic keeps the memory busier; kWarmTokens stops before it).
+// docs/benchmarks.md): a step at B = 1 1.03-1.09x faster in 12 of 13 runs over eight files (0.99 once), B = 2 and 4
+// 1.02-1.09x, B = 8 0.96-1.05x, B = 32 0.95-1.01x (one run's noise here is ~5 %); kWarmTokens stops at 8.
 
 #pragma once
 
