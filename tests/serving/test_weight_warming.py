@@ -62,11 +62,12 @@ def last_level_cache_bytes() -> int:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("batch", [1, 2, WARM_TOKENS, WARM_TOKENS + 1])
+@pytest.mark.parametrize("batch", [1, 2, WARM_TOKENS, WARM_TOKENS + 1, 16, 32])
 def test_a_forward_gives_the_same_logits_with_warming_on_or_off(
     runner: ModelRunner, warm_bytes: int, batch: int
 ) -> None:
-    """Off, the whole of the setting (half the last-level cache), and a budget that ends inside a weight."""
+    """Off, the whole of the setting (half the last-level cache), and a budget that ends inside a weight; at 16 and 32
+    rows too, where the kernels take other tiles (warming stops before them)."""
     runner.kv.flush()
     library.set_cache_warm_bytes(0)
     reference = decode_logits(runner, batch)
